@@ -1,0 +1,13 @@
+"""roundpipe: mixed-precision training of models larger than one accelerator's memory.
+
+Low-precision (fp16/bf16) parameters that the stages compute with and fp32 master copies that
+the optimizer updates live in host memory; microbatches flow through the stages of an
+``nn.Sequential`` on a pool of devices, and the optimizer runs one step behind on a background
+thread. See README.md and docs/.
+"""
+
+from roundpipe import optim_thread
+
+__version__ = "0.1.0"
+
+__all__ = ["optim_thread", "__version__"]

@@ -1,0 +1,288 @@
+"""The optimizer thread: one background thread per process that runs launched work in FIFO order.
+
+Everything that touches the fp32 master parameters, their gradients, the optimizer state or the
+back side of a :class:`roundpipe.GradScaler` runs here, so the main thread can already compute
+the next iteration while a step runs. See ``docs/threads.md``.
+
+Public API (``roundpipe.optim_thread``):
+
+* :func:`launch` queues a callable and returns at once.
+* :func:`synchronize` waits for everything launched so far and re-raises a captured error.
+* :func:`on_optimizer_thread` tells whether the caller is the optimizer thread.
+
+Errors never end the process and are never dropped: a launched callable that raises is captured
+with its traceback, and the exception object itself is re-raised on the main thread at the next
+call that depends on it (see [Note: error reporting]). The thread keeps serving afterwards.
+"""
+
+from __future__ import annotations
+
+import atexit
+import enum
+import queue
+import sys
+import threading
+import traceback
+from typing import Any, Callable, Optional
+
+__all__ = ["launch", "synchronize", "on_optimizer_thread"]
+
+
+# [Note: error reporting]
+# A work item that raises keeps its exception and joins the list of unreported failures. The
+# first call on another thread that depends on the failed work reports it: either a wait on that
+# very item (``_WorkItem.wait``) or ``synchronize()``, which reports every unreported failure at
+# once (the first is raised, the others are attached to it as notes). A failure is reported
+# exactly once; afterwards the thread, the scaler and the model are usable again, so the user
+# can always save a checkpoint.
+
+
+def add_note(exc: BaseException, note: str) -> None:
+    """Attach ``note`` to ``exc`` (shown under its traceback); a no-op before Python 3.11."""
+    if hasattr(exc, "add_note"):
+        exc.add_note(note)
+
+
+class _State(enum.Enum):
+    NOT_STARTED = "not started"
+    RUNNING = "running"
+    SHUT_DOWN = "shut down"
+
+
+class _WorkItem:
+    """One launched callable and its future-like result.
+
+    Written by the optimizer thread only (``result``, ``exception``) before ``_done`` is set;
+    read by other threads only after ``_done`` is set.
+    """
+
+    __slots__ = ("fn", "args", "kwargs", "seq", "result", "exception", "_done", "_owner")
+
+    def __init__(self, owner: "_OptimizerThread", fn: Callable, args: tuple, kwargs: dict, seq: int):
+        self.fn, self.args, self.kwargs, self.seq = fn, args, kwargs, seq
+        self.result: Any = None
+        self.exception: Optional[BaseException] = None
+        self._done = threading.Event()
+        self._owner = owner
+
+    def run(self) -> None:
+        try:
+            self.result = self.fn(*self.args, **self.kwargs)
+        except BaseException as exc:  # noqa: B036 -- reported on the main thread, never dropped
+            add_note(exc, f"[roundpipe optimizer thread] raised while running {_describe(self.fn)}")
+            self.exception = exc
+            self._owner._record_failure(self)
+        finally:
+            self.args = self.kwargs = None  # free tensors held by the closure's arguments
+            self._done.set()
+
+    def done(self) -> bool:
+        """Non-blocking: whether the item has run (successfully or not)."""
+        return self._done.is_set()
+
+    def wait(self) -> bool:
+        """Block until the item ran. Returns True on success.
+
+        If the item failed and its failure is not reported yet, raises it (see
+        [Note: error reporting]); if it was reported already, returns False. Called on the
+        optimizer thread for an item that has not run yet, raises instead of deadlocking.
+        """
+        if not self._done.is_set():
+            if on_optimizer_thread():
+                raise RuntimeError(
+                    "a wait for work launched on the optimizer thread was made on the optimizer "
+                    "thread itself, which would deadlock; wait from the main thread instead"
+                )
+            self._done.wait()
+        self._owner._note_waited(self.seq)
+        if self.exception is None:
+            return True
+        if self._owner._claim_failure(self):
+            raise self.exception
+        return False
+
+
+def _describe(fn: Callable) -> str:
+    name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)
+    return f"{name}()"
+
+
+_STOP = object()
+
+
+class _OptimizerThread:
+    """The process-wide optimizer thread and its queue.
+
+    Shared state, guarded by ``_lock``: ``_state``, ``_seq`` (launch counter), ``_tracked_seq``
+    (the last launch made through :func:`launch`), ``_waited_seq`` (the newest launch another
+    thread has waited for), ``_failures`` (unreported failed items, oldest first).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._queue: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
+        self._thread: Optional[threading.Thread] = None
+        self._state = _State.NOT_STARTED
+        self._seq = 0
+        self._tracked_seq = 0
+        self._waited_seq = 0
+        self._failures: list[_WorkItem] = []
+
+    # -- submission ---------------------------------------------------------------------------
+    def submit(self, fn: Callable, args: tuple, kwargs: dict, track: bool) -> _WorkItem:
+        with self._lock:
+            if self._state is _State.SHUT_DOWN:
+                raise RuntimeError(
+                    "the roundpipe optimizer thread has shut down (the interpreter is exiting); "
+                    "no new work can be launched"
+                )
+            if self._state is _State.NOT_STARTED:
+                self._start_locked()
+            self._seq += 1
+            item = _WorkItem(self, fn, args, kwargs, self._seq)
+            if track:
+                self._tracked_seq = self._seq
+            self._queue.put(item)
+        return item
+
+    def _start_locked(self) -> None:
+        # Daemon, so a stuck user step cannot keep the process alive; _shutdown (atexit) drains
+        # the queue before the interpreter tears down.
+        self._thread = threading.Thread(target=self._run, name="roundpipe-optimizer", daemon=True)
+        self._thread.start()
+        self._state = _State.RUNNING
+        atexit.register(self._shutdown)
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is _STOP:
+                return
+            item.run()
+
+    # -- waiting ------------------------------------------------------------------------------
+    def synchronize(self) -> None:
+        if on_optimizer_thread():
+            return
+        with self._lock:
+            running = self._state is _State.RUNNING
+        if running:
+            # A barrier item: FIFO order means everything launched before it has run.
+            self.submit(_noop, (), {}, track=False).wait()
+        self.raise_failures()
+
+    def _note_waited(self, seq: int) -> None:
+        if on_optimizer_thread():
+            return
+        with self._lock:
+            if seq > self._waited_seq:
+                self._waited_seq = seq
+
+    def has_unwaited_launch(self) -> bool:
+        """Whether work launched through :func:`launch` has not been waited for by any caller."""
+        with self._lock:
+            return self._tracked_seq > self._waited_seq
+
+    # -- failures -----------------------------------------------------------------------------
+    def _record_failure(self, item: _WorkItem) -> None:
+        with self._lock:
+            self._failures.append(item)
+
+    def _claim_failure(self, item: _WorkItem) -> bool:
+        with self._lock:
+            try:
+                self._failures.remove(item)
+            except ValueError:
+                return False
+            return True
+
+    def raise_failures(self) -> None:
+        """Non-blocking: raise the unreported failures, if any (the first, the rest as notes)."""
+        if on_optimizer_thread():
+            return
+        with self._lock:
+            failures, self._failures = self._failures, []
+        if not failures:
+            return
+        first = failures[0].exception
+        for later in failures[1:]:
+            exc = later.exception
+            add_note(first, "[roundpipe optimizer thread] a later launched call also failed:\n"
+                     + "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)))
+        raise first
+
+    # -- shutdown -----------------------------------------------------------------------------
+    def _shutdown(self) -> None:
+        """Drain queued work, then stop the thread. Idempotent."""
+        with self._lock:
+            if self._state is not _State.RUNNING:
+                self._state = _State.SHUT_DOWN
+                return
+            self._state = _State.SHUT_DOWN
+            self._queue.put(_STOP)
+            thread = self._thread
+        thread.join()
+        with self._lock:
+            failures, self._failures = self._failures, []
+        for item in failures:
+            # Nothing on the main thread can depend on this work any more: say so, loudly.
+            exc = item.exception
+            print("roundpipe: work launched on the optimizer thread failed and was never waited for:",
+                  file=sys.stderr)
+            traceback.print_exception(type(exc), exc, exc.__traceback__, file=sys.stderr)
+
+
+def _noop() -> None:
+    return None
+
+
+_EXECUTOR = _OptimizerThread()
+
+
+def launch(fn: Callable, *args: Any, **kwargs: Any) -> None:
+    """Queue ``fn(*args, **kwargs)`` on the optimizer thread and return at once.
+
+    Any thread may call it. Work runs in launch order. An exception raised by ``fn`` is re-raised
+    on the main thread by the next :func:`synchronize` (or the next scaler/model call that depends
+    on it), as the original exception.
+    """
+    _EXECUTOR.submit(fn, args, kwargs, track=True)
+
+
+def _launch(fn: Callable, *args: Any, **kwargs: Any) -> _WorkItem:
+    """Library-internal launch that returns the work item to wait on.
+
+    Unlike :func:`launch`, it does not count as user work "launched without waiting", which is
+    what makes :meth:`GradScaler.update` choose its asynchronous mode.
+    """
+    return _EXECUTOR.submit(fn, args, kwargs, track=False)
+
+
+def _launch_step(fn: Callable, *args: Any, **kwargs: Any) -> _WorkItem:
+    """Library-internal launch of a user's step: like :func:`launch` (it counts as user work, so
+    an ``update()`` that follows without waiting is asynchronous) but returns the work item."""
+    return _EXECUTOR.submit(fn, args, kwargs, track=True)
+
+
+def synchronize() -> None:
+    """Block until everything launched so far has run, then re-raise any captured error.
+
+    Call it from any thread but the optimizer thread; there it returns at once (waiting for
+    itself would deadlock). Ctrl-C while waiting raises KeyboardInterrupt.
+    """
+    _EXECUTOR.synchronize()
+
+
+def on_optimizer_thread() -> bool:
+    """Whether the calling thread is the optimizer thread. Never blocks."""
+    thread = _EXECUTOR._thread
+    return thread is not None and threading.current_thread() is thread
+
+
+def _raise_failures() -> None:
+    """Non-blocking check used by calls that depend on earlier launched work."""
+    _EXECUTOR.raise_failures()
+
+
+def _has_unwaited_launch() -> bool:
+    return _EXECUTOR.has_unwaited_launch()
