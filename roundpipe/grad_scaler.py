@@ -1,0 +1,786 @@
+"""``roundpipe.GradScaler``: a drop-in ``torch.amp.GradScaler`` whose scale is double-buffered
+between the compute threads and the optimizer thread.
+
+See [Note: the scale double buffer] for the contract and docs/scaler.md for the user's view.
+"""
+
+from __future__ import annotations
+
+import enum
+import inspect
+import math
+import threading
+import warnings
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Optional, Union
+
+import torch
+
+from roundpipe import optim_thread
+from roundpipe.optim_thread import on_optimizer_thread
+
+__all__ = ["GradScaler", "OptState", "ScalerSnapshot", "ScaleCollapseWarning"]
+
+
+# [Note: the scale double buffer]
+# The scaler keeps three scales (0-d float32 tensors on the scaler's device):
+#
+#   front  ``_front``  what scale() multiplies by. Read by the compute threads (main, device
+#                      workers); replaced only by update() on the main thread, between iterations.
+#   back   ``_back``   what unscale_()/step() divide by. It is always the scale that produced the
+#                      gradients being stepped.
+#   newest ``_scale``  the running scale that the update rule U evolves (torch's ``_scale``).
+#
+# back, newest, the growth tracker, the hyperparameters U reads and the per-optimizer states form
+# the *back side*. The back side is touched by one thread at a time: the optimizer thread, or the
+# main thread while no launched work can touch it (nothing launched through optim_thread.launch
+# is un-waited, and the scaler's own last launched item has run; see ``_claim_back_side``).
+#
+# Let s_k be the scale iteration k's losses were multiplied by.
+#   Sync update (every step of iteration k returned before update()): U runs at once on the
+#     main thread; s_{k+1} = newest after U on step k; front = back = newest. Bit for bit
+#     torch.amp.GradScaler.
+#   Async update (a step of iteration k was launched and not waited for): update() waits only for
+#     U of step k-1 (launched by the previous update(), finished while iteration k computed),
+#     hands its result to the compute side as s_{k+1}, and launches U for step k on the optimizer
+#     thread, behind step k. That U sets back = s_{k+1}, so step k+1 divides by the scale that
+#     produced its gradients. s_0 = s_1 = init_scale.
+#   Overflow rule in U: on an overflow in a step scaled by s_k (= back when U runs), newest is
+#     first lowered to min(newest, s_k), then backed off; in sync mode newest == s_k, a no-op. An
+#     overflow that a stale scale repeats is thus not backed off twice.
+#
+# Each U publishes a ``_Published`` record (clones of newest and the tracker, counters, the
+# hyperparameters): the result of its work item, so the main thread reads it only after the
+# item's event is set.
+
+
+class OptState(enum.Enum):
+    """Where an optimizer is in the iteration, as in torch.amp.GradScaler."""
+
+    READY = 0
+    UNSCALED = 1
+    STEPPED = 2
+
+
+class ScaleCollapseWarning(RuntimeWarning):
+    """Gradients keep overflowing although the scale is already at ``min_scale``."""
+
+
+# A streak of this many consecutive overflows at min_scale is reported once.
+_COLLAPSE_STREAK = 3
+
+
+@dataclass(frozen=True)
+class ScalerSnapshot:
+    """A non-blocking view of a :class:`GradScaler` for monitoring.
+
+    ``scale_in_use``: what ``scale()`` multiplies by now (the front scale).
+    ``newest_scale``: the newest scale the update rule has produced (in async mode it runs one
+    update ahead of ``scale_in_use``). ``growth_tracker``, ``steps`` (updates that consumed inf
+    checks) and ``skipped_steps`` (those whose gradients overflowed) come from the same update.
+    """
+
+    scale_in_use: float
+    newest_scale: float
+    growth_tracker: int
+    steps: int
+    skipped_steps: int
+
+
+@dataclass
+class _Hyper:
+    growth_factor: float
+    backoff_factor: float
+    growth_interval: int
+    hysteresis: int
+    min_scale: Optional[float]
+    max_scale: Optional[float]
+
+
+@dataclass(frozen=True)
+class _Published:
+    setter_seq: int  # the newest main-thread setter already applied on the back side
+    scale: torch.Tensor
+    growth_tracker: torch.Tensor
+    steps: int
+    skipped_steps: torch.Tensor
+    collapse_streak: int
+    hyper: _Hyper
+
+
+class _PerOptimizerState:
+    __slots__ = ("stage", "found_inf_per_device", "found_inf")
+
+    def __init__(self) -> None:
+        self.stage = OptState.READY
+        self.found_inf_per_device: dict[torch.device, torch.Tensor] = {}
+        self.found_inf: Optional[torch.Tensor] = None  # summed over devices, set by step()
+
+
+def _resolve_device(device: Union[str, torch.device, None]) -> str:
+    if device is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(device).type
+
+
+def _check_positive_finite(name: str, value: Optional[float]) -> None:
+    if value is None:
+        return
+    if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+
+
+class GradScaler:
+    """A drop-in for :class:`torch.amp.GradScaler` whose scale is double-buffered between the
+    compute threads and the roundpipe optimizer thread, so :meth:`update` never waits for a
+    running step. See [Note: the scale double buffer] and docs/scaler.md.
+
+    Same constructor, methods and defaults as torch's, except that ``device=None`` (the default)
+    means CUDA when it is available and the CPU otherwise. Opt-in extras, all off by default:
+    ``hysteresis`` (back off only on the ``hysteresis``-th consecutive overflow, and on every
+    consecutive overflow after it), ``min_scale`` / ``max_scale`` (bounds; a run whose gradients
+    keep overflowing at ``min_scale`` raises a :class:`ScaleCollapseWarning`), :meth:`snapshot`
+    for monitoring, :meth:`step_was_skipped`, and ``up_to_date`` on every getter.
+
+    Threads. Attributes owned by the main thread: ``_front``, ``_front_replicas``, ``_mirror``,
+    ``_published``, ``_pending``, ``_last_item``. Attributes of the back side (``_scale``,
+    ``_back``, ``_growth_tracker``, ``_hyper``, ``_per_optimizer_states``, counters) are touched by
+    the optimizer thread, or by the main thread when no launched work can touch them.
+    Device workers only read ``_front`` (through :meth:`scale`).
+    """
+
+    def __init__(
+        self,
+        device: Union[str, torch.device, None] = None,
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        enabled: bool = True,
+        *,
+        hysteresis: int = 1,
+        min_scale: Optional[float] = None,
+        max_scale: Optional[float] = None,
+    ) -> None:
+        self._device = _resolve_device(device)
+        self._enabled = bool(enabled)
+        if self._device == "cuda" and self._enabled and not torch.cuda.is_available():
+            warnings.warn(
+                "roundpipe.GradScaler was asked for CUDA, but CUDA is not available: disabling "
+                "it (as torch.amp.GradScaler does). Pass device='cpu' or leave device unset.",
+                stacklevel=2,
+            )
+            self._enabled = False
+        if not self._enabled:
+            return
+        _check_positive_finite("init_scale", init_scale)
+        if not (isinstance(growth_factor, (int, float)) and growth_factor > 1.0 and math.isfinite(growth_factor)):
+            raise ValueError(f"growth_factor must be a finite number > 1.0, got {growth_factor!r}")
+        if not (isinstance(backoff_factor, (int, float)) and 0.0 < backoff_factor < 1.0):
+            raise ValueError(f"backoff_factor must be in (0, 1), got {backoff_factor!r}")
+        self._check_interval(growth_interval)
+        if not isinstance(hysteresis, int) or isinstance(hysteresis, bool) or hysteresis < 1:
+            raise ValueError(f"hysteresis must be an int >= 1 (1 backs off on every overflow, as torch), got {hysteresis!r}")
+        _check_positive_finite("min_scale", min_scale)
+        _check_positive_finite("max_scale", max_scale)
+        lo, hi = min_scale or 0.0, max_scale or math.inf
+        if not lo <= init_scale <= hi:
+            raise ValueError(f"init_scale={init_scale} must lie within [min_scale, max_scale] = [{lo}, {hi}]")
+
+        self._init_scale = float(init_scale)
+        self._init_growth_tracker = 0
+        self._init_front: Optional[float] = None  # set by load_state_dict before lazy init
+        self._init_lock = threading.Lock()
+        # Back side.
+        self._hyper = _Hyper(float(growth_factor), float(backoff_factor), int(growth_interval),
+                             hysteresis, min_scale, max_scale)
+        self._scale: Optional[torch.Tensor] = None
+        self._back: Optional[torch.Tensor] = None
+        self._growth_tracker: Optional[torch.Tensor] = None
+        self._skipped_steps: Optional[torch.Tensor] = None
+        self._steps = 0
+        self._hysteresis_left = hysteresis
+        self._collapse_streak = 0
+        self._per_optimizer_states: dict[int, _PerOptimizerState] = defaultdict(_PerOptimizerState)
+        # Front side (main thread).
+        self._front: Optional[torch.Tensor] = None
+        self._front_replicas: dict[torch.device, torch.Tensor] = {}
+        self._mirror = _Hyper(**vars(self._hyper))
+        # Main-thread setters are numbered; the back side records the newest it applied, so a
+        # record published before a setter ran does not overwrite the mirror with an old value.
+        self._setter_seq = 0
+        self._setter_applied = 0
+        self._published: Optional[_Published] = None
+        self._pending: Optional[optim_thread._WorkItem] = None  # the last launched update
+        self._last_item: Optional[optim_thread._WorkItem] = None  # the last launched back work
+
+    # ------------------------------------------------------------------------------------------
+    # lazy initialisation (as torch: on the device of the first scaled output)
+    # ------------------------------------------------------------------------------------------
+    def _lazy_init(self, device: torch.device) -> None:
+        with self._init_lock:
+            if self._front is not None:
+                return
+            full = lambda v, dt=torch.float32: torch.full((), v, dtype=dt, device=device)  # noqa: E731
+            front = self._init_scale if self._init_front is None else self._init_front
+            self._scale = full(self._init_scale)
+            self._back = full(front)
+            self._growth_tracker = full(self._init_growth_tracker, torch.int32)
+            self._skipped_steps = full(self._skipped_init(), torch.int64)
+            self._published = self._publish()
+            self._front = full(front)  # last: scale() reads it without the lock
+
+    def _skipped_init(self) -> int:
+        return getattr(self, "_init_skipped", 0)
+
+    def _check_initialized(self, funcname: str) -> None:
+        if self._front is None:
+            raise RuntimeError(
+                f"Attempted {funcname} but _scale is None.  This may indicate your script did not "
+                "use scaler.scale(loss or outputs) earlier in the iteration."
+            )
+
+    # ------------------------------------------------------------------------------------------
+    # compute side
+    # ------------------------------------------------------------------------------------------
+    def scale(self, outputs: Union[torch.Tensor, Iterable[torch.Tensor]]):
+        """Multiply a tensor, or an iterable of tensors, by the scale (as torch).
+
+        Any thread; never blocks. The compute threads multiply by the front scale, the optimizer
+        thread by the back scale.
+        """
+        if not self._enabled:
+            return outputs
+
+        def apply(value):
+            if isinstance(value, torch.Tensor):
+                return value * self._scale_on(value.device)
+            if isinstance(value, Iterable):
+                mapped = map(apply, value)
+                return type(value)(mapped) if isinstance(value, (list, tuple)) else mapped
+            raise ValueError("outputs must be a Tensor or an iterable of Tensors")
+
+        return apply(outputs)
+
+    def _scale_on(self, device: torch.device) -> torch.Tensor:
+        if self._front is None:
+            self._lazy_init(device)
+        if on_optimizer_thread():
+            return self._back.to(device, non_blocking=True)
+        replicas = self._front_replicas
+        replica = replicas.get(device)
+        if replica is None:
+            # Benign race between workers: both compute the same copy; a dict store is atomic.
+            replica = replicas[device] = self._front.to(device, non_blocking=True)
+        return replica
+
+    def _set_front(self, value: torch.Tensor) -> None:
+        """Main thread, between iterations: the compute side uses ``value`` from now on."""
+        self._front_replicas = {}
+        self._front = value
+
+    # ------------------------------------------------------------------------------------------
+    # back side: unscale_ / step
+    # ------------------------------------------------------------------------------------------
+    def _claim_back_side(self, what: str) -> None:
+        """Before the calling thread touches the back side: the optimizer thread always may; the
+        main thread waits for the scaler's own launched work and refuses if a launched step may
+        be touching it right now."""
+        if on_optimizer_thread():
+            return
+        if optim_thread._has_unwaited_launch():
+            raise RuntimeError(
+                f"GradScaler.{what} was called on the main thread while work launched on the "
+                "optimizer thread (e.g. by model.step) has not been waited for, so both threads "
+                "would touch the scaler at once. Call it inside the step function instead, or "
+                "wait first (model.step(..., is_async=False) or roundpipe.optim_thread.synchronize())."
+            )
+        self._wait_last_item()
+
+    def _wait_last_item(self) -> None:
+        item = self._last_item
+        if item is not None:
+            self._last_item = None
+            item.wait()  # raises its failure if nobody reported it yet
+
+    def _unscale_grads_(self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor,
+                        found_inf: torch.Tensor, allow_fp16: bool) -> dict[torch.device, torch.Tensor]:
+        grads: dict[torch.device, dict[torch.dtype, list[torch.Tensor]]] = defaultdict(lambda: defaultdict(list))
+        with torch.no_grad():
+            for group in optimizer.param_groups:
+                for param in group["params"]:
+                    grad = param.grad
+                    if grad is None:
+                        continue
+                    if not allow_fp16 and grad.dtype == torch.float16:
+                        raise ValueError("Attempting to unscale FP16 gradients.")
+                    if grad.is_sparse:
+                        # Duplicate fp16 indices could overflow when summed later: coalesce first.
+                        if grad.dtype is torch.float16:
+                            param.grad = grad = grad.coalesce()
+                        grad = grad._values()
+                    grads[grad.device][grad.dtype].append(grad)
+            found_per_device: dict[torch.device, torch.Tensor] = {}
+            inv_per_device: dict[torch.device, torch.Tensor] = {}
+            for device, per_dtype in grads.items():
+                found = found_per_device[device] = found_inf.to(device, copy=True)
+                inv = inv_per_device.setdefault(device, inv_scale.to(device))
+                for same_dtype in per_dtype.values():
+                    torch._amp_foreach_non_finite_check_and_unscale_(same_dtype, found, inv)
+        return found_per_device
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        """Divide the optimizer's gradients by the back scale and check them for inf/NaN (as torch).
+
+        Call it where the step runs: inside the step function (optimizer thread) when steps are
+        launched with ``model.step``, else on the main thread. Does not block or sync.
+        """
+        if not self._enabled:
+            return
+        self._check_initialized("unscale_")
+        self._claim_back_side("unscale_()")
+        state = self._per_optimizer_states[id(optimizer)]
+        if state.stage is OptState.UNSCALED:
+            raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")
+        if state.stage is OptState.STEPPED:
+            raise RuntimeError("unscale_() is being called after step().")
+        inv_scale = self._back.double().reciprocal().float()
+        found_inf = torch.zeros((), dtype=torch.float32, device=self._back.device)
+        state.found_inf_per_device = self._unscale_grads_(optimizer, inv_scale, found_inf, False)
+        state.stage = OptState.UNSCALED
+
+    def _found_inf_sum(self, state: _PerOptimizerState) -> torch.Tensor:
+        found = [t.to(self._back.device, non_blocking=True) for t in state.found_inf_per_device.values()]
+        total = found[0]
+        for other in found[1:]:
+            total = total + other
+        return total
+
+    def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+        """Unscale (unless :meth:`unscale_` ran) and step the optimizer unless gradients
+        overflowed (as torch); returns what ``optimizer.step`` returns.
+
+        Call it where the step runs (see :meth:`unscale_`). Optimizers that set
+        ``_step_supports_amp_scaling`` (torch's fused Adam, roundpipe.optim) receive
+        ``grad_scale``/``found_inf`` and unscale inside their own kernel. Whether the step was
+        skipped: :meth:`step_was_skipped`.
+        """
+        if not self._enabled:
+            return optimizer.step(*args, **kwargs)
+        if "closure" in kwargs:
+            raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
+        self._check_initialized("step")
+        self._claim_back_side("step()")
+        state = self._per_optimizer_states[id(optimizer)]
+        if state.stage is OptState.STEPPED:
+            raise RuntimeError("step() has already been called since the last update().")
+
+        if getattr(optimizer, "_step_supports_amp_scaling", False):
+            retval = self._fused_step(optimizer, state, args, kwargs)
+        else:
+            if state.stage is OptState.READY:
+                self.unscale_(optimizer)
+            if not state.found_inf_per_device:
+                raise AssertionError("No inf checks were recorded for this optimizer. Please report.")
+            state.found_inf = self._found_inf_sum(state)
+            retval = None
+            if not state.found_inf.item():
+                retval = optimizer.step(*args, **kwargs)
+        state.stage = OptState.STEPPED
+        return retval
+
+    def _fused_step(self, optimizer: torch.optim.Optimizer, state: _PerOptimizerState,
+                    args: tuple, kwargs: dict) -> Any:
+        if "grad_scaler" in inspect.signature(optimizer.step).parameters:
+            warnings.warn(
+                "GradScaler is going to stop passing itself as a keyword argument to the passed "
+                "optimizer; optimizers should read `grad_scale` and `found_inf` instead.",
+                FutureWarning, stacklevel=3,
+            )
+            kwargs = dict(kwargs, grad_scaler=self)
+            retval = optimizer.step(*args, **kwargs)
+            if state.found_inf_per_device:
+                state.found_inf = self._found_inf_sum(state)
+            return retval
+        if state.stage is OptState.READY:
+            # Only look for inf/NaN (inverse scale 1): the optimizer unscales in its own kernel,
+            # so the gradients are read once more, not twice.
+            one = torch.ones((), dtype=torch.float32, device=self._back.device)
+            found = torch.zeros((), dtype=torch.float32, device=self._back.device)
+            state.found_inf_per_device = self._unscale_grads_(optimizer, one, found, True)
+            optimizer.grad_scale = self._back * getattr(optimizer, "grad_scale", 1)
+        else:
+            optimizer.grad_scale = getattr(optimizer, "grad_scale", None)
+        state.found_inf = optimizer.found_inf = self._found_inf_sum(state)
+        try:
+            return optimizer.step(*args, **kwargs)
+        finally:
+            del optimizer.grad_scale
+            del optimizer.found_inf
+
+    def step_was_skipped(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether ``step(optimizer)`` of this iteration skipped the update (inf/NaN gradients).
+
+        Call it on the thread that called ``step`` (usually inside the step function), after
+        ``step`` and before ``update``. Syncs with the device that holds the gradients.
+        """
+        if not self._enabled:
+            return False
+        state = self._per_optimizer_states.get(id(optimizer))
+        if state is None or state.stage is not OptState.STEPPED or state.found_inf is None:
+            raise RuntimeError(
+                "step_was_skipped() needs scaler.step(optimizer) to have run in this iteration, "
+                "before update(); call it right after step(), on the same thread."
+            )
+        return bool(state.found_inf.item())
+
+    # ------------------------------------------------------------------------------------------
+    # update
+    # ------------------------------------------------------------------------------------------
+    def update(self, new_scale: Union[float, torch.Tensor, None] = None, *,
+               is_async: Optional[bool] = None) -> None:
+        """Update the scale after every step of the iteration (as torch), without waiting for a
+        running step.
+
+        Main thread only (on the optimizer thread it would wait for itself: RuntimeError). Mode:
+        asynchronous (lag one) when a step of this iteration was launched on the optimizer thread
+        and not waited for, synchronous (exactly torch) otherwise; ``is_async`` forces one.
+        The async mode waits only for the previous iteration's update. ``new_scale`` sets the
+        scale; the compute side uses it from the next iteration on. Re-raises a failure of
+        earlier launched work. See [Note: the scale double buffer].
+        """
+        if not self._enabled:
+            return
+        if on_optimizer_thread():
+            raise RuntimeError(
+                "GradScaler.update() was called on the optimizer thread, where it would wait for "
+                "itself. Call scaler.update() on the main thread, after model.step(...)."
+            )
+        self._check_initialized("update")
+        new_value = None if new_scale is None else self._check_new_scale(new_scale)
+        optim_thread._raise_failures()
+        launched = optim_thread._has_unwaited_launch()
+        if is_async is None:
+            is_async = launched
+        if is_async:
+            self._update_async(new_value)
+        else:
+            if launched:
+                optim_thread.synchronize()
+            self._update_sync(new_value)
+
+    def _check_new_scale(self, new_scale: Union[float, torch.Tensor]) -> torch.Tensor:
+        if isinstance(new_scale, torch.Tensor):
+            if new_scale.numel() != 1 or new_scale.requires_grad:
+                raise ValueError("new_scale should be a float or a 1-element tensor with requires_grad=False.")
+            value = new_scale.detach().reshape(()).to(self._front.device, torch.float32, copy=True)
+        else:
+            _check_positive_finite("new_scale", new_scale)
+            value = torch.full((), float(new_scale), dtype=torch.float32, device=self._front.device)
+        return value
+
+    def _update_sync(self, new_value: Optional[torch.Tensor]) -> None:
+        self._wait_last_item()
+        self._pending = None
+        published = self._back_update(new_value, next_back=None)
+        self._adopt(published)
+        self._set_front(published.scale)
+
+    def _update_async(self, new_value: Optional[torch.Tensor]) -> None:
+        previous = self._pending
+        if previous is not None and previous.wait():
+            self._adopt(previous.result)
+        # else: nothing pending, or it failed (reported now or before): keep the last published.
+        hand_out = new_value if new_value is not None else self._published.scale.clone()
+        self._set_front(hand_out)
+        self._pending = self._last_item = optim_thread._launch(self._back_update, new_value, hand_out)
+
+    def _adopt(self, published: _Published) -> None:
+        self._published = published
+        if published.setter_seq == self._setter_seq:
+            self._mirror = _Hyper(**vars(published.hyper))
+        if published.collapse_streak == _COLLAPSE_STREAK:
+            warnings.warn(
+                f"GradScaler: gradients overflowed {published.collapse_streak} times in a row with "
+                f"the scale at min_scale={published.hyper.min_scale}: the run is diverging. Check "
+                "the learning rate and the data, or train in bf16.",
+                ScaleCollapseWarning, stacklevel=4,
+            )
+
+    def _back_update(self, new_value: Optional[torch.Tensor],
+                     next_back: Optional[torch.Tensor]) -> _Published:
+        """U on the back side (optimizer thread in async mode, main thread in sync mode).
+
+        ``next_back`` is the scale the compute side was handed for the next iteration (async), or
+        None (sync: it is the new scale itself).
+        """
+        try:
+            if new_value is not None:
+                self._scale.copy_(new_value)
+            else:
+                self._apply_rule(self._combined_found_inf(), stale=next_back is not None)
+            self._back.copy_(self._scale if next_back is None else next_back)
+            return self._publish()
+        finally:
+            self._per_optimizer_states = defaultdict(_PerOptimizerState)
+
+    def _combined_found_inf(self) -> torch.Tensor:
+        found = [t.to(self._scale.device, non_blocking=True)
+                 for state in self._per_optimizer_states.values()
+                 for t in state.found_inf_per_device.values()]
+        if not found:
+            raise AssertionError("No inf checks were recorded prior to update.")
+        total = found[0]
+        for other in found[1:]:
+            total = total + other
+        return total
+
+    def _apply_rule(self, found_inf: torch.Tensor, stale: bool) -> None:
+        scale, tracker, hyper = self._scale, self._growth_tracker, self._hyper
+        self._steps += 1
+        overflow = found_inf > 0
+        self._skipped_steps += overflow
+        plain = hyper.hysteresis == 1 and hyper.min_scale is None and hyper.max_scale is None
+        if plain:
+            if stale:
+                self._lower_to_back(scale, overflow)
+            torch._amp_update_scale_(scale, tracker, found_inf, hyper.growth_factor,
+                                     hyper.backoff_factor, hyper.growth_interval)
+            return
+        # The extras need the overflow on the host (one sync on the thread that runs U).
+        if bool(overflow):
+            self._hysteresis_left = max(self._hysteresis_left - 1, 0)
+            if self._hysteresis_left > 0:
+                tracker.zero_()  # tolerated: the step is skipped, the scale kept
+                return
+            if stale:
+                self._lower_to_back(scale, overflow)
+            at_min = hyper.min_scale is not None and scale.item() <= hyper.min_scale
+            self._collapse_streak = self._collapse_streak + 1 if at_min else 0
+        else:
+            self._hysteresis_left = hyper.hysteresis
+            self._collapse_streak = 0
+        torch._amp_update_scale_(scale, tracker, found_inf, hyper.growth_factor,
+                                 hyper.backoff_factor, hyper.growth_interval)
+        scale.clamp_(min=hyper.min_scale, max=hyper.max_scale)
+
+    def _lower_to_back(self, scale: torch.Tensor, overflow: torch.Tensor) -> None:
+        # [Note: the scale double buffer], overflow rule: back off from min(newest, s_k), where
+        # s_k (the scale that produced the overflowing gradients) is the back scale.
+        scale.copy_(torch.where(overflow, torch.minimum(scale, self._back), scale))
+
+    def _publish(self) -> _Published:
+        return _Published(self._setter_applied, self._scale.clone(), self._growth_tracker.clone(), self._steps,
+                          self._skipped_steps.clone(), self._collapse_streak, _Hyper(**vars(self._hyper)))
+
+    # ------------------------------------------------------------------------------------------
+    # getters and setters
+    # ------------------------------------------------------------------------------------------
+    def get_scale(self, up_to_date: bool = False) -> float:
+        """The scale as a Python float (1.0 when disabled).
+
+        Never blocks by default: the front scale on the compute threads (what ``scale()`` uses),
+        the back scale on the optimizer thread (what produced the gradients being stepped).
+        ``up_to_date=True`` waits until every launched step, update and setter has been applied
+        and returns the newest scale, the one the next ``update()`` hands to the compute side.
+        """
+        if not self._enabled:
+            return 1.0
+        if up_to_date:
+            self._sync_back_side()
+            return self._init_scale if self._scale is None else self._scale.item()
+        if self._front is None:
+            return self._init_scale if self._init_front is None else self._init_front
+        return (self._back if on_optimizer_thread() else self._front).item()
+
+    def _sync_back_side(self) -> None:
+        """Wait until every launched step, update and setter has run, re-raising failures.
+        Afterwards the back side may be read on this thread; the next update() still hands out
+        what the pending update produced."""
+        if on_optimizer_thread():
+            return
+        optim_thread.synchronize()
+        item = self._last_item
+        if item is not None:
+            item.wait()
+
+    def _hyper_value(self, name: str, up_to_date: bool):
+        if up_to_date or on_optimizer_thread():
+            self._sync_back_side()
+            return getattr(self._hyper, name)
+        return getattr(self._mirror, name)
+
+    def get_growth_factor(self, up_to_date: bool = False) -> float:
+        """The growth factor. Never blocks unless ``up_to_date`` (then waits for pending setters)."""
+        return self._hyper_value("growth_factor", up_to_date)
+
+    def get_backoff_factor(self, up_to_date: bool = False) -> float:
+        """The backoff factor. Never blocks unless ``up_to_date`` (then waits for pending setters)."""
+        return self._hyper_value("backoff_factor", up_to_date)
+
+    def get_growth_interval(self, up_to_date: bool = False) -> int:
+        """The growth interval. Never blocks unless ``up_to_date`` (then waits for pending setters)."""
+        return self._hyper_value("growth_interval", up_to_date)
+
+    def get_hysteresis(self, up_to_date: bool = False) -> int:
+        """Consecutive overflows needed to back off. Never blocks unless ``up_to_date``."""
+        return self._hyper_value("hysteresis", up_to_date)
+
+    def _get_growth_tracker(self, up_to_date: bool = False) -> int:
+        if not self._enabled:
+            return 0
+        if up_to_date:
+            self._sync_back_side()
+            return self._init_growth_tracker if self._growth_tracker is None else int(self._growth_tracker.item())
+        published = self._published
+        return self._init_growth_tracker if published is None else int(published.growth_tracker.item())
+
+    get_growth_tracker = _get_growth_tracker
+
+    def _set_hyper(self, name: str, value: Any) -> None:
+        """Setters: the compute side sees the value at once (getters); the back side gets it in
+        launch order, on the optimizer thread when launched work may be touching it."""
+        if on_optimizer_thread():
+            setattr(self._hyper, name, value)
+            return
+        setattr(self._mirror, name, value)
+        self._setter_seq += 1
+        if optim_thread._has_unwaited_launch() or (self._last_item is not None and not self._last_item.done()):
+            self._last_item = optim_thread._launch(self._apply_hyper, name, value, self._setter_seq)
+        else:
+            self._wait_last_item()
+            self._apply_hyper(name, value, self._setter_seq)
+
+    def _apply_hyper(self, name: str, value: Any, seq: int) -> None:
+        setattr(self._hyper, name, value)
+        self._setter_applied = seq
+
+    def set_growth_factor(self, new_factor: float) -> None:
+        """Set the growth factor (> 1). Any thread; never blocks."""
+        if not (new_factor > 1.0 and math.isfinite(new_factor)):
+            raise ValueError(f"growth_factor must be a finite number > 1.0, got {new_factor!r}")
+        if self._enabled:
+            self._set_hyper("growth_factor", float(new_factor))
+
+    def set_backoff_factor(self, new_factor: float) -> None:
+        """Set the backoff factor (in (0, 1)). Any thread; never blocks."""
+        if not 0.0 < new_factor < 1.0:
+            raise ValueError(f"backoff_factor must be in (0, 1), got {new_factor!r}")
+        if self._enabled:
+            self._set_hyper("backoff_factor", float(new_factor))
+
+    @staticmethod
+    def _check_interval(interval: Any) -> None:
+        if not isinstance(interval, int) or isinstance(interval, bool) or interval < 1:
+            raise ValueError(f"growth_interval must be an int >= 1, got {interval!r}")
+
+    def set_growth_interval(self, new_interval: int) -> None:
+        """Set the growth interval (int >= 1). Any thread; never blocks."""
+        self._check_interval(new_interval)
+        if self._enabled:
+            self._set_hyper("growth_interval", new_interval)
+
+    def is_enabled(self) -> bool:
+        """Whether scaling is on. Any thread; never blocks."""
+        return self._enabled
+
+    # ------------------------------------------------------------------------------------------
+    # monitoring
+    # ------------------------------------------------------------------------------------------
+    def snapshot(self) -> ScalerSnapshot:
+        """A non-blocking monitoring view (see :class:`ScalerSnapshot`). Main thread.
+
+        It never waits for the optimizer thread: ``newest_scale`` and the counters come from the
+        newest update that has finished.
+        """
+        if not self._enabled:
+            return ScalerSnapshot(1.0, 1.0, 0, 0, 0)
+        if self._front is None:
+            scale = self.get_scale()
+            return ScalerSnapshot(scale, scale, self._init_growth_tracker, 0, self._skipped_init())
+        published = self._published
+        pending = self._pending
+        if pending is not None and pending.done() and pending.exception is None:
+            published = pending.result
+        return ScalerSnapshot(
+            scale_in_use=self._front.item(),
+            newest_scale=published.scale.item(),
+            growth_tracker=int(published.growth_tracker.item()),
+            steps=published.steps,
+            skipped_steps=int(published.skipped_steps.item()),
+        )
+
+    # ------------------------------------------------------------------------------------------
+    # checkpointing
+    # ------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """torch's five entries (a torch scaler can load them) plus ``"roundpipe"``, what exact
+        resume of an async run needs. Waits for the optimizer thread; call it after update().
+        Empty when disabled."""
+        if not self._enabled:
+            return {}
+        self._sync_back_side()
+        hyper = self._hyper
+        if self._front is None:
+            scale, front, tracker, skipped = self._init_scale, self.get_scale(), self._init_growth_tracker, self._skipped_init()
+        else:
+            scale, front = self._scale.item(), self._front.item()
+            tracker, skipped = int(self._growth_tracker.item()), int(self._skipped_steps.item())
+        return {
+            "scale": scale,
+            "growth_factor": hyper.growth_factor,
+            "backoff_factor": hyper.backoff_factor,
+            "growth_interval": hyper.growth_interval,
+            "_growth_tracker": tracker,
+            "roundpipe": {
+                "front_scale": front,
+                "hysteresis": hyper.hysteresis,
+                "hysteresis_left": self._hysteresis_left,
+                "min_scale": hyper.min_scale,
+                "max_scale": hyper.max_scale,
+                "steps": self._steps,
+                "skipped_steps": skipped,
+                "collapse_streak": self._collapse_streak,
+            },
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state dict of this class or of torch.amp.GradScaler. Main thread; waits for the
+        optimizer thread. A no-op when disabled (as torch)."""
+        if not self._enabled:
+            return
+        if len(state_dict) == 0:
+            raise RuntimeError(
+                "The source state dict is empty, possibly because it was saved from a disabled "
+                "instance of GradScaler."
+            )
+        self._sync_back_side()
+        extra = state_dict.get("roundpipe", {})
+        scale = float(state_dict["scale"])
+        self._hyper = _Hyper(
+            float(state_dict["growth_factor"]), float(state_dict["backoff_factor"]),
+            int(state_dict["growth_interval"]), int(extra.get("hysteresis", self._hyper.hysteresis)),
+            extra.get("min_scale", self._hyper.min_scale), extra.get("max_scale", self._hyper.max_scale),
+        )
+        self._mirror = _Hyper(**vars(self._hyper))
+        self._setter_applied = self._setter_seq
+        self._hysteresis_left = int(extra.get("hysteresis_left", self._hyper.hysteresis))
+        self._steps = int(extra.get("steps", 0))
+        self._collapse_streak = int(extra.get("collapse_streak", 0))
+        self._init_scale = scale
+        self._init_growth_tracker = int(state_dict["_growth_tracker"])
+        self._init_front = float(extra.get("front_scale", scale))
+        self._init_skipped = int(extra.get("skipped_steps", 0))
+        self._pending = None
+        if self._front is not None:
+            device = self._front.device
+            with self._init_lock:
+                self._front = None
+            self._lazy_init(device)
+
+    def __getstate__(self) -> dict[str, Any]:
+        raise TypeError(
+            "roundpipe.GradScaler is not picklable (it holds thread hand-offs); save "
+            "scaler.state_dict() and load it with load_state_dict() instead."
+        )
