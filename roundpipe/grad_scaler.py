@@ -202,6 +202,10 @@ class GradScaler:
         self._steps = 0
         self._hysteresis_left = hysteresis
         self._collapse_streak = 0
+        # Whether back == newest (always after a sync update): then the overflow rule's
+        # min(newest, back) is a no-op and is skipped, keeping sync mode torch's exact kernels.
+        self._back_is_newest = True
+        self._failures_seen = optim_thread._failure_total()
         self._per_optimizer_states: dict[int, _PerOptimizerState] = defaultdict(_PerOptimizerState)
         # Front side (main thread).
         self._front: Optional[torch.Tensor] = None
@@ -459,16 +463,19 @@ class GradScaler:
             )
         self._check_initialized("update")
         new_value = None if new_scale is None else self._check_new_scale(new_scale)
-        optim_thread._raise_failures()
         launched = optim_thread._has_unwaited_launch()
         if is_async is None:
             is_async = launched
+        # The iteration's bookkeeping completes even when earlier launched work failed (else the
+        # next iteration's step would find this one's state); the failures, oldest first (the
+        # root cause before what followed from it), are raised afterwards.
         if is_async:
             self._update_async(new_value)
         else:
             if launched:
-                optim_thread.synchronize()
+                optim_thread._wait_all()
             self._update_sync(new_value)
+        optim_thread._raise_failures()
 
     def _check_new_scale(self, new_scale: Union[float, torch.Tensor]) -> torch.Tensor:
         if isinstance(new_scale, torch.Tensor):
@@ -481,7 +488,9 @@ class GradScaler:
         return value
 
     def _update_sync(self, new_value: Optional[torch.Tensor]) -> None:
-        self._wait_last_item()
+        if self._last_item is not None:
+            self._last_item.wait(report=False)
+            self._last_item = None
         self._pending = None
         published = self._back_update(new_value, next_back=None)
         self._adopt(published)
@@ -489,7 +498,7 @@ class GradScaler:
 
     def _update_async(self, new_value: Optional[torch.Tensor]) -> None:
         previous = self._pending
-        if previous is not None and previous.wait():
+        if previous is not None and previous.wait(report=False):
             self._adopt(previous.result)
         # else: nothing pending, or it failed (reported now or before): keep the last published.
         hand_out = new_value if new_value is not None else self._published.scale.clone()
@@ -515,22 +524,32 @@ class GradScaler:
         ``next_back`` is the scale the compute side was handed for the next iteration (async), or
         None (sync: it is the new scale itself).
         """
+        failures = optim_thread._failure_total()
         try:
             if new_value is not None:
                 self._scale.copy_(new_value)
             else:
-                self._apply_rule(self._combined_found_inf(), stale=next_back is not None)
-            self._back.copy_(self._scale if next_back is None else next_back)
-            return self._publish()
+                found_inf = self._combined_found_inf()
+                if found_inf is not None:
+                    self._apply_rule(found_inf, stale=not self._back_is_newest)
+                elif failures == self._failures_seen:
+                    raise AssertionError("No inf checks were recorded prior to update.")
+                # else: launched work (the step) failed since the last update and that failure
+                # is reported on the main thread; this iteration simply had no step.
         finally:
+            self._failures_seen = failures
+            # Even if U failed, the next step must divide by what the compute side was handed.
             self._per_optimizer_states = defaultdict(_PerOptimizerState)
+            self._back.copy_(self._scale if next_back is None else next_back)
+            self._back_is_newest = next_back is None or new_value is not None
+        return self._publish()
 
-    def _combined_found_inf(self) -> torch.Tensor:
+    def _combined_found_inf(self) -> Optional[torch.Tensor]:
         found = [t.to(self._scale.device, non_blocking=True)
                  for state in self._per_optimizer_states.values()
                  for t in state.found_inf_per_device.values()]
         if not found:
-            raise AssertionError("No inf checks were recorded prior to update.")
+            return None
         total = found[0]
         for other in found[1:]:
             total = total + other
@@ -563,7 +582,8 @@ class GradScaler:
             self._collapse_streak = 0
         torch._amp_update_scale_(scale, tracker, found_inf, hyper.growth_factor,
                                  hyper.backoff_factor, hyper.growth_interval)
-        scale.clamp_(min=hyper.min_scale, max=hyper.max_scale)
+        if hyper.min_scale is not None or hyper.max_scale is not None:
+            scale.clamp_(min=hyper.min_scale, max=hyper.max_scale)
 
     def _lower_to_back(self, scale: torch.Tensor, overflow: torch.Tensor) -> None:
         # [Note: the scale double buffer], overflow rule: back off from min(newest, s_k), where
@@ -771,6 +791,7 @@ class GradScaler:
         self._init_scale = scale
         self._init_growth_tracker = int(state_dict["_growth_tracker"])
         self._init_front = float(extra.get("front_scale", scale))
+        self._back_is_newest = self._init_front == scale
         self._init_skipped = int(extra.get("skipped_steps", 0))
         self._pending = None
         if self._front is not None:

@@ -80,12 +80,13 @@ class _WorkItem:
         """Non-blocking: whether the item has run (successfully or not)."""
         return self._done.is_set()
 
-    def wait(self) -> bool:
+    def wait(self, report: bool = True) -> bool:
         """Block until the item ran. Returns True on success.
 
         If the item failed and its failure is not reported yet, raises it (see
-        [Note: error reporting]); if it was reported already, returns False. Called on the
-        optimizer thread for an item that has not run yet, raises instead of deadlocking.
+        [Note: error reporting]); if it was reported already, or ``report`` is False (the caller
+        reports failures later, oldest first, with ``_raise_failures``), returns False. Called on
+        the optimizer thread for an item that has not run yet, raises instead of deadlocking.
         """
         if not self._done.is_set():
             if on_optimizer_thread():
@@ -97,7 +98,7 @@ class _WorkItem:
         self._owner._note_waited(self.seq)
         if self.exception is None:
             return True
-        if self._owner._claim_failure(self):
+        if report and self._owner._claim_failure(self):
             raise self.exception
         return False
 
@@ -127,6 +128,7 @@ class _OptimizerThread:
         self._tracked_seq = 0
         self._waited_seq = 0
         self._failures: list[_WorkItem] = []
+        self._failure_total = 0  # failures ever recorded
 
     # -- submission ---------------------------------------------------------------------------
     def submit(self, fn: Callable, args: tuple, kwargs: dict, track: bool) -> _WorkItem:
@@ -162,6 +164,11 @@ class _OptimizerThread:
 
     # -- waiting ------------------------------------------------------------------------------
     def synchronize(self) -> None:
+        self.wait_all()
+        self.raise_failures()
+
+    def wait_all(self) -> None:
+        """Wait until everything launched so far has run; report nothing."""
         if on_optimizer_thread():
             return
         with self._lock:
@@ -169,7 +176,6 @@ class _OptimizerThread:
         if running:
             # A barrier item: FIFO order means everything launched before it has run.
             self.submit(_noop, (), {}, track=False).wait()
-        self.raise_failures()
 
     def _note_waited(self, seq: int) -> None:
         if on_optimizer_thread():
@@ -187,6 +193,7 @@ class _OptimizerThread:
     def _record_failure(self, item: _WorkItem) -> None:
         with self._lock:
             self._failures.append(item)
+            self._failure_total += 1
 
     def _claim_failure(self, item: _WorkItem) -> bool:
         with self._lock:
@@ -282,6 +289,16 @@ def on_optimizer_thread() -> bool:
 def _raise_failures() -> None:
     """Non-blocking check used by calls that depend on earlier launched work."""
     _EXECUTOR.raise_failures()
+
+
+def _wait_all() -> None:
+    """Like :func:`synchronize`, but leaves failures for a later ``_raise_failures``."""
+    _EXECUTOR.wait_all()
+
+
+def _failure_total() -> int:
+    """How many launched calls have failed so far (reported or not)."""
+    return _EXECUTOR._failure_total
 
 
 def _has_unwaited_launch() -> bool:

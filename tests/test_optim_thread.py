@@ -1,0 +1,176 @@
+"""The optimizer thread: FIFO, non-blocking launch, synchronize, error reporting, shutdown."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import traceback
+
+import pytest
+
+from roundpipe import optim_thread
+
+
+def test_launch_returns_while_work_is_blocked_and_synchronize_waits():
+    release = threading.Event()
+    ran = []
+    optim_thread.launch(release.wait)
+    optim_thread.launch(ran.append, "after")
+    # launch returned although the first item cannot finish yet.
+    assert ran == []
+    release.set()
+    optim_thread.synchronize()
+    assert ran == ["after"]
+
+
+def test_work_runs_in_launch_order_on_one_thread():
+    seen = []
+    for i in range(200):
+        optim_thread.launch(lambda i=i: seen.append((i, threading.get_ident())))
+    optim_thread.synchronize()
+    assert [i for i, _ in seen] == list(range(200))
+    assert len({ident for _, ident in seen}) == 1
+    assert seen[0][1] != threading.get_ident()
+
+
+def test_on_optimizer_thread():
+    result = []
+    optim_thread.launch(lambda: result.append(optim_thread.on_optimizer_thread()))
+    optim_thread.synchronize()
+    assert result == [True]
+    assert optim_thread.on_optimizer_thread() is False
+
+
+class _StepFailed(Exception):
+    pass
+
+
+def _failing_step():
+    raise _StepFailed("boom in step")
+
+
+def test_error_is_reraised_as_its_own_type_with_traceback_and_thread_keeps_serving():
+    optim_thread.launch(_failing_step)
+    with pytest.raises(_StepFailed, match="boom in step") as info:
+        optim_thread.synchronize()
+    frames = [frame.name for frame in traceback.extract_tb(info.value.__traceback__)]
+    assert "_failing_step" in frames
+    # Reported once: the next synchronize is clean, and the thread still runs work.
+    optim_thread.synchronize()
+    out = []
+    optim_thread.launch(out.append, 1)
+    optim_thread.synchronize()
+    assert out == [1]
+
+
+def test_several_failures_are_all_reported():
+    optim_thread.launch(_failing_step)
+    optim_thread.launch(lambda: 1 / 0)
+    with pytest.raises(_StepFailed) as info:
+        optim_thread.synchronize()
+    notes = "\n".join(getattr(info.value, "__notes__", []))
+    assert "ZeroDivisionError" in notes
+    optim_thread.synchronize()
+
+
+def test_base_exceptions_are_captured_not_fatal():
+    optim_thread.launch(sys.exit, 3)
+    with pytest.raises(SystemExit):
+        optim_thread.synchronize()
+    out = []
+    optim_thread.launch(out.append, "alive")
+    optim_thread.synchronize()
+    assert out == ["alive"]
+
+
+def test_synchronize_on_the_optimizer_thread_returns_at_once():
+    outcome = []
+
+    def nested():
+        optim_thread.launch(outcome.append, "queued behind me")
+        optim_thread.synchronize()  # would deadlock if it waited for itself
+        outcome.append("returned")
+
+    optim_thread.launch(nested)
+    optim_thread.synchronize()
+    assert outcome == ["returned", "queued behind me"]
+
+
+def test_internal_wait_on_the_optimizer_thread_raises_instead_of_deadlocking():
+    errors = []
+
+    def waits_for_later_work():
+        item = optim_thread._launch(lambda: None)
+        try:
+            item.wait()
+        except RuntimeError as exc:
+            errors.append(str(exc))
+
+    optim_thread.launch(waits_for_later_work)
+    optim_thread.synchronize()
+    assert errors and "deadlock" in errors[0]
+
+
+def _run_script(code: str, **kwargs):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    return subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs)
+
+
+def test_pending_work_drains_at_interpreter_exit(tmp_path):
+    target = tmp_path / "written.txt"
+    proc = _run_script(f"""
+        import threading
+        from roundpipe import optim_thread
+        gate = threading.Event()
+        optim_thread.launch(gate.wait, 0.5)   # keeps the queue busy while the main thread exits
+        optim_thread.launch(open({str(target)!r}, "w").write, "drained")
+        """)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    assert target.read_text() == "drained"
+
+
+def test_ctrl_c_while_waiting_raises_keyboard_interrupt():
+    proc = _run_script("""
+        import threading, sys
+        from roundpipe import optim_thread
+        release = threading.Event()
+        optim_thread.launch(release.wait)
+        print("waiting", flush=True)
+        try:
+            optim_thread.synchronize()
+        except KeyboardInterrupt:
+            print("interrupted", flush=True)
+        release.set()
+        """)
+    assert proc.stdout.readline().strip() == "waiting"
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert "interrupted" in out, err
+    assert proc.returncode == 0
+
+
+def test_unreported_failure_at_exit_is_printed_not_dropped():
+    proc = _run_script("""
+        from roundpipe import optim_thread
+        def lost_step():
+            raise ValueError("nobody waited for me")
+        optim_thread.launch(lost_step)
+        """)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0
+    assert "nobody waited for me" in err and "ValueError" in err
+
+
+def test_import_starts_no_thread():
+    proc = _run_script("""
+        import threading
+        import roundpipe
+        print(sorted(t.name for t in threading.enumerate()))
+        """)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    assert "roundpipe" not in out
