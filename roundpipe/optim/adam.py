@@ -1,0 +1,431 @@
+"""Adam and AdamW for the fp32 master parameters, fused by default.
+
+:class:`Adam` and :class:`AdamW` take torch.optim's constructor (same arguments, same defaults),
+keep its param groups and its ``state_dict`` format (a checkpoint loads into either library), and
+compute the same update. What differs is how a step runs; see [Note: fused by default] and
+[Note: fused layout rule].
+
+Where the parameters come from: build the optimizer on the fp32 master copies, either
+``model.optim_parameters()`` or ``model.parameters()`` inside ``with roundpipe.OptimizerCtx():``.
+An optimizer built on the low-precision (fp16/bf16) parameters the stages compute with is
+almost always a mistake here (updates below the fp16 resolution vanish); it is not rejected,
+because plain torch allows it.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable, Iterable, Optional, Union
+
+import torch
+from torch import Tensor
+from torch.optim.adam import adam as _torch_adam
+
+from roundpipe import optim_thread
+
+__all__ = ["Adam", "AdamW"]
+
+
+# [Note: fused by default]
+# torch.optim.Adam runs its fused kernel (one pass that reads param, grad, exp_avg, exp_avg_sq
+# and writes param, exp_avg, exp_avg_sq) only when asked with fused=True; by default it runs
+# the foreach path, which makes several passes over memory. On CPU the optimizer step is memory
+# bound, so here ``fused=None`` means "auto": every parameter that the fused kernel can take goes
+# through it, and the rest goes through torch's own foreach/for-loop path exactly as
+# torch.optim.Adam(fused=None) would run it. The choice is made per parameter on every step, so
+# a group added later with add_param_group (complex, on an unsupported device, foreach=True,
+# differentiable=True, ...) is always stepped correctly.
+#
+# The fused kernel takes a parameter when the group does not ask otherwise (fused is not False,
+# foreach is not True, not differentiable), the parameter is a plain dense Tensor/Parameter on a
+# device with fused kernels, and its dtype is floating point, or complex64/complex128: Adam on a
+# complex tensor is Adam on its real view (torch's own paths do the same), so complex parameters
+# are fused through ``torch.view_as_real``, which torch.optim.Adam(fused=True) refuses.
+#
+# GradScaler: ``_step_supports_amp_scaling`` is True while every parameter takes the fused path;
+# a scaler then sets ``grad_scale``/``found_inf`` on the optimizer and the kernel unscales and
+# skips inside the update, so the gradients are read once. Any parameter that takes torch's path
+# (statically, or this step because of its layout) still honours those two attributes: its
+# gradients are unscaled in place and its update is skipped when found_inf is set. So the
+# attribute is an efficiency hint to the scaler, never a correctness condition.
+
+# [Note: fused layout rule]
+# The CPU fused kernel walks each tensor's memory linearly. torch (checked on 2.13) neither
+# checks nor fixes strides on CPU, so a gradient whose strides differ from its parameter's (a
+# transposed grad, an expanded grad, a sliced non-dense parameter) silently gets a wrong update
+# with torch.optim.Adam(fused=True) (CUDA raises instead, pytorch/pytorch#106951). A parameter
+# is fused only when the parameter, its gradient and its state are all dense with the same
+# memory order (strides of size-1 dimensions do not matter); otherwise that parameter takes
+# torch's path for this step.
+
+_FUSABLE_TYPES = (Tensor, torch.nn.Parameter)
+_COMPLEX_FUSABLE = (torch.complex64, torch.complex128)
+_IMPL_KEYS = ("foreach", "fused", "capturable", "differentiable")
+_TORCH_HAS_DECOUPLED = "decoupled_weight_decay" in inspect.signature(torch.optim.Adam.__init__).parameters
+
+
+def _fused_device_types() -> frozenset[str]:
+    try:
+        from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+    except ImportError:  # older torch: the two backends with fused Adam for certain
+        return frozenset(("cpu", "cuda"))
+    return frozenset(_get_fused_kernels_supported_devices())
+
+
+_FUSED_DEVICE_TYPES = _fused_device_types()
+
+
+def _group_allows_fused(group: dict) -> bool:
+    return group["fused"] is not False and not group["foreach"] and not group["differentiable"]
+
+
+def _param_fits_fused(p: Tensor) -> bool:
+    """Static part of [Note: fused by default]: can the kernel take this parameter at all."""
+    return (type(p) in _FUSABLE_TYPES
+            and p.layout is torch.strided
+            and p.device.type in _FUSED_DEVICE_TYPES
+            and (p.is_floating_point() or p.dtype in _COMPLEX_FUSABLE))
+
+
+def _memory_order(t: Tensor) -> Optional[tuple]:
+    """The strides that decide where each element lives, or None if ``t`` is not dense.
+
+    Dense: the elements fill exactly ``numel`` consecutive slots (no gaps, no overlap), in any
+    dimension order. Dimensions of size 1 are left out: their stride never moves an element.
+    """
+    dims = [(stride, size) for size, stride in zip(t.shape, t.stride()) if size != 1]
+    if t.numel() == 0:
+        return ()
+    expected = 1
+    for stride, size in sorted(dims):
+        if stride != expected:
+            return None
+        expected *= size
+    return tuple(stride for stride, _ in dims)
+
+
+def _same_dense_layout(ref: Tensor, others: Iterable[Tensor]) -> bool:
+    order = _memory_order(ref)
+    if order is None:
+        return False
+    return all(t.shape == ref.shape and t.dtype == ref.dtype and t.device == ref.device
+               and _memory_order(t) == order for t in others)
+
+
+def _as_real(t: Tensor) -> Tensor:
+    return torch.view_as_real(t) if t.is_complex() else t
+
+
+def _hyper_float(x: Union[float, Tensor]) -> float:
+    return float(x) if isinstance(x, Tensor) else x
+
+
+class Adam(torch.optim.Adam):
+    r"""Adam with torch.optim.Adam's constructor, math and ``state_dict``, fused by default.
+
+    Build it on the fp32 master parameters: ``model.optim_parameters()``, or
+    ``model.parameters()`` inside ``with roundpipe.OptimizerCtx():``. Built on the fp16/bf16
+    model parameters it still works (as plain torch does) but is almost always a mistake.
+
+    Arguments are torch.optim.Adam's, with one difference in meaning: ``fused=None`` (the
+    default) runs torch's fused kernel for every parameter it can take and torch's foreach or
+    for-loop path for the rest (see [Note: fused by default] in this module). ``fused=True``
+    additionally checks, here and in :meth:`add_param_group`, that every parameter can be
+    fused; ``fused=False`` runs exactly torch's non-fused path.
+
+    Implementation options (``foreach``, ``fused``, ``capturable``, ``differentiable``) belong
+    to this optimizer, not to a checkpoint: :meth:`load_state_dict` keeps them, so a checkpoint
+    of a foreach torch.optim.Adam loads into a fused roundpipe Adam and the other way round.
+
+    Threads: ``step`` normally runs on the optimizer thread (``model.step(...)``). Every public
+    method may be called from any thread; called off the optimizer thread, it first waits for
+    the work already launched there (``roundpipe.optim_thread.synchronize()``, which may re-raise
+    a failure of that work), so it never races a queued step. On the optimizer thread it never
+    waits. ``param_groups`` and ``state`` belong to the optimizer thread while launched work is
+    pending; other threads touch them only through these methods. The tensors that
+    :meth:`state_dict` returns are the live state, as in torch: save them before launching the
+    next step.
+    """
+
+    def __init__(
+        self,
+        params: Any,
+        lr: Union[float, Tensor] = 1e-3,
+        betas: tuple[Union[float, Tensor], Union[float, Tensor]] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0,
+        amsgrad: bool = False,
+        *,
+        foreach: Optional[bool] = None,
+        maximize: bool = False,
+        capturable: bool = False,
+        differentiable: bool = False,
+        fused: Optional[bool] = None,
+        decoupled_weight_decay: bool = False,
+    ) -> None:
+        """Any thread; does not wait for the optimizer thread (no launched work can use it yet)."""
+        if fused and differentiable:
+            raise RuntimeError("Adam: fused=True cannot be combined with differentiable=True (the "
+                               "fused kernel has no autograd); pass fused=None or fused=False")
+        if fused and foreach:
+            raise RuntimeError("Adam: fused=True and foreach=True select two different "
+                               "implementations; pass only one of them")
+        extra = {}
+        if decoupled_weight_decay:
+            if not _TORCH_HAS_DECOUPLED:
+                raise RuntimeError(f"roundpipe.optim.Adam(decoupled_weight_decay=True) and AdamW "
+                                   f"need a torch whose Adam has decoupled_weight_decay; "
+                                   f"torch {torch.__version__} does not: upgrade torch")
+            extra["decoupled_weight_decay"] = True
+        self._constructed = False
+        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, foreach=foreach,
+                         maximize=maximize, capturable=capturable, differentiable=differentiable,
+                         fused=fused, **extra)
+        self._constructed = True
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self._constructed = True  # unpickled or deep-copied: past construction
+
+    # -- GradScaler protocol (see [Note: fused by default]) -------------------------------------
+    @property
+    def _step_supports_amp_scaling(self) -> bool:
+        return all(_group_allows_fused(group) and all(_param_fits_fused(p) for p in group["params"])
+                   for group in self.param_groups)
+
+    @_step_supports_amp_scaling.setter
+    def _step_supports_amp_scaling(self, value: bool) -> None:
+        # torch.optim.Adam.__init__ assigns True for fused=True. Here the flag is derived from
+        # the param groups on every read, so an assignment carries no information.
+        pass
+
+    # -- public methods -------------------------------------------------------------------------
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a param group, as torch. Any thread; off the optimizer thread it first waits for
+        launched work. With ``fused=True`` (the group's or the default), raises if a parameter
+        cannot be fused and leaves the optimizer unchanged."""
+        if getattr(self, "_constructed", False):
+            _wait_for_launched_work()
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        if group["fused"]:
+            if group["differentiable"] or group["foreach"]:
+                self.param_groups.pop()
+                raise RuntimeError("Adam: a param group with fused=True cannot also set "
+                                   "differentiable=True or foreach=True; pass fused=None")
+            group_index = len(self.param_groups) - 1
+            for index, p in enumerate(group["params"]):
+                if not _param_fits_fused(p):
+                    self.param_groups.pop()
+                    raise RuntimeError(
+                        f"Adam(fused=True) needs every parameter to be a dense floating-point or "
+                        f"complex64/complex128 Tensor on a device with fused kernels "
+                        f"({sorted(_FUSED_DEVICE_TYPES)}); param_groups[{group_index}]['params']"
+                        f"[{index}] is a {type(p).__name__} of {p.dtype} on "
+                        f"{p.device.type}. Pass fused=None (the default) to fuse what fits and "
+                        f"step the rest with torch's foreach/for-loop path, or fused=False")
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Reset the gradients, as torch. Any thread; off the optimizer thread it first waits for
+        launched work (a queued step may still read the gradients)."""
+        _wait_for_launched_work()
+        super().zero_grad(set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch.optim.Adam's state dict (loadable by torch). Any thread; off the optimizer
+        thread it first waits for launched work, so the state is not torn by a running step."""
+        _wait_for_launched_work()
+        return super().state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a roundpipe or torch Adam state dict, keeping this optimizer's implementation
+        options (foreach, fused, capturable, differentiable). Any thread; off the optimizer
+        thread it first waits for launched work."""
+        _wait_for_launched_work()
+        impl = [{key: group[key] for key in _IMPL_KEYS} for group in self.param_groups]
+        super().load_state_dict(state_dict)
+        for group, options in zip(self.param_groups, impl):
+            group.update(options)
+
+    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
+        """One Adam step over every parameter with a gradient; returns ``closure()``'s loss.
+
+        Normally runs on the optimizer thread. Any thread may call it; off the optimizer thread
+        it first waits for launched work, then runs the step synchronously. Honours
+        ``grad_scale``/``found_inf`` set by a GradScaler on every path (gradients are left
+        unscaled in place). Never syncs the host with a device on the fused path; a parameter on
+        torch's path reads ``found_inf`` on the host.
+        """
+        _wait_for_launched_work()
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        grad_scale: Optional[Tensor] = getattr(self, "grad_scale", None)
+        found_inf: Optional[Tensor] = getattr(self, "found_inf", None)
+        with torch.set_grad_enabled(self.defaults["differentiable"]):
+            for group in self.param_groups:
+                fused, other = self._split_group(group)
+                if fused:
+                    _fused_step(group, fused, grad_scale, found_inf)
+                if other:
+                    self._torch_step(group, other, grad_scale, found_inf)
+        return loss
+
+    # -- private ----------------------------------------------------------------------------------
+    def _split_group(self, group: dict) -> tuple[list[tuple], list[Tensor]]:
+        """Init lazy state and send each parameter with a grad to the fused or to torch's path.
+
+        Returns ``(fused, other)``: fused entries are ``(p, grad, state)`` tuples, other entries
+        are parameters.
+        """
+        fused: list[tuple] = []
+        other: list[Tensor] = []
+        group_fusable = _group_allows_fused(group)
+        for p in group["params"]:
+            grad = p.grad
+            if grad is None:
+                continue
+            if grad.is_sparse:
+                raise RuntimeError("Adam does not support sparse gradients; use "
+                                   "torch.optim.SparseAdam for sparse parameters")
+            takes_fused = group_fusable and _param_fits_fused(p)
+            state = self.state[p]
+            if not state:
+                _init_state(state, p, group, device_step=takes_fused or group["capturable"])
+            elif group["amsgrad"] and "max_exp_avg_sq" not in state:
+                # amsgrad switched on after the state was made (or loaded without it).
+                state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            if takes_fused:
+                tensors = [grad, state["exp_avg"], state["exp_avg_sq"]]
+                if group["amsgrad"]:
+                    tensors.append(state["max_exp_avg_sq"])
+                takes_fused = _same_dense_layout(p, tensors)  # [Note: fused layout rule]
+            if takes_fused:
+                step = state["step"]
+                if step.dtype != torch.float32 or step.device != p.device:
+                    # e.g. loaded from a foreach checkpoint: the kernel reads a float32 step
+                    # on the parameter's device.
+                    state["step"] = step = step.to(device=p.device, dtype=torch.float32)
+                fused.append((p, grad, state))
+            else:
+                other.append(p)
+        return fused, other
+
+    def _torch_step(self, group: dict, params: list[Tensor], grad_scale: Optional[Tensor],
+                    found_inf: Optional[Tensor]) -> None:
+        """torch.optim.Adam's own non-fused path for ``params``, with GradScaler unscaling."""
+        if found_inf is not None and bool(found_inf):
+            return  # a skipped step leaves params, state and the step count untouched
+        grads = [p.grad for p in params]
+        if grad_scale is not None:
+            for g in grads:
+                g.div_(grad_scale.to(g.device))
+        states = [self.state[p] for p in params]
+        amsgrad = group["amsgrad"]
+        kwargs = {}
+        if group.get("decoupled_weight_decay"):
+            kwargs["decoupled_weight_decay"] = True
+        _torch_adam(
+            params, grads,
+            [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
+            [s["max_exp_avg_sq"] for s in states] if amsgrad else [],
+            [s["step"] for s in states],
+            # fused=None lets torch pick foreach or the for-loop exactly as torch.optim.Adam does
+            # for these params; fused=False keeps torch's fused=False choice (the for-loop).
+            foreach=group["foreach"], fused=False if group["fused"] is False else None,
+            capturable=group["capturable"], differentiable=group["differentiable"],
+            has_complex=any(p.is_complex() for p in params),
+            amsgrad=amsgrad, beta1=group["betas"][0], beta2=group["betas"][1], lr=group["lr"],
+            weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"],
+            **kwargs)
+
+
+def _init_state(state: dict, p: Tensor, group: dict, device_step: bool) -> None:
+    # The step count lives where the path that reads it wants it: on the parameter's device in
+    # float32 for the fused kernel (and capturable), on the host otherwise, as torch keeps it.
+    if device_step:
+        state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+    else:
+        dtype = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+        state["step"] = torch.zeros((), dtype=dtype)
+    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+    if group["amsgrad"]:
+        state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+
+def _fused_step(group: dict, entries: list[tuple], grad_scale: Optional[Tensor],
+                found_inf: Optional[Tensor]) -> None:
+    """Run torch's fused Adam/AdamW kernel once per (device, dtype) over ``entries``."""
+    amsgrad = group["amsgrad"]
+    buckets: dict[tuple, list[list[Tensor]]] = {}
+    for p, grad, state in entries:
+        real_p = _as_real(p)
+        lists = buckets.setdefault((p.device, real_p.dtype), [[], [], [], [], [], []])
+        lists[0].append(real_p)
+        lists[1].append(_as_real(grad))
+        lists[2].append(_as_real(state["exp_avg"]))
+        lists[3].append(_as_real(state["exp_avg_sq"]))
+        if amsgrad:
+            lists[4].append(_as_real(state["max_exp_avg_sq"]))
+        lists[5].append(state["step"])
+    kernel = torch._fused_adamw_ if group.get("decoupled_weight_decay") else torch._fused_adam_
+    beta1, beta2 = (_hyper_float(b) for b in group["betas"])
+    lr = group["lr"]
+    for (device, _), (params, grads, exp_avgs, exp_avg_sqs, max_sqs, steps) in buckets.items():
+        device_scale = None if grad_scale is None else grad_scale.to(device=device, dtype=torch.float32)
+        device_skip = None
+        if found_inf is not None:
+            # The CPU kernel skips only when found_inf == 1.0, but a scaler sums the per-device
+            # flags (2.0 with two devices), so turn it back into a 0/1 flag.
+            device_skip = (found_inf.to(device) != 0).to(torch.float32)
+        device_lr = lr
+        if isinstance(lr, Tensor) and lr.device != device:
+            device_lr = lr.to(device)
+        torch._foreach_add_(steps, 1)
+        kernel(params, grads, exp_avgs, exp_avg_sqs, max_sqs, steps, amsgrad=amsgrad, lr=device_lr,
+               beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"], eps=group["eps"],
+               maximize=group["maximize"], grad_scale=device_scale, found_inf=device_skip)
+        if device_skip is not None:
+            # The kernel left everything untouched on overflow; undo the count without a sync.
+            torch._foreach_sub_(steps, [device_skip] * len(steps))
+
+
+def _wait_for_launched_work() -> None:
+    # Returns at once on the optimizer thread itself (see roundpipe.optim_thread.synchronize).
+    optim_thread.synchronize()
+
+
+class AdamW(Adam):
+    r"""AdamW (decoupled weight decay) with torch.optim.AdamW's constructor and defaults.
+
+    Everything in :class:`Adam` holds (fused by default, where the fp32 masters come from,
+    which thread may call what); like torch's, it is Adam with ``decoupled_weight_decay=True``
+    and a default ``weight_decay`` of 1e-2, and a loaded state dict cannot turn that off.
+    """
+
+    def __init__(
+        self,
+        params: Any,
+        lr: Union[float, Tensor] = 1e-3,
+        betas: tuple[Union[float, Tensor], Union[float, Tensor]] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        amsgrad: bool = False,
+        *,
+        maximize: bool = False,
+        foreach: Optional[bool] = None,
+        capturable: bool = False,
+        differentiable: bool = False,
+        fused: Optional[bool] = None,
+    ) -> None:
+        """Any thread; does not wait for the optimizer thread."""
+        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, foreach=foreach,
+                         maximize=maximize, capturable=capturable, differentiable=differentiable,
+                         fused=fused, decoupled_weight_decay=True)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        for group in self.param_groups:
+            group["decoupled_weight_decay"] = True
