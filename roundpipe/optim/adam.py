@@ -83,7 +83,8 @@ def _param_fits_fused(p: Tensor) -> bool:
     """Static part of [Note: fused by default]: can the kernel take this parameter at all."""
     return (type(p) in _FUSABLE_TYPES
             and p.layout is torch.strided
-            and p.device.type in _FUSED_DEVICE_TYPES
+            # is_cpu first: it is the common case and much cheaper than building p.device
+            and (p.is_cpu or p.device.type in _FUSED_DEVICE_TYPES)
             and (p.is_floating_point() or p.dtype in _COMPLEX_FUSABLE))
 
 
@@ -104,16 +105,27 @@ def _memory_order(t: Tensor) -> Optional[tuple]:
     return tuple(stride for stride, _ in dims)
 
 
-def _same_dense_layout(ref: Tensor, others: Iterable[Tensor]) -> bool:
-    order = _memory_order(ref)
-    if order is None:
+def _fusable_layout(p: Tensor, grad: Tensor, states: list[Tensor], dtype: torch.dtype,
+                    device: torch.device) -> bool:
+    """[Note: fused layout rule]: grad and states share ``p``'s dtype and dense memory order.
+
+    Runs for every parameter on every step, so it checks only what can differ: the ``.grad``
+    setter already enforces the grad's shape and device (not its dtype, with ``grad_dtype``);
+    states may come from any checkpoint, and a state of another size would make the CPU
+    kernel read or write out of bounds.
+    """
+    if grad.dtype != dtype:
         return False
-    return all(t.shape == ref.shape and t.dtype == ref.dtype and t.device == ref.device
-               and _memory_order(t) == order for t in others)
-
-
-def _as_real(t: Tensor) -> Tensor:
-    return torch.view_as_real(t) if t.is_complex() else t
+    shape = p.shape
+    for t in states:
+        if t.shape != shape or t.dtype != dtype or t.device != device:
+            return False
+    # Fast path: contiguous tensors of one shape share one layout.
+    if p.is_contiguous() and grad.is_contiguous() and all(t.is_contiguous() for t in states):
+        return True
+    order = _memory_order(p)
+    return (order is not None and _memory_order(grad) == order
+            and all(_memory_order(t) == order for t in states))
 
 
 def _hyper_float(x: Union[float, Tensor]) -> float:
@@ -273,15 +285,17 @@ class Adam(torch.optim.Adam):
         return loss
 
     # -- private ----------------------------------------------------------------------------------
-    def _split_group(self, group: dict) -> tuple[list[tuple], list[Tensor]]:
+    def _split_group(self, group: dict) -> tuple[dict, list[Tensor]]:
         """Init lazy state and send each parameter with a grad to the fused or to torch's path.
 
-        Returns ``(fused, other)``: fused entries are ``(p, grad, state)`` tuples, other entries
-        are parameters.
+        Returns ``(buckets, other)``: ``buckets`` maps ``(device, dtype)`` to the six tensor
+        lists of one fused kernel call (real views of complex tensors); ``other`` lists the
+        parameters for torch's path.
         """
-        fused: list[tuple] = []
+        buckets: dict[tuple, list[list[Tensor]]] = {}
         other: list[Tensor] = []
         group_fusable = _group_allows_fused(group)
+        amsgrad = group["amsgrad"]
         for p in group["params"]:
             grad = p.grad
             if grad is None:
@@ -293,24 +307,40 @@ class Adam(torch.optim.Adam):
             state = self.state[p]
             if not state:
                 _init_state(state, p, group, device_step=takes_fused or group["capturable"])
-            elif group["amsgrad"] and "max_exp_avg_sq" not in state:
+            elif amsgrad and "max_exp_avg_sq" not in state:
                 # amsgrad switched on after the state was made (or loaded without it).
                 state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            if takes_fused:
-                tensors = [grad, state["exp_avg"], state["exp_avg_sq"]]
-                if group["amsgrad"]:
-                    tensors.append(state["max_exp_avg_sq"])
-                takes_fused = _same_dense_layout(p, tensors)  # [Note: fused layout rule]
-            if takes_fused:
-                step = state["step"]
-                if step.dtype != torch.float32 or step.device != p.device:
-                    # e.g. loaded from a foreach checkpoint: the kernel reads a float32 step
-                    # on the parameter's device.
-                    state["step"] = step = step.to(device=p.device, dtype=torch.float32)
-                fused.append((p, grad, state))
-            else:
+            if not takes_fused:
                 other.append(p)
-        return fused, other
+                continue
+            states = [state["exp_avg"], state["exp_avg_sq"]]
+            if amsgrad:
+                states.append(state["max_exp_avg_sq"])
+            dtype, device = p.dtype, p.device
+            if not _fusable_layout(p, grad, states, dtype, device):
+                other.append(p)
+                continue
+            step = state["step"]
+            if step.dtype != torch.float32 or step.device != device:
+                # e.g. loaded from a foreach checkpoint: the kernel reads a float32 step on the
+                # parameter's device.
+                state["step"] = step = step.to(device=device, dtype=torch.float32)
+            if dtype in _COMPLEX_FUSABLE:
+                # Adam on a complex tensor is Adam on its real view ([Note: fused by default]).
+                p, grad = torch.view_as_real(p), torch.view_as_real(grad)
+                states = [torch.view_as_real(t) for t in states]
+                dtype = p.dtype
+            lists = buckets.get((device, dtype))
+            if lists is None:
+                lists = buckets[(device, dtype)] = [[], [], [], [], [], []]
+            lists[0].append(p)
+            lists[1].append(grad)
+            lists[2].append(states[0])
+            lists[3].append(states[1])
+            if amsgrad:
+                lists[4].append(states[2])
+            lists[5].append(step)
+        return buckets, other
 
     def _torch_step(self, group: dict, params: list[Tensor], grad_scale: Optional[Tensor],
                     found_inf: Optional[Tensor]) -> None:
@@ -355,21 +385,10 @@ def _init_state(state: dict, p: Tensor, group: dict, device_step: bool) -> None:
         state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
 
-def _fused_step(group: dict, entries: list[tuple], grad_scale: Optional[Tensor],
+def _fused_step(group: dict, buckets: dict, grad_scale: Optional[Tensor],
                 found_inf: Optional[Tensor]) -> None:
-    """Run torch's fused Adam/AdamW kernel once per (device, dtype) over ``entries``."""
+    """Run torch's fused Adam/AdamW kernel once per (device, dtype) bucket of ``_split_group``."""
     amsgrad = group["amsgrad"]
-    buckets: dict[tuple, list[list[Tensor]]] = {}
-    for p, grad, state in entries:
-        real_p = _as_real(p)
-        lists = buckets.setdefault((p.device, real_p.dtype), [[], [], [], [], [], []])
-        lists[0].append(real_p)
-        lists[1].append(_as_real(grad))
-        lists[2].append(_as_real(state["exp_avg"]))
-        lists[3].append(_as_real(state["exp_avg_sq"]))
-        if amsgrad:
-            lists[4].append(_as_real(state["max_exp_avg_sq"]))
-        lists[5].append(state["step"])
     kernel = torch._fused_adamw_ if group.get("decoupled_weight_decay") else torch._fused_adam_
     beta1, beta2 = (_hyper_float(b) for b in group["betas"])
     lr = group["lr"]
