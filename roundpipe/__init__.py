@@ -9,7 +9,8 @@ thread. See README.md and docs/.
 from roundpipe import optim_thread
 from roundpipe import optim
 from roundpipe.grad_scaler import GradScaler, ScaleCollapseWarning, ScalerSnapshot
+from roundpipe.monitor import TrainingHistory, TrainingMonitor
 
 __version__ = "0.1.0"
 
-__all__ = ["GradScaler", "ScaleCollapseWarning", "ScalerSnapshot", "optim", "optim_thread", "__version__"]
+__all__ = ["GradScaler", "ScaleCollapseWarning", "ScalerSnapshot", "TrainingHistory", "TrainingMonitor", "optim", "optim_thread", "__version__"]
