@@ -7,6 +7,7 @@ import time
 import pytest
 import torch
 
+import roundpipe
 import roundpipe.optim as rp_optim
 from roundpipe import optim_thread
 
@@ -253,6 +254,43 @@ def test_torch_grad_scaler_protocol_end_to_end():
     # The scaler handed the scale to the optimizer instead of unscaling the gradients itself.
     assert all(s is not None and float(s) > 1 for s in seen)
     assert float(opt.state[next(model.parameters())]["step"]) == 3
+
+
+@pytest.mark.parametrize("where", ["main_thread", "optimizer_thread"])
+def test_roundpipe_grad_scaler_matches_torch(where):
+    torch.manual_seed(0)
+    model, ref_model = torch.nn.Linear(8, 4), torch.nn.Linear(8, 4)
+    ref_model.load_state_dict(model.state_dict())
+    opt = rp_optim.Adam(model.parameters(), lr=0.01)
+    ref = torch.optim.Adam(ref_model.parameters(), lr=0.01, foreach=False)
+    scaler = roundpipe.GradScaler(init_scale=256.0)
+    ref_scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
+    handed = []
+    opt.register_step_pre_hook(lambda o, a, k: handed.append(getattr(o, "grad_scale", None)))
+    # On the optimizer thread the update is asynchronous (one iteration behind), which equals
+    # torch's schedule only while nothing overflows, so that variant has no overflow.
+    overflow_at = 2 if where == "main_thread" else None
+    for it in range(4):
+        x = torch.randn(16, 8)
+        if it == overflow_at:
+            x[0, 0] = float("inf")
+        opt.zero_grad()
+        scaler.scale(model(x).square().mean()).backward()
+        if where == "main_thread":
+            scaler.step(opt)
+        else:
+            optim_thread.launch(scaler.step, opt)
+        scaler.update()
+        optim_thread.synchronize()
+        ref.zero_grad()
+        ref_scaler.scale(ref_model(x).square().mean()).backward()
+        ref_scaler.step(ref)
+        ref_scaler.update()
+        for a, b in zip(model.parameters(), ref_model.parameters()):
+            torch.testing.assert_close(a, b, **TOL)
+    assert len(handed) == 4 and all(s is not None and float(s) > 1 for s in handed)
+    if overflow_at is not None:
+        assert float(opt.state[next(model.parameters())]["step"]) == 3
 
 
 def test_add_param_group_later_falls_back_or_fuses():

@@ -28,9 +28,10 @@ __all__ = ["Adam", "AdamW"]
 
 # [Note: fused by default]
 # torch.optim.Adam runs its fused kernel (one pass that reads param, grad, exp_avg, exp_avg_sq
-# and writes param, exp_avg, exp_avg_sq) only when asked with fused=True; by default it runs
-# the foreach path, which makes several passes over memory. On CPU the optimizer step is memory
-# bound, so here ``fused=None`` means "auto": every parameter that the fused kernel can take goes
+# and writes param, exp_avg, exp_avg_sq) only when asked with fused=True; by default it runs the
+# foreach path on accelerators and the per-tensor for-loop on CPU, both of which make several
+# passes over memory. The optimizer step is memory bound (see benchmarks/results/optim.md), so
+# here ``fused=None`` means "auto": every parameter that the fused kernel can take goes
 # through it, and the rest goes through torch's own foreach/for-loop path exactly as
 # torch.optim.Adam(fused=None) would run it. The choice is made per parameter on every step, so
 # a group added later with add_param_group (complex, on an unsupported device, foreach=True,
@@ -61,7 +62,8 @@ __all__ = ["Adam", "AdamW"]
 _FUSABLE_TYPES = (Tensor, torch.nn.Parameter)
 _COMPLEX_FUSABLE = (torch.complex64, torch.complex128)
 _IMPL_KEYS = ("foreach", "fused", "capturable", "differentiable")
-_TORCH_HAS_DECOUPLED = "decoupled_weight_decay" in inspect.signature(torch.optim.Adam.__init__).parameters
+_TORCH_HAS_DECOUPLED = (
+    "decoupled_weight_decay" in inspect.signature(torch.optim.Adam.__init__).parameters)
 
 
 def _fused_device_types() -> frozenset[str]:
@@ -264,9 +266,9 @@ class Adam(torch.optim.Adam):
 
         Normally runs on the optimizer thread. Any thread may call it; off the optimizer thread
         it first waits for launched work, then runs the step synchronously. Honours
-        ``grad_scale``/``found_inf`` set by a GradScaler on every path (gradients are left
-        unscaled in place). Never syncs the host with a device on the fused path; a parameter on
-        torch's path reads ``found_inf`` on the host.
+        ``grad_scale``/``found_inf`` set by a GradScaler on every path (the gradients may be
+        left unscaled in place). With float hyperparameters the fused path never syncs the host
+        with a device; a parameter on torch's path reads ``found_inf`` on the host.
         """
         _wait_for_launched_work()
         loss = None
@@ -306,7 +308,7 @@ class Adam(torch.optim.Adam):
             takes_fused = group_fusable and _param_fits_fused(p)
             state = self.state[p]
             if not state:
-                _init_state(state, p, group, device_step=takes_fused or group["capturable"])
+                _init_state(state, p, group, fused=takes_fused)
             elif amsgrad and "max_exp_avg_sq" not in state:
                 # amsgrad switched on after the state was made (or loaded without it).
                 state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
@@ -371,13 +373,16 @@ class Adam(torch.optim.Adam):
             **kwargs)
 
 
-def _init_state(state: dict, p: Tensor, group: dict, device_step: bool) -> None:
-    # The step count lives where the path that reads it wants it: on the parameter's device in
-    # float32 for the fused kernel (and capturable), on the host otherwise, as torch keeps it.
-    if device_step:
+def _init_state(state: dict, p: Tensor, group: dict, fused: bool) -> None:
+    # The step count lives where the path that reads it wants it, as torch keeps it: a float32
+    # on the parameter's device for the fused kernel, on the device for capturable, else on the
+    # host (float64 only under a float64 default dtype).
+    dtype = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+    if fused:
         state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+    elif group["capturable"]:
+        state["step"] = torch.zeros((), dtype=dtype, device=p.device)
     else:
-        dtype = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
         state["step"] = torch.zeros((), dtype=dtype)
     state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
@@ -393,7 +398,9 @@ def _fused_step(group: dict, buckets: dict, grad_scale: Optional[Tensor],
     beta1, beta2 = (_hyper_float(b) for b in group["betas"])
     lr = group["lr"]
     for (device, _), (params, grads, exp_avgs, exp_avg_sqs, max_sqs, steps) in buckets.items():
-        device_scale = None if grad_scale is None else grad_scale.to(device=device, dtype=torch.float32)
+        device_scale = None
+        if grad_scale is not None:
+            device_scale = grad_scale.to(device=device, dtype=torch.float32)
         device_skip = None
         if found_inf is not None:
             # The CPU kernel skips only when found_inf == 1.0, but a scaler sums the per-device
