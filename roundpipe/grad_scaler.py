@@ -416,7 +416,9 @@ class GradScaler:
             optimizer.grad_scale = self._back * getattr(optimizer, "grad_scale", 1)
         else:
             optimizer.grad_scale = getattr(optimizer, "grad_scale", None)
-        state.found_inf = optimizer.found_inf = self._found_inf_sum(state)
+        state.found_inf = self._found_inf_sum(state)
+        # A sum over several devices can be 2.0, and torch's CPU fused kernels skip only on 1.0.
+        optimizer.found_inf = state.found_inf if len(state.found_inf_per_device) == 1 else state.found_inf.clamp(max=1.0)
         try:
             return optimizer.step(*args, **kwargs)
         finally:
