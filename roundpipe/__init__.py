@@ -10,7 +10,8 @@ from roundpipe import optim_thread
 from roundpipe import optim
 from roundpipe.grad_scaler import GradScaler, ScaleCollapseWarning, ScalerSnapshot
 from roundpipe.monitor import TrainingHistory, TrainingMonitor
+from roundpipe.runtime import OptimizerCtx, RoundPipe, RoundPipeRunConfig
 
 __version__ = "0.1.0"
 
-__all__ = ["GradScaler", "ScaleCollapseWarning", "ScalerSnapshot", "TrainingHistory", "TrainingMonitor", "optim", "optim_thread", "__version__"]
+__all__ = ["RoundPipe", "RoundPipeRunConfig", "OptimizerCtx", "GradScaler", "ScaleCollapseWarning", "ScalerSnapshot", "TrainingHistory", "TrainingMonitor", "optim", "optim_thread", "__version__"]

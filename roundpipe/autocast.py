@@ -1,0 +1,150 @@
+"""Carrying thread-local autocast state and RNG state into the device workers.
+
+Autocast state is thread-local, so what the caller set around ``forward``/``forward_backward`` is
+invisible on a worker: :func:`capture_autocast` reads it at the call (as
+``torch/utils/checkpoint.py``'s ``_get_autocast_kwargs`` does) and :func:`autocast_context`
+applies it on the worker, in every stage forward, recompute and ``loss_fn``, never in backward.
+
+RNG: see [Note: RNG chains].
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+from typing import Any, Iterable, Iterator, List, Optional
+
+import torch
+
+__all__ = ["AutocastState", "capture_autocast", "resolve_autocast", "autocast_context",
+           "RNGState", "chain_starts", "rng_scope", "restore_global", "uses_rng", "RNG_LOCK"]
+
+
+@dataclasses.dataclass(frozen=True)
+class AutocastState:
+    device_type: str
+    enabled: bool
+    dtype: torch.dtype
+    cache_enabled: bool
+
+
+def capture_autocast(device_type: str) -> AutocastState:
+    """The calling thread's autocast state for ``device_type``. Never blocks."""
+    return AutocastState(device_type, torch.is_autocast_enabled(device_type),
+                         torch.get_autocast_dtype(device_type), torch.is_autocast_cache_enabled())
+
+
+def resolve_autocast(setting: Any, device_type: str) -> AutocastState:
+    """``None``: the caller's state; ``False``: disabled; a dtype: enabled with that dtype.
+    Call it on the thread that called ``forward``/``forward_backward``."""
+    caller = capture_autocast(device_type)
+    if setting is None:
+        return caller
+    if setting is False:
+        return dataclasses.replace(caller, enabled=False)
+    if isinstance(setting, torch.dtype):
+        return dataclasses.replace(caller, enabled=True, dtype=setting)
+    raise ValueError(f"autocast must be None (the caller's state), False or a torch.dtype, "
+                     f"got {setting!r}")
+
+
+def autocast_context(state: AutocastState) -> contextlib.AbstractContextManager:
+    """Apply ``state`` on the current (worker) thread."""
+    if not state.enabled:
+        # Explicitly off: a worker thread starts with autocast off, but be exact anyway.
+        return torch.autocast(state.device_type, enabled=False)
+    return torch.autocast(state.device_type, dtype=state.dtype, enabled=True,
+                          cache_enabled=state.cache_enabled)
+
+
+# [Note: RNG chains]
+# The CPU default generator is process-global and shared by concurrent CPU workers, so which
+# worker runs a stage, and when, must not decide which random numbers it draws.
+# * Each microbatch has an RNG chain: stage s of microbatch m starts from the state in which
+#   stage s-1 of microbatch m ended.
+# * A single-microbatch call starts its chain from the caller's current global state, so one
+#   microbatch on one worker draws exactly what plain PyTorch draws (dropout masks included).
+#   With M > 1 microbatches, one base seed is drawn from the global generator at the call and
+#   microbatch m's chain is seeded from (base, m).
+# * A stage "uses RNG" if preserve_rng_state=True, or if it is None and the stage contains a
+#   dropout module (nn.Dropout family) in training mode. Such a stage runs its forward (and its
+#   recompute) holding RNG_LOCK: set the global state to the chain state, run, capture the end
+#   state for the next stage. Recompute restores the saved start state under the lock, so it
+#   reproduces the masks. Stages that do not use RNG run without the lock, concurrently.
+# * After the call the global generator is left deterministic: for M = 1 in the state where the
+#   chain ended (as plain PyTorch), for M > 1 just after the base seed was drawn.
+# Result: with a fixed seed, parameters are bitwise identical for any number of CPU workers.
+
+RNG_LOCK = threading.Lock()
+
+
+@dataclasses.dataclass(frozen=True)
+class RNGState:
+    """A chain state: the CPU generator state and, on CUDA, the worker device's state."""
+
+    cpu: torch.Tensor
+    device: Optional[torch.Tensor] = None
+
+
+def uses_rng(modules: Iterable[torch.nn.Module], preserve_rng_state: Optional[bool]) -> bool:
+    """Whether a stage made of ``modules`` (its layers) must run in an RNG chain."""
+    if preserve_rng_state is not None:
+        return bool(preserve_rng_state)
+    return any(isinstance(sub, torch.nn.modules.dropout._DropoutNd) and sub.training
+               for layer in modules for sub in layer.modules())
+
+
+def _mix(base: int, mb_index: int) -> int:
+    # splitmix64 of (base, m): distinct, well-spread seeds per microbatch.
+    x = (base + 0x9E3779B97F4A7C15 * (mb_index + 1)) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return (x ^ (x >> 31)) & 0x7FFFFFFFFFFFFFFF
+
+
+def chain_starts(num_microbatch: int, backend: Any) -> List[RNGState]:
+    """The start state of each microbatch's chain; draws the base seed when M > 1.
+
+    Call on the caller's thread at the start of the call (it may advance the global generator).
+    """
+    if num_microbatch == 1:
+        return [RNGState(torch.get_rng_state(), backend.get_rng_state())]
+    base = int(torch.randint(0, 2**62, (), dtype=torch.int64).item())
+    starts = []
+    for m in range(num_microbatch):
+        seed = _mix(base, m)
+        gen = torch.Generator()
+        gen.manual_seed(seed)
+        starts.append(RNGState(gen.get_state(), backend.seeded_rng_state(seed)))
+    return starts
+
+
+class _ScopeResult:
+    __slots__ = ("end",)
+
+    def __init__(self) -> None:
+        self.end: Optional[RNGState] = None
+
+
+@contextlib.contextmanager
+def rng_scope(start: Optional[RNGState], backend: Any) -> Iterator[_ScopeResult]:
+    """Run the body with the global RNG set to ``start`` under :data:`RNG_LOCK`; the yielded
+    object's ``end`` holds the state the body ended in. ``start=None``: no RNG handling, no lock
+    (``end`` stays None). Worker threads; blocks on the lock."""
+    result = _ScopeResult()
+    if start is None:
+        yield result
+        return
+    with RNG_LOCK:
+        torch.set_rng_state(start.cpu)
+        backend.set_rng_state(start.device)
+        yield result
+        result.end = RNGState(torch.get_rng_state(), backend.get_rng_state())
+
+
+def restore_global(state: RNGState, backend: Any) -> None:
+    """Set the global generator(s) to ``state`` (caller's thread, after the call)."""
+    with RNG_LOCK:
+        torch.set_rng_state(state.cpu)
+        backend.set_rng_state(state.device)

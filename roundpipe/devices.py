@@ -1,0 +1,373 @@
+"""The device pool: which devices compute, one worker thread per device, and the backends.
+
+* :func:`parse_devices` turns ``"cpu"``, ``"cpu:2"`` (two CPU workers), ``"cuda"`` (every CUDA
+  device) or ``"cuda:0,1"`` into a tuple of :class:`WorkerDevice`.
+* :func:`resolve_devices`: the ``devices=`` argument beats ``ROUNDPIPE_DEVICES``, which beats the
+  default (every CUDA device, else one CPU worker).
+* One worker thread per device, process-wide (:func:`get_worker`): a daemon thread started on
+  first use, fed by a ``queue.SimpleQueue`` of work items with future-like results
+  (:class:`Future`): the worker catches ``BaseException`` and stores it, the waiter re-raises it.
+* Backends: the CPU backend is the reference (host <-> device moves are the identity); the CUDA
+  backend is thin: each action runs on a side stream, stage parameters are uploaded with a
+  differentiable ``.to(device, non_blocking=True)``, and an action's end is published by a CUDA
+  event that the worker waits for before setting the host-side future.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import dataclasses
+import enum
+import os
+import queue
+import threading
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+
+import torch
+from torch.utils import _pytree as pytree
+
+__all__ = ["WorkerDevice", "parse_devices", "resolve_devices", "DevicePool", "Future", "get_worker",
+           "ENV_VAR"]
+
+ENV_VAR = "ROUNDPIPE_DEVICES"
+
+_ACCEPTED = "'cpu', 'cpu:N' (N CPU workers), 'cuda' (every CUDA device) or 'cuda:I[,J...]'"
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerDevice:
+    """A slot of the pool: ``("cpu", i)`` is the i-th CPU worker, ``("cuda", i)`` is cuda:i."""
+
+    type: str
+    index: int
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device("cpu") if self.type == "cpu" else torch.device(self.type, self.index)
+
+    def __str__(self) -> str:
+        return f"cpu#{self.index}" if self.type == "cpu" else f"{self.type}:{self.index}"
+
+
+def parse_devices(spec: Union[str, torch.device, Sequence[Union[str, torch.device]]]
+                  ) -> Tuple[WorkerDevice, ...]:
+    """Parse a device spec; raises ``ValueError`` naming the accepted forms. Any thread."""
+    if isinstance(spec, torch.device):
+        spec = str(spec)
+    if not isinstance(spec, str):
+        try:
+            items = list(spec)
+        except TypeError:
+            raise ValueError(f"bad device spec {spec!r}: use {_ACCEPTED}") from None
+        out: List[WorkerDevice] = []
+        for item in items:
+            out.extend(parse_devices(item))
+        if not out:
+            raise ValueError(f"empty device list: use {_ACCEPTED}")
+        _check_one_kind(out, spec)
+        return tuple(out)
+    text = spec.strip().lower()
+    kind, _, rest = text.partition(":")
+    if kind == "cpu":
+        if not rest:
+            return (WorkerDevice("cpu", 0),)
+        if rest.isdigit() and int(rest) >= 1:
+            return tuple(WorkerDevice("cpu", i) for i in range(int(rest)))
+        raise ValueError(f"bad device spec {spec!r}: 'cpu:N' takes a number of workers N >= 1; "
+                         f"use {_ACCEPTED}")
+    if kind == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if not rest:
+            if count == 0:
+                raise ValueError(f"device spec {spec!r} asks for every CUDA device but none is "
+                                 f"available; use 'cpu' or 'cpu:N'")
+            return tuple(WorkerDevice("cuda", i) for i in range(count))
+        parts = [p.strip().removeprefix("cuda:") for p in rest.split(",")]
+        if not parts or not all(p.isdigit() for p in parts):
+            raise ValueError(f"bad device spec {spec!r}: use {_ACCEPTED}")
+        indices = [int(p) for p in parts]
+        if len(set(indices)) != len(indices):
+            raise ValueError(f"device spec {spec!r} names a CUDA device twice")
+        for i in indices:
+            if i >= count:
+                raise ValueError(f"device spec {spec!r} names cuda:{i} but only {count} CUDA "
+                                 f"device(s) are available")
+        return tuple(WorkerDevice("cuda", i) for i in indices)
+    raise ValueError(f"bad device spec {spec!r}: use {_ACCEPTED}")
+
+
+def _check_one_kind(devices: Sequence[WorkerDevice], spec: Any) -> None:
+    if len({d.type for d in devices}) > 1:
+        raise ValueError(f"device spec {spec!r} mixes device types; a pool is all CPU or all CUDA")
+    if len(set(devices)) != len(devices):
+        raise ValueError(f"device spec {spec!r} names a device twice")
+
+
+def resolve_devices(devices: Any = None) -> Tuple[WorkerDevice, ...]:
+    """``devices`` if given, else ``$ROUNDPIPE_DEVICES`` if set, else every CUDA device, else one
+    CPU worker."""
+    if devices is not None:
+        return parse_devices(devices)
+    env = os.environ.get(ENV_VAR, "").strip()
+    if env:
+        try:
+            return parse_devices(env)
+        except ValueError as exc:
+            raise ValueError(f"{ENV_VAR}={env!r}: {exc}") from None
+    if torch.cuda.is_available() and torch.cuda.device_count() > 0:
+        return parse_devices("cuda")
+    return parse_devices("cpu")
+
+
+# -- futures and workers ----------------------------------------------------------------------
+
+
+class Future:
+    """Future-like result of one work item.
+
+    Written once by the thread that runs the work (``set_result``/``set_exception``) before
+    ``_done`` is set; read by other threads only after waiting on ``_done``.
+    """
+
+    __slots__ = ("_done", "_result", "_exception")
+
+    def __init__(self) -> None:
+        self._done = threading.Event()
+        self._result: Any = None
+        self._exception: Optional[BaseException] = None
+
+    def set_result(self, value: Any) -> None:
+        self._result = value
+        self._done.set()
+
+    def set_exception(self, exc: BaseException) -> None:
+        self._exception = exc
+        self._done.set()
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def exception(self) -> Optional[BaseException]:
+        """Block until done; return the stored exception (None on success)."""
+        self._done.wait()
+        return self._exception
+
+    def result(self) -> Any:
+        """Block until done; return the result or re-raise the stored exception."""
+        self._done.wait()
+        if self._exception is not None:
+            raise self._exception
+        return self._result
+
+
+class _State(enum.Enum):
+    NOT_STARTED = "not started"
+    RUNNING = "running"
+    SHUT_DOWN = "shut down"
+
+
+_STOP = object()
+
+
+class _Worker:
+    """One thread that runs work items for one device, in submission order.
+
+    ``_state`` and ``_thread`` are guarded by ``_lock``; items only travel through ``_queue``.
+    """
+
+    def __init__(self, device: WorkerDevice) -> None:
+        self.device = device
+        self._queue: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._state = _State.NOT_STARTED
+        self._thread: Optional[threading.Thread] = None
+
+    def submit(self, fn: Callable, *args: Any, future: Optional[Future] = None) -> Future:
+        """Queue ``fn(*args)``; returns its future at once. Any thread."""
+        fut = future if future is not None else Future()
+        with self._lock:
+            if self._state is _State.SHUT_DOWN:
+                raise RuntimeError(f"the roundpipe worker for {self.device} has shut down (the "
+                                   f"interpreter is exiting); no new work can be submitted")
+            if self._state is _State.NOT_STARTED:
+                self._thread = threading.Thread(target=self._run, daemon=True,
+                                                name=f"roundpipe-worker-{self.device}")
+                self._thread.start()
+                self._state = _State.RUNNING
+            self._queue.put((fut, fn, args))
+        return fut
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is _STOP:
+                return
+            fut, fn, args = item
+            try:
+                result = fn(*args)
+            except BaseException as exc:  # noqa: B036 -- stored and re-raised by the waiter
+                fut.set_exception(exc)
+            else:
+                fut.set_result(result)
+            del item, fut, fn, args  # drop references to tensors before blocking again
+
+    def shutdown(self) -> None:
+        """Let queued work finish, then stop the thread. Idempotent; never from the worker."""
+        with self._lock:
+            was_running = self._state is _State.RUNNING
+            self._state = _State.SHUT_DOWN
+            thread = self._thread
+        if was_running and thread is not None and thread is not threading.current_thread():
+            self._queue.put(_STOP)
+            thread.join()
+
+
+_WORKERS: Dict[WorkerDevice, _Worker] = {}
+_WORKERS_LOCK = threading.Lock()
+
+
+def get_worker(device: WorkerDevice) -> _Worker:
+    """The process-wide worker of ``device`` (created on first use). Any thread."""
+    with _WORKERS_LOCK:
+        worker = _WORKERS.get(device)
+        if worker is None:
+            worker = _WORKERS[device] = _Worker(device)
+        return worker
+
+
+@atexit.register
+def _shutdown_workers() -> None:
+    with _WORKERS_LOCK:
+        workers = list(_WORKERS.values())
+    for w in workers:
+        w.shutdown()
+
+
+# -- backends ---------------------------------------------------------------------------------
+
+
+class _CPUBackend:
+    """The reference backend: tensors already live on the host, so moves are the identity."""
+
+    device_type = "cpu"
+
+    def __init__(self, device: WorkerDevice) -> None:
+        self.device = device
+        self.torch_device = device.torch_device
+
+    def action_context(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def to_device(self, tree: Any) -> Any:
+        return tree
+
+    def call_layer(self, layer: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
+        return layer(*args, **kwargs)
+
+    def grads_to_host(self, grads: List[Optional[torch.Tensor]]) -> List[Optional[torch.Tensor]]:
+        return grads
+
+    def finish(self) -> None:
+        """Called at the end of every action on the worker."""
+
+    def get_rng_state(self) -> Optional[torch.Tensor]:
+        return None
+
+    def set_rng_state(self, state: Optional[torch.Tensor]) -> None:
+        return None
+
+    def seeded_rng_state(self, seed: int) -> Optional[torch.Tensor]:
+        return None
+
+
+class _CUDABackend:
+    """Thin CUDA backend: same interface, with a side stream and events.
+
+    Stage parameters stay in host memory; each action uploads them with a differentiable
+    ``.to(device, non_blocking=True)`` and calls the layer through ``torch.func.functional_call``,
+    so ``torch.autograd.grad`` with respect to the host parameters gives host gradients.
+    """
+
+    device_type = "cuda"
+
+    def __init__(self, device: WorkerDevice) -> None:
+        self.device = device
+        self.torch_device = device.torch_device
+        self._stream: Optional[torch.cuda.Stream] = None
+
+    @property
+    def stream(self) -> "torch.cuda.Stream":
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self.torch_device)
+        return self._stream
+
+    @contextlib.contextmanager
+    def action_context(self) -> Iterator[None]:
+        with torch.cuda.device(self.torch_device), torch.cuda.stream(self.stream):
+            yield
+
+    def to_device(self, tree: Any) -> Any:
+        stream = self.stream
+
+        def move(x: Any) -> Any:
+            if not isinstance(x, torch.Tensor):
+                return x
+            if x.device == self.torch_device:
+                # Produced on another stream (finished: see finish()); keep the allocator from
+                # reusing it while this stream still reads it.
+                x.record_stream(stream)
+                return x
+            return x.to(self.torch_device, non_blocking=True)
+
+        return pytree.tree_map(move, tree)
+
+    def call_layer(self, layer: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
+        params = {n: p.to(self.torch_device, non_blocking=True)
+                  for n, p in layer.named_parameters()}
+        params.update({n: b.to(self.torch_device, non_blocking=True)
+                       for n, b in layer.named_buffers()})
+        return torch.func.functional_call(layer, params, args, kwargs)
+
+    def grads_to_host(self, grads: List[Optional[torch.Tensor]]) -> List[Optional[torch.Tensor]]:
+        host = [None if g is None else g.to("cpu", non_blocking=True) for g in grads]
+        self.finish()
+        return host
+
+    def finish(self) -> None:
+        # Device event, then the host side: the action's future is set only after this returns.
+        event = torch.cuda.Event()
+        event.record(self.stream)
+        event.synchronize()
+
+    def get_rng_state(self) -> Optional[torch.Tensor]:
+        return torch.cuda.get_rng_state(self.torch_device)
+
+    def set_rng_state(self, state: Optional[torch.Tensor]) -> None:
+        if state is not None:
+            torch.cuda.set_rng_state(state, self.torch_device)
+
+    def seeded_rng_state(self, seed: int) -> Optional[torch.Tensor]:
+        gen = torch.Generator(device=self.torch_device)
+        gen.manual_seed(seed)
+        return gen.get_state()
+
+
+class DevicePool:
+    """The devices of one model, their workers and their backends. Built on the main thread;
+    read-only afterwards."""
+
+    def __init__(self, devices: Any = None) -> None:
+        self.devices = resolve_devices(devices)
+        self.device_type = self.devices[0].type
+        backend_cls = _CPUBackend if self.device_type == "cpu" else _CUDABackend
+        self.backends = [backend_cls(d) for d in self.devices]
+
+    def __len__(self) -> int:
+        return len(self.devices)
+
+    def worker(self, i: int) -> _Worker:
+        return get_worker(self.devices[i])
+
+    def __repr__(self) -> str:
+        return f"DevicePool({', '.join(str(d) for d in self.devices)})"

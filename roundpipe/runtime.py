@@ -1,0 +1,983 @@
+"""The model runtime: :class:`RoundPipe` wraps a model and runs it in microbatches on a device pool.
+
+* Layers are the children of an ``nn.Sequential`` (any other module is one layer); a stage is a
+  run of consecutive layers (``execute_plan``), placed round-robin on the pool's devices.
+* The wrapped module keeps its (low-precision) parameters; fp32 masters (``optim_dtype``) are
+  what the optimizer updates. Gradients of every microbatch accumulate into the masters' ``.grad``
+  on the optimizer thread.
+* :mod:`roundpipe.schedule` decides the order, this module executes it: each device worker gets
+  its actions, each action is a future that its dependents wait on.
+* ``step(step_fn)`` runs ``step_fn`` on the optimizer thread, one step behind
+  (see [Note: staleness]).
+
+Threads and what they touch (see DESIGN.md "Threads"):
+
+* main: every public method; the run configs; ``_ready`` (replaced, never mutated);
+  ``_has_grads``; the per-call state before the workers start and after they finish.
+* device workers: a call's ``_Call`` slots, each written by one action and read by its dependents
+  after that action's future is done; the low-precision parameters (read only, after the stage's
+  "params ready" event).
+* optimizer thread: the masters and their ``.grad`` (grad moves, ``step_fn``, clears), and the
+  low-precision parameters (written by the master->model copy, which sets the events).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils import _pytree as pytree
+
+from roundpipe import optim_thread
+from roundpipe.autocast import (AutocastState, RNGState, autocast_context, chain_starts,
+                                resolve_autocast, restore_global, rng_scope, uses_rng)
+from roundpipe.devices import DevicePool, Future
+from roundpipe.microbatch import merge_outputs, split_inputs, split_label
+from roundpipe.optim_thread import add_note
+from roundpipe.schedule import Action, ActionKind, Plan, build_plan, partition
+
+__all__ = ["RoundPipe", "RoundPipeRunConfig", "OptimizerCtx"]
+
+
+# [Note: staleness]
+# model.step(step_fn) (async, the default) launches on the optimizer thread, in this order:
+#   (a) the master->model copy: the current masters (produced by the previous step) are copied
+#       into the low-precision params layer by layer, each layer's "params ready" event set after
+#       its copy; workers wait on those events before reading a stage's params;
+#   (b) step_fn, inside OptimizerCtx.
+# and returns without waiting. The next forward_backward computes while the step runs; its grad
+# moves queue behind the step (the optimizer thread is FIFO) and forward_backward waits for them,
+# so a forward_backward never returns while a step is in flight. Hence iteration k computes with
+# the params produced by step k-2 (iterations 0 and 1 with the initial ones), and step k applies
+# iteration k's gradients to the newest masters: ZeRO-Offload's delayed parameter update.
+# step(step_fn, is_async=False) launches step_fn, then the copy, then waits: zero-stale.
+# The low-precision params are never written while a worker reads them: the copy of step k runs
+# after forward_backward k returned, and forward_backward k+1 waits for the events.
+
+
+# -- run config -------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class RoundPipeRunConfig:
+    """How a call runs. Every field ``None`` = inherit: call-level config, then the model-level
+    config, then the default.
+
+    * ``num_microbatch`` (default 1).
+    * ``autocast``: None (the caller's autocast state at the call), False (off), or a dtype (on,
+      with that dtype); active in every stage forward, recompute and ``loss_fn``, never backward.
+    * ``requires_grad``: whether ``forward()`` output tracks gradients (default
+      ``torch.is_grad_enabled()`` at the call).
+    * ``preserve_rng_state``: whether stages run in an RNG chain (see [Note: RNG chains]);
+      default: the stages that contain a dropout module in training mode.
+    * ``recompute`` (default True): keep only stage inputs, recompute in backward.
+    * ``split_input`` / ``split_label`` / ``merge_output``: specs (``TensorChunkSpec``, int, a
+      pytree of them) or callables, see :mod:`roundpipe.microbatch`.
+    * ``output_device`` (default ``"cpu"``): where merged outputs and the loss are returned.
+    * ``execute_plan``: the stage partition, layers per stage (default one layer per stage).
+
+    Plain data; build it on any thread, do not mutate one that a call is using.
+    """
+
+    num_microbatch: Optional[int] = None
+    autocast: Any = None
+    requires_grad: Optional[bool] = None
+    preserve_rng_state: Optional[bool] = None
+    recompute: Optional[bool] = None
+    split_input: Any = None
+    split_label: Any = None
+    merge_output: Any = None
+    output_device: Any = None
+    execute_plan: Optional[Sequence[int]] = None
+
+    def __post_init__(self) -> None:
+        n = self.num_microbatch
+        if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
+            raise ValueError(f"num_microbatch must be a positive int, got {n!r}")
+        if not (self.autocast is None or self.autocast is False
+                or isinstance(self.autocast, torch.dtype)):
+            raise ValueError(f"autocast must be None (the caller's autocast state), False or a "
+                             f"torch.dtype such as torch.bfloat16, got {self.autocast!r}")
+        for name in ("requires_grad", "preserve_rng_state", "recompute"):
+            v = getattr(self, name)
+            if v is not None and not isinstance(v, bool):
+                raise ValueError(f"{name} must be None, True or False, got {v!r}")
+        if self.output_device is not None:
+            try:
+                torch.device(self.output_device)
+            except (RuntimeError, TypeError) as exc:
+                raise ValueError(f"output_device {self.output_device!r} is not a device: "
+                                 f"{exc}") from None
+        if self.execute_plan is not None:
+            plan = self.execute_plan
+            if (isinstance(plan, (str, bytes)) or not hasattr(plan, "__len__") or len(plan) == 0
+                    or any(not isinstance(k, int) or isinstance(k, bool) or k < 1 for k in plan)):
+                raise ValueError(f"execute_plan must be a non-empty list of positive ints "
+                                 f"(layers per stage), got {plan!r}")
+
+
+_DEFAULTS = RoundPipeRunConfig(num_microbatch=1, recompute=True, output_device="cpu")
+
+
+def _merge_configs(*configs: Optional[RoundPipeRunConfig]) -> RoundPipeRunConfig:
+    """Field by field, the first non-None among ``configs`` (highest priority first)."""
+    values = {}
+    for f in dataclasses.fields(RoundPipeRunConfig):
+        for cfg in configs:
+            if cfg is not None and getattr(cfg, f.name) is not None:
+                values[f.name] = getattr(cfg, f.name)
+                break
+    return RoundPipeRunConfig(**values)
+
+
+# -- optimizer context ------------------------------------------------------------------------
+
+_OPTIM_TLS = threading.local()
+_STEP_TLS = threading.local()
+
+
+class OptimizerCtx:
+    """Inside this context (thread-local), ``model.parameters()`` / ``named_parameters()`` of
+    every :class:`RoundPipe` return the fp32 masters instead of the model's parameters::
+
+        with OptimizerCtx():
+            opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+
+    It is also active on the optimizer thread while a ``step_fn`` runs. Any thread; nestable.
+    """
+
+    def __enter__(self) -> "OptimizerCtx":
+        _OPTIM_TLS.depth = getattr(_OPTIM_TLS, "depth", 0) + 1
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        _OPTIM_TLS.depth -= 1
+
+
+def _in_optimizer_ctx() -> bool:
+    return getattr(_OPTIM_TLS, "depth", 0) > 0
+
+
+_OPTIMIZER_HOOK: Any = None
+_OPTIMIZER_HOOK_LOCK = threading.Lock()
+
+
+def _check_optimizer_params(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """Global optimizer step pre-hook; acts only while a RoundPipe step_fn runs on this thread."""
+    model = getattr(_STEP_TLS, "model", None)
+    if model is None:
+        return
+    lowp = model._lowp_ids
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if id(p) in lowp:
+                raise RuntimeError(
+                    f"{type(optimizer).__name__} was built on the model's own (low-precision) "
+                    f"parameters, e.g. {model._param_names.get(id(p), '?')!r}, instead of the "
+                    f"fp32 masters that RoundPipe accumulates gradients into; build it with "
+                    f"`with OptimizerCtx(): opt = {type(optimizer).__name__}(model.parameters(), "
+                    f"...)` or on `model.optim_parameters()`")
+
+
+def _ensure_optimizer_hook() -> None:
+    global _OPTIMIZER_HOOK
+    with _OPTIMIZER_HOOK_LOCK:
+        if _OPTIMIZER_HOOK is None:
+            _OPTIMIZER_HOOK = register_optimizer_step_pre_hook(
+                _check_optimizer_params)
+
+
+# -- internal structures ----------------------------------------------------------------------
+
+
+class _Cancelled(Exception):
+    """An action skipped because a dependency failed; never reaches the user."""
+
+
+class _ParamsCopyFailed(Exception):
+    """A worker found the master->model copy of its stage failed; resolved on the main thread."""
+
+    def __init__(self, ready: "_ParamsReady") -> None:
+        super().__init__("master->model parameter copy failed")
+        self.ready = ready
+
+
+class _ParamsReady:
+    """Per-layer "params ready" events of one master->model copy.
+
+    Written by the optimizer thread (``error``, ``failed_from``, then the events); read by workers
+    and the main thread after waiting on an event. ``item`` is set by the main thread at launch.
+    """
+
+    def __init__(self, num_layers: int, done: bool = False) -> None:
+        self._events = [threading.Event() for _ in range(num_layers)]
+        self.error: Optional[BaseException] = None
+        self.failed_from = num_layers
+        self.item: Any = None
+        if done:
+            for e in self._events:
+                e.set()
+
+    def set(self, layer: int) -> None:
+        self._events[layer].set()
+
+    def fail(self, layer: int, exc: BaseException) -> None:
+        self.error, self.failed_from = exc, layer
+        for e in self._events[layer:]:
+            e.set()
+
+    def wait(self, layer: int) -> None:
+        """Block until ``layer``'s params are ready; raise if their copy failed."""
+        self._events[layer].wait()
+        if layer >= self.failed_from:
+            raise _ParamsCopyFailed(self)
+
+    def wait_all(self) -> None:
+        for layer in range(len(self._events)):
+            self.wait(layer)
+
+    def failed(self) -> bool:
+        return all(e.is_set() for e in self._events) and self.error is not None
+
+
+@dataclasses.dataclass
+class _Layer:
+    index: int
+    name: str
+    module: nn.Module
+
+    def describe(self) -> str:
+        kind = type(self.module).__name__
+        return (f"layer {self.index} ({kind})" if self.name == str(self.index)
+                else f"layer {self.index} {self.name!r} ({kind})")
+
+
+class _Stage:
+    """Consecutive layers ``[first, end)``; ``params``: (name, param) of those layers, each once."""
+
+    def __init__(self, index: int, layers: List[_Layer], param_names: Dict[int, str]) -> None:
+        self.index = index
+        self.layers = layers
+        seen: set = set()
+        self.params: List[Tuple[str, nn.Parameter]] = []
+        for layer in layers:
+            for p in layer.module.parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    self.params.append((param_names[id(p)], p))
+
+
+class _Slot:
+    """What one (stage, microbatch) hands to the actions that depend on it."""
+
+    __slots__ = ("inp", "rng_start", "rng_end", "out", "graph_in", "graph_out", "grad_in")
+
+    def __init__(self) -> None:
+        self.inp: Any = None            # saved stage input (recompute)
+        self.rng_start: Optional[RNGState] = None   # chain state the forward started from
+        self.rng_end: Optional[RNGState] = None     # chain state for the next stage
+        self.out: Any = None            # stage output handed to the next stage
+        self.graph_in: Any = None       # recompute off: input leaves that require grad
+        self.graph_out: Any = None      # recompute off: output leaves with their graph
+        self.grad_in: Any = None        # grads w.r.t. this stage's input leaves (aligned)
+
+
+@dataclasses.dataclass
+class _Call:
+    """State of one forward/forward_backward call, shared by main and the workers."""
+
+    plan: Plan
+    stages: List[_Stage]
+    training: bool
+    recompute: bool
+    grad_enabled: bool
+    inference_mode: bool
+    autocast: AutocastState
+    chunks: List[Tuple[tuple, dict]]
+    sizes: List[int]
+    labels: List[Any]
+    loss_fn: Optional[Callable]
+    return_outputs: bool
+    stage_params: List[List[Tuple[str, nn.Parameter]]]
+    stage_rng: List[bool]
+    rng_starts: Optional[List[RNGState]]
+    rng_after_draw: Optional[RNGState]
+    ready: _ParamsReady
+    cast_dtype: Optional[torch.dtype]
+    slots: Dict[Tuple[int, int], _Slot] = dataclasses.field(default_factory=dict)
+    futures: Dict[Tuple, Future] = dataclasses.field(default_factory=dict)
+    losses: List[Any] = dataclasses.field(default_factory=list)
+    outputs: List[Any] = dataclasses.field(default_factory=list)
+    move_items: List[Any] = dataclasses.field(default_factory=list)
+
+
+def _accumulate_grad(master: nn.Parameter, grad: torch.Tensor) -> None:
+    """Grad move (optimizer thread): add one microbatch's gradient to the master's, in
+    ``optim_dtype``. The first one is copied (autograd may hand out aliased tensors)."""
+    if master.grad is None:
+        master.grad = torch.empty_like(master).copy_(grad)
+    else:
+        master.grad.add_(grad)
+
+
+def _clear_grads(masters: List[nn.Parameter]) -> None:
+    for m in masters:
+        m.grad = None
+
+
+def _is_float(x: Any) -> bool:
+    return isinstance(x, torch.Tensor) and (x.is_floating_point() or x.is_complex())
+
+
+def _detach(tree: Any) -> Any:
+    return pytree.tree_map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, tree)
+
+
+# -- the wrapper ------------------------------------------------------------------------------
+
+
+class RoundPipe(nn.Module):
+    """Runs ``model`` in microbatches on a device pool, with fp32 master parameters and an
+    optimizer step that runs on the optimizer thread, one step behind (see [Note: staleness]).
+
+    Args:
+        model: an ``nn.Sequential`` (its children are the layers) or any module (one layer). It
+            keeps its parameter objects; after :meth:`synchronize` they hold the newest values.
+        optim_dtype: dtype of the masters; None means fp32 for fp16/bf16 params, else the
+            param's own dtype.
+        name: shown in error notes.
+        model_run_config: the model-level :class:`RoundPipeRunConfig`.
+        devices: the device pool (``"cpu"``, ``"cpu:2"``, ``"cuda:0,1"``); default
+            ``$ROUNDPIPE_DEVICES``, else every CUDA device, else one CPU worker.
+
+    Every public method is for the main thread (the one that runs the training loop), except
+    :meth:`optim_parameters`/:meth:`optim_named_parameters` and ``parameters()`` inside
+    :class:`OptimizerCtx`, which any thread may call. Attributes by thread: see the module
+    docstring.
+    """
+
+    def __init__(self, model: nn.Module, optim_dtype: Optional[torch.dtype] = None,
+                 name: Optional[str] = None,
+                 model_run_config: Optional[RoundPipeRunConfig] = None,
+                 devices: Any = None) -> None:
+        super().__init__()
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"RoundPipe wraps an nn.Module, got {type(model).__name__}")
+        if model_run_config is not None and not isinstance(model_run_config, RoundPipeRunConfig):
+            raise TypeError("model_run_config must be a RoundPipeRunConfig")
+        if optim_dtype is not None and not isinstance(optim_dtype, torch.dtype):
+            raise ValueError(f"optim_dtype must be None or a torch.dtype, got {optim_dtype!r}")
+        self.module = model
+        self.name = name
+        self.model_run_config = model_run_config or RoundPipeRunConfig()
+        self._pool = DevicePool(devices)
+        if isinstance(model, nn.Sequential):
+            children = list(model.named_children())
+            if not children:
+                raise ValueError("cannot wrap an empty nn.Sequential")
+        else:
+            children = [("0", model)]
+        self._layers = [_Layer(i, n, m) for i, (n, m) in enumerate(children)]
+        self._param_names = {id(p): n for n, p in model.named_parameters(remove_duplicate=True)}
+        self._lowp_ids = frozenset(self._param_names)
+        self._build_masters(optim_dtype)
+        self._cast_dtype = self._low_precision_dtype()
+        # Params of each layer to copy from the masters, each param once (in its first layer).
+        seen: set = set()
+        self._layer_copies: List[List[Tuple[nn.Parameter, nn.Parameter]]] = []
+        for layer in self._layers:
+            pairs = []
+            for p in layer.module.parameters():
+                if id(p) in self._master_of and id(p) not in seen:
+                    seen.add(id(p))
+                    pairs.append((p, self._master_of[id(p)]))
+            self._layer_copies.append(pairs)
+        self._ready = _ParamsReady(len(self._layers), done=True)
+        self._has_grads = False
+        self._hooks_registered = False
+        self._stage_cache: Dict[Tuple[int, ...], List[_Stage]] = {}
+        self._plan_cache: Dict[Tuple[int, int, bool], Plan] = {}
+        if self.model_run_config.execute_plan is not None:
+            self._stages(self.model_run_config.execute_plan)  # validate now
+        _ensure_optimizer_hook()
+
+    # -- masters ------------------------------------------------------------------------------
+    def _build_masters(self, optim_dtype: Optional[torch.dtype]) -> None:
+        self._masters: Dict[str, nn.Parameter] = {}
+        self._master_of: Dict[int, nn.Parameter] = {}
+        for name, p in self.module.named_parameters():
+            if not p.requires_grad:
+                continue
+            dtype = optim_dtype
+            if dtype is None:
+                dtype = torch.float32 if p.dtype in (torch.float16, torch.bfloat16) else p.dtype
+            master = nn.Parameter(p.detach().to(device="cpu", dtype=dtype, copy=True))
+            self._masters[name] = master
+            self._master_of[id(p)] = master
+
+    def _low_precision_dtype(self) -> Optional[torch.dtype]:
+        dtypes = {p.dtype for p in self.module.parameters() if p.is_floating_point()}
+        if len(dtypes) == 1 and next(iter(dtypes)) in (torch.float16, torch.bfloat16):
+            return next(iter(dtypes))
+        return None
+
+    def optim_parameters(self) -> Iterator[nn.Parameter]:
+        """The fp32 master parameters (one per trainable parameter). Any thread; never blocks."""
+        return iter(list(self._masters.values()))
+
+    def optim_named_parameters(self) -> Iterator[Tuple[str, nn.Parameter]]:
+        """``(name, master)`` pairs, named like the wrapped module's parameters."""
+        return iter(list(self._masters.items()))
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True,
+                         remove_duplicate: bool = True) -> Iterator[Tuple[str, nn.Parameter]]:
+        """The wrapped module's parameters (names without a wrapper prefix); inside
+        :class:`OptimizerCtx`, the masters. Decided at the call, not at iteration."""
+        if _in_optimizer_ctx():
+            sep = "." if prefix else ""
+            return iter([(prefix + sep + n, m) for n, m in self._masters.items()])
+        return self.module.named_parameters(prefix=prefix, recurse=recurse,
+                                            remove_duplicate=remove_duplicate)
+
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
+        """``named_parameters()`` without the names (masters inside :class:`OptimizerCtx`)."""
+        return iter([p for _, p in self.named_parameters(recurse=recurse)])
+
+    # -- state dicts --------------------------------------------------------------------------
+    def state_dict(self, *args: Any, **kwargs: Any) -> Dict[str, Any]:
+        """The wrapped module's state dict (same keys; the low-precision values the model holds
+        now). Main thread; waits for a pending master->model copy, not for the step."""
+        self._wait_ready()
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        """Load into the wrapped module, then refresh the masters from the loaded params.
+
+        For an exact resume, call :meth:`load_master_state_dict` afterwards. Main thread; blocks
+        until the optimizer thread has run everything launched before.
+        """
+        if assign:
+            raise ValueError("load_state_dict(assign=True) would replace the parameter objects "
+                             "that RoundPipe's masters shadow; load with assign=False")
+        optim_thread.synchronize()
+        self._wait_ready()
+        result = self.module.load_state_dict(state_dict, strict=strict)
+        pairs = [(m, p) for layer in self._layer_copies for p, m in layer]
+        optim_thread._launch(_copy_pairs, pairs).wait()
+        return result
+
+    def master_state_dict(self) -> Dict[str, torch.Tensor]:
+        """``{name: clone of the master}``. Main thread; waits for the optimizer thread."""
+        optim_thread.synchronize()
+        return {n: m.detach().clone() for n, m in self._masters.items()}
+
+    def load_master_state_dict(self, state_dict: Dict[str, torch.Tensor]) -> None:
+        """Copy values into the masters in place (the optimizer keeps referencing them). The
+        model params are not touched: :meth:`synchronize` or the next step copies them.
+        Main thread; blocks until the optimizer thread has applied it."""
+        missing = sorted(set(self._masters) - set(state_dict))
+        unexpected = sorted(set(state_dict) - set(self._masters))
+        if missing or unexpected:
+            raise ValueError(f"master state dict does not match the masters: missing "
+                             f"{missing}, unexpected {unexpected}")
+        pairs = []
+        for n, m in self._masters.items():
+            v = state_dict[n]
+            if tuple(v.shape) != tuple(m.shape):
+                raise ValueError(f"master {n!r} has shape {tuple(m.shape)}, the state dict "
+                                 f"gives {tuple(v.shape)}")
+            pairs.append((m, v))
+        optim_thread.synchronize()
+        optim_thread._launch(_copy_pairs, pairs).wait()
+
+    # -- config, stages, plans ----------------------------------------------------------------
+    def _resolve(self, run_config: Optional[RoundPipeRunConfig]) -> RoundPipeRunConfig:
+        if run_config is not None and not isinstance(run_config, RoundPipeRunConfig):
+            raise TypeError("run_config must be a RoundPipeRunConfig")
+        return _merge_configs(run_config, self.model_run_config, _DEFAULTS)
+
+    def _stages(self, execute_plan: Optional[Sequence[int]]) -> List[_Stage]:
+        key = tuple(execute_plan) if execute_plan is not None else ()
+        stages = self._stage_cache.get(key)
+        if stages is None:
+            bounds = partition(len(self._layers), execute_plan)
+            stages = [_Stage(s, self._layers[a:b], self._param_names)
+                      for s, (a, b) in enumerate(bounds)]
+            self._stage_cache[key] = stages
+        return stages
+
+    def _plan(self, num_stages: int, num_microbatch: int, training: bool) -> Plan:
+        key = (num_stages, num_microbatch, training)
+        plan = self._plan_cache.get(key)
+        if plan is None:
+            plan = self._plan_cache[key] = build_plan(num_stages, num_microbatch,
+                                                      len(self._pool), training)
+        return plan
+
+    def plan(self, run_config: Optional[RoundPipeRunConfig] = None,
+             training: bool = True) -> Plan:
+        """The plan a call with ``run_config`` would execute (``print`` it to see the order)."""
+        cfg = self._resolve(run_config)
+        return self._plan(len(self._stages(cfg.execute_plan)), cfg.num_microbatch, training)
+
+    # -- public calls -------------------------------------------------------------------------
+    def forward_backward(self, input_args: Sequence[Any] = (),
+                         input_kwargs: Optional[Dict[str, Any]] = None, label: Any = None,
+                         loss_fn: Optional[Callable[[Any, Any], torch.Tensor]] = None,
+                         return_outputs: bool = False,
+                         run_config: Optional[RoundPipeRunConfig] = None) -> Any:
+        """Forward and backward of one batch, in microbatches; returns the sum of the microbatch
+        losses (detached), or ``(loss, merged_outputs)`` with ``return_outputs``.
+
+        ``loss_fn(output, label_mb)`` runs once per microbatch on the worker of the last stage
+        and must return a single-element tensor. Gradients accumulate into the masters' ``.grad``
+        (``optim_dtype``). Main thread; blocks until every gradient of the call is accumulated,
+        so nothing of it is in flight afterwards (it also waits for a step launched before,
+        whose gradient moves come first). If it raises, the gradients accumulated since the last
+        step are discarded, so the next iteration starts clean.
+        """
+        self._report_failures()
+        if not callable(loss_fn):
+            raise ValueError("forward_backward needs loss_fn(output, label) -> scalar tensor")
+        cfg = self._resolve(run_config)
+        call = self._prepare(cfg, tuple(input_args), dict(input_kwargs or {}), label, loss_fn,
+                             training=True, return_outputs=return_outputs)
+        self._has_grads = True
+        ok = False
+        try:
+            self._execute(call)
+            for item in call.move_items:
+                item.wait()
+            optim_thread._raise_failures()  # e.g. a step launched before failed
+            ok = True
+        except BaseException:
+            self._discard_grads()
+            raise
+        finally:
+            self._restore_rng(call, ok)
+        out_device = torch.device(cfg.output_device)
+        total = call.losses[0]
+        for loss in call.losses[1:]:
+            total = total + loss
+        total = total.to(out_device)
+        if not return_outputs:
+            return total
+        merged = merge_outputs(call.outputs, call.sizes, cfg.merge_output)
+        return total, _to_device(merged, out_device)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Microbatched inference; differentiable when ``requires_grad`` (default: grad mode at
+        the call) is on. Then a ``backward()`` through the output moves the parameter gradients
+        into the masters (as forward_backward does) and :meth:`step` may follow. Main thread;
+        blocks until the output is computed."""
+        self._report_failures()
+        cfg = self._resolve(None)
+        grad = torch.is_grad_enabled() if cfg.requires_grad is None else cfg.requires_grad
+        grad = grad and not torch.is_inference_mode_enabled()
+        call = self._prepare(cfg, args, kwargs, None, None, training=False, return_outputs=True,
+                             grad_enabled=grad)
+        if grad:
+            self._ensure_grad_hooks()
+        ok = False
+        try:
+            self._execute(call)
+            ok = True
+        finally:
+            self._restore_rng(call, ok)
+        merged = _to_device(merge_outputs(call.outputs, call.sizes, cfg.merge_output),
+                            torch.device(cfg.output_device))
+        if grad and any(isinstance(x, torch.Tensor) and x.requires_grad
+                        for x in pytree.tree_leaves(merged)):
+            self._has_grads = True
+        return merged
+
+    def step(self, step_fn: Callable[[], Any], is_async: bool = True) -> None:
+        """Run ``step_fn`` on the optimizer thread, inside :class:`OptimizerCtx`.
+
+        Async (default): launch the master->model copy, then ``step_fn``, and return without
+        waiting; the next iteration computes with parameters one step older (see
+        [Note: staleness]). ``is_async=False``: launch ``step_fn``, then the copy, and wait
+        (zero-stale). Main thread. Raises ``RuntimeError`` if no gradients were produced since
+        the last step; re-raises an earlier failure of the optimizer thread (and then discards
+        the accumulated gradients).
+        """
+        self._report_failures()
+        if not callable(step_fn):
+            raise ValueError("step() needs a callable step_fn, e.g. lambda: (opt.step(), "
+                             "opt.zero_grad())")
+        if not self._has_grads:
+            raise RuntimeError(
+                "step() called with no gradients since the last step: run forward_backward() (or "
+                "a differentiable forward() and backward()) first; each step consumes the "
+                "gradients accumulated since the previous one")
+        self._has_grads = False
+        run = self._wrap_step(step_fn)
+        if is_async:
+            self._launch_copy()
+            optim_thread._launch_step(run)
+            return
+        optim_thread._launch_step(run)
+        self._launch_copy()
+        try:
+            optim_thread.synchronize()
+        except BaseException:
+            self._discard_grads()
+            raise
+
+    def synchronize(self) -> None:
+        """Wait for every launched step, then copy the newest masters into the model's
+        parameters (the user's parameter objects hold the newest values afterwards). Main
+        thread; blocks; re-raises an optimizer-thread failure."""
+        try:
+            optim_thread.synchronize()
+        except BaseException:
+            self._discard_grads()
+            raise
+        self._launch_copy()
+        self._wait_ready()
+
+    # -- internals: steps, copies, grads ------------------------------------------------------
+    def _wrap_step(self, step_fn: Callable[[], Any]) -> Callable[[], None]:
+        model = self
+
+        def run() -> None:
+            _STEP_TLS.model = model
+            try:
+                with OptimizerCtx():
+                    step_fn()
+            except BaseException as exc:  # noqa: B036 -- annotated, then re-raised
+                add_note(exc, f"[roundpipe{model._name_tag()} step_fn]")
+                raise
+            finally:
+                _STEP_TLS.model = None
+
+        run.__qualname__ = run.__name__ = (
+            f"RoundPipe.step({getattr(step_fn, '__qualname__', type(step_fn).__name__)})")
+        return run
+
+    def _launch_copy(self) -> _ParamsReady:
+        ready = _ParamsReady(len(self._layers))
+        ready.item = optim_thread._launch(self._copy_masters_to_model, ready)
+        self._ready = ready
+        return ready
+
+    def _copy_masters_to_model(self, ready: _ParamsReady) -> None:
+        """Optimizer thread: masters -> low-precision params, layer by layer."""
+        layer = 0
+        try:
+            with torch.no_grad():
+                for layer, pairs in enumerate(self._layer_copies):
+                    for p, master in pairs:
+                        p.copy_(master)
+                    ready.set(layer)
+        except BaseException as exc:  # noqa: B036 -- published to the workers, then re-raised
+            ready.fail(layer, exc)
+            raise
+
+    def _wait_ready(self) -> None:
+        try:
+            self._ready.wait_all()
+        except _ParamsCopyFailed as exc:
+            self._raise_copy_failure(exc.ready)
+
+    def _raise_copy_failure(self, ready: _ParamsReady) -> None:
+        if ready.item is not None and ready.item.wait():
+            raise AssertionError("params copy reported failed but succeeded; please report")
+        raise RuntimeError(
+            "copying the masters into the model parameters failed (reported earlier); the model "
+            "parameters may be partly updated: call model.synchronize() to copy them again")
+
+    def _discard_grads(self) -> None:
+        self._has_grads = False
+        optim_thread._launch(_clear_grads, list(self._masters.values())).wait()
+
+    def _report_failures(self) -> None:
+        try:
+            optim_thread._raise_failures()
+        except BaseException:
+            self._discard_grads()
+            raise
+        if self._ready.failed():
+            # A failed copy leaves the params partly updated; the next call must not read them.
+            self._launch_copy()
+
+    def _ensure_grad_hooks(self) -> None:
+        if self._hooks_registered:
+            return
+        for p in self.module.parameters():
+            master = self._master_of.get(id(p))
+            if master is not None:
+                p.register_post_accumulate_grad_hook(_make_grad_hook(master))
+        self._hooks_registered = True
+
+    def _name_tag(self) -> str:
+        return f" {self.name!r}" if self.name else ""
+
+    def _where(self, stage: int, mb_index: int, phase: str, layer: Optional[_Layer]) -> str:
+        at = f", {layer.describe()}" if layer is not None else ""
+        return f"[roundpipe{self._name_tag()} stage {stage}{at}, microbatch {mb_index}, {phase}]"
+
+    # -- internals: one call ------------------------------------------------------------------
+    def _prepare(self, cfg: RoundPipeRunConfig, args: tuple, kwargs: dict, label: Any,
+                 loss_fn: Optional[Callable], training: bool, return_outputs: bool,
+                 grad_enabled: bool = True) -> _Call:
+        stages = self._stages(cfg.execute_plan)
+        M = cfg.num_microbatch
+        chunks, sizes = split_inputs(args, kwargs, M, cfg.split_input)
+        labels = split_label(label, M, sizes, cfg.split_label) if training else [None] * M
+        stage_params: List[List[Tuple[str, nn.Parameter]]] = []
+        for stage in stages:
+            trainable = [(n, p) for n, p in stage.params if p.requires_grad]
+            if training or grad_enabled:
+                for n, p in trainable:
+                    if id(p) not in self._master_of:
+                        raise RuntimeError(
+                            f"parameter {n!r} (stage {stage.index}) requires grad but has no "
+                            f"master: it was frozen when the model was wrapped; freeze it again "
+                            f"(requires_grad_(False)) or wrap the module after changing "
+                            f"requires_grad")
+            stage_params.append(trainable)
+        backend0 = self._pool.backends[0]
+        stage_rng = [uses_rng([l.module for l in s.layers], cfg.preserve_rng_state)
+                     for s in stages]
+        rng_starts = rng_after = None
+        if any(stage_rng):
+            rng_starts = chain_starts(M, backend0)
+            rng_after = RNGState(torch.get_rng_state(), backend0.get_rng_state())
+        call = _Call(
+            plan=self._plan(len(stages), M, training), stages=stages, training=training,
+            recompute=bool(cfg.recompute), grad_enabled=grad_enabled,
+            inference_mode=torch.is_inference_mode_enabled(),
+            autocast=resolve_autocast(cfg.autocast, self._pool.device_type),
+            chunks=chunks, sizes=sizes, labels=labels, loss_fn=loss_fn,
+            return_outputs=return_outputs, stage_params=stage_params, stage_rng=stage_rng,
+            rng_starts=rng_starts, rng_after_draw=rng_after, ready=self._ready,
+            cast_dtype=self._cast_dtype)
+        call.slots = {(s, m): _Slot() for s in range(len(stages)) for m in range(M)}
+        call.futures = {a.key: Future() for a in call.plan.actions()}
+        call.losses = [None] * M
+        call.outputs = [None] * M
+        return call
+
+    def _execute(self, call: _Call) -> None:
+        """Hand each worker its actions, wait for all, re-raise the first real error."""
+        for d, actions in enumerate(call.plan.per_device):
+            worker = self._pool.worker(d)
+            for a in actions:
+                worker.submit(self._run_action, call, a, future=call.futures[a.key])
+        failures = []
+        for a in call.plan.actions():
+            exc = call.futures[a.key].exception()
+            if exc is not None and not isinstance(exc, _Cancelled):
+                failures.append((a.time, a.stage, a.mb_index, exc))
+        if not failures:
+            return
+        exc = min(failures, key=lambda f: f[:3])[3]
+        if isinstance(exc, _ParamsCopyFailed):
+            self._raise_copy_failure(exc.ready)
+        raise exc
+
+    def _restore_rng(self, call: _Call, ok: bool) -> None:
+        """Leave the global RNG deterministic (see [Note: RNG chains])."""
+        if call.rng_starts is None:
+            return
+        backend0 = self._pool.backends[0]
+        if ok and call.plan.num_microbatch == 1:
+            end = call.slots[(len(call.stages) - 1, 0)].rng_end
+            restore_global(end, backend0)
+        else:
+            restore_global(call.rng_after_draw, backend0)
+
+    # -- internals: actions (device worker threads) -------------------------------------------
+    def _run_action(self, call: _Call, action: Action) -> None:
+        for dep in call.plan.dependencies(action):
+            if call.futures[dep.key].exception() is not None:
+                raise _Cancelled()
+        backend = self._pool.backends[action.device]
+        with backend.action_context():
+            if action.kind is ActionKind.BACKWARD:
+                self._backward_action(call, action, backend)
+            else:
+                self._forward_action(call, action, backend)
+            backend.finish()
+
+    def _stage_input(self, call: _Call, s: int, m: int, backend: Any) -> Tuple[tuple, dict]:
+        if s == 0:
+            args, kwargs = call.chunks[m]
+            if call.cast_dtype is not None:
+                dtype = call.cast_dtype
+                args, kwargs = pytree.tree_map(
+                    lambda x: x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point()
+                    else x, (args, kwargs))
+        else:
+            prev = call.slots[(s - 1, m)]
+            args, kwargs = (prev.out,), {}
+            prev.out = None
+        return backend.to_device((args, kwargs))
+
+    def _chain_in(self, call: _Call, s: int, m: int) -> Optional[RNGState]:
+        if call.rng_starts is None:
+            return None
+        return call.rng_starts[m] if s == 0 else call.slots[(s - 1, m)].rng_end
+
+    def _run_stage(self, call: _Call, stage: _Stage, inp: Tuple[tuple, dict], m: int,
+                   phase: str, backend: Any) -> Any:
+        args, kwargs = inp
+        x: Any = None
+        for i, layer in enumerate(stage.layers):
+            try:
+                if i == 0:
+                    x = backend.call_layer(layer.module, args, kwargs)
+                else:
+                    x = backend.call_layer(layer.module, (x,), {})
+            except (_Cancelled, _ParamsCopyFailed):
+                raise
+            except BaseException as exc:  # noqa: B036 -- annotated, then re-raised
+                add_note(exc, self._where(stage.index, m, phase, layer))
+                raise
+        return x
+
+    def _forward_action(self, call: _Call, a: Action, backend: Any) -> None:
+        s, m = a.stage, a.mb_index
+        stage = call.stages[s]
+        slot = call.slots[(s, m)]
+        inp = self._stage_input(call, s, m, backend)
+        for layer in stage.layers:
+            call.ready.wait(layer.index)
+        chain_in = self._chain_in(call, s, m)
+        start = chain_in if call.stage_rng[s] else None
+        slot.rng_start = start
+        if not call.training:
+            with torch.inference_mode(call.inference_mode), \
+                    torch.set_grad_enabled(call.grad_enabled), \
+                    autocast_context(call.autocast), rng_scope(start, backend) as r:
+                out = self._run_stage(call, stage, inp, m, "forward", backend)
+            slot.rng_end = r.end if start is not None else chain_in
+            if s == len(call.stages) - 1:
+                call.outputs[m] = out
+            else:
+                slot.out = out
+            return
+        if a.kind is ActionKind.FORWARD and call.recompute:
+            with torch.no_grad(), autocast_context(call.autocast), rng_scope(start, backend) as r:
+                out = self._run_stage(call, stage, inp, m, "forward", backend)
+            slot.rng_end = r.end if start is not None else chain_in
+            slot.inp = inp
+            slot.out = out
+            return
+        in_leaves, inp = _inputs_requiring_grad(inp) if s > 0 else ([], inp)
+        with torch.enable_grad():
+            with autocast_context(call.autocast), rng_scope(start, backend) as r:
+                out = self._run_stage(call, stage, inp, m, "forward", backend)
+                if a.kind is ActionKind.LAST:
+                    try:
+                        loss = call.loss_fn(out, call.labels[m])
+                    except BaseException as exc:  # noqa: B036 -- annotated, then re-raised
+                        add_note(exc, self._where(s, m, "loss_fn", None))
+                        raise
+            slot.rng_end = r.end if start is not None else chain_in
+            if a.kind is ActionKind.FORWARD:  # recompute off: keep the graph for BACKWARD
+                slot.graph_in = in_leaves
+                slot.graph_out = pytree.tree_leaves(out)
+                slot.out = _detach(out)
+                return
+            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                what = (f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor)
+                        else type(loss).__name__)
+                exc = ValueError(f"loss_fn must return a single-element tensor (a scalar loss), "
+                                 f"got {what}; reduce it, e.g. with .mean() or .sum()")
+                add_note(exc, self._where(s, m, "loss_fn", None))
+                raise exc
+            if not loss.requires_grad:
+                exc = RuntimeError("the loss does not require grad: no parameter is trainable "
+                                   "and no input requires grad, so there is nothing to train")
+                add_note(exc, self._where(s, m, "loss_fn", None))
+                raise exc
+            self._grad_and_move(call, s, m, [loss], [torch.ones_like(loss)], in_leaves, backend)
+        call.losses[m] = loss.detach().reshape(())
+        if call.return_outputs:
+            call.outputs[m] = _detach(out)
+
+    def _backward_action(self, call: _Call, a: Action, backend: Any) -> None:
+        s, m = a.stage, a.mb_index
+        stage = call.stages[s]
+        slot = call.slots[(s, m)]
+        after = call.slots[(s + 1, m)]
+        grads_out, after.grad_in = after.grad_in, None
+        if call.recompute:
+            inp, slot.inp = slot.inp, None
+            in_leaves, inp = _inputs_requiring_grad(inp) if s > 0 else ([], inp)
+            with torch.enable_grad():
+                with autocast_context(call.autocast), rng_scope(slot.rng_start, backend):
+                    out = self._run_stage(call, stage, inp, m, "recompute", backend)
+                out_leaves = pytree.tree_leaves(out)
+        else:
+            in_leaves, out_leaves = slot.graph_in, slot.graph_out
+            slot.graph_in = slot.graph_out = None
+        if len(out_leaves) != len(grads_out):
+            raise AssertionError(f"stage {s} has {len(out_leaves)} outputs but stage {s + 1} "
+                                 f"returned {len(grads_out)} input grads; please report")
+        pairs = [(o, g) for o, g in zip(out_leaves, grads_out)
+                 if g is not None and isinstance(o, torch.Tensor) and o.requires_grad]
+        with torch.enable_grad():
+            self._grad_and_move(call, s, m, [o for o, _ in pairs], [g for _, g in pairs],
+                                in_leaves, backend)
+
+    def _grad_and_move(self, call: _Call, s: int, m: int, outputs: List[torch.Tensor],
+                       grad_outputs: List[torch.Tensor], in_leaves: List[Any],
+                       backend: Any) -> None:
+        """autograd.grad of ``outputs`` w.r.t. the stage input leaves and trainable params;
+        stores the input grads for stage s-1 and launches the grad moves (microbatch order per
+        stage: one worker runs a stage's actions in order)."""
+        params = call.stage_params[s]
+        wrt = [x for x in in_leaves if isinstance(x, torch.Tensor) and x.requires_grad]
+        inputs = wrt + [p for _, p in params]
+        if outputs and inputs:
+            try:
+                grads = list(torch.autograd.grad(outputs, inputs, grad_outputs,
+                                                 allow_unused=True))
+            except BaseException as exc:  # noqa: B036 -- annotated, then re-raised
+                add_note(exc, self._where(s, m, "backward", None))
+                raise
+        else:
+            grads = [None] * len(inputs)
+        if s > 0:
+            by_id = {id(x): g for x, g in zip(wrt, grads[:len(wrt)])}
+            call.slots[(s, m)].grad_in = [by_id.get(id(x)) if isinstance(x, torch.Tensor)
+                                          else None for x in in_leaves]
+        param_grads = backend.grads_to_host(grads[len(wrt):])
+        for (_, p), g in zip(params, param_grads):
+            if g is not None:
+                call.move_items.append(
+                    optim_thread._launch(_accumulate_grad, self._master_of[id(p)], g))
+
+
+def _inputs_requiring_grad(inp: Tuple[tuple, dict]) -> Tuple[List[Any], Tuple[tuple, dict]]:
+    """Detach the floating leaves of a stage input and make them require grad (the boundary
+    of the stage's own graph). Returns (all leaves, new input)."""
+    leaves, spec = pytree.tree_flatten(inp)
+    leaves = [x.detach().requires_grad_() if _is_float(x) else x for x in leaves]
+    return leaves, pytree.tree_unflatten(leaves, spec)
+
+
+def _copy_pairs(pairs: List[Tuple[torch.Tensor, torch.Tensor]]) -> None:
+    with torch.no_grad():
+        for dst, src in pairs:
+            dst.copy_(src)
+
+
+def _to_device(tree: Any, device: torch.device) -> Any:
+    return pytree.tree_map(lambda x: x.to(device) if isinstance(x, torch.Tensor) else x, tree)
+
+
+def _make_grad_hook(master: nn.Parameter) -> Callable[[torch.Tensor], None]:
+    def move_grad_to_master(param: torch.Tensor) -> None:
+        grad, param.grad = param.grad, None
+        if grad is not None:
+            optim_thread._launch(_accumulate_grad, master, grad)
+
+    return move_grad_to_master
