@@ -1,0 +1,87 @@
+"""Device specs, the worker threads and their futures."""
+
+import threading
+
+import pytest
+import torch
+
+from roundpipe.devices import DevicePool, Future, WorkerDevice, get_worker, parse_devices, resolve_devices
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def test_parse_cpu_forms():
+    assert parse_devices("cpu") == (WorkerDevice("cpu", 0),)
+    assert parse_devices("cpu:3") == tuple(WorkerDevice("cpu", i) for i in range(3))
+    assert parse_devices(torch.device("cpu")) == (WorkerDevice("cpu", 0),)
+
+
+@pytest.mark.parametrize("bad", ["gpu", "cpu:0", "cpu:x", "cuda:a", "", "cpu,cuda"])
+def test_bad_spec_names_accepted_forms(bad):
+    with pytest.raises(ValueError, match="cpu:N"):
+        parse_devices(bad)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA message")
+def test_cuda_without_cuda_is_clear():
+    with pytest.raises(ValueError, match="CUDA"):
+        parse_devices("cuda")
+    with pytest.raises(ValueError, match="cuda:1"):
+        parse_devices("cuda:1")
+
+
+def test_argument_beats_env_beats_default(monkeypatch):
+    monkeypatch.setenv("ROUNDPIPE_DEVICES", "cpu:2")
+    assert len(resolve_devices()) == 2
+    assert len(resolve_devices("cpu:3")) == 3
+    monkeypatch.delenv("ROUNDPIPE_DEVICES")
+    default = resolve_devices()
+    assert default[0].type == ("cuda" if torch.cuda.is_available() else "cpu")
+    if not torch.cuda.is_available():
+        assert len(default) == 1
+    monkeypatch.setenv("ROUNDPIPE_DEVICES", "tpu")
+    with pytest.raises(ValueError, match="ROUNDPIPE_DEVICES"):
+        resolve_devices()
+
+
+def test_worker_runs_in_order_and_reraises():
+    worker = get_worker(WorkerDevice("cpu", 7))
+    seen = []
+    futs = [worker.submit(seen.append, i) for i in range(5)]
+    err = KeyError("boom")
+
+    def fail():
+        raise err
+    bad = worker.submit(fail)
+    after = worker.submit(lambda: threading.current_thread().name)
+    assert after.result() == "roundpipe-worker-cpu#7"
+    assert [f.result() for f in futs] == [None] * 5 and seen == list(range(5))
+    with pytest.raises(KeyError) as info:
+        bad.result()
+    assert info.value is err
+    assert bad.exception() is err
+
+
+def test_one_worker_per_device_process_wide():
+    assert get_worker(WorkerDevice("cpu", 0)) is get_worker(WorkerDevice("cpu", 0))
+    pool = DevicePool("cpu:2")
+    assert pool.worker(1) is get_worker(WorkerDevice("cpu", 1))
+
+
+def test_future_set_before_wait():
+    f = Future()
+    f.set_result(3)
+    assert f.done() and f.result() == 3
+
+
+@needs_cuda
+def test_cuda_pool_and_backend_roundtrip():
+    pool = DevicePool("cuda:0")
+    backend = pool.backends[0]
+    with backend.action_context():
+        x = backend.to_device((torch.ones(3),))[0]
+        lin = torch.nn.Linear(3, 2)
+        y = backend.call_layer(lin, (x,), {})
+        g = torch.autograd.grad(y.sum(), [lin.weight])[0]
+        backend.finish()
+    assert y.is_cuda and g.device.type == "cpu"

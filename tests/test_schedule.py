@@ -1,0 +1,101 @@
+"""The plan, checked without threads: which action runs where, and in which order."""
+
+import itertools
+
+import pytest
+
+from roundpipe.schedule import ActionKind, build_plan, partition, simulate
+
+SHAPES = list(itertools.product([1, 2, 3, 5], [1, 2, 4], [1, 2, 3], [True, False]))
+
+
+@pytest.mark.parametrize("S,M,D,training", SHAPES)
+def test_every_action_once_on_round_robin_device(S, M, D, training):
+    plan = build_plan(S, M, D, training)
+    keys = [a.key for a in plan.actions()]
+    assert len(keys) == len(set(keys))
+    expected = set()
+    for s in range(S):
+        for m in range(M):
+            if training and s == S - 1:
+                expected.add((ActionKind.LAST, s, m))
+            else:
+                expected.add((ActionKind.FORWARD, s, m))
+            if training and s < S - 1:
+                expected.add((ActionKind.BACKWARD, s, m))
+    assert set(keys) == expected
+    for d, actions in enumerate(plan.per_device):
+        for a in actions:
+            assert a.device == d == a.stage % D
+
+
+@pytest.mark.parametrize("S,M,D,training", SHAPES)
+def test_dependencies_come_earlier(S, M, D, training):
+    plan = build_plan(S, M, D, training)
+    position = {a.key: (d, i) for d, acts in enumerate(plan.per_device) for i, a in enumerate(acts)}
+    for a in plan.actions():
+        for dep in plan.dependencies(a):
+            assert dep.time < a.time
+            d, i = position[dep.key]
+            if d == a.device:
+                assert i < position[a.key][1]
+
+
+@pytest.mark.parametrize("S,M,D,training", SHAPES)
+def test_simulated_execution_completes_in_dependency_order(S, M, D, training):
+    plan = build_plan(S, M, D, training)
+    order = simulate(plan)
+    assert len(order) == len(plan.actions())
+    seen = set()
+    for a in order:
+        assert all(dep.key in seen for dep in plan.dependencies(a))
+        seen.add(a.key)
+
+
+def test_one_stage_microbatches_in_order_for_deterministic_accumulation():
+    plan = build_plan(4, 5, 3, True)
+    for d, actions in enumerate(plan.per_device):
+        for s in range(4):
+            for kind in ActionKind:
+                mbs = [a.mb_index for a in actions if a.stage == s and a.kind is kind]
+                assert mbs == sorted(mbs)
+
+
+def test_clock_values():
+    S, M = 3, 2
+    plan = build_plan(S, M, 1, True)
+    assert plan.action(ActionKind.FORWARD, 1, 1).time == 2
+    assert plan.action(ActionKind.LAST, 2, 0).time == 2
+    # BACKWARD(s, m) at (S-1) + (M-1) + (S-1-s) + m + 1
+    assert plan.action(ActionKind.BACKWARD, 1, 0).time == 2 + 1 + 1 + 0 + 1
+    assert plan.action(ActionKind.BACKWARD, 0, 1).time == 2 + 1 + 2 + 1 + 1
+
+
+def test_deadlocking_order_is_detected():
+    plan = build_plan(2, 2, 1, True)
+    bad = type(plan)(plan.num_stages, plan.num_microbatch, plan.num_devices, plan.training,
+                     (tuple(reversed(plan.per_device[0])),))
+    with pytest.raises(RuntimeError, match="deadlock"):
+        simulate(bad)
+
+
+def test_str_has_one_line_per_device():
+    text = str(build_plan(3, 2, 2, True))
+    lines = text.splitlines()
+    assert len(lines) == 3
+    assert lines[1].startswith("  device 0: F0.0")
+    assert "L2.0" in lines[1] and "B1.0" in lines[2]
+
+
+def test_bad_sizes_rejected():
+    with pytest.raises(ValueError, match="num_microbatch"):
+        build_plan(2, 0, 1, True)
+
+
+def test_partition():
+    assert partition(3, None) == [(0, 1), (1, 2), (2, 3)]
+    assert partition(5, [2, 3]) == [(0, 2), (2, 5)]
+    with pytest.raises(ValueError, match="sum to the layer count"):
+        partition(5, [2, 2])
+    with pytest.raises(ValueError, match="positive ints"):
+        partition(5, [5, 0])
