@@ -1,0 +1,242 @@
+"""RoundPipe numerics: sync steps against plain PyTorch, masters, OptimizerCtx, forward, configs."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import roundpipe
+from roundpipe import GradScaler, OptimizerCtx, RoundPipe, RoundPipeRunConfig, optim_thread
+
+
+def mlp(seed=0, dtype=torch.float32):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 12), nn.GELU(),
+                         nn.Linear(12, 3)).to(dtype)
+
+
+def data(seed=1, n=8):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 6, generator=g), torch.randint(0, 3, (n,), generator=g)
+
+
+def loss_fn(out, y):
+    return F.cross_entropy(out.float(), y, reduction="sum") / 8
+
+
+def plain_accumulate(model, x, y, M):
+    total = 0.0
+    for xm, ym in zip(torch.tensor_split(x, M), torch.tensor_split(y, M)):
+        loss = loss_fn(model(xm), ym)
+        loss.backward()
+        total += loss.item()
+    return total
+
+
+@pytest.mark.parametrize("devices,recompute", [("cpu", True), ("cpu:2", True), ("cpu:3", False)])
+def test_sync_step_equals_plain_gradient_accumulation(devices, recompute):
+    ref = mlp()
+    model = RoundPipe(mlp(), devices=devices,
+                      model_run_config=RoundPipeRunConfig(num_microbatch=4, recompute=recompute))
+    with OptimizerCtx():
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
+    for it in range(4):
+        x, y = data(it)
+        loss = model.forward_backward(input_args=(x,), label=y, loss_fn=loss_fn)
+        model.step(lambda: (opt.step(), opt.zero_grad()), is_async=False)
+        ref_loss = plain_accumulate(ref, x, y, 4)
+        ref_opt.step()
+        ref_opt.zero_grad()
+        assert loss.item() == pytest.approx(ref_loss, rel=1e-5)
+    for (n, p), (rn, rp) in zip(model.named_parameters(), ref.named_parameters()):
+        assert n == rn
+        torch.testing.assert_close(p, rp, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(dict(model.optim_named_parameters())[n], rp, rtol=1e-5,
+                                   atol=1e-6)
+
+
+def test_grads_accumulate_in_optim_dtype_on_masters():
+    model = RoundPipe(mlp(dtype=torch.bfloat16), devices="cpu:2",
+                      model_run_config=RoundPipeRunConfig(num_microbatch=4))
+    ref = mlp(dtype=torch.bfloat16)
+    x, y = data()
+    model.forward_backward(input_args=(x,), label=y, loss_fn=loss_fn)
+    expected = {n: torch.zeros_like(p, dtype=torch.float32) for n, p in ref.named_parameters()}
+    for xm, ym in zip(torch.tensor_split(x, 4), torch.tensor_split(y, 4)):
+        grads = torch.autograd.grad(loss_fn(ref(xm.bfloat16()), ym), list(ref.parameters()))
+        for (n, _), g in zip(ref.named_parameters(), grads):
+            assert g.dtype == torch.bfloat16
+            expected[n] += g.float()  # the fp32 sum of bf16 microbatch grads
+    for n, master in model.optim_named_parameters():
+        assert master.dtype == torch.float32 and master.grad.dtype == torch.float32
+        torch.testing.assert_close(master.grad, expected[n], rtol=0, atol=0)
+    for p in model.module.parameters():
+        assert p.dtype == torch.bfloat16 and p.grad is None
+
+
+def test_optimizer_ctx_and_names():
+    model = RoundPipe(mlp(dtype=torch.float16), devices="cpu")
+    outside = dict(model.named_parameters())
+    with OptimizerCtx():
+        inside = dict(model.named_parameters())
+        params = model.parameters()
+    assert list(outside) == list(inside) == list(model.state_dict())
+    assert all(p.dtype == torch.float16 for p in outside.values())
+    assert all(p.dtype == torch.float32 and p.is_leaf for p in inside.values())
+    assert [id(p) for p in params] == [id(p) for _, p in model.optim_named_parameters()]
+    seen = []
+    x, y = data()
+    model.forward_backward(input_args=(x,), label=y, loss_fn=loss_fn)
+    model.step(lambda: seen.append({p.dtype for p in model.parameters()}), is_async=False)
+    assert seen == [{torch.float32}]
+    assert {p.dtype for p in model.parameters()} == {torch.float16}
+
+
+def test_frozen_params_get_no_master_and_optim_dtype_is_honoured():
+    seq = mlp()
+    seq[0].weight.requires_grad_(False)
+    model = RoundPipe(seq, optim_dtype=torch.float64)
+    names = [n for n, _ in model.optim_named_parameters()]
+    assert "0.weight" not in names and "0.bias" in names
+    assert {m.dtype for m in model.optim_parameters()} == {torch.float64}
+
+
+def test_forward_is_microbatched_inference():
+    ref = mlp()
+    model = RoundPipe(mlp(), devices="cpu:2",
+                      model_run_config=RoundPipeRunConfig(num_microbatch=3))
+    x, _ = data(n=7)
+    with torch.no_grad():
+        out = model(x)
+    assert not out.requires_grad
+    torch.testing.assert_close(out, ref(x), rtol=1e-6, atol=1e-6)
+
+
+def test_fp32_input_is_cast_to_the_low_precision_model():
+    model = RoundPipe(mlp(dtype=torch.bfloat16))
+    x, _ = data()
+    with torch.no_grad():
+        out = model(x)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, mlp(dtype=torch.bfloat16)(x.bfloat16()), rtol=0, atol=0)
+
+
+def test_differentiable_forward_moves_grads_into_masters():
+    ref = mlp()
+    model = RoundPipe(mlp(), devices="cpu:2",
+                      model_run_config=RoundPipeRunConfig(num_microbatch=2))
+    x, y = data()
+    out = model(x)
+    assert out.requires_grad
+    loss_fn(out, y).backward()
+    loss_fn(ref(x), y).backward()
+    optim_thread.synchronize()
+    for (n, master), (_, rp) in zip(model.optim_named_parameters(), ref.named_parameters()):
+        torch.testing.assert_close(master.grad, rp.grad, rtol=1e-5, atol=1e-6)
+    assert all(p.grad is None for p in model.module.parameters())
+    with OptimizerCtx():
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model.step(lambda: opt.step(), is_async=False)
+
+
+def test_return_outputs_and_call_config_beats_model_config():
+    ref = mlp()
+    model = RoundPipe(mlp(), model_run_config=RoundPipeRunConfig(num_microbatch=2))
+    x, y = data()
+    calls = []
+
+    def counting_loss(out, lbl):
+        calls.append(out.shape[0])
+        return loss_fn(out, lbl)
+
+    loss, out = model.forward_backward(input_args=(x,), label=y, loss_fn=counting_loss,
+                                       return_outputs=True,
+                                       run_config=RoundPipeRunConfig(num_microbatch=4))
+    assert calls == [2, 2, 2, 2]  # loss_fn once per microbatch
+    assert not out.requires_grad and out.shape == (8, 3)
+    torch.testing.assert_close(out, ref(x), rtol=1e-6, atol=1e-6)
+    assert loss.dim() == 0 and not loss.requires_grad
+    calls.clear()
+    model.forward_backward(input_args=(x,), label=y, loss_fn=counting_loss)
+    assert calls == [4, 4]
+
+
+def test_execute_plan_partition_gives_same_result():
+    x, y = data()
+    grads = []
+    for plan in (None, [2, 3], [5]):
+        model = RoundPipe(mlp(), devices="cpu:2",
+                          model_run_config=RoundPipeRunConfig(num_microbatch=2, execute_plan=plan))
+        model.forward_backward(input_args=(x,), label=y, loss_fn=loss_fn)
+        grads.append([m.grad for m in model.optim_parameters()])
+        assert len(model.plan().per_device[0]) > 0
+    for g in grads[1:]:
+        for a, b in zip(grads[0], g):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_non_sequential_module_is_one_layer_and_kwargs_pass_through():
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(6, 3)
+
+        def forward(self, x, scale=1.0):
+            return self.lin(x) * scale
+
+    torch.manual_seed(0)
+    net = Net()
+    ref = copy.deepcopy(net)
+    model = RoundPipe(net, model_run_config=RoundPipeRunConfig(num_microbatch=2))
+    x, y = data()
+    model.forward_backward(input_args=(x,), input_kwargs={"scale": 2.0}, label=y, loss_fn=loss_fn)
+    loss_fn(ref(x, scale=2.0), y).backward()
+    torch.testing.assert_close(dict(model.optim_named_parameters())["lin.weight"].grad,
+                               ref.lin.weight.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_synchronize_copies_newest_masters_and_state_dict_keys():
+    model = RoundPipe(mlp(dtype=torch.bfloat16), devices="cpu:2")
+    with OptimizerCtx():
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    x, y = data()
+    for _ in range(3):
+        model.forward_backward(input_args=(x,), label=y, loss_fn=loss_fn)
+        model.step(lambda: (opt.step(), opt.zero_grad()))
+    w = model.module[0].weight
+    master = dict(model.optim_named_parameters())["0.weight"]
+    optim_thread.synchronize()
+    assert not torch.equal(w, master.to(torch.bfloat16))  # async: the model is a step behind
+    model.synchronize()
+    assert torch.equal(w, master.to(torch.bfloat16)) and w is model.module[0].weight
+    assert list(model.state_dict()) == list(mlp().state_dict())
+
+
+def test_design_loop_runs_with_roundpipe_scaler_and_adam():
+    torch.manual_seed(0)
+    seq_model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    model = RoundPipe(seq_model.half(), optim_dtype=torch.float32,
+                      model_run_config=RoundPipeRunConfig(num_microbatch=4), devices="cpu:2")
+    with OptimizerCtx():
+        opt = roundpipe.optim.Adam(model.parameters(), lr=1e-2)
+    scaler = GradScaler()
+    g = torch.Generator().manual_seed(0)
+    X = torch.randn(64, 8, generator=g)
+    Y = (X[:, 0] > 0).long() + 2 * (X[:, 1] > 0).long()
+    loader = [(X[i:i + 16], Y[i:i + 16]) for i in range(0, 64, 16)] * 8
+    losses = []
+    for x, y in loader:
+        scale = scaler.get_scale()
+        loss = model.forward_backward(
+            input_args=(x,), label=y,
+            loss_fn=lambda out, lbl: scaler.scale(F.cross_entropy(out.float(), lbl)) / 4)
+        losses.append(loss.item() / scale)
+        model.step(lambda: (scaler.step(opt), opt.zero_grad()))
+        scaler.update()
+    model.synchronize()
+    assert sum(losses[-4:]) < 0.8 * sum(losses[:4])
+    for n, master in model.optim_named_parameters():
+        assert torch.equal(dict(model.named_parameters())[n], master.half())
