@@ -31,3 +31,20 @@ def test_scaler_dropin_matches_torch():
     assert skipped and int(skipped[1]) == int(skipped[2]) == int(skipped[3]) > 0  # overflows happened
     assert "DROP-IN OK" in out
     assert "it/s" in err or "s/it" in err  # the tqdm progress bar
+
+
+def test_digits_classifier_learns_and_plots(tmp_path):
+    plot = tmp_path / "digits.png"
+    out, err = run_example("digits_classifier.py", "--steps", 150, "--plot", plot)
+    accuracy = float(re.search(r"test accuracy: ([0-9.]+)", out)[1])
+    assert accuracy > 0.6, out  # chance is 0.1; 150 steps reach about 0.9
+    first_loss = re.search(r"final train loss: ([0-9.]+)", out)
+    assert first_loss and float(first_loss[1]) < 1.5, out  # started at ln(10) = 2.30
+    assert plot.exists() and plot.read_bytes()[:4] == b"\x89PNG"
+    assert "step/s" in err or "s/step" in err  # the tqdm progress bar
+
+
+def test_digits_classifier_bf16_on_two_workers():
+    out, _ = run_example("digits_classifier.py", "--steps", 100, "--dtype", "bf16", "--devices", "cpu:2")
+    assert "cpu#0, cpu#1" in out
+    assert float(re.search(r"test accuracy: ([0-9.]+)", out)[1]) > 0.5
