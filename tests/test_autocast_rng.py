@@ -1,0 +1,177 @@
+"""Autocast and RNG state carried into the workers: forward, recompute and loss_fn under the
+caller's autocast, backward never; dropout masks reproducible and independent of the workers."""
+
+import threading
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from roundpipe import OptimizerCtx, RoundPipe, RoundPipeRunConfig
+
+
+class _RecordBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, log):
+        ctx.log = log
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        ctx.log.append(("backward", torch.is_autocast_enabled("cpu")))
+        return g, None
+
+
+class Probe(nn.Module):
+    """Records the autocast state of every forward, and of the backward through it."""
+
+    def __init__(self, log):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.log = log
+
+    def forward(self, x):
+        self.log.append(("forward" if torch.is_grad_enabled() else "nograd-forward",
+                         torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"),
+                         threading.current_thread().name.startswith("roundpipe-worker")))
+        return _RecordBackward.apply(self.lin(x), self.log)
+
+
+def _run(run_config=None, caller_autocast=None):
+    log = []
+    torch.manual_seed(0)
+    model = RoundPipe(nn.Sequential(Probe(log), Probe(log)), devices="cpu:2",
+                      model_run_config=RoundPipeRunConfig(num_microbatch=2))
+
+    def loss_fn(out, y):
+        log.append(("loss_fn", torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"),
+                    threading.current_thread().name.startswith("roundpipe-worker")))
+        return out.float().pow(2).mean()
+
+    x = torch.randn(4, 4)
+    if caller_autocast is not None:
+        with torch.autocast("cpu", dtype=caller_autocast):
+            model.forward_backward(input_args=(x,), loss_fn=loss_fn, run_config=run_config)
+    else:
+        model.forward_backward(input_args=(x,), loss_fn=loss_fn, run_config=run_config)
+    return log
+
+
+def test_caller_autocast_in_forward_recompute_and_loss_fn_never_in_backward():
+    log = _run(caller_autocast=torch.bfloat16)
+    kinds = [e[0] for e in log]
+    # stage 0: no-grad forward + recompute; stage 1 (last): forward; loss_fn per microbatch.
+    assert kinds.count("nograd-forward") == 2 and kinds.count("forward") == 4
+    assert kinds.count("loss_fn") == 2 and kinds.count("backward") == 4
+    for e in log:
+        if e[0] == "backward":
+            assert e[1] is False
+        else:
+            assert e[1:] == (True, torch.bfloat16, True), e
+
+
+def test_autocast_false_disables_and_dtype_enables():
+    log = _run(RoundPipeRunConfig(autocast=False), caller_autocast=torch.bfloat16)
+    assert all(e[1] is False for e in log)
+    log = _run(RoundPipeRunConfig(autocast=torch.bfloat16))
+    assert all(e[1:3] == (True, torch.bfloat16) for e in log if e[0] != "backward")
+    assert all(e[1] is False for e in log if e[0] == "backward")
+
+
+def dropout_net(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, 16), nn.Dropout(0.5), nn.Tanh(), nn.Linear(16, 16),
+                         nn.ReLU(), nn.Dropout(0.3), nn.Linear(16, 2))
+
+
+def data():
+    g = torch.Generator().manual_seed(7)
+    return torch.randn(6, 6, generator=g), torch.randint(0, 2, (6,), generator=g)
+
+
+@pytest.mark.parametrize("recompute", [True, False])
+def test_one_microbatch_one_worker_matches_plain_pytorch_with_dropout(recompute):
+    x, y = data()
+    model = RoundPipe(dropout_net(), devices="cpu",
+                      model_run_config=RoundPipeRunConfig(recompute=recompute,
+                                                          execute_plan=[2, 3, 2]))
+    torch.manual_seed(123)
+    loss = model.forward_backward(input_args=(x,), label=y, loss_fn=F.cross_entropy)
+    state_after = torch.get_rng_state()
+
+    ref = dropout_net()
+    torch.manual_seed(123)
+    ref_loss = F.cross_entropy(ref(x), y)
+    ref_loss.backward()
+    assert torch.equal(state_after, torch.get_rng_state())  # the global RNG advanced the same
+    assert torch.equal(loss, ref_loss.detach())
+    for (n, master), (_, p) in zip(model.optim_named_parameters(), ref.named_parameters()):
+        assert torch.equal(master.grad, p.grad), n
+
+
+def test_recompute_reproduces_masks_with_several_microbatches():
+    x, y = data()
+    grads = []
+    for recompute in (True, False):
+        model = RoundPipe(dropout_net(), devices="cpu:2",
+                          model_run_config=RoundPipeRunConfig(num_microbatch=3,
+                                                              recompute=recompute))
+        torch.manual_seed(5)
+        model.forward_backward(input_args=(x,), label=y, loss_fn=F.cross_entropy)
+        grads.append([m.grad for m in model.optim_parameters()])
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
+
+
+def _train(devices, steps=3):
+    model = RoundPipe(dropout_net(), devices=devices,
+                      model_run_config=RoundPipeRunConfig(num_microbatch=3))
+    with OptimizerCtx():
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    torch.manual_seed(11)
+    x, y = data()
+    for _ in range(steps):
+        model.forward_backward(input_args=(x,), label=y, loss_fn=F.cross_entropy)
+        model.step(lambda: (opt.step(), opt.zero_grad()))
+    model.synchronize()
+    return [m.detach().clone() for m in model.optim_parameters()], torch.get_rng_state()
+
+
+def test_bitwise_identical_for_one_two_and_three_cpu_workers_with_dropout():
+    base, rng = _train("cpu")
+    for devices in ("cpu:2", "cpu:3"):
+        params, rng_n = _train(devices)
+        assert torch.equal(rng, rng_n)
+        for a, b in zip(base, params):
+            assert torch.equal(a, b), devices
+
+
+def test_different_seeds_give_different_masks():
+    torch.manual_seed(0)
+    a = RoundPipe(dropout_net(), model_run_config=RoundPipeRunConfig(num_microbatch=2))
+    b = RoundPipe(dropout_net(), model_run_config=RoundPipeRunConfig(num_microbatch=2))
+    x, y = data()
+    torch.manual_seed(1)
+    a.forward_backward(input_args=(x,), label=y, loss_fn=F.cross_entropy)
+    torch.manual_seed(2)
+    b.forward_backward(input_args=(x,), label=y, loss_fn=F.cross_entropy)
+    assert not torch.equal(next(a.optim_parameters()).grad, next(b.optim_parameters()).grad)
+
+
+class Noise(nn.Module):
+    def forward(self, x):
+        return x + torch.rand_like(x)
+
+
+def test_preserve_rng_state_covers_custom_random_layers():
+    outs = []
+    for devices in ("cpu", "cpu:3"):
+        torch.manual_seed(0)
+        model = RoundPipe(nn.Sequential(Noise(), Noise(), Noise()), devices=devices,
+                          model_run_config=RoundPipeRunConfig(num_microbatch=3,
+                                                              preserve_rng_state=True))
+        torch.manual_seed(3)
+        with torch.no_grad():
+            outs.append(model(torch.zeros(6, 2)))
+    assert torch.equal(outs[0], outs[1])
