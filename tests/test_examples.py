@@ -48,3 +48,28 @@ def test_digits_classifier_bf16_on_two_workers():
     out, _ = run_example("digits_classifier.py", "--steps", 100, "--dtype", "bf16", "--devices", "cpu:2")
     assert "cpu#0, cpu#1" in out
     assert float(re.search(r"test accuracy: ([0-9.]+)", out)[1]) > 0.5
+
+
+def _iteration_losses(out):
+    return dict(re.findall(r"^iteration (\d+) loss \S+ (\S+)$", out, flags=re.M))
+
+
+def test_tiny_lm_resume_continues_exactly_as_the_uninterrupted_run(tmp_path):
+    small = ["--print-every", 1, "--sample", 0, "--corpus-bytes", 200_000,
+             "--dim", 32, "--context", 32, "--batch-size", 8]
+    n = 4
+    full, _ = run_example("tiny_lm.py", "--steps", 2 * n, *small)
+    ckpt = tmp_path / "ckpt.pt"
+    first, _ = run_example("tiny_lm.py", "--steps", n, "--save", ckpt, *small)
+    second, err = run_example("tiny_lm.py", "--steps", 2 * n, "--resume", ckpt, *small)
+
+    full_losses = _iteration_losses(full)
+    assert sorted(map(int, full_losses)) == list(range(2 * n))
+    first_losses, second_losses = _iteration_losses(first), _iteration_losses(second)
+    assert sorted(map(int, second_losses)) == list(range(n, 2 * n))  # it did resume at n
+    # Bit for bit (float.hex): the first half, the resumed half, and the final parameters.
+    assert {**first_losses, **second_losses} == full_losses
+    digest = lambda out: re.search(r"params sha256: (\w+)", out)[1]  # noqa: E731
+    assert digest(second) == digest(full) != digest(first)
+    assert float.fromhex(full_losses[str(2 * n - 1)]) < float.fromhex(full_losses["0"])  # it learns
+    assert "step/s" in err or "s/step" in err

@@ -1,0 +1,268 @@
+"""A small decoder-only transformer language model trained with RoundPipe on the Python standard
+library's own source files (byte-level tokens; the corpus is already on every machine), with
+checkpoints that resume exactly.
+
+    python examples/tiny_lm.py --steps 300                      # train, print losses, sample text
+    python examples/tiny_lm.py --steps 150 --save ckpt.pt       # stop at iteration 150 ...
+    python examples/tiny_lm.py --steps 300 --resume ckpt.pt     # ... continue to 300
+
+The two-part run prints the same losses and ends with the same parameters (the printed sha256)
+as the uninterrupted one, bit for bit. What that takes (docs/checkpointing.md):
+
+* the model's low-precision parameters (``model.state_dict()``) *and* the fp32 masters
+  (``model.master_state_dict()``): with the asynchronous step, iteration k computes with the
+  parameters of step k-2 while the masters already hold step k-1, so they differ;
+* the optimizer's and the scaler's state dicts, taken after ``scaler.update()``;
+* the global RNG state (dropout, and the per-call microbatch seed) and the data sampler's;
+* no ``model.synchronize()`` before saving: it would put step k-1 into the model early.
+
+The model is an ``nn.Sequential`` of stages: the embedding, ``--layers`` transformer blocks and
+the head, so each block is a stage that the pool's workers run in turn.
+"""
+
+import argparse
+import hashlib
+import math
+import os
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from tqdm import tqdm
+
+import roundpipe
+from roundpipe import GradScaler, OptimizerCtx, RoundPipe, RoundPipeRunConfig
+
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+VOCAB = 256  # bytes
+
+
+# -- data -------------------------------------------------------------------------------------
+
+def load_corpus(max_bytes):
+    """The first ``max_bytes`` bytes of the standard library's top-level ``*.py`` files, in
+    sorted order, so every machine with the same Python reads the same text."""
+    stdlib = Path(os.__file__).resolve().parent
+    chunks, total = [], 0
+    for path in sorted(stdlib.glob("*.py")):
+        data = path.read_bytes()
+        chunks.append(data)
+        total += len(data)
+        if total >= max_bytes:
+            break
+    data = b"".join(chunks)[:max_bytes]
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).long(), stdlib
+
+
+def sample_batch(tokens, batch_size, context, generator):
+    starts = torch.randint(0, len(tokens) - context - 1, (batch_size,), generator=generator)
+    offsets = torch.arange(context)
+    x = tokens[starts[:, None] + offsets]
+    y = tokens[starts[:, None] + offsets + 1]
+    return x, y
+
+
+# -- model: an nn.Sequential of stages --------------------------------------------------------
+
+class Embedding(nn.Module):
+    def __init__(self, dim, context, dropout):
+        super().__init__()
+        self.token = nn.Embedding(VOCAB, dim)
+        self.position = nn.Parameter(torch.randn(context, dim) * 0.02)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, idx):
+        return self.drop(self.token(idx) + self.position[: idx.shape[1]])
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: causal self-attention, then an MLP, each with a residual."""
+
+    def __init__(self, dim, heads, dropout):
+        super().__init__()
+        self.heads = heads
+        self.ln1 = nn.LayerNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+        self.ln2 = nn.LayerNorm(dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x):
+        b, t, c = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(c, dim=2)
+        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v))
+        att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.drop(self.proj(att.transpose(1, 2).reshape(b, t, c)))
+        return x + self.drop(self.mlp(self.ln2(x)))
+
+
+class Head(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.ln = nn.LayerNorm(dim)
+        self.out = nn.Linear(dim, VOCAB)
+
+    def forward(self, x):
+        return self.out(self.ln(x))
+
+
+def build_model(args):
+    return nn.Sequential(
+        Embedding(args.dim, args.context, args.dropout),
+        *[Block(args.dim, args.heads, args.dropout) for _ in range(args.layers)],
+        Head(args.dim),
+    )
+
+
+# -- checkpoints ------------------------------------------------------------------------------
+
+# Settings that must match between a checkpoint and the run that resumes it.
+MODEL_KEYS = ("dim", "heads", "layers", "context", "dropout", "dtype", "batch_size",
+              "num_microbatch", "lr", "corpus_bytes", "seed")
+
+
+def save_checkpoint(path, iteration, args, model, opt, scaler, data_gen):
+    """Call after scaler.update() of iteration ``iteration - 1``, before model.synchronize()."""
+    state = {
+        "iteration": iteration,
+        "config": {k: getattr(args, k) for k in MODEL_KEYS},
+        "model": model.state_dict(),                # low-precision params the next iteration uses
+        "masters": model.master_state_dict(),       # fp32 masters after the newest step (waits)
+        "optimizer": opt.state_dict(),
+        "scaler": scaler.state_dict(),
+        "rng": {"torch": torch.get_rng_state(), "data": data_gen.get_state()},
+    }
+    torch.save(state, path)
+
+
+def load_checkpoint(path, args, model, opt, scaler, data_gen):
+    state = torch.load(path, weights_only=True)
+    config = {k: getattr(args, k) for k in MODEL_KEYS}
+    if state["config"] != config:
+        diff = {k: (state["config"].get(k), v) for k, v in config.items() if state["config"].get(k) != v}
+        raise SystemExit(f"{path} was saved with other settings (checkpoint, now): {diff}")
+    model.load_state_dict(state["model"])          # the model's params, then ...
+    model.load_master_state_dict(state["masters"])  # ... the masters, which differ from them
+    opt.load_state_dict(state["optimizer"])
+    scaler.load_state_dict(state["scaler"])
+    torch.set_rng_state(state["rng"]["torch"])
+    data_gen.set_state(state["rng"]["data"])
+    return state["iteration"]
+
+
+def params_digest(model):
+    """sha256 over the fp32 masters, in name order (bitwise identity of two runs)."""
+    h = hashlib.sha256()
+    for name, p in sorted(model.master_state_dict().items()):
+        h.update(name.encode())
+        h.update(p.contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+# -- evaluation and sampling ------------------------------------------------------------------
+
+@torch.no_grad()
+def evaluate(model, tokens, args, dtype):
+    gen = torch.Generator().manual_seed(1234)
+    x, y = sample_batch(tokens, 32, args.context, gen)
+    model.eval()
+    try:
+        logits = model(x)
+    finally:
+        model.train()
+    return F.cross_entropy(logits.float().reshape(-1, VOCAB), y.reshape(-1)).item()
+
+
+@torch.no_grad()
+def sample(seq_model, prompt, length, args):
+    """Sample with the user's own module: after model.synchronize() its parameter objects hold
+    the newest values, so plain PyTorch can use it (one sequence: no microbatches needed)."""
+    idx = torch.tensor([list(prompt.encode())])
+    gen = torch.Generator().manual_seed(0)
+    seq_model.eval()
+    try:
+        for _ in range(length):
+            logits = seq_model(idx[:, -args.context:])[0, -1].float()
+            probs = torch.softmax(logits / 0.8, dim=-1)
+            nxt = torch.multinomial(probs, 1, generator=gen)
+            idx = torch.cat([idx, nxt[None]], dim=1)
+    finally:
+        seq_model.train()
+    return bytes(idx[0].tolist()).decode("utf-8", errors="replace")
+
+
+# -- main -------------------------------------------------------------------------------------
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=300, help="train until this iteration (total, counting a resumed run's earlier steps)")
+    parser.add_argument("--save", metavar="PATH", help="save a checkpoint after the last step")
+    parser.add_argument("--resume", metavar="PATH", help="continue from a checkpoint")
+    parser.add_argument("--dim", type=int, default=64)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--context", type=int, default=64)
+    parser.add_argument("--dropout", type=float, default=0.1)
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp16")
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--num-microbatch", type=int, default=2)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--corpus-bytes", type=int, default=2_000_000)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--devices", default=None, help="device pool, e.g. cpu:2")
+    parser.add_argument("--print-every", type=int, default=25, help="print the loss every N iterations (1: every iteration, exactly)")
+    parser.add_argument("--sample", type=int, default=120, help="bytes of text to sample at the end (0: none)")
+    args = parser.parse_args()
+
+    dtype = DTYPES[args.dtype]
+    tokens, stdlib = load_corpus(args.corpus_bytes)
+    split = int(len(tokens) * 0.95)
+    train_tokens, val_tokens = tokens[:split], tokens[split:]
+
+    torch.manual_seed(args.seed)
+    seq_model = build_model(args).to(dtype)
+    num_mb = args.num_microbatch
+    model = RoundPipe(seq_model, optim_dtype=torch.float32, devices=args.devices,
+                      model_run_config=RoundPipeRunConfig(num_microbatch=num_mb))
+    with OptimizerCtx():
+        opt = roundpipe.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+    scaler = GradScaler()
+    data_gen = torch.Generator().manual_seed(args.seed + 1)
+    start = 0
+    if args.resume:
+        start = load_checkpoint(args.resume, args, model, opt, scaler, data_gen)
+    n_params = sum(p.numel() for p in model.optim_parameters())
+    print(f"roundpipe {roundpipe.__version__}: {n_params / 1e6:.2f}M params ({args.dtype} shards, fp32 "
+          f"masters), {len(tokens) / 1e6:.1f} MB of {stdlib}, iterations {start}..{args.steps}")
+
+    def loss_fn(logits, target):  # per microbatch, on a device worker
+        loss = F.cross_entropy(logits.float().reshape(-1, VOCAB), target.reshape(-1))
+        return scaler.scale(loss) / num_mb
+
+    bar = tqdm(range(start, args.steps), desc="training", unit="step", initial=start, total=args.steps)
+    for it in bar:
+        x, y = sample_batch(train_tokens, args.batch_size, args.context, data_gen)
+        loss = model.forward_backward(input_args=(x,), label=y, loss_fn=loss_fn)
+        value = loss.item() / scaler.get_scale()  # the loss is on the CPU; get_scale(): this iteration's
+        if (it + 1) % args.print_every == 0 or it == args.steps - 1:
+            # float.hex: the exact value, so two runs can be compared bit for bit.
+            tqdm.write(f"iteration {it} loss {value:.4f} {value.hex()}")
+            bar.set_postfix(loss=f"{value:.3f}", scale=f"{scaler.get_scale():g}")
+        model.step(lambda: (scaler.step(opt), opt.zero_grad()))
+        scaler.update()
+
+    if args.save:
+        save_checkpoint(args.save, args.steps, args, model, opt, scaler, data_gen)
+        print(f"saved checkpoint at iteration {args.steps} to {args.save}")
+    print(f"params sha256: {params_digest(model)}")
+    model.synchronize()  # after saving: the model now holds the newest masters
+    val = evaluate(model, val_tokens, args, dtype)
+    print(f"validation loss: {val:.4f} ({val / math.log(2):.3f} bits per byte; uniform: 8)")
+    if args.sample:
+        print("sample:\n" + sample(seq_model, "def ", args.sample, args))
+
+
+if __name__ == "__main__":
+    main()
