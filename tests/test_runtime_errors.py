@@ -1,0 +1,219 @@
+"""Errors: re-raised on the main thread as their own type with where they happened; nothing
+hangs; the next iteration works. And each clear error for bad input or misuse."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from roundpipe import OptimizerCtx, RoundPipe, RoundPipeRunConfig, optim_thread
+
+
+class Boom(nn.Module):
+    """Raises ``exc`` in the forward of microbatch ``on_mb`` (its first input value) while armed;
+    ``when``: 'forward' (no-grad pass and grad pass), 'recompute' (grad pass only)."""
+
+    def __init__(self, exc, on_mb=None, when="forward"):
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+        self.exc, self.on_mb, self.when, self.armed = exc, on_mb, when, True
+
+    def forward(self, x):
+        mb = int(x[0, 0].item())
+        if self.armed and (self.on_mb is None or mb == self.on_mb):
+            if self.when == "forward" or torch.is_grad_enabled():
+                raise self.exc
+        return keep_tag(x, self.lin(x))
+
+
+def keep_tag(x, y):
+    return torch.cat([x[:, :1].detach(), y[:, 1:]], dim=1)
+
+
+class TagLinear(nn.Linear):
+    def forward(self, x):
+        return keep_tag(x, super().forward(x))
+
+
+class TagTanh(nn.Module):
+    def forward(self, x):
+        return keep_tag(x, torch.tanh(x))
+
+
+def tagged_batch(M=3):
+    # Column 0 tags the microbatch; every layer but the last passes it through unchanged.
+    x = torch.randn(M * 2, 3)
+    x[:, 0] = torch.arange(M).repeat_interleave(2).float()
+    return x
+
+
+def make(exc=None, on_mb=None, when="forward", devices="cpu:2", **cfg):
+    torch.manual_seed(0)
+    boom = Boom(exc, on_mb, when)
+    boom.armed = exc is not None
+    seq = nn.Sequential(TagLinear(3, 3), TagTanh(), boom, TagLinear(3, 3), nn.Linear(3, 2))
+    return RoundPipe(seq, devices=devices,
+                     model_run_config=RoundPipeRunConfig(num_microbatch=3, **cfg))
+
+
+def loss_fn(out, _):
+    return out.pow(2).mean()
+
+
+def fresh_grads(x):
+    model = make()
+    model.forward_backward(input_args=(x,), loss_fn=loss_fn)
+    return [m.grad.clone() for m in model.optim_parameters()]
+
+
+@pytest.mark.parametrize("when,phase", [("forward", "forward"), ("recompute", "recompute")])
+def test_layer_error_reraised_with_location_then_next_iteration_is_clean(when, phase):
+    err = KeyError("bad key")
+    model = make(err, on_mb=1, when=when)
+    x = tagged_batch()
+    with pytest.raises(KeyError) as info:
+        model.forward_backward(input_args=(x,), loss_fn=loss_fn)
+    assert info.value is err
+    assert f"[roundpipe stage 2, layer 2 (Boom), microbatch 1, {phase}]" in info.value.__notes__
+    # The gradients of the failed call were discarded: the next call equals a fresh model's.
+    assert all(m.grad is None for m in model.optim_parameters())
+    model.module[2].armed = False
+    model.forward_backward(input_args=(x,), loss_fn=loss_fn)
+    for a, b in zip((m.grad for m in model.optim_parameters()), fresh_grads(x)):
+        assert torch.equal(a, b)
+    with OptimizerCtx():
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model.step(lambda: opt.step(), is_async=False)
+
+
+def test_first_error_in_causal_order_wins():
+    torch.manual_seed(0)
+    late, early = KeyError("stage 0, microbatch 2"), ValueError("stage 1, every microbatch")
+    seq = nn.Sequential(Boom(late, on_mb=2), Boom(early))
+    model = RoundPipe(seq, devices="cpu:2", model_run_config=RoundPipeRunConfig(num_microbatch=3))
+    with pytest.raises(ValueError) as info:
+        model.forward_backward(input_args=(tagged_batch(),), loss_fn=loss_fn)
+    assert info.value is early
+    assert "[roundpipe stage 1, layer 1 (Boom), microbatch 0, forward]" in info.value.__notes__
+
+
+def test_loss_fn_error_and_non_scalar_loss():
+    model = make()
+    x = tagged_batch()
+
+    def bad_loss(out, _):
+        raise ArithmeticError("in the loss")
+    with pytest.raises(ArithmeticError) as info:
+        model.forward_backward(input_args=(x,), loss_fn=bad_loss)
+    assert "[roundpipe stage 4, microbatch 0, loss_fn]" in info.value.__notes__
+    with pytest.raises(ValueError, match="single-element tensor"):
+        model.forward_backward(input_args=(x,), loss_fn=lambda out, _: out)
+    model.forward_backward(input_args=(x,), loss_fn=loss_fn)
+
+
+@pytest.mark.parametrize("is_async", [True, False])
+def test_step_fn_error_reraised_then_training_continues(is_async):
+    model = make()
+    with OptimizerCtx():
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = tagged_batch()
+    err = ZeroDivisionError("in step_fn")
+
+    def bad_step():
+        raise err
+    model.forward_backward(input_args=(x,), loss_fn=loss_fn)
+    if is_async:
+        model.step(bad_step)  # returns at once; the error surfaces at the next dependent call
+        with pytest.raises(ZeroDivisionError) as info:
+            model.forward_backward(input_args=(x,), loss_fn=loss_fn)
+    else:
+        with pytest.raises(ZeroDivisionError) as info:
+            model.step(bad_step, is_async=False)
+    assert info.value is err
+    assert any("step_fn" in note for note in info.value.__notes__)
+    assert all(m.grad is None for m in model.optim_parameters())
+    for _ in range(2):
+        model.forward_backward(input_args=(x,), loss_fn=loss_fn)
+        model.step(lambda: (opt.step(), opt.zero_grad()), is_async=is_async)
+    model.synchronize()
+    optim_thread.synchronize()
+
+
+def test_failed_master_copy_is_reported_and_recovered(monkeypatch):
+    model = make()
+    with OptimizerCtx():
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = tagged_batch()
+    model.forward_backward(input_args=(x,), loss_fn=loss_fn)
+    good = model._layer_copies[4]
+    model._layer_copies[4] = [(good[0][0], torch.zeros(7))]  # a copy that cannot succeed
+    model.step(lambda: (opt.step(), opt.zero_grad()))
+    with pytest.raises(RuntimeError, match="size"):
+        model.forward_backward(input_args=(x,), loss_fn=loss_fn)
+    model._layer_copies[4] = good
+    model.forward_backward(input_args=(x,), loss_fn=loss_fn)
+    model.step(lambda: (opt.step(), opt.zero_grad()))
+    model.synchronize()
+    for n, p in model.named_parameters():
+        assert torch.equal(p, dict(model.optim_named_parameters())[n])
+
+
+def test_step_before_any_gradient():
+    model = make()
+    with pytest.raises(RuntimeError, match="no gradients since the last step"):
+        model.step(lambda: None)
+    model.module[2].armed = False
+    model.forward_backward(input_args=(tagged_batch(),), loss_fn=loss_fn)
+    model.step(lambda: None)
+    with pytest.raises(RuntimeError, match="no gradients since the last step"):
+        model.step(lambda: None)
+
+
+def test_optimizer_on_model_parameters_is_rejected():
+    model = make()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)  # outside OptimizerCtx: the wrong params
+    model.forward_backward(input_args=(tagged_batch(),), loss_fn=loss_fn)
+    with pytest.raises(RuntimeError, match=r"with OptimizerCtx\(\)"):
+        model.step(lambda: opt.step(), is_async=False)
+    # Outside a RoundPipe step the hook stays out of the way.
+    torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1).step()
+
+
+def test_trainable_param_without_master():
+    seq = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 2))
+    seq[1].weight.requires_grad_(False)
+    model = RoundPipe(seq)
+    seq[1].weight.requires_grad_(True)
+    with pytest.raises(RuntimeError, match=r"'1.weight' \(stage 1\) requires grad but has no master"):
+        model.forward_backward(input_args=(torch.randn(2, 3),), loss_fn=loss_fn)
+
+
+def test_bad_batches():
+    model = make()
+    with pytest.raises(ValueError, match="2 samples cannot be split into 3 microbatches"):
+        model.forward_backward(input_args=(torch.randn(2, 3),), loss_fn=loss_fn)
+    with pytest.raises(ValueError, match="label batch size 5 .* input batch size 6"):
+        model.forward_backward(input_args=(torch.randn(6, 3),), label=torch.zeros(5),
+                               loss_fn=loss_fn)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"num_microbatch": 0}, "num_microbatch"),
+    ({"autocast": True}, "autocast"),
+    ({"recompute": "yes"}, "recompute"),
+    ({"output_device": "nowhere"}, "output_device"),
+    ({"execute_plan": [2, 0]}, "execute_plan"),
+])
+def test_run_config_validation(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        RoundPipeRunConfig(**kwargs)
+
+
+def test_execute_plan_must_cover_the_layers():
+    with pytest.raises(ValueError, match="sum to the layer count"):
+        RoundPipe(nn.Sequential(nn.Linear(2, 2), nn.ReLU()),
+                  model_run_config=RoundPipeRunConfig(execute_plan=[1, 2]))
+    with pytest.raises(ValueError, match="cpu:N"):
+        RoundPipe(nn.Linear(2, 2), devices="gpu:0")
+    with pytest.raises(ValueError, match="loss_fn"):
+        RoundPipe(nn.Linear(2, 2)).forward_backward(input_args=(torch.randn(2, 2),))
