@@ -1,0 +1,60 @@
+"""`python -m roundpipe`: versions, device pool and the self-check, run as a user runs it."""
+
+import os
+import subprocess
+import sys
+
+import torch
+
+import roundpipe
+
+
+def run_cli(*args, env_extra=None, timeout=100):
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env.pop("ROUNDPIPE_DEVICES", None)
+    env.update(env_extra or {})
+    return subprocess.run([sys.executable, "-m", "roundpipe", *args], capture_output=True, text=True,
+                          env=env, timeout=timeout)
+
+
+def test_quick_self_check_passes_and_reports_the_environment():
+    proc = run_cli("--quick")
+    out = proc.stdout
+    assert proc.returncode == 0, out + proc.stderr
+    assert f"roundpipe {roundpipe.__version__}" in out
+    assert f"torch {torch.__version__}" in out
+    assert "device pool (default): " in out
+    assert out.rstrip().splitlines()[-1].startswith("PASSED")
+    assert "[FAIL]" not in out
+    for what in ("the loss went down", "ran on the optimizer thread", "hold the newest masters",
+                 "re-raised on the main thread", "usable after that error"):
+        assert what in out
+
+
+def test_quick_self_check_on_two_workers_in_bf16_from_the_environment():
+    proc = run_cli("--quick", "--dtype", "bf16", env_extra={"ROUNDPIPE_DEVICES": "cpu:2"})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "device pool ($ROUNDPIPE_DEVICES): cpu#0, cpu#1" in proc.stdout
+    assert "bf16 shards" in proc.stdout and "PASSED" in proc.stdout
+
+
+def test_a_bad_device_pool_fails_with_the_reason():
+    proc = run_cli("--quick", env_extra={"ROUNDPIPE_DEVICES": "gpu9"})
+    assert proc.returncode == 1
+    last = proc.stdout.rstrip().splitlines()[-1]
+    assert last.startswith("FAILED") and "gpu9" in last and "cpu:N" in last
+
+
+def test_self_check_fails_when_the_optimizer_does_nothing(monkeypatch, capsys):
+    import roundpipe.__main__ as cli
+
+    class IdleAdam(roundpipe.optim.Adam):
+        def step(self, closure=None):
+            return None
+
+    monkeypatch.setattr(roundpipe.optim, "Adam", IdleAdam)
+    assert cli.main(["--quick"]) == 1
+    out = capsys.readouterr().out
+    last = out.rstrip().splitlines()[-1]
+    assert last.startswith("FAILED") and "the loss went down" in last and "changed 0/6" in last
+    assert "PASSED" not in out
