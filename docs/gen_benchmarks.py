@@ -1,0 +1,98 @@
+"""Assemble docs/benchmarks.md from the result files in benchmarks/results/.
+
+    python docs/gen_benchmarks.py          # rewrite docs/benchmarks.md
+    python docs/gen_benchmarks.py --check  # exit 1 if it is out of date (tests/test_docs.py)
+
+Each benchmark script's owner writes its numbers, with the command and the machine, into
+benchmarks/results/<name>.md; this script puts them under one section each, headings demoted
+two levels, in the order of SECTIONS. A result file not listed there goes under "Other".
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+OUT = ROOT / "docs" / "benchmarks.md"
+
+# (section title, result file stem, script, what it measures)
+SECTIONS = [
+    ("GradScaler", "scaler", "benchmarks/bench_scaler.py",
+     "`scaler.step` + `scaler.update` against `torch.amp.GradScaler` on the same fused-Adam work "
+     "(target ratio <= 1.05), and the main thread's time in an async `update()` while a step runs "
+     "on the optimizer thread (target: about zero)."),
+    ("roundpipe.optim", "optim", "benchmarks/bench_optim.py",
+     "`roundpipe.optim.Adam` against `torch.optim.Adam` (fused and foreach) on 100M fp32 "
+     "parameters, with the share of memory bandwidth reached (Adam moves 28 bytes per parameter)."),
+    ("Runtime", "runtime", "benchmarks/bench_runtime.py",
+     "async against sync iteration time when the step costs as much as `forward_backward` "
+     "(target <= 0.55) and the main thread's share in `scaler.update()` (target <= 1%); overhead "
+     "against plain PyTorch with `torch.utils.checkpoint` per stage (target <= 1.05); peak memory "
+     "per parameter against the 18 bytes the state itself needs."),
+]
+
+HEADER = """\
+# Benchmarks
+
+Assembled from `benchmarks/results/*.md` by `python docs/gen_benchmarks.py`; do not edit by
+hand. Every number comes with the command that produced it and the machine it ran on; the
+benchmarks print ratios against a baseline measured in the same run, because absolute times on
+a shared machine drift. Rerun a script to regenerate its numbers on your machine, then
+`python docs/gen_benchmarks.py`.
+"""
+
+
+def _demote(text: str, levels: int = 2) -> str:
+    out, fenced = [], False
+    for line in text.splitlines():
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+        if not fenced and re.match(r"#{1,6} ", line):
+            line = "#" * levels + line
+        out.append(line)
+    return "\n".join(out).strip()
+
+
+def render() -> str:
+    parts = [HEADER]
+    known = set()
+    for title, stem, script, what in SECTIONS:
+        known.add(stem)
+        parts.append(f"## {title}\n")
+        parts.append(f"{what} Script: `{script}`.\n")
+        path = RESULTS / f"{stem}.md"
+        if path.exists():
+            parts.append(_demote(path.read_text()) + "\n")
+        else:
+            parts.append(f"No results yet: run `python {script}` and write its output, the "
+                         f"command and the machine into `benchmarks/results/{stem}.md`.\n")
+    others = sorted(p for p in RESULTS.glob("*.md") if p.stem not in known) if RESULTS.exists() else []
+    if others:
+        parts.append("## Other\n")
+        for path in others:
+            parts.append(_demote(path.read_text()) + "\n")
+    return "\n".join(parts).rstrip() + "\n"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description="Assemble docs/benchmarks.md from benchmarks/results/.")
+    parser.add_argument("--check", action="store_true", help="only check that docs/benchmarks.md is current")
+    args = parser.parse_args()
+    text = render()
+    if args.check:
+        if not OUT.exists() or OUT.read_text() != text:
+            print("docs/benchmarks.md is out of date: run `python docs/gen_benchmarks.py`", file=sys.stderr)
+            return 1
+        print("docs/benchmarks.md is up to date")
+        return 0
+    OUT.write_text(text)
+    print(f"wrote {OUT}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
