@@ -3,8 +3,8 @@
 * Layers are the children of an ``nn.Sequential`` (any other module is one layer); a stage is a
   run of consecutive layers (``execute_plan``), placed round-robin on the pool's devices.
 * The wrapped module keeps its (low-precision) parameters; fp32 masters (``optim_dtype``) are
-  what the optimizer updates. Gradients of every microbatch accumulate into the masters' ``.grad``
-  on the optimizer thread.
+  what the optimizer updates. Gradients of every microbatch accumulate, in ``optim_dtype``, into
+  the masters' ``.grad`` (see [Note: gradient accumulation]).
 * :mod:`roundpipe.schedule` decides the order, this module executes it: each device worker gets
   its actions, each action is a future that its dependents wait on.
 * ``step(step_fn)`` runs ``step_fn`` on the optimizer thread, one step behind
@@ -313,11 +313,33 @@ class _Call:
     losses: List[Any] = dataclasses.field(default_factory=list)
     outputs: List[Any] = dataclasses.field(default_factory=list)
     move_items: List[Any] = dataclasses.field(default_factory=list)
+    grad_buffers: List[List[Optional[torch.Tensor]]] = dataclasses.field(default_factory=list)
+
+
+# [Note: gradient accumulation]
+# Gradients accumulate in optim_dtype. In forward_backward the worker of a stage sums the
+# microbatch gradients of each of its params into a buffer of the master's dtype and layout
+# (microbatch 0 copied, the others added, in microbatch order: one worker runs a stage's actions
+# in order, so the sum is bitwise the same for any number of workers). After the last microbatch
+# it launches one grad move per param on the optimizer thread: the buffer becomes master.grad if
+# that is None (no copy), else it is added to it. One move per param and call, instead of one per
+# microbatch, keeps the optimizer thread free for the step that runs concurrently (async mode):
+# the moves queue behind that step, and only they remain when it ends.
+# The buffer is owned by the worker until the move is launched, then by the optimizer thread.
+
+
+def _move_grad(master: nn.Parameter, grad: torch.Tensor) -> None:
+    """Grad move (optimizer thread): hand a call's summed gradient (master dtype, a tensor nobody
+    else holds) to the master."""
+    if master.grad is None:
+        master.grad = grad
+    else:
+        master.grad.add_(grad)
 
 
 def _accumulate_grad(master: nn.Parameter, grad: torch.Tensor) -> None:
-    """Grad move (optimizer thread): add one microbatch's gradient to the master's, in
-    ``optim_dtype``. The first one is copied (autograd may hand out aliased tensors)."""
+    """Grad move (optimizer thread) of a gradient that autograd accumulated into a model
+    parameter (differentiable forward); copied first, it may be any dtype or layout."""
     if master.grad is None:
         master.grad = torch.empty_like(master).copy_(grad)
     else:
@@ -760,6 +782,7 @@ class RoundPipe(nn.Module):
         call.slots = {(s, m): _Slot() for s in range(len(stages)) for m in range(M)}
         call.futures = {a.key: Future() for a in call.plan.actions()}
         call.losses = [None] * M
+        call.grad_buffers = [[None] * len(ps) for ps in stage_params]
         call.outputs = [None] * M
         return call
 
@@ -931,8 +954,8 @@ class RoundPipe(nn.Module):
                        grad_outputs: List[torch.Tensor], in_leaves: List[Any],
                        backend: Any) -> None:
         """autograd.grad of ``outputs`` w.r.t. the stage input leaves and trainable params;
-        stores the input grads for stage s-1 and launches the grad moves (microbatch order per
-        stage: one worker runs a stage's actions in order)."""
+        stores the input grads for stage s-1 and sums the param grads into the stage's buffers
+        (see [Note: gradient accumulation])."""
         params = call.stage_params[s]
         wrt = [x for x in in_leaves if isinstance(x, torch.Tensor) and x.requires_grad]
         inputs = wrt + [p for _, p in params]
@@ -950,10 +973,22 @@ class RoundPipe(nn.Module):
             call.slots[(s, m)].grad_in = [by_id.get(id(x)) if isinstance(x, torch.Tensor)
                                           else None for x in in_leaves]
         param_grads = backend.grads_to_host(grads[len(wrt):])
-        for (_, p), g in zip(params, param_grads):
-            if g is not None:
-                call.move_items.append(
-                    optim_thread._launch(_accumulate_grad, self._master_of[id(p)], g))
+        # See [Note: gradient accumulation].
+        buffers = call.grad_buffers[s]
+        for i, ((_, p), g) in enumerate(zip(params, param_grads)):
+            if g is None:
+                continue
+            master = self._master_of[id(p)]
+            if buffers[i] is None:
+                buffers[i] = torch.empty_like(master).copy_(g)
+            else:
+                buffers[i].add_(g)
+        if m == call.plan.num_microbatch - 1:
+            for i, (_, p) in enumerate(params):
+                if buffers[i] is not None:
+                    call.move_items.append(optim_thread._launch(
+                        _move_grad, self._master_of[id(p)], buffers[i]))
+                    buffers[i] = None
 
 
 def _inputs_requiring_grad(inp: Tuple[tuple, dict]) -> Tuple[List[Any], Tuple[tuple, dict]]:

@@ -240,3 +240,20 @@ def test_design_loop_runs_with_roundpipe_scaler_and_adam():
     assert sum(losses[-4:]) < 0.8 * sum(losses[:4])
     for n, master in model.optim_named_parameters():
         assert torch.equal(dict(model.named_parameters())[n], master.half())
+
+
+def test_two_calls_before_a_step_accumulate():
+    ref = mlp()
+    model = RoundPipe(mlp(), devices="cpu:2", model_run_config=RoundPipeRunConfig(num_microbatch=2))
+    with OptimizerCtx():
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for it in range(2):
+        x, y = data(it)
+        model.forward_backward(input_args=(x,), label=y, loss_fn=loss_fn)
+        plain_accumulate(ref, x, y, 2)
+    model.step(lambda: opt.step(), is_async=False)
+    ref_opt.step()
+    for (n, master), (_, rp) in zip(model.optim_named_parameters(), ref.named_parameters()):
+        torch.testing.assert_close(master.grad, rp.grad, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(master, rp, rtol=1e-5, atol=1e-6)
