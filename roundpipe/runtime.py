@@ -975,20 +975,42 @@ class RoundPipe(nn.Module):
         param_grads = backend.grads_to_host(grads[len(wrt):])
         # See [Note: gradient accumulation].
         buffers = call.grad_buffers[s]
+        shared = _storage_counts(grads[:len(wrt)] + list(param_grads) + list(grad_outputs))
         for i, ((_, p), g) in enumerate(zip(params, param_grads)):
             if g is None:
                 continue
             master = self._master_of[id(p)]
-            if buffers[i] is None:
-                buffers[i] = torch.empty_like(master).copy_(g)
-            else:
+            if buffers[i] is not None:
                 buffers[i].add_(g)
+            elif _can_adopt(g, master, shared):
+                buffers[i] = g  # a fresh gradient nobody else holds: no copy, as AccumulateGrad
+            else:
+                buffers[i] = torch.empty_like(master).copy_(g)
         if m == call.plan.num_microbatch - 1:
             for i, (_, p) in enumerate(params):
                 if buffers[i] is not None:
                     call.move_items.append(optim_thread._launch(
                         _move_grad, self._master_of[id(p)], buffers[i]))
                     buffers[i] = None
+
+
+def _storage_counts(tensors: List[Any]) -> Dict[int, int]:
+    """How many of ``tensors`` (the same object counted each time it occurs) use each storage."""
+    counts: Dict[int, int] = {}
+    for t in tensors:
+        if isinstance(t, torch.Tensor):
+            ptr = t.untyped_storage().data_ptr()
+            counts[ptr] = counts.get(ptr, 0) + 1
+    return counts
+
+
+def _can_adopt(g: torch.Tensor, master: torch.Tensor, shared: Dict[int, int]) -> bool:
+    """Whether ``g`` can become the accumulation buffer itself: the master's dtype, device and
+    layout, not a view, and its storage not shared with another gradient or grad_output of the
+    same autograd call (autograd may pass a grad_output through unchanged)."""
+    return (g.dtype == master.dtype and g.device == master.device and g.shape == master.shape
+            and g.is_contiguous() and g._base is None and not g.requires_grad and g.numel() > 0
+            and shared.get(g.untyped_storage().data_ptr(), 0) == 1)
 
 
 def _inputs_requiring_grad(inp: Tuple[tuple, dict]) -> Tuple[List[Any], Tuple[tuple, dict]]:

@@ -257,3 +257,28 @@ def test_two_calls_before_a_step_accumulate():
     for (n, master), (_, rp) in zip(model.optim_named_parameters(), ref.named_parameters()):
         torch.testing.assert_close(master.grad, rp.grad, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(master, rp, rtol=1e-5, atol=1e-6)
+
+
+class AddParams(nn.Module):
+    """Backward hands the same grad_output tensor to the input and to both parameters."""
+
+    def __init__(self):
+        super().__init__()
+        self.p = nn.Parameter(torch.zeros(4, 3))
+        self.q = nn.Parameter(torch.zeros(4, 3))
+
+    def forward(self, x):
+        return x + self.p + self.q
+
+
+def test_aliased_gradients_are_not_shared_between_masters():
+    torch.manual_seed(0)
+    seq = nn.Sequential(nn.Linear(3, 3), AddParams(), nn.Linear(3, 1))
+    ref = copy.deepcopy(seq)
+    model = RoundPipe(seq, devices="cpu:2", model_run_config=RoundPipeRunConfig(num_microbatch=2))
+    x = torch.randn(8, 3)
+    model.forward_backward(input_args=(x,), loss_fn=lambda out, _: out.sum())
+    for xm in x.chunk(2):
+        ref(xm).sum().backward()
+    for (n, master), (_, rp) in zip(model.optim_named_parameters(), ref.named_parameters()):
+        assert torch.equal(master.grad, rp.grad), n

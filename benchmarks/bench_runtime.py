@@ -1,0 +1,229 @@
+"""RoundPipe runtime benchmarks: printed ratios against baselines measured in the same run.
+
+(a) async against sync iteration time when the step costs as much as ``forward_backward``
+    (the step runs a real Adam step, then waits on an Event until it has taken as long as the
+    measured ``forward_backward``: an optimizer step that costs time but not this machine's two
+    cores, as one running elsewhere would), and the share of the iteration the main thread
+    spends in ``scaler.update()``. Targets: <= 0.55 and <= 1%.
+(b) overhead of ``forward_backward`` on one CPU worker against plain PyTorch running the same
+    microbatches with ``torch.utils.checkpoint`` per stage and ``backward()``. Target <= 1.05.
+(c) peak memory (VmHWM) per parameter of a ~300M-parameter fp16 model with fp32 Adam masters,
+    in a subprocess, against the 18 bytes/param the state itself needs
+    (2 fp16 param + 4 fp32 master + 4 fp32 grad + 8 Adam moments).
+
+    python benchmarks/bench_runtime.py [--part a,b,c] [--iters 20]
+"""
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import roundpipe
+from roundpipe import GradScaler, OptimizerCtx, RoundPipe, RoundPipeRunConfig
+
+
+def mlp(width, depth, dtype=torch.float32, seed=0):
+    torch.manual_seed(seed)
+    layers = []
+    for _ in range(depth):
+        layers += [nn.Linear(width, width), nn.GELU()]
+    layers.append(nn.Linear(width, 16))
+    return nn.Sequential(*layers).to(dtype)
+
+
+def loss_of(out, y):
+    return F.cross_entropy(out.float(), y)
+
+
+# -- (a) ----------------------------------------------------------------------------------------
+
+
+def part_a(args):
+    width, depth, batch, M = 768, 6, 256, 4
+    x = torch.randn(batch, width)
+    y = torch.randint(0, 16, (batch,))
+    cfg = RoundPipeRunConfig(num_microbatch=M)
+
+    def build():
+        model = RoundPipe(mlp(width, depth, torch.bfloat16), devices="cpu", model_run_config=cfg)
+        with OptimizerCtx():
+            opt = roundpipe.optim.Adam(model.parameters(), lr=1e-4)
+        return model, opt, GradScaler()
+
+    # Measure forward_backward alone (with its gradient moves), after a warm-up.
+    model, opt, scaler = build()
+    fb = []
+    for i in range(args.iters // 2 + 3):
+        t0 = time.perf_counter()
+        model.forward_backward(input_args=(x,), label=y,
+                               loss_fn=lambda o, l: scaler.scale(loss_of(o, l)) / M)
+        fb.append(time.perf_counter() - t0)
+        model.step(lambda: opt.zero_grad(), is_async=False)
+    t_fb = statistics.median(fb[3:])
+
+    def run(is_async):
+        model, opt, scaler = build()
+        idle = threading.Event()  # never set: wait(timeout) is a step that costs wall time only
+
+        def step_fn():
+            t0 = time.perf_counter()
+            scaler.step(opt)
+            opt.zero_grad()
+            idle.wait(max(0.0, t_fb - (time.perf_counter() - t0)))
+
+        times, in_update = [], []
+        for i in range(args.iters + 3):
+            t0 = time.perf_counter()
+            model.forward_backward(input_args=(x,), label=y,
+                                   loss_fn=lambda o, l: scaler.scale(loss_of(o, l)) / M)
+            model.step(step_fn, is_async=is_async)
+            t1 = time.perf_counter()
+            scaler.update()
+            t2 = time.perf_counter()
+            if i >= 3:
+                times.append(t2 - t0)
+                in_update.append(t2 - t1)
+        model.synchronize()
+        return statistics.median(times), sum(in_update) / sum(times)
+
+    t_sync, _ = run(False)
+    t_async, update_share = run(True)
+    n_params = sum(p.numel() for p in model.optim_parameters())
+    print(f"(a) bf16 MLP {n_params / 1e6:.1f}M params, batch {batch}, {M} microbatches, 1 CPU "
+          f"worker, roundpipe.optim.Adam + GradScaler, step padded to forward_backward time")
+    print(f"    forward_backward alone      {t_fb * 1e3:8.1f} ms")
+    print(f"    sync iteration              {t_sync * 1e3:8.1f} ms")
+    print(f"    async iteration             {t_async * 1e3:8.1f} ms")
+    print(f"    async / sync                {t_async / t_sync:8.3f}   (target <= 0.55)")
+    print(f"    main thread in update()     {update_share * 100:8.3f} % of the async iteration "
+          f"(target <= 1%)")
+
+
+# -- (b) ----------------------------------------------------------------------------------------
+
+
+def part_b(args):
+    width, depth, batch, M = 1024, 8, 256, 4
+    x = torch.randn(batch, width)
+    y = torch.randint(0, 16, (batch,))
+
+    plain = mlp(width, depth)
+    stages = list(plain.children())
+
+    def plain_iteration():
+        for xm, ym in zip(torch.tensor_split(x, M), torch.tensor_split(y, M)):
+            h = xm
+            for i, stage in enumerate(stages):
+                h = checkpoint(stage, h, use_reentrant=False) if i < len(stages) - 1 else stage(h)
+            (loss_of(h, ym) / M).backward()
+        for p in plain.parameters():
+            p.grad = None
+
+    model = RoundPipe(mlp(width, depth), devices="cpu",
+                      model_run_config=RoundPipeRunConfig(num_microbatch=M))
+
+    def rp_iteration():
+        model.forward_backward(input_args=(x,), label=y, loss_fn=lambda o, l: loss_of(o, l) / M)
+        for m in model.optim_parameters():  # as plain's p.grad = None (optimizer thread is idle)
+            m.grad = None
+
+    # The two run alternately, one iteration each, so that load from other processes on the
+    # machine hits both alike; the minimum estimates the cost without that load.
+    tp, tr = [], []
+    for fn in (plain_iteration, rp_iteration) * 2:
+        fn()
+    for _ in range(args.iters):
+        for fn, ts in ((plain_iteration, tp), (rp_iteration, tr)):
+            t0 = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t0)
+    t_plain, t_rp = min(tp), min(tr)
+    med = statistics.median(tr) / statistics.median(tp)
+    n_params = sum(p.numel() for p in plain.parameters())
+    print(f"(b) fp32 MLP {n_params / 1e6:.1f}M params, {len(stages)} stages, batch {batch}, "
+          f"{M} microbatches, one CPU worker")
+    print(f"    plain PyTorch + checkpoint  {t_plain * 1e3:8.1f} ms")
+    print(f"    RoundPipe forward_backward  {t_rp * 1e3:8.1f} ms   (grads into the "
+          f"masters)")
+    print(f"    RoundPipe / plain           {t_rp / t_plain:8.3f}   (target <= 1.05; min of "
+          f"{args.iters} alternating runs; ratio of medians {med:.3f})")
+
+
+# -- (c) ----------------------------------------------------------------------------------------
+
+_MEM_CHILD = r"""
+import sys, torch, torch.nn.functional as F
+from torch import nn
+import roundpipe
+from roundpipe import OptimizerCtx, RoundPipe, RoundPipeRunConfig
+
+def hwm():
+    for line in open("/proc/self/status"):
+        if line.startswith(("VmHWM", "VmRSS")):
+            yield line.split()[0][:-1], int(line.split()[1]) * 1024
+
+base = dict(hwm())["VmRSS"]
+width, depth = 4096, 18
+layers = []
+for _ in range(depth):
+    lin = nn.Linear(width, width, dtype=torch.float16)
+    layers += [lin, nn.ReLU()]
+torch.manual_seed(0)
+with torch.no_grad():
+    for m in layers:
+        if isinstance(m, nn.Linear):
+            m.weight.uniform_(-0.01, 0.01); m.bias.zero_()
+seq = nn.Sequential(*layers)
+n = sum(p.numel() for p in seq.parameters())
+model = RoundPipe(seq, optim_dtype=torch.float32, devices="cpu",
+                  model_run_config=RoundPipeRunConfig(num_microbatch=2))
+with OptimizerCtx():
+    opt = roundpipe.optim.Adam(model.parameters(), lr=1e-5)
+x = torch.randn(2, width)
+for _ in range(int(sys.argv[1])):
+    model.forward_backward(input_args=(x,), loss_fn=lambda o, _: o.float().pow(2).mean())
+    model.step(lambda: (opt.step(), opt.zero_grad()))
+model.synchronize()
+d = dict(hwm())
+print(n, base, d["VmHWM"])
+"""
+
+
+def part_c(args):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+         os.environ.get("PYTHONPATH", "")]))
+    t0 = time.perf_counter()
+    out = subprocess.run([sys.executable, "-c", _MEM_CHILD, "3"], check=True, env=env,
+                         capture_output=True, text=True).stdout.split()
+    n, base, peak = int(out[0]), int(out[1]), int(out[2])
+    print(f"(c) fp16 model of {n / 1e6:.1f}M params, fp32 masters, roundpipe.optim.Adam, 3 async "
+          f"iterations, batch 2 ({time.perf_counter() - t0:.0f} s)")
+    print(f"    peak RSS (VmHWM)            {peak / 2**30:8.2f} GiB")
+    print(f"    RSS before the model        {base / 2**30:8.2f} GiB (torch + python)")
+    print(f"    (peak - before) / param     {(peak - base) / n:8.2f} bytes   (state needs 18)")
+    print(f"    peak / param                {peak / n:8.2f} bytes")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--part", default="a,b,c")
+    parser.add_argument("--iters", type=int, default=20)
+    args = parser.parse_args()
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} intra-op threads, "
+          f"{os.cpu_count()} CPUs")
+    for part in args.part.split(","):
+        {"a": part_a, "b": part_b, "c": part_c}[part.strip()](args)
+
+
+if __name__ == "__main__":
+    main()
