@@ -51,7 +51,7 @@ class _HostValue:
     """A 0-d loss on its way to the host, converted to a float only when it is read.
 
     On the CPU the tensor is kept as is. On CUDA a non-blocking copy into pinned host memory is
-    started and an event recorded behind it, so ``record()`` never syncs the device; reading the
+    started and an event recorded behind it, so storing the loss never syncs the device; reading the
     value waits for that event only (``history()``, off the hot path). Other device types keep
     the tensor and convert it when read.
     """
@@ -110,8 +110,10 @@ class TrainingMonitor:
 
     Threads: main thread only (the thread that calls ``scaler.update()``); the monitor is not
     shared with the workers or the optimizer thread. :meth:`record` never waits for the
-    optimizer thread and never syncs a device; :meth:`history` and :meth:`save_plot` convert the
-    recorded tensors to numbers and may wait for the device that holds them.
+    optimizer thread and does not sync on the loss; the scaler's figures come from
+    ``scaler.snapshot()``, which turns a few scalars into Python numbers (on CUDA, small
+    device-to-host copies). :meth:`history` and :meth:`save_plot` convert the recorded losses to
+    numbers and may wait for the device that holds them.
 
     Create the monitor right before the loop (after loading a checkpoint, if any): it counts the
     scaler's updates from there on. ``first_iteration`` numbers the first recorded iteration
@@ -130,7 +132,8 @@ class TrainingMonitor:
         return len(self._records)
 
     def record(self, loss: Union[torch.Tensor, float], *, scaled: bool = False) -> None:
-        """Record one iteration. Main thread; never blocks, never syncs a device.
+        """Record one iteration. Main thread; never waits for the optimizer thread, never syncs
+        on the loss (see the class docstring for the scaler's snapshot).
 
         ``loss`` is a scalar tensor (detached here; ``forward_backward``'s return value as is) or
         a float. ``scaled=True`` says the loss was multiplied by the scaler's scale (as in
