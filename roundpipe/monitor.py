@@ -16,6 +16,10 @@ import torch
 
 __all__ = ["TrainingMonitor", "TrainingHistory"]
 
+# Losses older than this many records are converted to floats once they are ready (never
+# waiting), so a long run does not keep a tensor per iteration alive.
+_KEEP_LAZY = 1024
+
 
 # [Note: monitor attribution]
 # The monitor reads the scaler only through ``GradScaler.snapshot()``, which never waits for the
@@ -73,6 +77,10 @@ class _HostValue:
             loss = host
         self._value = loss
 
+    def ready(self) -> bool:
+        """Non-blocking: whether :meth:`get` would return without waiting for a device."""
+        return self._event is None or self._event.query()
+
     def get(self) -> float:
         if self._event is not None:
             self._event.synchronize()
@@ -82,7 +90,7 @@ class _HostValue:
         return self._value
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class _Record:
     iteration: int
     loss: _HostValue
@@ -123,6 +131,7 @@ class TrainingMonitor:
     def __init__(self, scaler=None, *, first_iteration: int = 0) -> None:
         self._scaler = scaler
         self._records: list[_Record] = []
+        self._compacted = 0  # records before this index hold converted losses (or not-ready ones)
         self._first_iteration = int(first_iteration)
         snap = scaler.snapshot() if scaler is not None else None
         self._steps_at_start = snap.steps if snap is not None else 0
@@ -157,6 +166,17 @@ class TrainingMonitor:
             steps=steps,
             skipped_steps=skipped,
         ))
+        if len(self._records) - self._compacted >= 2 * _KEEP_LAZY:
+            self._compact()
+
+    def _compact(self) -> None:
+        """Convert the losses of all but the newest ``_KEEP_LAZY`` records whose values are
+        ready; never waits (a value still on its way stays a tensor until read)."""
+        end = len(self._records) - _KEEP_LAZY
+        for record in self._records[self._compacted:end]:
+            if record.loss.ready():
+                record.loss.get()
+        self._compacted = end
 
     def history(self) -> TrainingHistory:
         """Everything recorded so far, as Python numbers. Main thread; may wait for the device

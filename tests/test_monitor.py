@@ -177,3 +177,16 @@ def test_save_plot_without_matplotlib_names_the_extra(monkeypatch, tmp_path):
     with pytest.raises(ImportError, match=r"pip install roundpipe\[plot\]"):
         monitor.save_plot(tmp_path / "x.png")
     assert not (tmp_path / "x.png").exists()
+
+
+def test_a_long_run_does_not_keep_a_tensor_per_iteration(monkeypatch):
+    import roundpipe.monitor as monitor_module
+
+    monkeypatch.setattr(monitor_module, "_KEEP_LAZY", 8)
+    monitor = TrainingMonitor()
+    for i in range(40):
+        monitor.record(torch.tensor(float(i)))
+    values = [r.loss._value for r in monitor._records]
+    assert all(isinstance(v, float) for v in values[:24])  # compacted without being asked
+    assert all(isinstance(v, torch.Tensor) for v in values[-8:])  # the newest stay lazy
+    assert monitor.history().loss == [float(i) for i in range(40)]
