@@ -85,3 +85,27 @@ def test_cuda_pool_and_backend_roundtrip():
         g = torch.autograd.grad(y.sum(), [lin.weight])[0]
         backend.finish()
     assert y.is_cuda and g.device.type == "cpu"
+
+
+def test_roundpipe_takes_the_env_var(monkeypatch):
+    from roundpipe import RoundPipe
+    monkeypatch.setenv("ROUNDPIPE_DEVICES", "cpu:3")
+    assert len(RoundPipe(torch.nn.Linear(2, 2))._pool) == 3
+    assert len(RoundPipe(torch.nn.Linear(2, 2), devices="cpu")._pool) == 1
+
+
+@needs_cuda
+def test_cuda_forward_backward_matches_cpu():
+    from roundpipe import RoundPipe, RoundPipeRunConfig
+    grads = []
+    for devices in ("cpu", "cuda"):
+        torch.manual_seed(0)
+        seq = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+        model = RoundPipe(seq, devices=devices,
+                          model_run_config=RoundPipeRunConfig(num_microbatch=2))
+        x = torch.randn(4, 4, generator=torch.Generator().manual_seed(1))
+        loss = model.forward_backward(input_args=(x,), loss_fn=lambda o, _: o.pow(2).sum())
+        assert loss.device.type == "cpu"
+        grads.append([m.grad for m in model.optim_parameters()])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)

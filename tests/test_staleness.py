@@ -4,6 +4,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 
 import pytest
 import torch
@@ -136,3 +137,36 @@ def test_checkpoint_after_async_iteration_resumes_bit_for_bit_in_a_new_process(t
     assert a.keys() == b.keys()
     for n in a:
         assert torch.equal(a[n], b[n]), n
+
+
+def test_workers_wait_for_the_params_copy_of_their_stage():
+    # Hold the optimizer thread so that the async step's master->model copy cannot run yet.
+    model = RoundPipe(mlp(), devices="cpu:2", model_run_config=RoundPipeRunConfig(num_microbatch=2))
+    with OptimizerCtx():
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    x, y = batch(0)
+    for _ in range(2):
+        model.forward_backward(input_args=(x,), label=y, loss_fn=loss_fn)
+        model.step(lambda: (opt.step(), opt.zero_grad()), is_async=False)
+    model.forward_backward(input_args=(x,), label=y, loss_fn=loss_fn)
+    release, entered, seen = threading.Event(), threading.Event(), []
+    optim_thread._launch(release.wait)
+    model.step(lambda: (opt.step(), opt.zero_grad()))  # queues the copy, then the step
+    expected = {n: m.detach().clone() for n, m in model.optim_named_parameters()}
+
+    def record(module, inputs):
+        entered.set()
+        seen.append(module.weight.detach().clone())
+    handle = model.module[0].register_forward_pre_hook(record)
+    runner = threading.Thread(target=lambda: model.forward_backward(
+        input_args=(x,), label=y, loss_fn=loss_fn))
+    runner.start()
+    try:
+        # Only a missing wait lets stage 0 start while the copy is held (never a false failure).
+        assert not entered.wait(0.3)
+    finally:
+        release.set()
+        runner.join(60)
+    handle.remove()
+    assert not runner.is_alive()
+    assert all(torch.equal(w, expected["0.weight"]) for w in seen)
