@@ -658,7 +658,11 @@ class GradScaler:
         published = self._published
         return self._init_growth_tracker if published is None else int(published.growth_tracker.item())
 
-    get_growth_tracker = _get_growth_tracker
+    def get_growth_tracker(self, up_to_date: bool = False) -> int:
+        """Consecutive non-overflowing updates since the last growth or backoff (torch's
+        ``_get_growth_tracker``). Never blocks by default (value of the newest finished update);
+        ``up_to_date=True`` waits for every launched step and update."""
+        return self._get_growth_tracker(up_to_date)
 
     def _set_hyper(self, name: str, value: Any) -> None:
         """Setters: the compute side sees the value at once (getters); the back side gets it in

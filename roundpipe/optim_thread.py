@@ -2,7 +2,7 @@
 
 Everything that touches the fp32 master parameters, their gradients, the optimizer state or the
 back side of a :class:`roundpipe.GradScaler` runs here, so the main thread can already compute
-the next iteration while a step runs. See ``docs/threads.md``.
+the next iteration while a step runs. See ``docs/threads-and-staleness.md``.
 
 Public API (``roundpipe.optim_thread``):
 
