@@ -1006,11 +1006,14 @@ def _storage_counts(tensors: List[Any]) -> Dict[int, int]:
 
 def _can_adopt(g: torch.Tensor, master: torch.Tensor, shared: Dict[int, int]) -> bool:
     """Whether ``g`` can become the accumulation buffer itself: the master's dtype, device and
-    layout, not a view, and its storage not shared with another gradient or grad_output of the
+    layout, alone in a storage of exactly its size (autograd often returns such a tensor as a
+    transposed view), and that storage not shared with another gradient or grad_output of the
     same autograd call (autograd may pass a grad_output through unchanged)."""
+    storage = g.untyped_storage()
     return (g.dtype == master.dtype and g.device == master.device and g.shape == master.shape
-            and g.is_contiguous() and g._base is None and not g.requires_grad and g.numel() > 0
-            and shared.get(g.untyped_storage().data_ptr(), 0) == 1)
+            and g.is_contiguous() and g.storage_offset() == 0 and not g.requires_grad
+            and g.numel() > 0 and storage.nbytes() == g.numel() * g.element_size()
+            and shared.get(storage.data_ptr(), 0) == 1)
 
 
 def _inputs_requiring_grad(inp: Tuple[tuple, dict]) -> Tuple[List[Any], Tuple[tuple, dict]]:
