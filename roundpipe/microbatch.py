@@ -17,7 +17,7 @@ Any spec can instead be a callable that does the whole job (see each function).
 
 from __future__ import annotations
 
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 from torch.utils import _pytree as pytree

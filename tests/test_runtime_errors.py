@@ -3,7 +3,6 @@ hangs; the next iteration works. And each clear error for bad input or misuse.""
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from roundpipe import OptimizerCtx, RoundPipe, RoundPipeRunConfig, optim_thread
