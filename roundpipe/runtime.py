@@ -672,6 +672,10 @@ class RoundPipe(nn.Module):
                 with OptimizerCtx():
                     step_fn()
             except BaseException as exc:  # noqa: B036 -- annotated, then re-raised
+                # A failed step did not consume this iteration's gradients: drop them here, in
+                # FIFO order, whichever call later reports the failure, so the next step does
+                # not apply them twice.
+                _clear_grads(list(model._masters.values()))
                 add_note(exc, f"[roundpipe{model._name_tag()} step_fn]")
                 raise
             finally:

@@ -216,3 +216,34 @@ def test_execute_plan_must_cover_the_layers():
         RoundPipe(nn.Linear(2, 2), devices="gpu:0")
     with pytest.raises(ValueError, match="loss_fn"):
         RoundPipe(nn.Linear(2, 2)).forward_backward(input_args=(torch.randn(2, 2),))
+
+
+def test_failed_step_reported_by_the_scaler_does_not_leave_its_gradients_behind():
+    # The failure surfaces at scaler.update(), not at a RoundPipe call: the gradients the failed
+    # step was to apply must still be dropped, or the next step applies them twice.
+    from roundpipe import GradScaler
+
+    model = RoundPipe(nn.Sequential(nn.Linear(2, 1, bias=False)))
+    scaler = GradScaler("cpu")
+    with OptimizerCtx():
+        opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    x, seen = torch.ones(4, 2), []
+
+    def fb():
+        model.forward_backward(input_args=(x,), loss_fn=lambda out, _: scaler.scale(out.sum()))
+
+    def good():
+        seen.append(next(model.optim_parameters()).grad.clone())
+        scaler.step(opt)
+        opt.zero_grad()
+
+    def bad():
+        raise KeyError("step failed")
+
+    fb(); model.step(good); scaler.update()
+    fb(); model.step(bad); optim_thread._wait_all()
+    with pytest.raises(KeyError, match="step failed"):
+        scaler.update()
+    fb(); model.step(good); scaler.update()
+    model.synchronize()
+    assert torch.equal(seen[0], seen[1])
