@@ -328,13 +328,14 @@ class _Call:
 # The buffer is owned by the worker until the move is launched, then by the optimizer thread.
 
 
-def _move_grad(master: nn.Parameter, grad: torch.Tensor) -> None:
-    """Grad move (optimizer thread): hand a call's summed gradient (master dtype, a tensor nobody
-    else holds) to the master."""
-    if master.grad is None:
-        master.grad = grad
-    else:
-        master.grad.add_(grad)
+def _move_grads(pairs: List[Tuple[nn.Parameter, torch.Tensor]]) -> None:
+    """Grad move (optimizer thread): hand a stage's summed gradients of a call (master dtype,
+    tensors nobody else holds) to the masters."""
+    for master, grad in pairs:
+        if master.grad is None:
+            master.grad = grad
+        else:
+            master.grad.add_(grad)
 
 
 def _accumulate_grad(master: nn.Parameter, grad: torch.Tensor) -> None:
@@ -796,6 +797,12 @@ class RoundPipe(nn.Module):
             worker = self._pool.worker(d)
             for a in actions:
                 worker.submit(self._run_action, call, a, future=call.futures[a.key])
+        # A worker runs its actions in order, so its last one done means all of its actions are:
+        # wait on those alone rather than waking the main thread (and taking the GIL from the
+        # workers) once per action.
+        for actions in call.plan.per_device:
+            if actions:
+                call.futures[actions[-1].key].exception()
         failures = []
         for a in call.plan.actions():
             exc = call.futures[a.key].exception()
@@ -991,11 +998,11 @@ class RoundPipe(nn.Module):
             else:
                 buffers[i] = torch.empty_like(master).copy_(g)
         if m == call.plan.num_microbatch - 1:
-            for i, (_, p) in enumerate(params):
-                if buffers[i] is not None:
-                    call.move_items.append(optim_thread._launch(
-                        _move_grad, self._master_of[id(p)], buffers[i]))
-                    buffers[i] = None
+            pairs = [(self._master_of[id(p)], buffers[i]) for i, (_, p) in enumerate(params)
+                     if buffers[i] is not None]
+            buffers[:] = [None] * len(buffers)
+            if pairs:  # one work item per stage: the optimizer thread wakes once, not per param
+                call.move_items.append(optim_thread._launch(_move_grads, pairs))
 
 
 def _storage_counts(tensors: List[Any]) -> Dict[int, int]:
