@@ -592,13 +592,16 @@ class RoundPipe(nn.Module):
         merged = merge_outputs(call.outputs, call.sizes, cfg.merge_output)
         return total, _to_device(merged, out_device)
 
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
+    def forward(self, *args: Any, run_config: Optional[RoundPipeRunConfig] = None,
+                **kwargs: Any) -> Any:
         """Microbatched inference; differentiable when ``requires_grad`` (default: grad mode at
         the call) is on. Then a ``backward()`` through the output moves the parameter gradients
-        into the masters (as forward_backward does) and :meth:`step` may follow. Main thread;
-        blocks until the output is computed."""
+        into the masters (as forward_backward does) and :meth:`step` may follow. ``run_config``
+        (keyword only, not passed to the model) overrides the model-level config for this call,
+        e.g. ``model(x, run_config=RoundPipeRunConfig(num_microbatch=1))`` for a small batch.
+        Main thread; blocks until the output is computed."""
         self._report_failures()
-        cfg = self._resolve(None)
+        cfg = self._resolve(run_config)
         grad = torch.is_grad_enabled() if cfg.requires_grad is None else cfg.requires_grad
         grad = grad and not torch.is_inference_mode_enabled()
         call = self._prepare(cfg, args, kwargs, None, None, training=False, return_outputs=True,

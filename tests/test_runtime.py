@@ -115,6 +115,16 @@ def test_forward_is_microbatched_inference():
     torch.testing.assert_close(out, ref(x), rtol=1e-6, atol=1e-6)
 
 
+def test_forward_takes_a_per_call_run_config():
+    model = RoundPipe(mlp(), model_run_config=RoundPipeRunConfig(num_microbatch=4))
+    x, _ = data(n=2)
+    with torch.no_grad():
+        with pytest.raises(ValueError, match="cannot be split into 4 microbatches"):
+            model(x)
+        out = model(x, run_config=RoundPipeRunConfig(num_microbatch=1))
+    torch.testing.assert_close(out, mlp()(x), rtol=1e-6, atol=1e-6)
+
+
 def test_fp32_input_is_cast_to_the_low_precision_model():
     model = RoundPipe(mlp(dtype=torch.bfloat16))
     x, _ = data()
