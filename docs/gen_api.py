@@ -12,7 +12,6 @@ are torch's and documented there).
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import enum
 import inspect
@@ -142,22 +141,8 @@ def render() -> str:
     return "\n".join(out).rstrip() + "\n"
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description="Generate docs/api.md from the docstrings.")
-    parser.add_argument("--check", action="store_true", help="only check that docs/api.md is current")
-    args = parser.parse_args()
-    text = render()
-    if args.check:
-        current = API_PATH.read_text() if API_PATH.exists() else ""
-        if current != text:
-            print("docs/api.md is out of date: run `python docs/gen_api.py`", file=sys.stderr)
-            return 1
-        print("docs/api.md is up to date")
-        return 0
-    API_PATH.write_text(text)
-    print(f"wrote {API_PATH}")
-    return 0
-
-
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from _generate import main
+
+    raise SystemExit(main(API_PATH, render, 'Generate docs/api.md from the docstrings.'))

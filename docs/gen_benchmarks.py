@@ -10,7 +10,6 @@ two levels, in the order of SECTIONS. A result file not listed there goes under 
 
 from __future__ import annotations
 
-import argparse
 import re
 import sys
 from pathlib import Path
@@ -78,21 +77,8 @@ def render() -> str:
     return "\n".join(parts).rstrip() + "\n"
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description="Assemble docs/benchmarks.md from benchmarks/results/.")
-    parser.add_argument("--check", action="store_true", help="only check that docs/benchmarks.md is current")
-    args = parser.parse_args()
-    text = render()
-    if args.check:
-        if not OUT.exists() or OUT.read_text() != text:
-            print("docs/benchmarks.md is out of date: run `python docs/gen_benchmarks.py`", file=sys.stderr)
-            return 1
-        print("docs/benchmarks.md is up to date")
-        return 0
-    OUT.write_text(text)
-    print(f"wrote {OUT}")
-    return 0
-
-
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from _generate import main
+
+    raise SystemExit(main(OUT, render, 'Assemble docs/benchmarks.md from benchmarks/results/.'))
