@@ -67,11 +67,17 @@ def autocast_context(state: AutocastState) -> contextlib.AbstractContextManager:
 #   microbatch on one worker draws exactly what plain PyTorch draws (dropout masks included).
 #   With M > 1 microbatches, one base seed is drawn from the global generator at the call and
 #   microbatch m's chain is seeded from (base, m).
-# * A stage "uses RNG" if preserve_rng_state=True, or if it is None and the stage contains a
-#   dropout module (nn.Dropout family) in training mode. Such a stage runs its forward (and its
-#   recompute) holding RNG_LOCK: set the global state to the chain state, run, capture the end
-#   state for the next stage. Recompute restores the saved start state under the lock, so it
-#   reproduces the masks. Stages that do not use RNG run without the lock, concurrently.
+# * A stage "uses RNG" if preserve_rng_state=True; with None (the default), if it contains a
+#   dropout module (nn.Dropout family) in training mode, or if it is not known yet to draw no
+#   random numbers: the first call of a stage (per training/eval mode) runs in the chain and
+#   records whether the generator moved (``_ScopeResult.drew``); stages that did not draw run
+#   outside the chain from then on. So functional randomness (F.dropout, dropout_p of
+#   scaled_dot_product_attention, torch.rand) is found without naming it. Such a stage runs its
+#   forward (and its recompute) holding RNG_LOCK: set the global state to the chain state, run,
+#   capture the end state for the next stage. Recompute restores the saved start state under the
+#   lock, so it reproduces the masks. Stages that do not use RNG run without the lock,
+#   concurrently. preserve_rng_state=False turns the chain off (recompute may then draw other
+#   masks).
 # * After the call the global generator is left deterministic: for M = 1 in the state where the
 #   chain ended (as plain PyTorch), for M > 1 just after the base seed was drawn.
 # Result: with a fixed seed, parameters are bitwise identical for any number of CPU workers.
@@ -87,12 +93,14 @@ class RNGState:
     device: Optional[torch.Tensor] = None
 
 
-def uses_rng(modules: Iterable[torch.nn.Module], preserve_rng_state: Optional[bool]) -> bool:
-    """Whether a stage made of ``modules`` (its layers) must run in an RNG chain."""
+def uses_rng(modules: Iterable[torch.nn.Module], preserve_rng_state: Optional[bool]) -> Optional[bool]:
+    """Whether a stage made of ``modules`` (its layers) must run in an RNG chain: the setting if
+    given, True if it holds a dropout module in training mode, else None (unknown: probe it)."""
     if preserve_rng_state is not None:
         return bool(preserve_rng_state)
-    return any(isinstance(sub, torch.nn.modules.dropout._DropoutNd) and sub.training
-               for layer in modules for sub in layer.modules())
+    has_dropout = any(isinstance(sub, torch.nn.modules.dropout._DropoutNd) and sub.training
+                      for layer in modules for sub in layer.modules())
+    return True if has_dropout else None
 
 
 def _mix(base: int, mb_index: int) -> int:
@@ -121,10 +129,11 @@ def chain_starts(num_microbatch: int, backend: Any) -> List[RNGState]:
 
 
 class _ScopeResult:
-    __slots__ = ("end",)
+    __slots__ = ("end", "drew")
 
     def __init__(self) -> None:
         self.end: Optional[RNGState] = None
+        self.drew = False  # whether the body moved a generator
 
 
 @contextlib.contextmanager
@@ -141,6 +150,12 @@ def rng_scope(start: Optional[RNGState], backend: Any) -> Iterator[_ScopeResult]
         backend.set_rng_state(start.device)
         yield result
         result.end = RNGState(torch.get_rng_state(), backend.get_rng_state())
+        result.drew = not (torch.equal(result.end.cpu, start.cpu)
+                           and _same_or_none(result.end.device, start.device))
+
+
+def _same_or_none(a: Optional[torch.Tensor], b: Optional[torch.Tensor]) -> bool:
+    return (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
 
 
 def restore_global(state: RNGState, backend: Any) -> None:

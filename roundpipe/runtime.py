@@ -73,7 +73,8 @@ class RoundPipeRunConfig:
     * ``requires_grad``: whether ``forward()`` output tracks gradients (default
       ``torch.is_grad_enabled()`` at the call).
     * ``preserve_rng_state``: whether stages run in an RNG chain (see [Note: RNG chains]);
-      default: the stages that contain a dropout module in training mode.
+      default: the stages with a dropout module in training mode, and those that a probe of
+      their first call finds drawing random numbers.
     * ``recompute`` (default True): keep only stage inputs, recompute in backward.
     * ``split_input`` / ``split_label`` / ``merge_output``: specs (``TensorChunkSpec``, int, a
       pytree of them) or callables, see :mod:`roundpipe.microbatch`.
@@ -304,6 +305,8 @@ class _Call:
     return_outputs: bool
     stage_params: List[List[Tuple[str, nn.Parameter]]]
     stage_rng: List[bool]
+    stage_drew: List[bool]                     # written by the stage's worker: a generator moved
+    rng_probe_keys: List[Optional[Tuple]]      # stages run in the chain only to learn if they draw
     rng_starts: Optional[List[RNGState]]
     rng_after_draw: Optional[RNGState]
     ready: _ParamsReady
@@ -422,6 +425,9 @@ class RoundPipe(nn.Module):
         self._ready = _ParamsReady(len(self._layers), done=True)
         self._has_grads = False
         self._hooks_registered = False
+        # Stages (by their layers and training mode) probed for drawing random numbers; main
+        # thread. See [Note: RNG chains].
+        self._rng_use: Dict[Tuple, bool] = {}
         self._stage_cache: Dict[Tuple[int, ...], List[_Stage]] = {}
         self._plan_cache: Dict[Tuple[int, int, bool], Plan] = {}
         if self.model_run_config.execute_plan is not None:
@@ -573,6 +579,7 @@ class RoundPipe(nn.Module):
         ok = False
         try:
             self._execute(call)
+            self._learn_rng_use(call)
             for item in call.move_items:
                 item.wait()
             optim_thread._raise_failures()  # e.g. a step launched before failed
@@ -611,6 +618,7 @@ class RoundPipe(nn.Module):
         ok = False
         try:
             self._execute(call)
+            self._learn_rng_use(call)
             ok = True
         finally:
             self._restore_rng(call, ok)
@@ -772,8 +780,19 @@ class RoundPipe(nn.Module):
                             f"requires_grad")
             stage_params.append(trainable)
         backend0 = self._pool.backends[0]
-        stage_rng = [uses_rng([l.module for l in s.layers], cfg.preserve_rng_state)
-                     for s in stages]
+        stage_rng, probe_keys = [], []
+        for s in stages:
+            known = uses_rng([l.module for l in s.layers], cfg.preserve_rng_state)
+            key = None
+            if known is None:  # see [Note: RNG chains]: probe the stage until it is known
+                key = tuple((id(l.module), l.module.training) for l in s.layers)
+                known = self._rng_use.get(key)
+                if known is None:
+                    known = True
+                else:
+                    key = None
+            stage_rng.append(known)
+            probe_keys.append(key)
         rng_starts = rng_after = None
         if any(stage_rng):
             rng_starts = chain_starts(M, backend0)
@@ -785,6 +804,7 @@ class RoundPipe(nn.Module):
             autocast=resolve_autocast(cfg.autocast, self._pool.device_type),
             chunks=chunks, sizes=sizes, labels=labels, loss_fn=loss_fn,
             return_outputs=return_outputs, stage_params=stage_params, stage_rng=stage_rng,
+            stage_drew=[False] * len(stages), rng_probe_keys=probe_keys,
             rng_starts=rng_starts, rng_after_draw=rng_after, ready=self._ready,
             cast_dtype=self._cast_dtype)
         call.slots = {(s, m): _Slot() for s in range(len(stages)) for m in range(M)}
@@ -793,6 +813,12 @@ class RoundPipe(nn.Module):
         call.grad_buffers = [[None] * len(ps) for ps in stage_params]
         call.outputs = [None] * M
         return call
+
+    def _learn_rng_use(self, call: _Call) -> None:
+        """Main thread, after a call succeeded: remember whether each probed stage drew."""
+        for key, drew in zip(call.rng_probe_keys, call.stage_drew):
+            if key is not None:
+                self._rng_use[key] = drew
 
     def _execute(self, call: _Call) -> None:
         """Hand each worker its actions, wait for all, re-raise the first real error."""
@@ -894,6 +920,7 @@ class RoundPipe(nn.Module):
                     autocast_context(call.autocast), rng_scope(start, backend) as r:
                 out = self._run_stage(call, stage, inp, m, "forward", backend)
             slot.rng_end = r.end if start is not None else chain_in
+            call.stage_drew[s] = call.stage_drew[s] or r.drew
             if s == len(call.stages) - 1:
                 call.outputs[m] = out
             else:
@@ -903,6 +930,7 @@ class RoundPipe(nn.Module):
             with torch.no_grad(), autocast_context(call.autocast), rng_scope(start, backend) as r:
                 out = self._run_stage(call, stage, inp, m, "forward", backend)
             slot.rng_end = r.end if start is not None else chain_in
+            call.stage_drew[s] = call.stage_drew[s] or r.drew
             slot.inp = inp
             slot.out = out
             return
@@ -917,6 +945,7 @@ class RoundPipe(nn.Module):
                         add_note(exc, self._where(s, m, "loss_fn", None))
                         raise
             slot.rng_end = r.end if start is not None else chain_in
+            call.stage_drew[s] = call.stage_drew[s] or r.drew
             if a.kind is ActionKind.FORWARD:  # recompute off: keep the graph for BACKWARD
                 slot.graph_in = in_leaves
                 slot.graph_out = pytree.tree_leaves(out)

@@ -175,3 +175,50 @@ def test_preserve_rng_state_covers_custom_random_layers():
         with torch.no_grad():
             outs.append(model(torch.zeros(6, 2)))
     assert torch.equal(outs[0], outs[1])
+
+
+class FunctionalDropout(nn.Module):
+    """Randomness without an nn.Dropout module, as in hand-written attention code."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+
+    def forward(self, x):
+        return F.dropout(torch.tanh(self.lin(x)), p=0.5, training=self.training)
+
+
+def functional_net(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(FunctionalDropout(), nn.Linear(6, 6), FunctionalDropout(), nn.Linear(6, 3))
+
+
+def test_functional_randomness_is_found_without_configuration():
+    # Default config: the stages are probed on their first call and found to draw, so every
+    # call, the first and the later ones, recomputes with the forward's masks.
+    x, y = data()
+    model = RoundPipe(functional_net(), devices="cpu")
+    ref = functional_net()
+    for seed in (7, 8, 9):
+        torch.manual_seed(seed)
+        model.forward_backward(input_args=(x,), label=y, loss_fn=F.cross_entropy)
+        torch.manual_seed(seed)
+        F.cross_entropy(ref(x), y).backward()
+        for (n, master), (_, p) in zip(model.optim_named_parameters(), ref.named_parameters()):
+            assert torch.equal(master.grad, p.grad), (seed, n)
+            master.grad, p.grad = None, None
+
+
+def test_functional_randomness_is_identical_across_workers():
+    x, y = data()
+    grads = []
+    for devices in ("cpu", "cpu:2", "cpu:3"):
+        model = RoundPipe(functional_net(), devices=devices,
+                          model_run_config=RoundPipeRunConfig(num_microbatch=3))
+        for seed in (4, 5):  # the second call runs after the probe has classified the stages
+            torch.manual_seed(seed)
+            model.forward_backward(input_args=(x,), label=y, loss_fn=F.cross_entropy)
+        grads.append([m.grad for m in model.optim_parameters()])
+    for other in grads[1:]:
+        for a, b in zip(grads[0], other):
+            assert torch.equal(a, b)
