@@ -27,8 +27,8 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import torch
 from torch.utils import _pytree as pytree
 
-__all__ = ["WorkerDevice", "parse_devices", "resolve_devices", "DevicePool", "Future", "get_worker",
-           "ENV_VAR"]
+__all__ = ["WorkerDevice", "parse_devices", "resolve_devices", "DevicePool", "Future",
+           "on_device_worker", "get_worker", "ENV_VAR"]
 
 ENV_VAR = "ROUNDPIPE_DEVICES"
 
@@ -170,6 +170,14 @@ class _State(enum.Enum):
 _STOP = object()
 
 
+_WORKER_TLS = threading.local()
+
+
+def on_device_worker() -> bool:
+    """Whether the calling thread is one of roundpipe's device workers. Never blocks."""
+    return getattr(_WORKER_TLS, "is_worker", False)
+
+
 class _Worker:
     """One thread that runs work items for one device, in submission order.
 
@@ -199,6 +207,7 @@ class _Worker:
         return fut
 
     def _run(self) -> None:
+        _WORKER_TLS.is_worker = True
         while True:
             item = self._queue.get()
             if item is _STOP:

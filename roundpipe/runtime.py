@@ -35,7 +35,7 @@ from torch.utils import _pytree as pytree
 from roundpipe import optim_thread
 from roundpipe.autocast import (AutocastState, RNGState, autocast_context, chain_starts,
                                 resolve_autocast, restore_global, rng_scope, uses_rng)
-from roundpipe.devices import DevicePool, Future
+from roundpipe.devices import DevicePool, Future, on_device_worker
 from roundpipe.microbatch import merge_outputs, split_inputs, split_label
 from roundpipe.optim_thread import add_note
 from roundpipe.schedule import Action, ActionKind, Plan, build_plan, partition
@@ -316,6 +316,7 @@ class _Call:
     losses: List[Any] = dataclasses.field(default_factory=list)
     outputs: List[Any] = dataclasses.field(default_factory=list)
     move_items: List[Any] = dataclasses.field(default_factory=list)
+    cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)
     grad_buffers: List[List[Optional[torch.Tensor]]] = dataclasses.field(default_factory=list)
 
 
@@ -393,6 +394,9 @@ class RoundPipe(nn.Module):
         super().__init__()
         if not isinstance(model, nn.Module):
             raise TypeError(f"RoundPipe wraps an nn.Module, got {type(model).__name__}")
+        if any(isinstance(m, RoundPipe) for m in model.modules()):
+            raise TypeError("the module to wrap already contains a RoundPipe: wrap the plain "
+                            "module (RoundPipe(model.module)) instead of wrapping twice")
         if model_run_config is not None and not isinstance(model_run_config, RoundPipeRunConfig):
             raise TypeError("model_run_config must be a RoundPipeRunConfig")
         if optim_dtype is not None and not isinstance(optim_dtype, torch.dtype):
@@ -480,6 +484,7 @@ class RoundPipe(nn.Module):
     def state_dict(self, *args: Any, **kwargs: Any) -> Dict[str, Any]:
         """The wrapped module's state dict (same keys; the low-precision values the model holds
         now). Main thread; waits for a pending master->model copy, not for the step."""
+        _check_main_thread("state_dict")
         self._wait_ready()
         return self.module.state_dict(*args, **kwargs)
 
@@ -489,6 +494,7 @@ class RoundPipe(nn.Module):
         For an exact resume, call :meth:`load_master_state_dict` afterwards. Main thread; blocks
         until the optimizer thread has run everything launched before.
         """
+        _check_main_thread("load_state_dict")
         if assign:
             raise ValueError("load_state_dict(assign=True) would replace the parameter objects "
                              "that RoundPipe's masters shadow; load with assign=False")
@@ -508,6 +514,7 @@ class RoundPipe(nn.Module):
         """Copy values into the masters in place (the optimizer keeps referencing them). The
         model params are not touched: :meth:`synchronize` or the next step copies them.
         Main thread; blocks until the optimizer thread has applied it."""
+        _check_main_thread("load_master_state_dict")
         missing = sorted(set(self._masters) - set(state_dict))
         unexpected = sorted(set(state_dict) - set(self._masters))
         if missing or unexpected:
@@ -569,6 +576,7 @@ class RoundPipe(nn.Module):
         whose gradient moves come first). If it raises, the gradients accumulated since the last
         step are discarded, so the next iteration starts clean.
         """
+        _check_main_thread("forward_backward")
         self._report_failures()
         if not callable(loss_fn):
             raise ValueError("forward_backward needs loss_fn(output, label) -> scalar tensor")
@@ -584,20 +592,22 @@ class RoundPipe(nn.Module):
                 item.wait()
             optim_thread._raise_failures()  # e.g. a step launched before failed
             ok = True
+            out_device = torch.device(cfg.output_device)
+            total = call.losses[0]
+            for loss in call.losses[1:]:
+                total = total + loss
+            total = total.to(out_device)
+            if return_outputs:
+                merged = _to_device(merge_outputs(call.outputs, call.sizes, cfg.merge_output),
+                                    out_device)
         except BaseException:
+            # Whatever failed (a stage, loss_fn, an earlier step, the merge), the call's
+            # gradients are dropped so that retrying the iteration does not add them twice.
             self._discard_grads()
             raise
         finally:
             self._restore_rng(call, ok)
-        out_device = torch.device(cfg.output_device)
-        total = call.losses[0]
-        for loss in call.losses[1:]:
-            total = total + loss
-        total = total.to(out_device)
-        if not return_outputs:
-            return total
-        merged = merge_outputs(call.outputs, call.sizes, cfg.merge_output)
-        return total, _to_device(merged, out_device)
+        return (total, merged) if return_outputs else total
 
     def forward(self, *args: Any, run_config: Optional[RoundPipeRunConfig] = None,
                 **kwargs: Any) -> Any:
@@ -607,6 +617,7 @@ class RoundPipe(nn.Module):
         (keyword only, not passed to the model) overrides the model-level config for this call,
         e.g. ``model(x, run_config=RoundPipeRunConfig(num_microbatch=1))`` for a small batch.
         Main thread; blocks until the output is computed."""
+        _check_main_thread("forward")
         self._report_failures()
         cfg = self._resolve(run_config)
         grad = torch.is_grad_enabled() if cfg.requires_grad is None else cfg.requires_grad
@@ -639,6 +650,7 @@ class RoundPipe(nn.Module):
         the last step; re-raises an earlier failure of the optimizer thread (and then discards
         the accumulated gradients).
         """
+        _check_main_thread("step")
         self._report_failures()
         if not callable(step_fn):
             raise ValueError("step() needs a callable step_fn, e.g. lambda: (opt.step(), "
@@ -666,6 +678,7 @@ class RoundPipe(nn.Module):
         """Wait for every launched step, then copy the newest masters into the model's
         parameters (the user's parameter objects hold the newest values afterwards). Main
         thread; blocks; re-raises an optimizer-thread failure."""
+        _check_main_thread("synchronize")
         try:
             optim_thread.synchronize()
         except BaseException:
@@ -746,10 +759,16 @@ class RoundPipe(nn.Module):
     def _ensure_grad_hooks(self) -> None:
         if self._hooks_registered:
             return
+        moves = _PendingMoves()
         for p in self.module.parameters():
             master = self._master_of.get(id(p))
             if master is not None:
-                p.register_post_accumulate_grad_hook(_make_grad_hook(master))
+                # A module wrapped again: its parameters' gradients belong to the new masters.
+                old = getattr(p, "_roundpipe_grad_hook", None)
+                if old is not None:
+                    old.remove()
+                p._roundpipe_grad_hook = p.register_post_accumulate_grad_hook(
+                    _make_grad_hook(master, moves))
         self._hooks_registered = True
 
     def _name_tag(self) -> str:
@@ -821,17 +840,31 @@ class RoundPipe(nn.Module):
                 self._rng_use[key] = drew
 
     def _execute(self, call: _Call) -> None:
-        """Hand each worker its actions, wait for all, re-raise the first real error."""
-        for d, actions in enumerate(call.plan.per_device):
-            worker = self._pool.worker(d)
-            for a in actions:
-                worker.submit(self._run_action, call, a, future=call.futures[a.key])
-        # A worker runs its actions in order, so its last one done means all of its actions are:
-        # wait on those alone rather than waking the main thread (and taking the GIL from the
-        # workers) once per action.
-        for actions in call.plan.per_device:
-            if actions:
-                call.futures[actions[-1].key].exception()
+        """Hand each worker its actions, wait for all, re-raise the first real error.
+
+        Interrupted (Ctrl-C) while submitting or waiting, it cancels the actions not started,
+        waits until no worker touches the call any more, and then re-raises: the workers are
+        never left waiting for work that will not come, and nothing of the call lands later."""
+        submitted: List[Action] = []
+        try:
+            for d, actions in enumerate(call.plan.per_device):
+                worker = self._pool.worker(d)
+                for a in actions:
+                    worker.submit(self._run_action, call, a, future=call.futures[a.key])
+                    submitted.append(a)
+            # A worker runs its actions in order, so its last one done means all of its actions
+            # are: wait on those alone rather than waking the main thread (and taking the GIL
+            # from the workers) once per action.
+            for actions in call.plan.per_device:
+                if actions:
+                    call.futures[actions[-1].key].exception()
+        except BaseException:
+            call.cancelled.set()
+            for a in call.plan.actions():
+                if a not in submitted:
+                    call.futures[a.key].set_exception(_Cancelled())
+            _wait_uninterrupted([call.futures[a.key] for a in submitted])
+            raise
         failures = []
         for a in call.plan.actions():
             exc = call.futures[a.key].exception()
@@ -857,6 +890,8 @@ class RoundPipe(nn.Module):
 
     # -- internals: actions (device worker threads) -------------------------------------------
     def _run_action(self, call: _Call, action: Action) -> None:
+        if call.cancelled.is_set():
+            raise _Cancelled()
         for dep in call.plan.dependencies(action):
             if call.futures[dep.key].exception() is not None:
                 raise _Cancelled()
@@ -971,9 +1006,25 @@ class RoundPipe(nn.Module):
     def _backward_action(self, call: _Call, a: Action, backend: Any) -> None:
         s, m = a.stage, a.mb_index
         stage = call.stages[s]
-        slot = call.slots[(s, m)]
         after = call.slots[(s + 1, m)]
         grads_out, after.grad_in = after.grad_in, None
+        # The forward already updated the stage's buffers (BatchNorm running stats): the
+        # recompute must not update them a second time. Restored after the backward, which may
+        # still read them.
+        buffers = ([b for layer in stage.layers for b in layer.module.buffers()]
+                   if call.recompute else [])
+        saved = [b.clone() for b in buffers]
+        try:
+            self._backward_body(call, a, backend, grads_out)
+        finally:
+            with torch.no_grad():
+                for b, v in zip(buffers, saved):
+                    b.copy_(v)
+
+    def _backward_body(self, call: _Call, a: Action, backend: Any, grads_out: List[Any]) -> None:
+        s, m = a.stage, a.mb_index
+        stage = call.stages[s]
+        slot = call.slots[(s, m)]
         if call.recompute:
             inp, slot.inp = slot.inp, None
             in_leaves, inp = _inputs_requiring_grad(inp) if s > 0 else ([], inp)
@@ -1037,6 +1088,30 @@ class RoundPipe(nn.Module):
                 call.move_items.append(optim_thread._launch(_move_grads, pairs))
 
 
+def _check_main_thread(method: str) -> None:
+    """RoundPipe's calls wait for the device workers and the optimizer thread; made on one of
+    those threads they would wait for themselves."""
+    if optim_thread.on_optimizer_thread() or on_device_worker():
+        where = "the optimizer thread (inside a step function)" if optim_thread.on_optimizer_thread() \
+            else "a device worker (inside a stage or loss_fn)"
+        raise RuntimeError(
+            f"RoundPipe.{method}() was called on {where}, where it would wait for itself; call "
+            f"it on the main thread (inside a step function, model.master_state_dict() and "
+            f"model.optim_parameters() are the masters' state)")
+
+
+def _wait_uninterrupted(futures: List[Future]) -> None:
+    """Wait for every future, through repeated Ctrl-C too: once a call is cancelled its running
+    actions end soon, and the caller re-raises the first interrupt afterwards."""
+    for fut in futures:
+        while True:
+            try:
+                fut.exception()
+                break
+            except KeyboardInterrupt:
+                continue
+
+
 def _storage_counts(tensors: List[Any]) -> Dict[int, int]:
     """How many of ``tensors`` (the same object counted each time it occurs) use each storage."""
     counts: Dict[int, int] = {}
@@ -1077,10 +1152,33 @@ def _to_device(tree: Any, device: torch.device) -> Any:
     return pytree.tree_map(lambda x: x.to(device) if isinstance(x, torch.Tensor) else x, tree)
 
 
-def _make_grad_hook(master: nn.Parameter) -> Callable[[torch.Tensor], None]:
+class _PendingMoves:
+    """Grad moves launched by the hooks of one backward pass. The first hook of a pass queues an
+    engine callback that waits for them all, so ``backward()`` returns only once the masters
+    hold the gradients (as ``forward_backward`` does). Touched on the backward's threads."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._items: List[Any] = []
+
+    def add(self, item: Any) -> None:
+        with self._lock:
+            first = not self._items
+            self._items.append(item)
+        if first:
+            torch.autograd.Variable._execution_engine.queue_callback(self._wait)
+
+    def _wait(self) -> None:
+        with self._lock:
+            items, self._items = self._items, []
+        for item in items:
+            item.wait()
+
+
+def _make_grad_hook(master: nn.Parameter, moves: _PendingMoves) -> Callable[[torch.Tensor], None]:
     def move_grad_to_master(param: torch.Tensor) -> None:
         grad, param.grad = param.grad, None
         if grad is not None:
-            optim_thread._launch(_accumulate_grad, master, grad)
+            moves.add(optim_thread._launch(_accumulate_grad, master, grad))
 
     return move_grad_to_master

@@ -292,3 +292,42 @@ def test_aliased_gradients_are_not_shared_between_masters():
         ref(xm).sum().backward()
     for (n, master), (_, rp) in zip(model.optim_named_parameters(), ref.named_parameters()):
         assert torch.equal(master.grad, rp.grad), n
+
+
+def test_batchnorm_running_stats_are_updated_once_per_microbatch_with_recompute():
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
+    model = RoundPipe(copy.deepcopy(ref), devices="cpu:2",
+                      model_run_config=RoundPipeRunConfig(num_microbatch=2))
+    x = torch.randn(8, 4)
+    model.forward_backward(input_args=(x,), loss_fn=lambda out, _: out.sum())
+    for xm in torch.tensor_split(x, 2):
+        ref(xm).sum().backward()
+    bn, ref_bn = model.module[1], ref[1]
+    assert bn.num_batches_tracked.item() == ref_bn.num_batches_tracked.item() == 2
+    torch.testing.assert_close(bn.running_mean, ref_bn.running_mean, rtol=0, atol=1e-7)
+    torch.testing.assert_close(bn.running_var, ref_bn.running_var, rtol=0, atol=1e-7)
+
+
+def test_backward_through_forward_returns_with_the_gradients_in_the_masters():
+    torch.manual_seed(0)
+    model = RoundPipe(nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 8)))
+    out = model(torch.randn(16, 64))
+    out.pow(2).mean().backward()
+    # No wait, no synchronize: backward() itself handed the gradients over.
+    assert all(m.grad is not None for m in model.optim_parameters())
+    assert all(p.grad is None for p in model.module.parameters())
+
+
+def test_a_module_wrapped_again_sends_its_gradients_to_the_new_masters():
+    torch.manual_seed(0)
+    seq = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    old = RoundPipe(seq)
+    old(torch.randn(2, 4)).sum().backward()
+    optim_thread.synchronize()
+    for m in old.optim_parameters():
+        m.grad = None
+    new = RoundPipe(seq)
+    new(torch.randn(2, 4)).sum().backward()
+    assert all(m.grad is not None for m in new.optim_parameters())
+    assert all(m.grad is None for m in old.optim_parameters())

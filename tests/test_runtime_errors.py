@@ -247,3 +247,84 @@ def test_failed_step_reported_by_the_scaler_does_not_leave_its_gradients_behind(
     fb(); model.step(good); scaler.update()
     model.synchronize()
     assert torch.equal(seen[0], seen[1])
+
+
+def _small(devices="cpu:2", num_microbatch=2):
+    torch.manual_seed(0)
+    return RoundPipe(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 1)),
+                     devices=devices, model_run_config=RoundPipeRunConfig(num_microbatch=num_microbatch))
+
+
+def _sum_loss(out, _):
+    return out.sum()
+
+
+def test_ctrl_c_while_submitting_leaves_no_worker_waiting_and_no_gradients(monkeypatch):
+    # An interrupt between two submissions (as a SIGINT between two bytecodes): the actions
+    # already queued must not wait forever for ones never submitted, and nothing of the call
+    # may land in the masters afterwards.
+    from roundpipe import devices
+
+    model = _small()
+    x = torch.randn(4, 4)
+    model.forward_backward(input_args=(x,), loss_fn=_sum_loss)
+    clean = [m.grad.clone() for m in model.optim_parameters()]
+    for m in model.optim_parameters():
+        m.grad = None
+    original, count = devices._Worker.submit, [0]
+
+    def interrupted_submit(self, *args, **kwargs):
+        count[0] += 1
+        if count[0] == 7:  # device 0 has its 6 actions queued, device 1 none
+            raise KeyboardInterrupt
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(devices._Worker, "submit", interrupted_submit)
+    with pytest.raises(KeyboardInterrupt):
+        model.forward_backward(input_args=(x,), loss_fn=_sum_loss)
+    monkeypatch.setattr(devices._Worker, "submit", original)
+    optim_thread.synchronize()
+    assert all(m.grad is None for m in model.optim_parameters())
+    model.forward_backward(input_args=(x,), loss_fn=_sum_loss)  # would hang before the fix
+    for m, g in zip(model.optim_parameters(), clean):
+        assert torch.equal(m.grad, g)
+
+
+def test_roundpipe_calls_on_the_optimizer_thread_or_a_worker_raise_instead_of_hanging():
+    model = _small()
+    with OptimizerCtx():
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(4, 4)
+    for call in (lambda: model.state_dict(), lambda: model.synchronize(), lambda: model(x)):
+        model.forward_backward(input_args=(x,), loss_fn=_sum_loss)
+        with pytest.raises(RuntimeError, match="optimizer thread"):
+            model.step(lambda call=call: call(), is_async=False)
+    # Inside a step function the masters' state is available.
+    model.forward_backward(input_args=(x,), loss_fn=_sum_loss)
+    got = []
+    model.step(lambda: got.append(model.master_state_dict()), is_async=False)
+    assert set(got[0]) == {n for n, _ in model.optim_named_parameters()}
+    teacher = _small(devices="cpu")
+    with pytest.raises(RuntimeError, match="device worker"):
+        model.forward_backward(input_args=(x,), loss_fn=lambda out, _: out.sum() + teacher(x).sum())
+    model.forward_backward(input_args=(x,), loss_fn=_sum_loss)
+
+
+def test_wrapping_twice_is_refused():
+    model = _small()
+    with pytest.raises(TypeError, match="wrap the plain module"):
+        RoundPipe(model)
+
+
+def test_a_failed_merge_drops_the_call_gradients():
+    class Tagged(nn.Module):
+        def forward(self, x):
+            return x, int(x.shape[0])  # a non-tensor that differs between microbatches
+
+    model = RoundPipe(nn.Sequential(nn.Linear(4, 4), Tagged()),
+                      model_run_config=RoundPipeRunConfig(num_microbatch=3))
+    with pytest.raises(ValueError, match="differs between microbatch"):
+        model.forward_backward(input_args=(torch.randn(5, 4),), return_outputs=True,
+                               loss_fn=lambda out, _: out[0].sum())
+    optim_thread.synchronize()
+    assert all(m.grad is None for m in model.optim_parameters())
