@@ -191,6 +191,7 @@ class GradScaler:
         self._init_scale = float(init_scale)
         self._init_growth_tracker = 0
         self._init_front: Optional[float] = None  # set by load_state_dict before lazy init
+        self._init_skipped = 0
         self._init_lock = threading.Lock()
         # Back side.
         self._hyper = _Hyper(float(growth_factor), float(backoff_factor), int(growth_interval),
@@ -231,12 +232,9 @@ class GradScaler:
             self._scale = full(self._init_scale)
             self._back = full(front)
             self._growth_tracker = full(self._init_growth_tracker, torch.int32)
-            self._skipped_steps = full(self._skipped_init(), torch.int64)
+            self._skipped_steps = full(self._init_skipped, torch.int64)
             self._published = self._publish()
             self._front = full(front)  # last: scale() reads it without the lock
-
-    def _skipped_init(self) -> int:
-        return getattr(self, "_init_skipped", 0)
 
     def _check_initialized(self, funcname: str) -> None:
         if self._front is None:
@@ -724,7 +722,7 @@ class GradScaler:
             return ScalerSnapshot(1.0, 1.0, 0, 0, 0)
         if self._front is None:
             scale = self.get_scale()
-            return ScalerSnapshot(scale, scale, self._init_growth_tracker, 0, self._skipped_init())
+            return ScalerSnapshot(scale, scale, self._init_growth_tracker, 0, self._init_skipped)
         published = self._published
         pending = self._pending
         if pending is not None and pending.done() and pending.exception is None:
@@ -749,7 +747,7 @@ class GradScaler:
         self._sync_back_side()
         hyper = self._hyper
         if self._front is None:
-            scale, front, tracker, skipped = self._init_scale, self.get_scale(), self._init_growth_tracker, self._skipped_init()
+            scale, front, tracker, skipped = self._init_scale, self.get_scale(), self._init_growth_tracker, self._init_skipped
         else:
             scale, front = self._scale.item(), self._front.item()
             tracker, skipped = int(self._growth_tracker.item()), int(self._skipped_steps.item())
