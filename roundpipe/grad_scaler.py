@@ -13,7 +13,7 @@ import threading
 import warnings
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Optional, Union
+from typing import Any, Iterable, Optional, Union
 
 import torch
 

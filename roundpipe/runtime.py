@@ -845,7 +845,7 @@ class RoundPipe(nn.Module):
         Interrupted (Ctrl-C) while submitting or waiting, it cancels the actions not started,
         waits until no worker touches the call any more, and then re-raises: the workers are
         never left waiting for work that will not come, and nothing of the call lands later."""
-        submitted: List[Action] = []
+        submitted: List[Action] = []  # in submission order
         try:
             for d, actions in enumerate(call.plan.per_device):
                 worker = self._pool.worker(d)
@@ -860,8 +860,9 @@ class RoundPipe(nn.Module):
                     call.futures[actions[-1].key].exception()
         except BaseException:
             call.cancelled.set()
+            started = set(submitted)
             for a in call.plan.actions():
-                if a not in submitted:
+                if a not in started:
                     call.futures[a.key].set_exception(_Cancelled())
             _wait_uninterrupted([call.futures[a.key] for a in submitted])
             raise

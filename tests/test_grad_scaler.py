@@ -1,6 +1,5 @@
 """GradScaler in sync mode against torch.amp.GradScaler, misuse, bad input, extras."""
 
-import copy
 import math
 import warnings
 
@@ -31,10 +30,10 @@ def _loss(model, x, y, it):
 
 
 def _plain_loop(scaler, make_opts, iters=36, clip=False, step_on_thread=False):
-    """A plain AMP loop; returns the scale sequence, the params and per-step skips."""
+    """A plain AMP loop; returns the scale before each iteration and the final params."""
     model = _make_model()
     opts = make_opts(model)
-    scales, skipped = [], []
+    scales = []
     for it, (x, y) in enumerate(_batches(iters)):
         scales.append(scaler.get_scale())
         scaler.scale(_loss(model, x, y, it)).backward()

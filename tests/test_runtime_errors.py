@@ -292,8 +292,6 @@ def test_ctrl_c_while_submitting_leaves_no_worker_waiting_and_no_gradients(monke
 
 def test_roundpipe_calls_on_the_optimizer_thread_or_a_worker_raise_instead_of_hanging():
     model = _small()
-    with OptimizerCtx():
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
     x = torch.randn(4, 4)
     for call in (lambda: model.state_dict(), lambda: model.synchronize(), lambda: model(x)):
         model.forward_backward(input_args=(x,), loss_fn=_sum_loss)

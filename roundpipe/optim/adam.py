@@ -15,7 +15,7 @@ because plain torch allows it.
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable, Iterable, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 from torch import Tensor
