@@ -31,6 +31,7 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils import _pytree as pytree
+from torch.utils.checkpoint import checkpoint
 
 from roundpipe import optim_thread
 from roundpipe.autocast import (AutocastState, RNGState, autocast_context, chain_starts,
@@ -275,15 +276,15 @@ class _Stage:
 class _Slot:
     """What one (stage, microbatch) hands to the actions that depend on it."""
 
-    __slots__ = ("inp", "rng_start", "rng_end", "out", "graph_in", "graph_out", "grad_in")
+    __slots__ = ("phase", "rng_start", "rng_end", "out", "graph_in", "graph_out", "grad_in")
 
     def __init__(self) -> None:
-        self.inp: Any = None            # saved stage input (recompute)
+        self.phase = "forward"          # pass of a checkpointed stage, for error notes
         self.rng_start: Optional[RNGState] = None   # chain state the forward started from
         self.rng_end: Optional[RNGState] = None     # chain state for the next stage
         self.out: Any = None            # stage output handed to the next stage
-        self.graph_in: Any = None       # recompute off: input leaves that require grad
-        self.graph_out: Any = None      # recompute off: output leaves with their graph
+        self.graph_in: Any = None       # input leaves of the stage's graph
+        self.graph_out: Any = None      # output leaves with their (checkpointed) graph
         self.grad_in: Any = None        # grads w.r.t. this stage's input leaves (aligned)
 
 
@@ -330,6 +331,18 @@ class _Call:
 # microbatch, keeps the optimizer thread free for the step that runs concurrently (async mode):
 # the moves queue behind that step, and only they remain when it ends.
 # The buffer is owned by the worker until the move is launched, then by the optimizer thread.
+
+
+# [Note: recompute]
+# With recompute on (the default), a FORWARD action runs its stage under non-reentrant
+# torch.utils.checkpoint: the graph it keeps holds the stage input and no activation. The
+# BACKWARD action's autograd.grad re-runs the stage forward when it first unpacks a saved tensor,
+# under the forward's autocast state (captured by checkpoint) and, for a stage in an RNG chain,
+# under its start state (rng_scope around the backward; checkpoint's own RNG handling is off,
+# since it would set the global generator without RNG_LOCK). checkpoint stops the re-run as soon
+# as every saved tensor is back; saved tensors are packed before an op computes, so the last ops
+# of a stage (a whole Linear stage) are not computed again. Re-running the forward in full
+# instead costs up to a third more compute than plain PyTorch with checkpoint.
 
 
 def _move_grads(pairs: List[Tuple[nn.Parameter, torch.Tensor]]) -> None:
@@ -962,18 +975,13 @@ class RoundPipe(nn.Module):
             else:
                 slot.out = out
             return
-        if a.kind is ActionKind.FORWARD and call.recompute:
-            with torch.no_grad(), autocast_context(call.autocast), rng_scope(start, backend) as r:
-                out = self._run_stage(call, stage, inp, m, "forward", backend)
-            slot.rng_end = r.end if start is not None else chain_in
-            call.stage_drew[s] = call.stage_drew[s] or r.drew
-            slot.inp = inp
-            slot.out = out
-            return
         in_leaves, inp = _inputs_requiring_grad(inp) if s > 0 else ([], inp)
         with torch.enable_grad():
             with autocast_context(call.autocast), rng_scope(start, backend) as r:
-                out = self._run_stage(call, stage, inp, m, "forward", backend)
+                if a.kind is ActionKind.FORWARD and call.recompute:
+                    out = self._checkpointed_stage(call, stage, inp, m, slot, backend)
+                else:
+                    out = self._run_stage(call, stage, inp, m, "forward", backend)
                 if a.kind is ActionKind.LAST:
                     try:
                         loss = call.loss_fn(out, call.labels[m])
@@ -982,7 +990,7 @@ class RoundPipe(nn.Module):
                         raise
             slot.rng_end = r.end if start is not None else chain_in
             call.stage_drew[s] = call.stage_drew[s] or r.drew
-            if a.kind is ActionKind.FORWARD:  # recompute off: keep the graph for BACKWARD
+            if a.kind is ActionKind.FORWARD:  # keep the (checkpointed) graph for BACKWARD
                 slot.graph_in = in_leaves
                 slot.graph_out = pytree.tree_leaves(out)
                 slot.out = _detach(out)
@@ -1024,26 +1032,33 @@ class RoundPipe(nn.Module):
 
     def _backward_body(self, call: _Call, a: Action, backend: Any, grads_out: List[Any]) -> None:
         s, m = a.stage, a.mb_index
-        stage = call.stages[s]
         slot = call.slots[(s, m)]
-        if call.recompute:
-            inp, slot.inp = slot.inp, None
-            in_leaves, inp = _inputs_requiring_grad(inp) if s > 0 else ([], inp)
-            with torch.enable_grad():
-                with autocast_context(call.autocast), rng_scope(slot.rng_start, backend):
-                    out = self._run_stage(call, stage, inp, m, "recompute", backend)
-                out_leaves = pytree.tree_leaves(out)
-        else:
-            in_leaves, out_leaves = slot.graph_in, slot.graph_out
-            slot.graph_in = slot.graph_out = None
+        in_leaves, out_leaves = slot.graph_in, slot.graph_out
+        slot.graph_in = slot.graph_out = None
         if len(out_leaves) != len(grads_out):
             raise AssertionError(f"stage {s} has {len(out_leaves)} outputs but stage {s + 1} "
                                  f"returned {len(grads_out)} input grads; please report")
         pairs = [(o, g) for o, g in zip(out_leaves, grads_out)
                  if g is not None and isinstance(o, torch.Tensor) and o.requires_grad]
-        with torch.enable_grad():
+        # With recompute, autograd re-runs the stage forward when it first needs a saved tensor
+        # (see [Note: recompute]); it must draw the forward's random numbers.
+        slot.phase = "recompute"
+        start = slot.rng_start if call.recompute else None
+        with torch.enable_grad(), rng_scope(start, backend):
             self._grad_and_move(call, s, m, [o for o, _ in pairs], [g for _, g in pairs],
                                 in_leaves, backend)
+
+    def _checkpointed_stage(self, call: _Call, stage: _Stage, inp: Tuple[tuple, dict], m: int,
+                            slot: _Slot, backend: Any) -> Any:
+        """The stage forward under non-reentrant ``torch.utils.checkpoint`` (see
+        [Note: recompute]); ``slot.phase`` names the pass in error notes."""
+        slot.phase = "forward"
+
+        def run(args: tuple, kwargs: dict) -> Any:
+            return self._run_stage(call, stage, (args, kwargs), m, slot.phase, backend)
+
+        # Passed as two positional pytrees so that no stage kwarg meets checkpoint's own.
+        return checkpoint(run, *inp, use_reentrant=False, preserve_rng_state=False)
 
     def _grad_and_move(self, call: _Call, s: int, m: int, outputs: List[torch.Tensor],
                        grad_outputs: List[torch.Tensor], in_leaves: List[Any],
@@ -1059,7 +1074,8 @@ class RoundPipe(nn.Module):
                 grads = list(torch.autograd.grad(outputs, inputs, grad_outputs,
                                                  allow_unused=True))
             except BaseException as exc:  # noqa: B036 -- annotated, then re-raised
-                add_note(exc, self._where(s, m, "backward", None))
+                if not _has_location(exc):  # a recompute error already says where it was
+                    add_note(exc, self._where(s, m, "backward", None))
                 raise
         else:
             grads = [None] * len(inputs)
@@ -1099,6 +1115,10 @@ def _check_main_thread(method: str) -> None:
             f"RoundPipe.{method}() was called on {where}, where it would wait for itself; call "
             f"it on the main thread (inside a step function, model.master_state_dict() and "
             f"model.optim_parameters() are the masters' state)")
+
+
+def _has_location(exc: BaseException) -> bool:
+    return any(str(n).startswith("[roundpipe") for n in getattr(exc, "__notes__", ()))
 
 
 def _wait_uninterrupted(futures: List[Future]) -> None:

@@ -10,17 +10,19 @@ from roundpipe import OptimizerCtx, RoundPipe, RoundPipeRunConfig, optim_thread
 
 class Boom(nn.Module):
     """Raises ``exc`` in the forward of microbatch ``on_mb`` (its first input value) while armed;
-    ``when``: 'forward' (no-grad pass and grad pass), 'recompute' (grad pass only)."""
+    ``when``: 'forward' (every pass), 'recompute' (the second pass of a microbatch in a call)."""
 
     def __init__(self, exc, on_mb=None, when="forward"):
         super().__init__()
         self.lin = nn.Linear(3, 3)
         self.exc, self.on_mb, self.when, self.armed = exc, on_mb, when, True
+        self.passes = {}
 
     def forward(self, x):
         mb = int(x[0, 0].item())
+        self.passes[mb] = self.passes.get(mb, 0) + 1
         if self.armed and (self.on_mb is None or mb == self.on_mb):
-            if self.when == "forward" or torch.is_grad_enabled():
+            if self.when == "forward" or self.passes[mb] == 2:
                 raise self.exc
         return keep_tag(x, self.lin(x))
 
@@ -74,6 +76,7 @@ def test_layer_error_reraised_with_location_then_next_iteration_is_clean(when, p
         model.forward_backward(input_args=(x,), loss_fn=loss_fn)
     assert info.value is err
     assert f"[roundpipe stage 2, layer 2 (Boom), microbatch 1, {phase}]" in info.value.__notes__
+    assert len([n for n in info.value.__notes__ if n.startswith("[roundpipe")]) == 1
     # The gradients of the failed call were discarded: the next call equals a fresh model's.
     assert all(m.grad is None for m in model.optim_parameters())
     model.module[2].armed = False
