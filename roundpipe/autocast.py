@@ -52,7 +52,9 @@ def resolve_autocast(setting: Any, device_type: str) -> AutocastState:
 def autocast_context(state: AutocastState) -> contextlib.AbstractContextManager:
     """Apply ``state`` on the current (worker) thread."""
     if not state.enabled:
-        # Explicitly off: a worker thread starts with autocast off, but be exact anyway.
+        # A worker thread starts with autocast off; enter a context only if a layer left it on.
+        if not torch.is_autocast_enabled(state.device_type):
+            return _NO_SCOPE
         return torch.autocast(state.device_type, enabled=False)
     return torch.autocast(state.device_type, dtype=state.dtype, enabled=True,
                           cache_enabled=state.cache_enabled)
@@ -129,22 +131,39 @@ def chain_starts(num_microbatch: int, backend: Any) -> List[RNGState]:
 
 
 class _ScopeResult:
+    """What an :func:`rng_scope` reports: ``end``, the state the body ended in (None without a
+    start state), and ``drew``, whether the body moved a generator."""
+
     __slots__ = ("end", "drew")
 
     def __init__(self) -> None:
         self.end: Optional[RNGState] = None
-        self.drew = False  # whether the body moved a generator
+        self.drew = False
+
+    def __enter__(self) -> "_ScopeResult":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+# Shared by every scope that has nothing to do (no RNG chain, autocast already off): entering it
+# costs no allocation on the per-action path. Never written (end and drew keep their defaults).
+_NO_SCOPE = _ScopeResult()
+
+
+def rng_scope(start: Optional[RNGState], backend: Any) -> contextlib.AbstractContextManager:
+    """Run the body with the global RNG set to ``start`` under :data:`RNG_LOCK`; the object the
+    ``with`` yields has ``end``, the state the body ended in, and ``drew``. ``start=None``: no RNG
+    handling, no lock (``end`` stays None). Worker threads; blocks on the lock."""
+    if start is None:
+        return _NO_SCOPE
+    return _chain_scope(start, backend)
 
 
 @contextlib.contextmanager
-def rng_scope(start: Optional[RNGState], backend: Any) -> Iterator[_ScopeResult]:
-    """Run the body with the global RNG set to ``start`` under :data:`RNG_LOCK`; the yielded
-    object's ``end`` holds the state the body ended in. ``start=None``: no RNG handling, no lock
-    (``end`` stays None). Worker threads; blocks on the lock."""
+def _chain_scope(start: RNGState, backend: Any) -> Iterator[_ScopeResult]:
     result = _ScopeResult()
-    if start is None:
-        yield result
-        return
     with RNG_LOCK:
         torch.set_rng_state(start.cpu)
         backend.set_rng_state(start.device)

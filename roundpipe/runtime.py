@@ -31,6 +31,7 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils import _pytree as pytree
+from torch.utils import checkpoint as _checkpoint_module
 from torch.utils.checkpoint import checkpoint
 
 from roundpipe import optim_thread
@@ -345,6 +346,12 @@ class _Call:
 # instead costs up to a third more compute than plain PyTorch with checkpoint.
 
 
+# checkpoint ends a recompute early by raising this from inside the stage (see
+# [Note: recompute]); like the runtime's own signals it passes through without a location note.
+_STOP_RECOMPUTE = getattr(_checkpoint_module, "_StopRecomputationError", None)
+_NOT_LAYER_ERRORS = (_Cancelled, _ParamsCopyFailed) + ((_STOP_RECOMPUTE,) if _STOP_RECOMPUTE else ())
+
+
 def _move_grads(pairs: List[Tuple[nn.Parameter, torch.Tensor]]) -> None:
     """Grad move (optimizer thread): hand a stage's summed gradients of a call (master dtype,
     tensors nobody else holds) to the masters."""
@@ -374,7 +381,13 @@ def _is_float(x: Any) -> bool:
 
 
 def _detach(tree: Any) -> Any:
+    if isinstance(tree, torch.Tensor):  # the common stage output; no tree walk
+        return tree.detach()
     return pytree.tree_map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, tree)
+
+
+def _leaves(tree: Any) -> List[Any]:
+    return [tree] if isinstance(tree, torch.Tensor) else pytree.tree_leaves(tree)
 
 
 # -- the wrapper ------------------------------------------------------------------------------
@@ -946,7 +959,7 @@ class RoundPipe(nn.Module):
                     x = backend.call_layer(layer.module, args, kwargs)
                 else:
                     x = backend.call_layer(layer.module, (x,), {})
-            except (_Cancelled, _ParamsCopyFailed):
+            except _NOT_LAYER_ERRORS:
                 raise
             except BaseException as exc:  # noqa: B036 -- annotated, then re-raised
                 add_note(exc, self._where(stage.index, m, phase, layer))
@@ -992,7 +1005,7 @@ class RoundPipe(nn.Module):
             call.stage_drew[s] = call.stage_drew[s] or r.drew
             if a.kind is ActionKind.FORWARD:  # keep the (checkpointed) graph for BACKWARD
                 slot.graph_in = in_leaves
-                slot.graph_out = pytree.tree_leaves(out)
+                slot.graph_out = _leaves(out)
                 slot.out = _detach(out)
                 return
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
@@ -1054,11 +1067,15 @@ class RoundPipe(nn.Module):
         [Note: recompute]); ``slot.phase`` names the pass in error notes."""
         slot.phase = "forward"
 
-        def run(args: tuple, kwargs: dict) -> Any:
-            return self._run_stage(call, stage, (args, kwargs), m, slot.phase, backend)
+        args, kwargs = inp
+        values = tuple(args) + (kwargs,) if kwargs else tuple(args)
 
-        # Passed as two positional pytrees so that no stage kwarg meets checkpoint's own.
-        return checkpoint(run, *inp, use_reentrant=False, preserve_rng_state=False)
+        def run(*flat: Any) -> Any:
+            # Stage kwargs travel as one trailing positional dict: none meets checkpoint's own.
+            a, kw = (flat[:-1], flat[-1]) if kwargs else (flat, {})
+            return self._run_stage(call, stage, (a, kw), m, slot.phase, backend)
+
+        return checkpoint(run, *values, use_reentrant=False, preserve_rng_state=False)
 
     def _grad_and_move(self, call: _Call, s: int, m: int, outputs: List[torch.Tensor],
                        grad_outputs: List[torch.Tensor], in_leaves: List[Any],
@@ -1158,6 +1175,10 @@ def _can_adopt(g: torch.Tensor, master: torch.Tensor, shared: Dict[int, int]) ->
 def _inputs_requiring_grad(inp: Tuple[tuple, dict]) -> Tuple[List[Any], Tuple[tuple, dict]]:
     """Detach the floating leaves of a stage input and make them require grad (the boundary
     of the stage's own graph). Returns (all leaves, new input)."""
+    args, kwargs = inp
+    if not kwargs and len(args) == 1 and isinstance(args[0], torch.Tensor):  # no tree walk
+        x = args[0].detach().requires_grad_() if _is_float(args[0]) else args[0]
+        return [x], ((x,), {})
     leaves, spec = pytree.tree_flatten(inp)
     leaves = [x.detach().requires_grad_() if _is_float(x) else x for x in leaves]
     return leaves, pytree.tree_unflatten(leaves, spec)
