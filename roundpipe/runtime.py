@@ -313,6 +313,7 @@ class _Call:
     rng_after_draw: Optional[RNGState]
     ready: _ParamsReady
     cast_dtype: Optional[torch.dtype]
+    input_grad: bool                           # some input requires grad (forward_backward)
     slots: Dict[Tuple[int, int], _Slot] = dataclasses.field(default_factory=dict)
     futures: Dict[Tuple, Future] = dataclasses.field(default_factory=dict)
     losses: List[Any] = dataclasses.field(default_factory=list)
@@ -320,6 +321,9 @@ class _Call:
     move_items: List[Any] = dataclasses.field(default_factory=list)
     cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)
     grad_buffers: List[List[Optional[torch.Tensor]]] = dataclasses.field(default_factory=list)
+    # Per microbatch, the stage-0 input leaves as the caller's graph has them (None where no
+    # grad is wanted); their grads are in slots[(0, m)].grad_in. Written by stage 0's worker.
+    input_origins: List[Any] = dataclasses.field(default_factory=list)
 
 
 # [Note: gradient accumulation]
@@ -597,9 +601,10 @@ class RoundPipe(nn.Module):
 
         ``loss_fn(output, label_mb)`` runs once per microbatch on the worker of the last stage
         and must return a single-element tensor. Gradients accumulate into the masters' ``.grad``
-        (``optim_dtype``). Main thread; blocks until every gradient of the call is accumulated,
-        so nothing of it is in flight afterwards (it also waits for a step launched before,
-        whose gradient moves come first). If it raises, the gradients accumulated since the last
+        (``optim_dtype``); inputs that require grad get theirs in ``.grad`` (through whatever
+        graph produced them), as ``loss.backward()`` would give them. Main thread; blocks until
+        every gradient of the call is accumulated, so nothing of it is in flight afterwards (it
+        also waits for a step launched before, whose gradient moves come first). If it raises, the gradients accumulated since the last
         step are discarded, so the next iteration starts clean.
         """
         _check_main_thread("forward_backward")
@@ -626,6 +631,8 @@ class RoundPipe(nn.Module):
             if return_outputs:
                 merged = _to_device(merge_outputs(call.outputs, call.sizes, cfg.merge_output),
                                     out_device)
+            if call.input_grad:  # last: a failure before it leaves the inputs' .grad untouched
+                _backward_to_inputs(call)
         except BaseException:
             # Whatever failed (a stage, loss_fn, an earlier step, the merge), the call's
             # gradients are dropped so that retrying the iteration does not add them twice.
@@ -851,12 +858,15 @@ class RoundPipe(nn.Module):
             return_outputs=return_outputs, stage_params=stage_params, stage_rng=stage_rng,
             stage_drew=[False] * len(stages), rng_probe_keys=probe_keys,
             rng_starts=rng_starts, rng_after_draw=rng_after, ready=self._ready,
-            cast_dtype=self._cast_dtype)
+            cast_dtype=self._cast_dtype,
+            input_grad=training and any(isinstance(x, torch.Tensor) and x.requires_grad
+                                        for x in pytree.tree_leaves((args, kwargs))))
         call.slots = {(s, m): _Slot() for s in range(len(stages)) for m in range(M)}
         call.futures = {a.key: Future() for a in call.plan.actions()}
         call.losses = [None] * M
         call.grad_buffers = [[None] * len(ps) for ps in stage_params]
         call.outputs = [None] * M
+        call.input_origins = [None] * M
         return call
 
     def _learn_rng_use(self, call: _Call) -> None:
@@ -988,7 +998,12 @@ class RoundPipe(nn.Module):
             else:
                 slot.out = out
             return
-        in_leaves, inp = _inputs_requiring_grad(inp) if s > 0 else ([], inp)
+        if s > 0:
+            in_leaves, inp = _inputs_requiring_grad(inp)
+        elif call.input_grad:
+            call.input_origins[m], in_leaves, inp = _cut_input_graph(inp)
+        else:
+            in_leaves = []
         with torch.enable_grad():
             with autocast_context(call.autocast), rng_scope(start, backend) as r:
                 if a.kind is ActionKind.FORWARD and call.recompute:
@@ -1096,7 +1111,7 @@ class RoundPipe(nn.Module):
                 raise
         else:
             grads = [None] * len(inputs)
-        if s > 0:
+        if in_leaves:
             by_id = {id(x): g for x, g in zip(wrt, grads[:len(wrt)])}
             call.slots[(s, m)].grad_in = [by_id.get(id(x)) if isinstance(x, torch.Tensor)
                                           else None for x in in_leaves]
@@ -1182,6 +1197,31 @@ def _inputs_requiring_grad(inp: Tuple[tuple, dict]) -> Tuple[List[Any], Tuple[tu
     leaves, spec = pytree.tree_flatten(inp)
     leaves = [x.detach().requires_grad_() if _is_float(x) else x for x in leaves]
     return leaves, pytree.tree_unflatten(leaves, spec)
+
+
+def _cut_input_graph(inp: Tuple[tuple, dict]) -> Tuple[List[Any], List[Any], Tuple[tuple, dict]]:
+    """Stage 0 of a call whose inputs require grad: each such tensor becomes a fresh leaf, so
+    the stage graph ends there; returns (the tensors as the caller's graph has them, or None
+    where no grad is wanted; the leaves; the new input)."""
+    leaves, spec = pytree.tree_flatten(inp)
+    origins = [x if isinstance(x, torch.Tensor) and x.requires_grad else None for x in leaves]
+    leaves = [x.detach().requires_grad_() if o is not None else x
+              for x, o in zip(leaves, origins)]
+    return origins, leaves, pytree.tree_unflatten(leaves, spec)
+
+
+def _backward_to_inputs(call: _Call) -> None:
+    """Main thread, after the workers: hand the stage-0 input grads to autograd, which
+    accumulates them into the inputs' ``.grad`` (and on into whatever graph produced them)."""
+    tensors, grads = [], []
+    for m, origins in enumerate(call.input_origins):
+        grad_in = call.slots[(0, m)].grad_in or []
+        for origin, g in zip(origins or [], grad_in):
+            if origin is not None and g is not None:
+                tensors.append(origin)
+                grads.append(g)
+    if tensors:
+        torch.autograd.backward(tensors, grads)
 
 
 def _copy_pairs(pairs: List[Tuple[torch.Tensor, torch.Tensor]]) -> None:

@@ -331,3 +331,85 @@ def test_a_module_wrapped_again_sends_its_gradients_to_the_new_masters():
     new(torch.randn(2, 4)).sum().backward()
     assert all(m.grad is not None for m in new.optim_parameters())
     assert all(m.grad is None for m in old.optim_parameters())
+
+
+@pytest.mark.parametrize("devices,recompute", [("cpu", True), ("cpu:2", True), ("cpu:3", False)])
+def test_inputs_that_require_grad_get_their_gradients_through_the_callers_graph(devices,
+                                                                                recompute):
+    # An embedding outside the RoundPipe feeds it: forward_backward must reach the embedding's
+    # weight through the input, as loss.backward() over the whole graph would.
+    torch.manual_seed(0)
+    emb = nn.Embedding(10, 6)
+    ref_emb = copy.deepcopy(emb)
+    ref = mlp()
+    model = RoundPipe(mlp(), devices=devices,
+                      model_run_config=RoundPipeRunConfig(num_microbatch=4, recompute=recompute))
+    tokens = torch.randint(0, 10, (8,))
+    x, _ = data()
+    x.requires_grad_()
+    y = torch.randint(0, 3, (8,))
+    model.forward_backward(input_args=(emb(tokens) + x,), label=y, loss_fn=loss_fn)
+    ref_x = x.detach().clone().requires_grad_()
+    h = ref_emb(tokens) + ref_x
+    for hm, ym in zip(torch.tensor_split(h, 4), torch.tensor_split(y, 4)):
+        loss_fn(ref(hm), ym).backward(retain_graph=True)
+    torch.testing.assert_close(x.grad, ref_x.grad, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(emb.weight.grad, ref_emb.weight.grad, rtol=1e-5, atol=1e-7)
+    for (n, master), (_, p) in zip(model.optim_named_parameters(), ref.named_parameters()):
+        torch.testing.assert_close(master.grad, p.grad, rtol=1e-5, atol=1e-7)
+
+
+def test_input_gradients_of_a_low_precision_model_arrive_in_the_inputs_dtype():
+    model = RoundPipe(mlp(dtype=torch.bfloat16), devices="cpu:2",
+                      model_run_config=RoundPipeRunConfig(num_microbatch=2))
+    x, y = data()
+    x.requires_grad_()
+    model.forward_backward(input_args=(x,), label=y, loss_fn=loss_fn)
+    assert x.grad is not None and x.grad.dtype == torch.float32
+    assert x.grad.abs().sum() > 0
+
+
+def test_inputs_without_requires_grad_get_no_gradient():
+    model = RoundPipe(mlp(), devices="cpu:2", model_run_config=RoundPipeRunConfig(num_microbatch=2))
+    x, y = data()
+    model.forward_backward(input_args=(x,), label=y, loss_fn=loss_fn)
+    assert x.grad is None and not x.requires_grad
+
+
+class _TiedIn(nn.Module):
+    def __init__(self, w):
+        super().__init__()
+        self.w = w
+
+    def forward(self, x):
+        return x @ self.w
+
+
+class _TiedOut(_TiedIn):
+    def forward(self, x):
+        return x @ self.w.t()
+
+
+def _tied(seed=0):
+    torch.manual_seed(seed)
+    w = nn.Parameter(torch.randn(6, 6) / 3)
+    return nn.Sequential(_TiedIn(w), nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 6), _TiedOut(w))
+
+
+def test_a_parameter_shared_by_first_and_last_stage_is_bitwise_the_same_on_any_worker_count():
+    # Each stage sums its own microbatches; the last stage's sum reaches the master first,
+    # since stage 0's last backward depends on it: the order does not depend on the workers.
+    x, _ = data(n=12)
+    grads = {}
+    for devices in ("cpu", "cpu:2", "cpu:3"):
+        model = RoundPipe(_tied(), devices=devices,
+                          model_run_config=RoundPipeRunConfig(num_microbatch=3))
+        model.forward_backward(input_args=(x,), loss_fn=lambda out, _: out.pow(2).sum())
+        grads[devices] = [m.grad.clone() for m in model.optim_parameters()]
+    assert len(grads["cpu"]) == 5  # the shared weight has one master
+    for devices in ("cpu:2", "cpu:3"):
+        assert all(torch.equal(a, b) for a, b in zip(grads["cpu"], grads[devices]))
+    ref = _tied()
+    for xm in torch.tensor_split(x, 3):
+        ref(xm).pow(2).sum().backward()
+    torch.testing.assert_close(grads["cpu"][0], ref[0].w.grad, rtol=1e-5, atol=1e-6)
