@@ -7,12 +7,13 @@ checked without threads (:func:`simulate`).
 Actions (see [Note: the clock]):
 
 * ``FORWARD(s, m)``: stage ``s`` forward of microbatch ``m``. In training with recompute on it
-  runs under ``no_grad`` and keeps only the stage input; without recompute it keeps the graph.
+  runs under ``torch.utils.checkpoint`` and keeps only the stage input; without recompute it
+  keeps the graph.
   In inference (:meth:`RoundPipe.forward`) every stage, the last included, is a ``FORWARD``.
 * ``LAST(S-1, m)``: the last stage in training: forward with grad, ``loss_fn`` and backward in one
   action, so ``loss_fn`` runs exactly once per microbatch.
-* ``BACKWARD(s, m)``: recompute stage ``s`` from its saved input (under the saved RNG and
-  autocast state) when recompute is on, then ``torch.autograd.grad``.
+* ``BACKWARD(s, m)``: ``torch.autograd.grad`` through stage ``s``; with recompute on, autograd
+  first re-runs the stage from its saved input (under the forward's RNG and autocast state).
 """
 
 from __future__ import annotations
@@ -58,9 +59,14 @@ class Action:
 #   LAST(S-1, m)   at S-1 + m
 #   BACKWARD(s, m) at (S-1) + (M-1) + (S-1-s) + m + 1, i.e. after every LAST, in reverse stage
 #                  order, one tick after BACKWARD(s+1, m) (or LAST(S-1, m)).
-# Every dependency of an action has a strictly smaller time. Each device runs its actions sorted
-# by (time, stage); then the unfinished action with the smallest (time, stage) overall is always
-# at the head of its device's list and its dependencies are done, so execution never deadlocks.
+# Every dependency of an action has a strictly smaller time. With several devices, each runs its
+# actions sorted by (time, stage); then the unfinished action with the smallest (time, stage)
+# overall is always at the head of its device's list and its dependencies are done, so execution
+# never deadlocks. A single device has no other device to overlap with, so it runs microbatch by
+# microbatch instead, sorted by (mb_index, time, stage): the forward and backward of microbatch 0,
+# then of microbatch 1, ... (a dependency is of the same microbatch and earlier in time, so it
+# comes first). It keeps one microbatch's stage inputs alive instead of all of them, as plain
+# PyTorch's loop over microbatches does.
 # Microbatches of one stage run in increasing mb_index on one device, which is what makes the
 # order of gradient accumulation independent of the number of devices.
 
@@ -132,7 +138,11 @@ def build_plan(num_stages: int, num_microbatch: int, num_devices: int, training:
             if training and s < S - 1:
                 add(ActionKind.BACKWARD, s, m, (S - 1) + (M - 1) + (S - 1 - s) + m + 1)
     per_device: List[List[Action]] = [[] for _ in range(D)]
-    for a in sorted(actions, key=lambda a: (a.time, a.stage)):
+    if D == 1:  # see [Note: the clock]
+        order = sorted(actions, key=lambda a: (a.mb_index, a.time, a.stage))
+    else:
+        order = sorted(actions, key=lambda a: (a.time, a.stage))
+    for a in order:
         per_device[a.device].append(a)
     return Plan(S, M, D, training, tuple(tuple(p) for p in per_device))
 

@@ -99,3 +99,18 @@ def test_partition():
         partition(5, [2, 2])
     with pytest.raises(ValueError, match="positive ints"):
         partition(5, [5, 0])
+
+
+def test_one_device_runs_microbatch_by_microbatch():
+    # Nothing to overlap with: microbatch m's forward and backward finish before m + 1 starts,
+    # so only one microbatch's stage inputs are alive at a time.
+    plan = build_plan(3, 2, 1, True)
+    assert str(plan).splitlines()[1] == "  device 0: F0.0 F1.0 L2.0 B1.0 B0.0 F0.1 F1.1 L2.1 B1.1 B0.1"
+    assert [str(a) for a in build_plan(2, 2, 1, False).per_device[0]] == ["F0.0", "F1.0", "F0.1",
+                                                                          "F1.1"]
+
+
+def test_several_devices_follow_the_clock():
+    plan = build_plan(2, 2, 2, True)
+    assert [str(a) for a in plan.per_device[0]] == ["F0.0", "F0.1", "B0.0", "B0.1"]
+    assert [str(a) for a in plan.per_device[1]] == ["L1.0", "L1.1"]
