@@ -23,6 +23,7 @@ Threads and what they touch (see DESIGN.md "Threads"):
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
@@ -343,8 +344,9 @@ class _Call:
 # torch.utils.checkpoint: the graph it keeps holds the stage input and no activation. The
 # BACKWARD action's autograd.grad re-runs the stage forward when it first unpacks a saved tensor,
 # under the forward's autocast state (captured by checkpoint) and, for a stage in an RNG chain,
-# under its start state (rng_scope around the backward; checkpoint's own RNG handling is off,
-# since it would set the global generator without RNG_LOCK). checkpoint stops the re-run as soon
+# under its start state (an rng_scope as checkpoint's recompute context, holding RNG_LOCK for the
+# re-run only; checkpoint's own RNG handling is off, since it would set the global generator
+# without the lock). checkpoint stops the re-run as soon
 # as every saved tensor is back; saved tensors are packed before an op computes, so the last ops
 # of a stage (a whole Linear stage) are not computed again. Re-running the forward in full
 # instead costs up to a third more compute than plain PyTorch with checkpoint.
@@ -1068,11 +1070,8 @@ class RoundPipe(nn.Module):
                                  f"returned {len(grads_out)} input grads; please report")
         pairs = [(o, g) for o, g in zip(out_leaves, grads_out)
                  if g is not None and isinstance(o, torch.Tensor) and o.requires_grad]
-        # With recompute, autograd re-runs the stage forward when it first needs a saved tensor
-        # (see [Note: recompute]); it must draw the forward's random numbers.
-        slot.phase = "recompute"
-        start = slot.rng_start if call.recompute else None
-        with torch.enable_grad(), rng_scope(start, backend):
+        slot.phase = "recompute"  # autograd may re-run the stage now (see [Note: recompute])
+        with torch.enable_grad():
             self._grad_and_move(call, s, m, [o for o, _ in pairs], [g for _, g in pairs],
                                 in_leaves, backend)
 
@@ -1090,7 +1089,12 @@ class RoundPipe(nn.Module):
             a, kw = (flat[:-1], flat[-1]) if kwargs else (flat, {})
             return self._run_stage(call, stage, (a, kw), m, slot.phase, backend)
 
-        return checkpoint(run, *values, use_reentrant=False, preserve_rng_state=False)
+        def contexts() -> Tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
+            # Forward: already inside the stage's RNG scope. Recompute: the same start state.
+            return contextlib.nullcontext(), rng_scope(slot.rng_start, backend)
+
+        return checkpoint(run, *values, use_reentrant=False, preserve_rng_state=False,
+                          context_fn=contexts)
 
     def _grad_and_move(self, call: _Call, s: int, m: int, outputs: List[torch.Tensor],
                        grad_outputs: List[torch.Tensor], in_leaves: List[Any],
