@@ -28,7 +28,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 __all__ = ["WorkerDevice", "parse_devices", "resolve_devices", "DevicePool", "Future",
-           "on_device_worker", "get_worker", "ENV_VAR"]
+           "on_device_worker", "caller_as_worker", "get_worker", "ENV_VAR"]
 
 ENV_VAR = "ROUNDPIPE_DEVICES"
 
@@ -171,6 +171,20 @@ _STOP = object()
 
 
 _WORKER_TLS = threading.local()
+
+
+@contextlib.contextmanager
+def caller_as_worker(device_type: str) -> Iterator[None]:
+    """Run the body on the calling thread as a device worker would run it: marked as a worker
+    (:func:`on_device_worker` is True), with the caller's autocast off and inference mode off,
+    which the actions then set explicitly, as a fresh worker thread starts with them."""
+    was_worker = on_device_worker()
+    _WORKER_TLS.is_worker = True
+    try:
+        with torch.autocast(device_type, enabled=False), torch.inference_mode(False):
+            yield
+    finally:
+        _WORKER_TLS.is_worker = was_worker
 
 
 def on_device_worker() -> bool:
@@ -362,15 +376,26 @@ class _CUDABackend:
         return gen.get_state()
 
 
+# [Note: the calling thread runs CPU device 0]
+# torch's CPU intra-op threads come from OpenMP, one team per thread that runs a parallel op,
+# and libgomp keeps every team's threads. Once a process has more of them than cores (the
+# caller's team, which built the model, plus a worker's), libgomp stops letting idle team
+# threads spin between parallel regions: every matmul then pays a futex wake-up of its helpers.
+# On a 2-core machine that made a one-worker forward_backward about 1.35x slower than the same
+# ops on the calling thread. So in a CPU pool the calling thread runs device 0's actions itself,
+# in caller_as_worker(); devices 1.. have worker threads. CUDA devices compute on the GPU and
+# keep a worker thread each.
 class DevicePool:
     """The devices of one model, their workers and their backends. Built on the main thread;
-    read-only afterwards."""
+    read-only afterwards. ``caller_device``: the device whose actions the calling thread runs
+    (CPU pools: 0, see [Note: the calling thread runs CPU device 0]), or None."""
 
     def __init__(self, devices: Any = None) -> None:
         self.devices = resolve_devices(devices)
         self.device_type = self.devices[0].type
         backend_cls = _CPUBackend if self.device_type == "cpu" else _CUDABackend
         self.backends = [backend_cls(d) for d in self.devices]
+        self.caller_device: Optional[int] = 0 if self.device_type == "cpu" else None
 
     def __len__(self) -> int:
         return len(self.devices)

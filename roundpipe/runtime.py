@@ -38,7 +38,7 @@ from torch.utils.checkpoint import checkpoint
 from roundpipe import optim_thread
 from roundpipe.autocast import (AutocastState, RNGState, autocast_context, chain_starts,
                                 resolve_autocast, restore_global, rng_scope, uses_rng)
-from roundpipe.devices import DevicePool, Future, on_device_worker
+from roundpipe.devices import DevicePool, Future, caller_as_worker, on_device_worker
 from roundpipe.microbatch import merge_outputs, split_inputs, split_label
 from roundpipe.optim_thread import add_note
 from roundpipe.schedule import Action, ActionKind, Plan, build_plan, partition
@@ -878,18 +878,26 @@ class RoundPipe(nn.Module):
                 self._rng_use[key] = drew
 
     def _execute(self, call: _Call) -> None:
-        """Hand each worker its actions, wait for all, re-raise the first real error.
+        """Hand each worker its actions, run the calling thread's own (see [Note: the calling
+        thread runs CPU device 0]), wait for all, re-raise the first real error.
 
-        Interrupted (Ctrl-C) while submitting or waiting, it cancels the actions not started,
-        waits until no worker touches the call any more, and then re-raises: the workers are
-        never left waiting for work that will not come, and nothing of the call lands later."""
-        submitted: List[Action] = []  # in submission order
+        Interrupted (Ctrl-C) while submitting, running or waiting, it cancels the actions not
+        started, waits until no worker touches the call any more, and then re-raises: the workers
+        are never left waiting for work that will not come, and nothing of the call lands later."""
+        own = self._pool.caller_device
+        submitted: List[Action] = []  # handed to worker threads, in submission order
         try:
             for d, actions in enumerate(call.plan.per_device):
+                if d == own:
+                    continue
                 worker = self._pool.worker(d)
                 for a in actions:
                     worker.submit(self._run_action, call, a, future=call.futures[a.key])
                     submitted.append(a)
+            if own is not None:
+                with caller_as_worker(self._pool.device_type):
+                    for a in call.plan.per_device[own]:
+                        _run_here(self._run_action, call, a, call.futures[a.key])
             # A worker runs its actions in order, so its last one done means all of its actions
             # are: wait on those alone rather than waking the main thread (and taking the GIL
             # from the workers) once per action.
@@ -900,7 +908,7 @@ class RoundPipe(nn.Module):
             call.cancelled.set()
             started = set(submitted)
             for a in call.plan.actions():
-                if a not in started:
+                if a not in started and not call.futures[a.key].done():
                     call.futures[a.key].set_exception(_Cancelled())
             _wait_uninterrupted([call.futures[a.key] for a in submitted])
             raise
@@ -1155,6 +1163,19 @@ def _check_main_thread(method: str) -> None:
 
 def _has_location(exc: BaseException) -> bool:
     return any(str(n).startswith("[roundpipe") for n in getattr(exc, "__notes__", ()))
+
+
+def _run_here(fn: Callable, call: _Call, action: Action, future: Future) -> None:
+    """Run one action on the calling thread and settle its future as a worker would; an
+    interrupt (Ctrl-C) propagates instead, and cancels the call (``_execute``)."""
+    try:
+        fn(call, action)
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:  # noqa: B036 -- stored for the dependents, as on a worker
+        future.set_exception(exc)
+    else:
+        future.set_result(None)
 
 
 def _wait_uninterrupted(futures: List[Future]) -> None:

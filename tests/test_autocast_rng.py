@@ -33,8 +33,7 @@ class Probe(nn.Module):
 
     def forward(self, x):
         self.log.append((self.name, torch.is_autocast_enabled("cpu"),
-                         torch.get_autocast_dtype("cpu"),
-                         threading.current_thread().name.startswith("roundpipe-worker")))
+                         torch.get_autocast_dtype("cpu"), threading.current_thread().name))
         return _RecordBackward.apply(self.lin(x), self.log)
 
 
@@ -46,7 +45,7 @@ def _run(run_config=None, caller_autocast=None):
 
     def loss_fn(out, y):
         log.append(("loss_fn", torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"),
-                    threading.current_thread().name.startswith("roundpipe-worker")))
+                    threading.current_thread().name))
         return out.float().pow(2).mean()
 
     x = torch.randn(4, 4)
@@ -64,11 +63,16 @@ def test_caller_autocast_in_forward_recompute_and_loss_fn_never_in_backward():
     # stage 0: forward + recompute; stage 1 (last): forward; loss_fn per microbatch.
     assert kinds.count("stage0") == 4 and kinds.count("stage1") == 2
     assert kinds.count("loss_fn") == 2 and kinds.count("backward") == 4
+    # Stage 0 runs on the calling thread (CPU device 0), stage 1 and loss_fn on the worker of
+    # device 1, where the caller's autocast would not reach without the runtime.
+    main = threading.current_thread().name
     for e in log:
         if e[0] == "backward":
             assert e[1] is False
         else:
-            assert e[1:] == (True, torch.bfloat16, True), e
+            assert e[1:3] == (True, torch.bfloat16), e
+            assert (e[3] == main) == (e[0] == "stage0"), e
+            assert e[0] == "stage0" or e[3] == "roundpipe-worker-cpu#1", e
 
 
 def test_autocast_false_disables_and_dtype_enables():

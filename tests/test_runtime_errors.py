@@ -278,7 +278,7 @@ def test_ctrl_c_while_submitting_leaves_no_worker_waiting_and_no_gradients(monke
 
     def interrupted_submit(self, *args, **kwargs):
         count[0] += 1
-        if count[0] == 7:  # device 0 has its 6 actions queued, device 1 none
+        if count[0] == 3:  # device 1 has 2 of its 4 actions queued; device 0 (the caller) none run
             raise KeyboardInterrupt
         return original(self, *args, **kwargs)
 
@@ -289,6 +289,41 @@ def test_ctrl_c_while_submitting_leaves_no_worker_waiting_and_no_gradients(monke
     optim_thread.synchronize()
     assert all(m.grad is None for m in model.optim_parameters())
     model.forward_backward(input_args=(x,), loss_fn=_sum_loss)  # would hang before the fix
+    for m, g in zip(model.optim_parameters(), clean):
+        assert torch.equal(m.grad, g)
+
+
+class _Interrupt(nn.Linear):
+    """A Ctrl-C arriving while the calling thread runs this layer (CPU device 0 runs there)."""
+
+    armed = False
+
+    def forward(self, x):
+        if self.armed:
+            _Interrupt.armed = False
+            raise KeyboardInterrupt
+        return super().forward(x)
+
+
+def test_ctrl_c_while_the_caller_runs_its_own_actions_cancels_the_call(monkeypatch):
+    # Device 0's actions run on the calling thread: an interrupt in one of them must cancel the
+    # actions that device 1's worker still has queued (they wait for device 0), and nothing of
+    # the call may land in the masters.
+    torch.manual_seed(0)
+    seq = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), _Interrupt(4, 1))
+    model = RoundPipe(seq, devices="cpu:2", model_run_config=RoundPipeRunConfig(num_microbatch=2))
+    x = torch.randn(4, 4)
+    model.forward_backward(input_args=(x,), loss_fn=_sum_loss)
+    clean = [m.grad.clone() for m in model.optim_parameters()]
+    for m in model.optim_parameters():
+        m.grad = None
+    _Interrupt.armed = True
+    with pytest.raises(KeyboardInterrupt):
+        model.forward_backward(input_args=(x,), loss_fn=_sum_loss)
+    assert not _Interrupt.armed  # it did fire, in the last stage, on the calling thread
+    optim_thread.synchronize()
+    assert all(m.grad is None for m in model.optim_parameters())
+    model.forward_backward(input_args=(x,), loss_fn=_sum_loss)
     for m, g in zip(model.optim_parameters(), clean):
         assert torch.equal(m.grad, g)
 
