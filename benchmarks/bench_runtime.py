@@ -7,15 +7,18 @@
     spends in ``scaler.update()``. Targets: <= 0.55 and <= 1%.
 (b) overhead of ``forward_backward`` on one CPU worker against plain PyTorch running the same
     microbatches with ``torch.utils.checkpoint`` per stage and ``backward()``. Target <= 1.05.
+(d) the same two, each alone in a fresh process (as a user runs one of them), processes
+    alternating; catches what sharing one process hides (e.g. OpenMP thread teams).
 (c) peak memory (VmHWM) per parameter of a ~300M-parameter fp16 model with fp32 Adam masters,
     in a subprocess, against the 18 bytes/param the state itself needs
     (2 fp16 param + 4 fp32 master + 4 fp32 grad + 8 Adam moments).
 
-    python benchmarks/bench_runtime.py [--part a,b,c] [--iters 20]
+    python benchmarks/bench_runtime.py [--part a,b,d,c] [--iters 20]
 """
 
 import argparse
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -118,8 +121,13 @@ def part_a(args):
 # -- (b) ----------------------------------------------------------------------------------------
 
 
-def part_b(args):
-    width, depth, batch, M = 1024, 8, 256, 4
+_B_SHAPE = dict(width=1024, depth=8, batch=256, M=4)
+
+
+def _b_iterations():
+    """The two iterations (b) and (d) compare: plain PyTorch with checkpoint per stage, and
+    RoundPipe's forward_backward, on equal models and data."""
+    width, depth, batch, M = (_B_SHAPE[k] for k in ("width", "depth", "batch", "M"))
     x = torch.randn(batch, width)
     y = torch.randint(0, 16, (batch,))
 
@@ -143,6 +151,14 @@ def part_b(args):
         for m in model.optim_parameters():  # as plain's p.grad = None (optimizer thread is idle)
             m.grad = None
 
+    n_params = sum(p.numel() for p in plain.parameters())
+    return plain_iteration, rp_iteration, n_params, len(stages)
+
+
+def part_b(args):
+    plain_iteration, rp_iteration, n_params, n_stages = _b_iterations()
+    batch, M = _B_SHAPE["batch"], _B_SHAPE["M"]
+
     # The two run alternately, one iteration each, so that load from other processes on the
     # machine hits both alike; the minimum estimates the cost without that load.
     # Wall time, and CPU time of the whole process (all threads): on a shared VM the wall
@@ -164,8 +180,7 @@ def part_b(args):
     paired = statistics.median(r / p for r, p in zip(tr, tp))
     q = statistics.quantiles([r / p for r, p in zip(tr, tp)], n=4)
     cpu = statistics.median(cr) / statistics.median(cp)
-    n_params = sum(p.numel() for p in plain.parameters())
-    print(f"(b) fp32 MLP {n_params / 1e6:.1f}M params, {len(stages)} stages, batch {batch}, "
+    print(f"(b) fp32 MLP {n_params / 1e6:.1f}M params, {n_stages} stages, batch {batch}, "
           f"{M} microbatches, one CPU worker")
     print(f"    plain PyTorch + checkpoint  {t_plain * 1e3:8.1f} ms")
     print(f"    RoundPipe forward_backward  {t_rp * 1e3:8.1f} ms   (grads into the "
@@ -175,6 +190,49 @@ def part_b(args):
           f"of medians {med:.3f})")
     print(f"    CPU time (all threads)      {statistics.median(cp) * 1e3:8.1f} ms plain, "
           f"{statistics.median(cr) * 1e3:.1f} ms RoundPipe: ratio {cpu:.3f} (medians)")
+
+
+# -- (d) ----------------------------------------------------------------------------------------
+
+
+def _d_child(which, iters):
+    """One variant of (b) alone in this process: median wall and CPU time of ``iters``."""
+    plain_iteration, rp_iteration, _, _ = _b_iterations()
+    fn = plain_iteration if which == "plain" else rp_iteration
+    for _ in range(3):
+        fn()
+    wall, cpu = [], []
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(iters):
+        t0, c0 = time.perf_counter(), time.process_time()
+        fn()
+        wall.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
+    faults = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults) / iters
+    print(statistics.median(wall), statistics.median(cpu), faults)
+
+
+def part_d(args):
+    """(b) as a user runs it: each variant alone in a fresh process, the two alternating."""
+    rounds, iters = max(3, args.iters // 4), 12
+    runs = {"plain": [], "roundpipe": []}
+    for _ in range(rounds):
+        for which in runs:
+            out = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", which,
+                                  "--iters", str(iters)], check=True, capture_output=True,
+                                 text=True).stdout.split()
+            runs[which].append([float(v) for v in out])
+    wall = [r[0] / p[0] for p, r in zip(runs["plain"], runs["roundpipe"])]
+    cpu = [r[1] / p[1] for p, r in zip(runs["plain"], runs["roundpipe"])]
+    print(f"(d) as (b), each variant alone in its own process, {rounds} alternating pairs of "
+          f"processes, {iters} iterations each")
+    for which, name in (("plain", "plain PyTorch + checkpoint"),
+                        ("roundpipe", "RoundPipe forward_backward")):
+        print(f"    {name:27s} {statistics.median(r[0] for r in runs[which]) * 1e3:8.1f} ms   "
+              f"({statistics.median(r[2] for r in runs[which]):.0f} page faults/iteration)")
+    print(f"    RoundPipe / plain           {statistics.median(wall):8.3f}   (target <= 1.05; "
+          f"median of the pairs' medians, range {min(wall):.3f}-{max(wall):.3f}); CPU time "
+          f"{statistics.median(cpu):.3f}")
 
 
 # -- (c) ----------------------------------------------------------------------------------------
@@ -235,13 +293,16 @@ def part_c(args):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--part", default="a,b,c")
+    parser.add_argument("--part", default="a,b,d,c")
     parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--child", choices=["plain", "roundpipe"], help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.child:
+        return _d_child(args.child, args.iters)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} intra-op threads, "
           f"{os.cpu_count()} CPUs")
     for part in args.part.split(","):
-        {"a": part_a, "b": part_b, "c": part_c}[part.strip()](args)
+        {"a": part_a, "b": part_b, "c": part_c, "d": part_d}[part.strip()](args)
 
 
 if __name__ == "__main__":
