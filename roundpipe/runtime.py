@@ -346,16 +346,17 @@ class _Call:
 # under the forward's autocast state (captured by checkpoint) and, for a stage in an RNG chain,
 # under its start state (an rng_scope as checkpoint's recompute context, holding RNG_LOCK for the
 # re-run only; checkpoint's own RNG handling is off, since it would set the global generator
-# without the lock). checkpoint stops the re-run as soon
-# as every saved tensor is back; saved tensors are packed before an op computes, so the last ops
-# of a stage (a whole Linear stage) are not computed again. Re-running the forward in full
-# instead costs up to a third more compute than plain PyTorch with checkpoint.
+# without the lock). checkpoint stops the re-run as soon as every saved tensor is back; saved
+# tensors are packed before an op computes, so the last ops of a stage (a whole Linear stage)
+# are not computed again. Re-running the forward in full instead costs up to a third more
+# compute than plain PyTorch with checkpoint.
 
 
 # checkpoint ends a recompute early by raising this from inside the stage (see
 # [Note: recompute]); like the runtime's own signals it passes through without a location note.
 _STOP_RECOMPUTE = getattr(_checkpoint_module, "_StopRecomputationError", None)
-_NOT_LAYER_ERRORS = (_Cancelled, _ParamsCopyFailed) + ((_STOP_RECOMPUTE,) if _STOP_RECOMPUTE else ())
+_NOT_LAYER_ERRORS = ((_Cancelled, _ParamsCopyFailed)
+                     + ((_STOP_RECOMPUTE,) if _STOP_RECOMPUTE is not None else ()))
 
 
 def _move_grads(pairs: List[Tuple[nn.Parameter, torch.Tensor]]) -> None:
@@ -606,8 +607,9 @@ class RoundPipe(nn.Module):
         (``optim_dtype``); inputs that require grad get theirs in ``.grad`` (through whatever
         graph produced them), as ``loss.backward()`` would give them. Main thread; blocks until
         every gradient of the call is accumulated, so nothing of it is in flight afterwards (it
-        also waits for a step launched before, whose gradient moves come first). If it raises, the gradients accumulated since the last
-        step are discarded, so the next iteration starts clean.
+        also waits for a step launched before, whose gradient moves come first). If it raises,
+        the gradients accumulated since the last step are discarded, so the next iteration
+        starts clean.
         """
         _check_main_thread("forward_backward")
         self._report_failures()
@@ -1097,7 +1099,7 @@ class RoundPipe(nn.Module):
             a, kw = (flat[:-1], flat[-1]) if kwargs else (flat, {})
             return self._run_stage(call, stage, (a, kw), m, slot.phase, backend)
 
-        def contexts() -> Tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
+        def contexts() -> Tuple[Any, Any]:
             # Forward: already inside the stage's RNG scope. Recompute: the same start state.
             return contextlib.nullcontext(), rng_scope(slot.rng_start, backend)
 
