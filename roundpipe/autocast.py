@@ -54,7 +54,7 @@ def autocast_context(state: AutocastState) -> contextlib.AbstractContextManager:
     if not state.enabled:
         # A worker thread starts with autocast off; enter a context only if a layer left it on.
         if not torch.is_autocast_enabled(state.device_type):
-            return _NO_SCOPE
+            return contextlib.nullcontext()
         return torch.autocast(state.device_type, enabled=False)
     return torch.autocast(state.device_type, dtype=state.dtype, enabled=True,
                           cache_enabled=state.cache_enabled)
@@ -147,8 +147,8 @@ class _ScopeResult:
         return None
 
 
-# Shared by every scope that has nothing to do (no RNG chain, autocast already off): entering it
-# costs no allocation on the per-action path. Never written (end and drew keep their defaults).
+# What rng_scope returns for a stage outside the RNG chain: shared, so that the per-action path
+# allocates nothing for it. Never written (end and drew keep their defaults).
 _NO_SCOPE = _ScopeResult()
 
 

@@ -1,4 +1,4 @@
-"""The device pool: which devices compute, one worker thread per device, and the backends.
+"""The device pool: which devices compute, one worker per device, and the backends.
 
 * :func:`parse_devices` turns ``"cpu"``, ``"cpu:2"`` (two CPU workers), ``"cuda"`` (every CUDA
   device) or ``"cuda:0,1"`` into a tuple of :class:`WorkerDevice`.
@@ -7,6 +7,8 @@
 * One worker thread per device, process-wide (:func:`get_worker`): a daemon thread started on
   first use, fed by a ``queue.SimpleQueue`` of work items with future-like results
   (:class:`Future`): the worker catches ``BaseException`` and stores it, the waiter re-raises it.
+  Except CPU device 0, whose work the calling thread runs itself, in :func:`caller_as_worker`
+  (see [Note: the calling thread runs CPU device 0]).
 * Backends: the CPU backend is the reference (host <-> device moves are the identity); the CUDA
   backend is thin: each action runs on a side stream, stage parameters are uploaded with a
   differentiable ``.to(device, non_blocking=True)``, and an action's end is published by a CUDA
@@ -148,6 +150,18 @@ class Future:
     def done(self) -> bool:
         return self._done.is_set()
 
+    def run(self, fn: Callable, *args: Any, reraise: Tuple[type, ...] = ()) -> None:
+        """Call ``fn(*args)`` on this thread and settle the future with its result or exception;
+        an exception of a ``reraise`` type propagates instead and leaves the future unsettled."""
+        try:
+            result = fn(*args)
+        except reraise:
+            raise
+        except BaseException as exc:  # noqa: B036 -- stored and re-raised by the waiter
+            self.set_exception(exc)
+        else:
+            self.set_result(result)
+
     def exception(self) -> Optional[BaseException]:
         """Block until done; return the stored exception (None on success)."""
         self._done.wait()
@@ -227,12 +241,7 @@ class _Worker:
             if item is _STOP:
                 return
             fut, fn, args = item
-            try:
-                result = fn(*args)
-            except BaseException as exc:  # noqa: B036 -- stored and re-raised by the waiter
-                fut.set_exception(exc)
-            else:
-                fut.set_result(result)
+            fut.run(fn, *args)
             del item, fut, fn, args  # drop references to tensors before blocking again
 
     def shutdown(self) -> None:

@@ -14,7 +14,7 @@ Threads and what they touch (see DESIGN.md "Threads"):
 
 * main: every public method; the run configs; ``_ready`` (replaced, never mutated);
   ``_has_grads``; the per-call state before the workers start and after they finish.
-* device workers: a call's ``_Call`` slots, each written by one action and read by its dependents
+* device workers (CPU device 0: the calling thread, during the call): a call's ``_Call`` slots, each written by one action and read by its dependents
   after that action's future is done; the low-precision parameters (read only, after the stage's
   "params ready" event).
 * optimizer thread: the masters and their ``.grad`` (grad moves, ``step_fn``, clears), and the
@@ -899,7 +899,9 @@ class RoundPipe(nn.Module):
             if own is not None:
                 with caller_as_worker(self._pool.device_type):
                     for a in call.plan.per_device[own]:
-                        _run_here(self._run_action, call, a, call.futures[a.key])
+                        # Ctrl-C propagates, to cancel the call below.
+                        call.futures[a.key].run(self._run_action, call, a,
+                                                reraise=(KeyboardInterrupt,))
             # A worker runs its actions in order, so its last one done means all of its actions
             # are: wait on those alone rather than waking the main thread (and taking the GIL
             # from the workers) once per action.
@@ -1010,10 +1012,10 @@ class RoundPipe(nn.Module):
             else:
                 slot.out = out
             return
-        if s > 0:
-            in_leaves, inp = _inputs_requiring_grad(inp)
-        elif call.input_grad:
-            call.input_origins[m], in_leaves, inp = _cut_input_graph(inp)
+        if s > 0:  # every floating input: the previous stage needs its gradient
+            _, in_leaves, inp = _cut_graph(inp, _is_float)
+        elif call.input_grad:  # the caller's inputs that require grad
+            call.input_origins[m], in_leaves, inp = _cut_graph(inp, _requires_grad)
         else:
             in_leaves = []
         with torch.enable_grad():
@@ -1089,8 +1091,6 @@ class RoundPipe(nn.Module):
                             slot: _Slot, backend: Any) -> Any:
         """The stage forward under non-reentrant ``torch.utils.checkpoint`` (see
         [Note: recompute]); ``slot.phase`` names the pass in error notes."""
-        slot.phase = "forward"
-
         args, kwargs = inp
         values = tuple(args) + (kwargs,) if kwargs else tuple(args)
 
@@ -1167,19 +1167,6 @@ def _has_location(exc: BaseException) -> bool:
     return any(str(n).startswith("[roundpipe") for n in getattr(exc, "__notes__", ()))
 
 
-def _run_here(fn: Callable, call: _Call, action: Action, future: Future) -> None:
-    """Run one action on the calling thread and settle its future as a worker would; an
-    interrupt (Ctrl-C) propagates instead, and cancels the call (``_execute``)."""
-    try:
-        fn(call, action)
-    except KeyboardInterrupt:
-        raise
-    except BaseException as exc:  # noqa: B036 -- stored for the dependents, as on a worker
-        future.set_exception(exc)
-    else:
-        future.set_result(None)
-
-
 def _wait_uninterrupted(futures: List[Future]) -> None:
     """Wait for every future, through repeated Ctrl-C too: once a call is cancelled its running
     actions end soon, and the caller re-raises the first interrupt afterwards."""
@@ -1214,27 +1201,27 @@ def _can_adopt(g: torch.Tensor, master: torch.Tensor, shared: Dict[int, int]) ->
             and shared.get(storage.data_ptr(), 0) == 1)
 
 
-def _inputs_requiring_grad(inp: Tuple[tuple, dict]) -> Tuple[List[Any], Tuple[tuple, dict]]:
-    """Detach the floating leaves of a stage input and make them require grad (the boundary
-    of the stage's own graph). Returns (all leaves, new input)."""
+def _cut_graph(inp: Tuple[tuple, dict], wants_grad: Callable[[torch.Tensor], bool]
+               ) -> Tuple[List[Any], List[Any], Tuple[tuple, dict]]:
+    """Make each tensor of a stage input that ``wants_grad`` a fresh leaf that requires grad, so
+    the stage's own graph ends there. Returns (each leaf as it was, None where not cut; the new
+    leaves; the new input)."""
     args, kwargs = inp
     if not kwargs and len(args) == 1 and isinstance(args[0], torch.Tensor):  # no tree walk
-        x = args[0].detach().requires_grad_() if _is_float(args[0]) else args[0]
-        return [x], ((x,), {})
+        x = args[0]
+        if not wants_grad(x):
+            return [None], [x], inp
+        leaf = x.detach().requires_grad_()
+        return [x], [leaf], ((leaf,), {})
     leaves, spec = pytree.tree_flatten(inp)
-    leaves = [x.detach().requires_grad_() if _is_float(x) else x for x in leaves]
-    return leaves, pytree.tree_unflatten(leaves, spec)
-
-
-def _cut_input_graph(inp: Tuple[tuple, dict]) -> Tuple[List[Any], List[Any], Tuple[tuple, dict]]:
-    """Stage 0 of a call whose inputs require grad: each such tensor becomes a fresh leaf, so
-    the stage graph ends there; returns (the tensors as the caller's graph has them, or None
-    where no grad is wanted; the leaves; the new input)."""
-    leaves, spec = pytree.tree_flatten(inp)
-    origins = [x if isinstance(x, torch.Tensor) and x.requires_grad else None for x in leaves]
+    origins = [x if isinstance(x, torch.Tensor) and wants_grad(x) else None for x in leaves]
     leaves = [x.detach().requires_grad_() if o is not None else x
               for x, o in zip(leaves, origins)]
     return origins, leaves, pytree.tree_unflatten(leaves, spec)
+
+
+def _requires_grad(x: torch.Tensor) -> bool:
+    return x.requires_grad
 
 
 def _backward_to_inputs(call: _Call) -> None:
