@@ -325,6 +325,7 @@ class _Call:
     # Per microbatch, the stage-0 input leaves as the caller's graph has them (None where no
     # grad is wanted); their grads are in slots[(0, m)].grad_in. Written by stage 0's worker.
     input_origins: List[Any] = dataclasses.field(default_factory=list)
+    grad_sink: Optional["_GradSink"] = None    # a fused plan's (see [Note: fused stages])
 
 
 # [Note: gradient accumulation]
@@ -350,6 +351,22 @@ class _Call:
 # tensors are packed before an op computes, so the last ops of a stage (a whole Linear stage)
 # are not computed again. Re-running the forward in full instead costs up to a third more
 # compute than plain PyTorch with checkpoint.
+
+
+# [Note: fused stages]
+# With one device there is nothing to overlap, and the per-stage actions only cost: each
+# BACKWARD is its own autograd call, and each action its own future. A training plan on one
+# device therefore has one MICROBATCH(m) action per microbatch: every stage forward (each under
+# its RNG chain state, and under checkpoint with recompute on, so the memory is the same),
+# loss_fn, then one backward through all stages, as plain PyTorch runs a microbatch. Its
+# parameter gradients leave autograd through AccumulateGrad into the model params' .grad, where
+# the grad hooks take them at once (still in cache) into the call's per-stage buffers (a
+# _GradSink, found through a thread-local); the sum per param is then what the per-stage actions
+# compute, so final parameters stay bitwise the same for any number of devices. The one
+# exception is a parameter in two stages (tied weights): one backward sums its two gradients of
+# a microbatch before the buffer does, in another order than per-stage backwards, so such a
+# model keeps the per-stage plan. Error notes of the fused backward name all stages, or the
+# stage whose recompute failed.
 
 
 # checkpoint ends a recompute early by raising this from inside the stage (see
@@ -466,7 +483,7 @@ class RoundPipe(nn.Module):
         # thread. See [Note: RNG chains].
         self._rng_use: Dict[Tuple, bool] = {}
         self._stage_cache: Dict[Tuple[int, ...], List[_Stage]] = {}
-        self._plan_cache: Dict[Tuple[int, int, bool], Plan] = {}
+        self._plan_cache: Dict[Tuple[int, int, bool, bool], Plan] = {}
         if self.model_run_config.execute_plan is not None:
             self._stages(self.model_run_config.execute_plan)  # validate now
         _ensure_optimizer_hook()
@@ -579,19 +596,21 @@ class RoundPipe(nn.Module):
             self._stage_cache[key] = stages
         return stages
 
-    def _plan(self, num_stages: int, num_microbatch: int, training: bool) -> Plan:
-        key = (num_stages, num_microbatch, training)
+    def _plan(self, stages: List[_Stage], num_microbatch: int, training: bool) -> Plan:
+        # See [Note: fused stages].
+        fuse = training and len(self._pool) == 1 and not _shares_params(stages)
+        key = (len(stages), num_microbatch, training, fuse)
         plan = self._plan_cache.get(key)
         if plan is None:
-            plan = self._plan_cache[key] = build_plan(num_stages, num_microbatch,
-                                                      len(self._pool), training)
+            plan = self._plan_cache[key] = build_plan(len(stages), num_microbatch,
+                                                      len(self._pool), training, fuse)
         return plan
 
     def plan(self, run_config: Optional[RoundPipeRunConfig] = None,
              training: bool = True) -> Plan:
         """The plan a call with ``run_config`` would execute (``print`` it to see the order)."""
         cfg = self._resolve(run_config)
-        return self._plan(len(self._stages(cfg.execute_plan)), cfg.num_microbatch, training)
+        return self._plan(self._stages(cfg.execute_plan), cfg.num_microbatch, training)
 
     # -- public calls -------------------------------------------------------------------------
     def forward_backward(self, input_args: Sequence[Any] = (),
@@ -811,9 +830,13 @@ class RoundPipe(nn.Module):
     def _name_tag(self) -> str:
         return f" {self.name!r}" if self.name else ""
 
-    def _where(self, stage: int, mb_index: int, phase: str, layer: Optional[_Layer]) -> str:
-        at = f", {layer.describe()}" if layer is not None else ""
-        return f"[roundpipe{self._name_tag()} stage {stage}{at}, microbatch {mb_index}, {phase}]"
+    def _where(self, stage: Optional[int], mb_index: int, phase: str,
+               layer: Optional[_Layer]) -> str:
+        """Where an error happened, for its note; ``stage`` None: the fused backward of all."""
+        at = f"stage {stage}" if stage is not None else "all stages"
+        if layer is not None:
+            at += f", {layer.describe()}"
+        return f"[roundpipe{self._name_tag()} {at}, microbatch {mb_index}, {phase}]"
 
     # -- internals: one call ------------------------------------------------------------------
     def _prepare(self, cfg: RoundPipeRunConfig, args: tuple, kwargs: dict, label: Any,
@@ -854,7 +877,7 @@ class RoundPipe(nn.Module):
             rng_starts = chain_starts(M, backend0)
             rng_after = RNGState(torch.get_rng_state(), backend0.get_rng_state())
         call = _Call(
-            plan=self._plan(len(stages), M, training), stages=stages, training=training,
+            plan=self._plan(stages, M, training), stages=stages, training=training,
             recompute=bool(cfg.recompute), grad_enabled=grad_enabled,
             inference_mode=torch.is_inference_mode_enabled(),
             autocast=resolve_autocast(cfg.autocast, self._pool.device_type),
@@ -871,6 +894,9 @@ class RoundPipe(nn.Module):
         call.grad_buffers = [[None] * len(ps) for ps in stage_params]
         call.outputs = [None] * M
         call.input_origins = [None] * M
+        if call.plan.per_device[0][0].kind is ActionKind.MICROBATCH:
+            self._ensure_grad_hooks()
+            call.grad_sink = _GradSink(call, self._master_of)
         return call
 
     def _learn_rng_use(self, call: _Call) -> None:
@@ -950,6 +976,8 @@ class RoundPipe(nn.Module):
         with backend.action_context():
             if action.kind is ActionKind.BACKWARD:
                 self._backward_action(call, action, backend)
+            elif action.kind is ActionKind.MICROBATCH:
+                self._microbatch_action(call, action, backend)
             else:
                 self._forward_action(call, action, backend)
             backend.finish()
@@ -990,87 +1018,128 @@ class RoundPipe(nn.Module):
                 raise
         return x
 
-    def _forward_action(self, call: _Call, a: Action, backend: Any) -> None:
-        s, m = a.stage, a.mb_index
-        stage = call.stages[s]
-        slot = call.slots[(s, m)]
-        inp = self._stage_input(call, s, m, backend)
+    def _stage_forward(self, call: _Call, s: int, m: int, inp: Tuple[tuple, dict], backend: Any,
+                       checkpointed: bool) -> Tuple[Any, Any]:
+        """Stage ``s`` forward of microbatch ``m`` (after its params are ready) under the call's
+        autocast and the stage's RNG chain state; in training, ``loss_fn`` after the last stage,
+        in the same state. Returns (output, loss or None). Grad mode is the caller's."""
+        stage, slot = call.stages[s], call.slots[(s, m)]
         for layer in stage.layers:
             call.ready.wait(layer.index)
         chain_in = self._chain_in(call, s, m)
         start = chain_in if call.stage_rng[s] else None
         slot.rng_start = start
-        if not call.training:
-            with torch.inference_mode(call.inference_mode), \
-                    torch.set_grad_enabled(call.grad_enabled), \
-                    autocast_context(call.autocast), rng_scope(start, backend) as r:
-                out = self._run_stage(call, stage, inp, m, "forward", backend)
-            slot.rng_end = r.end if start is not None else chain_in
-            call.stage_drew[s] = call.stage_drew[s] or r.drew
-            if s == len(call.stages) - 1:
-                call.outputs[m] = out
+        loss = None
+        with autocast_context(call.autocast), rng_scope(start, backend) as r:
+            if checkpointed:
+                out = self._checkpointed_stage(call, stage, inp, m, slot, backend)
             else:
-                slot.out = out
-            return
-        if s > 0:  # every floating input: the previous stage needs its gradient
-            _, in_leaves, inp = _cut_graph(inp, _is_float)
-        elif call.input_grad:  # the caller's inputs that require grad
-            call.input_origins[m], in_leaves, inp = _cut_graph(inp, _requires_grad)
-        else:
-            in_leaves = []
-        with torch.enable_grad():
-            with autocast_context(call.autocast), rng_scope(start, backend) as r:
-                if a.kind is ActionKind.FORWARD and call.recompute:
-                    out = self._checkpointed_stage(call, stage, inp, m, slot, backend)
-                else:
-                    out = self._run_stage(call, stage, inp, m, "forward", backend)
-                if a.kind is ActionKind.LAST:
-                    try:
-                        loss = call.loss_fn(out, call.labels[m])
-                    except BaseException as exc:  # noqa: B036 -- annotated, then re-raised
-                        add_note(exc, self._where(s, m, "loss_fn", None))
-                        raise
-            slot.rng_end = r.end if start is not None else chain_in
-            call.stage_drew[s] = call.stage_drew[s] or r.drew
-            if a.kind is ActionKind.FORWARD:  # keep the (checkpointed) graph for BACKWARD
-                slot.graph_in = in_leaves
-                slot.graph_out = _leaves(out)
-                slot.out = _detach(out)
-                return
-            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-                what = (f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor)
-                        else type(loss).__name__)
-                exc = ValueError(f"loss_fn must return a single-element tensor (a scalar loss), "
-                                 f"got {what}; reduce it, e.g. with .mean() or .sum()")
-                add_note(exc, self._where(s, m, "loss_fn", None))
-                raise exc
-            if not loss.requires_grad:
-                exc = RuntimeError("the loss does not require grad: no parameter is trainable "
-                                   "and no input requires grad, so there is nothing to train")
-                add_note(exc, self._where(s, m, "loss_fn", None))
-                raise exc
-            self._grad_and_move(call, s, m, [loss], [torch.ones_like(loss)], in_leaves, backend)
+                out = self._run_stage(call, stage, inp, m, "forward", backend)
+            if call.training and s == len(call.stages) - 1:
+                try:
+                    loss = call.loss_fn(out, call.labels[m])
+                except BaseException as exc:  # noqa: B036 -- annotated, then re-raised
+                    add_note(exc, self._where(s, m, "loss_fn", None))
+                    raise
+        slot.rng_end = r.end if start is not None else chain_in
+        call.stage_drew[s] = call.stage_drew[s] or r.drew
+        return out, loss
+
+    def _check_loss(self, call: _Call, m: int, loss: Any) -> torch.Tensor:
+        s = len(call.stages) - 1
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            what = (f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor)
+                    else type(loss).__name__)
+            exc: Exception = ValueError(
+                f"loss_fn must return a single-element tensor (a scalar loss), got {what}; "
+                f"reduce it, e.g. with .mean() or .sum()")
+            add_note(exc, self._where(s, m, "loss_fn", None))
+            raise exc
+        if not loss.requires_grad:
+            exc = RuntimeError("the loss does not require grad: no parameter is trainable "
+                               "and no input requires grad, so there is nothing to train")
+            add_note(exc, self._where(s, m, "loss_fn", None))
+            raise exc
+        return loss
+
+    def _finish_microbatch(self, call: _Call, m: int, loss: torch.Tensor, out: Any) -> None:
         call.losses[m] = loss.detach().reshape(())
         if call.return_outputs:
             call.outputs[m] = _detach(out)
 
+    def _stage0_input(self, call: _Call, m: int, backend: Any
+                      ) -> Tuple[List[Any], Tuple[tuple, dict]]:
+        """Microbatch ``m``'s input to stage 0 in training, the caller's inputs that require grad
+        cut into leaves of the call's graph (their grads end in ``slots[(0, m)].grad_in``)."""
+        inp = self._stage_input(call, 0, m, backend)
+        if not call.input_grad:
+            return [], inp
+        call.input_origins[m], in_leaves, inp = _cut_graph(inp, _requires_grad)
+        return in_leaves, inp
+
+    def _forward_action(self, call: _Call, a: Action, backend: Any) -> None:
+        s, m = a.stage, a.mb_index
+        if not call.training:
+            inp = self._stage_input(call, s, m, backend)
+            with torch.inference_mode(call.inference_mode), \
+                    torch.set_grad_enabled(call.grad_enabled):
+                out, _ = self._stage_forward(call, s, m, inp, backend, checkpointed=False)
+            if s == len(call.stages) - 1:
+                call.outputs[m] = out
+            else:
+                call.slots[(s, m)].out = out
+            return
+        if s > 0:  # every floating input: the previous stage needs its gradient
+            _, in_leaves, inp = _cut_graph(self._stage_input(call, s, m, backend), _is_float)
+        else:
+            in_leaves, inp = self._stage0_input(call, m, backend)
+        with torch.enable_grad():
+            out, loss = self._stage_forward(
+                call, s, m, inp, backend,
+                checkpointed=a.kind is ActionKind.FORWARD and call.recompute)
+            if a.kind is ActionKind.FORWARD:  # keep the (checkpointed) graph for BACKWARD
+                slot = call.slots[(s, m)]
+                slot.graph_in = in_leaves
+                slot.graph_out = _leaves(out)
+                slot.out = _detach(out)
+                return
+            loss = self._check_loss(call, m, loss)
+            self._grad_and_move(call, s, m, [loss], [torch.ones_like(loss)], in_leaves, backend)
+        self._finish_microbatch(call, m, loss, out)
+
+    def _microbatch_action(self, call: _Call, a: Action, backend: Any) -> None:
+        """A fused plan's MICROBATCH(m): see [Note: fused stages]."""
+        m, last = a.mb_index, len(call.stages) - 1
+        in_leaves, inp = self._stage0_input(call, m, backend)
+        with torch.enable_grad():
+            for s in range(last + 1):
+                out, loss = self._stage_forward(call, s, m, inp, backend,
+                                                checkpointed=call.recompute and s < last)
+                inp = ((out,), {})
+            loss = self._check_loss(call, m, loss)
+            for s in range(last):
+                call.slots[(s, m)].phase = "recompute"
+            wrt = [x for x in in_leaves if isinstance(x, torch.Tensor) and x.requires_grad]
+            params = [p for ps in call.stage_params for _, p in ps]
+            with _recompute_guard(call, call.stages), _GRAD_SINK.catching(call.grad_sink):
+                try:
+                    torch.autograd.backward([loss], [torch.ones_like(loss)], inputs=wrt + params)
+                except BaseException as exc:  # noqa: B036 -- annotated, then re-raised
+                    if not _has_location(exc):  # a recompute error already says where it was
+                        add_note(exc, self._where(None, m, "backward", None))
+                    raise
+        if in_leaves:
+            call.slots[(0, m)].grad_in = [call.grad_sink.input_grad(x) for x in in_leaves]
+        if m == call.plan.num_microbatch - 1:
+            self._launch_moves(call, range(last + 1))
+        self._finish_microbatch(call, m, loss, out)
+
     def _backward_action(self, call: _Call, a: Action, backend: Any) -> None:
         s, m = a.stage, a.mb_index
-        stage = call.stages[s]
         after = call.slots[(s + 1, m)]
         grads_out, after.grad_in = after.grad_in, None
-        # The forward already updated the stage's buffers (BatchNorm running stats): the
-        # recompute must not update them a second time. Restored after the backward, which may
-        # still read them.
-        buffers = ([b for layer in stage.layers for b in layer.module.buffers()]
-                   if call.recompute else [])
-        saved = [b.clone() for b in buffers]
-        try:
+        with _recompute_guard(call, [call.stages[s]]):
             self._backward_body(call, a, backend, grads_out)
-        finally:
-            with torch.no_grad():
-                for b, v in zip(buffers, saved):
-                    b.copy_(v)
 
     def _backward_body(self, call: _Call, a: Action, backend: Any, grads_out: List[Any]) -> None:
         s, m = a.stage, a.mb_index
@@ -1134,21 +1203,25 @@ class RoundPipe(nn.Module):
         buffers = call.grad_buffers[s]
         shared = _storage_counts(grads[:len(wrt)] + list(param_grads) + list(grad_outputs))
         for i, ((_, p), g) in enumerate(zip(params, param_grads)):
-            if g is None:
-                continue
-            master = self._master_of[id(p)]
-            if buffers[i] is not None:
-                buffers[i].add_(g)
-            elif _can_adopt(g, master, shared):
-                buffers[i] = g  # a fresh gradient nobody else holds: no copy, as AccumulateGrad
-            else:
-                buffers[i] = torch.empty_like(master).copy_(g)
+            if g is not None:
+                # Adopted only if no other gradient or grad_output of this autograd call shares
+                # its storage (autograd may pass a grad_output through unchanged).
+                alone = shared[g.untyped_storage().data_ptr()] == 1
+                _sum_into(buffers, i, g, self._master_of[id(p)], alone)
         if m == call.plan.num_microbatch - 1:
-            pairs = [(self._master_of[id(p)], buffers[i]) for i, (_, p) in enumerate(params)
-                     if buffers[i] is not None]
+            self._launch_moves(call, [s])
+
+    def _launch_moves(self, call: _Call, stages: Sequence[int]) -> None:
+        """After a stage's last microbatch: hand its summed gradients to the masters, in one work
+        item (the optimizer thread wakes once, not per param)."""
+        pairs = []
+        for s in stages:
+            buffers = call.grad_buffers[s]
+            pairs += [(self._master_of[id(p)], buffers[i])
+                      for i, (_, p) in enumerate(call.stage_params[s]) if buffers[i] is not None]
             buffers[:] = [None] * len(buffers)
-            if pairs:  # one work item per stage: the optimizer thread wakes once, not per param
-                call.move_items.append(optim_thread._launch(_move_grads, pairs))
+        if pairs:
+            call.move_items.append(optim_thread._launch(_move_grads, pairs))
 
 
 def _check_main_thread(method: str) -> None:
@@ -1179,6 +1252,12 @@ def _wait_uninterrupted(futures: List[Future]) -> None:
                 continue
 
 
+def _shares_params(stages: List[_Stage]) -> bool:
+    """Whether a parameter belongs to two stages (tied weights across stages)."""
+    ids = [id(p) for stage in stages for _, p in stage.params]
+    return len(ids) != len(set(ids))
+
+
 def _storage_counts(tensors: List[Any]) -> Dict[int, int]:
     """How many of ``tensors`` (the same object counted each time it occurs) use each storage."""
     counts: Dict[int, int] = {}
@@ -1189,16 +1268,96 @@ def _storage_counts(tensors: List[Any]) -> Dict[int, int]:
     return counts
 
 
-def _can_adopt(g: torch.Tensor, master: torch.Tensor, shared: Dict[int, int]) -> bool:
-    """Whether ``g`` can become the accumulation buffer itself: the master's dtype, device and
-    layout, alone in a storage of exactly its size (autograd often returns such a tensor as a
-    transposed view), and that storage not shared with another gradient or grad_output of the
-    same autograd call (autograd may pass a grad_output through unchanged)."""
-    storage = g.untyped_storage()
+def _can_adopt(g: torch.Tensor, master: torch.Tensor) -> bool:
+    """Whether ``g`` has the master's dtype, device and layout, alone in a storage of exactly its
+    size (autograd often returns a transposed view instead), so that it can become the
+    accumulation buffer itself. Whether another tensor shares that storage is the caller's."""
     return (g.dtype == master.dtype and g.device == master.device and g.shape == master.shape
             and g.is_contiguous() and g.storage_offset() == 0 and not g.requires_grad
-            and g.numel() > 0 and storage.nbytes() == g.numel() * g.element_size()
-            and shared.get(storage.data_ptr(), 0) == 1)
+            and g.numel() > 0
+            and g.untyped_storage().nbytes() == g.numel() * g.element_size())
+
+
+def _sum_into(buffers: List[Optional[torch.Tensor]], i: int, g: torch.Tensor,
+              master: torch.Tensor, alone: bool) -> bool:
+    """Add microbatch gradient ``g`` into ``buffers[i]`` (see [Note: gradient accumulation]): the
+    first one is adopted when nobody else holds it (``alone``) and it fits, as AccumulateGrad
+    steals, else copied into the master's dtype. Returns whether ``g`` was adopted."""
+    if buffers[i] is not None:
+        buffers[i].add_(g)
+        return False
+    if alone and _can_adopt(g, master):
+        buffers[i] = g
+        return True
+    buffers[i] = torch.empty_like(master).copy_(g)
+    return False
+
+
+@contextlib.contextmanager
+def _recompute_guard(call: _Call, stages: Sequence[_Stage]) -> Iterator[None]:
+    """Around a backward that recomputes ``stages``: their forward already updated their
+    buffers (BatchNorm running stats) and the recompute must not update them a second time.
+    Restored after the backward, which may still read them."""
+    buffers = ([b for stage in stages for layer in stage.layers for b in layer.module.buffers()]
+               if call.recompute else [])
+    saved = [b.clone() for b in buffers]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for b, v in zip(buffers, saved):
+                b.copy_(v)
+
+
+class _GradSink:
+    """The per-stage gradient buffers of a fused call, as the grad hooks see them during its
+    backwards (see [Note: fused stages]). Touched by the one thread that runs the call."""
+
+    def __init__(self, call: _Call, master_of: Dict[int, nn.Parameter]) -> None:
+        self._buffers = call.grad_buffers
+        self._where = {id(p): (s, i, master_of[id(p)])
+                       for s, params in enumerate(call.stage_params)
+                       for i, (_, p) in enumerate(params)}
+        self._adopted: set = set()  # storages that became buffers
+
+    def take(self, param: torch.Tensor, grad: torch.Tensor) -> bool:
+        """Sum ``grad`` (the param's just accumulated ``.grad``) into its buffer; False if the
+        param is not one of the call's."""
+        where = self._where.get(id(param))
+        if where is None:
+            return False
+        s, i, master = where
+        ptr = grad.untyped_storage().data_ptr()
+        # AccumulateGrad made the .grad the param's own; two params' grads may still be views
+        # of one storage (a custom backward), so each storage is adopted at most once.
+        if _sum_into(self._buffers[s], i, grad, master, alone=ptr not in self._adopted):
+            self._adopted.add(ptr)
+        return True
+
+    def input_grad(self, leaf: Any) -> Optional[torch.Tensor]:
+        """The grad a fused backward accumulated into a stage-0 input leaf; copied if it shares
+        storage with an adopted buffer, which later microbatches add into."""
+        if not isinstance(leaf, torch.Tensor) or leaf.grad is None:
+            return None
+        g = leaf.grad
+        return g.clone() if g.untyped_storage().data_ptr() in self._adopted else g
+
+
+class _SinkSlot(threading.local):
+    """The grad sink of the fused backward running on this thread, if any."""
+
+    sink: Optional[_GradSink] = None
+
+    @contextlib.contextmanager
+    def catching(self, sink: Optional[_GradSink]) -> Iterator[None]:
+        self.sink = sink
+        try:
+            yield
+        finally:
+            self.sink = None
+
+
+_GRAD_SINK = _SinkSlot()
 
 
 def _cut_graph(inp: Tuple[tuple, dict], wants_grad: Callable[[torch.Tensor], bool]
@@ -1274,7 +1433,11 @@ class _PendingMoves:
 def _make_grad_hook(master: nn.Parameter, moves: _PendingMoves) -> Callable[[torch.Tensor], None]:
     def move_grad_to_master(param: torch.Tensor) -> None:
         grad, param.grad = param.grad, None
-        if grad is not None:
-            moves.add(optim_thread._launch(_accumulate_grad, master, grad))
+        if grad is None:
+            return
+        sink = _GRAD_SINK.sink
+        if sink is not None and sink.take(param, grad):  # a fused forward_backward's backward
+            return
+        moves.add(optim_thread._launch(_accumulate_grad, master, grad))
 
     return move_grad_to_master

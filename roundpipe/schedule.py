@@ -14,6 +14,9 @@ Actions (see [Note: the clock]):
   action, so ``loss_fn`` runs exactly once per microbatch.
 * ``BACKWARD(s, m)``: ``torch.autograd.grad`` through stage ``s``; with recompute on, autograd
   first re-runs the stage from its saved input (under the forward's RNG and autocast state).
+* ``MICROBATCH(m)``: a fused plan's only kind (one device, ``fuse_stages=True``): every stage's
+  forward of microbatch ``m``, ``loss_fn``, and one backward through all of them (see
+  [Note: fused stages] in :mod:`roundpipe.runtime`). Printed ``M.m``: it has no single stage.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ class ActionKind(enum.Enum):
     FORWARD = "F"
     LAST = "L"
     BACKWARD = "B"
+    MICROBATCH = "M"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +54,8 @@ class Action:
         return (self.kind, self.stage, self.mb_index)
 
     def __str__(self) -> str:
+        if self.kind is ActionKind.MICROBATCH:
+            return f"M.{self.mb_index}"
         return f"{self.kind.value}{self.stage}.{self.mb_index}"
 
 
@@ -96,6 +102,8 @@ class Plan:
         """The actions whose results ``action`` reads."""
         s, m, last = action.stage, action.mb_index, self.num_stages - 1
         kind = action.kind
+        if kind is ActionKind.MICROBATCH:  # microbatches only meet in the gradient buffers
+            return ()
         if kind is ActionKind.FORWARD or kind is ActionKind.LAST:
             return (self.action(ActionKind.FORWARD, s - 1, m),) if s > 0 else ()
         # BACKWARD(s, m): its own saved forward and the gradient of the stage after it.
@@ -117,13 +125,23 @@ def stage_device(stage: int, num_devices: int) -> int:
     return stage % num_devices
 
 
-def build_plan(num_stages: int, num_microbatch: int, num_devices: int, training: bool) -> Plan:
-    """Build the plan of one ``forward_backward`` (``training=True``) or ``forward`` call."""
+def build_plan(num_stages: int, num_microbatch: int, num_devices: int, training: bool,
+               fuse_stages: bool = False) -> Plan:
+    """Build the plan of one ``forward_backward`` (``training=True``) or ``forward`` call.
+
+    ``fuse_stages`` (training on one device only): one ``MICROBATCH`` action per microbatch
+    instead of a forward and a backward per stage."""
     for name, value in (("num_stages", num_stages), ("num_microbatch", num_microbatch),
                         ("num_devices", num_devices)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
     S, M, D = num_stages, num_microbatch, num_devices
+    if fuse_stages:
+        if D != 1 or not training:
+            raise ValueError(f"fuse_stages needs one device and training, got "
+                             f"num_devices={D}, training={training}")
+        fused = tuple(Action(ActionKind.MICROBATCH, 0, m, 0, m) for m in range(M))
+        return Plan(S, M, D, training, (fused,))
     actions: List[Action] = []
 
     def add(kind: ActionKind, s: int, m: int, time: int) -> None:
