@@ -281,11 +281,12 @@ class AddParams(nn.Module):
         return x + self.p + self.q
 
 
-def test_aliased_gradients_are_not_shared_between_masters():
+@pytest.mark.parametrize("devices", ["cpu", "cpu:2"])
+def test_aliased_gradients_are_not_shared_between_masters(devices):
     torch.manual_seed(0)
     seq = nn.Sequential(nn.Linear(3, 3), AddParams(), nn.Linear(3, 1))
     ref = copy.deepcopy(seq)
-    model = RoundPipe(seq, devices="cpu:2", model_run_config=RoundPipeRunConfig(num_microbatch=2))
+    model = RoundPipe(seq, devices=devices, model_run_config=RoundPipeRunConfig(num_microbatch=2))
     x = torch.randn(8, 3)
     model.forward_backward(input_args=(x,), loss_fn=lambda out, _: out.sum())
     for xm in x.chunk(2):
@@ -294,10 +295,68 @@ def test_aliased_gradients_are_not_shared_between_masters():
         assert torch.equal(master.grad, rp.grad), n
 
 
-def test_batchnorm_running_stats_are_updated_once_per_microbatch_with_recompute():
+class _OneStorageGrads(torch.autograd.Function):
+    """x + p + q whose backward hands p and q two views of one fresh storage."""
+
+    @staticmethod
+    def forward(ctx, x, p, q):
+        return x + p + q
+
+    @staticmethod
+    def backward(ctx, g):
+        shared = g.sum(0).clone()
+        return g, shared.view(-1), shared.view(-1)
+
+
+class _OneStorageParams(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.p = nn.Parameter(torch.zeros(3))
+        self.q = nn.Parameter(torch.zeros(3))
+
+    def forward(self, x):
+        return _OneStorageGrads.apply(x, self.p, self.q)
+
+
+def test_gradients_given_as_views_of_one_storage_stay_separate_and_equal_on_any_worker_count():
+    x = torch.randn(9, 3)
+    grads = {}
+    for devices in ("cpu", "cpu:2"):
+        torch.manual_seed(0)
+        seq = nn.Sequential(nn.Linear(3, 3), _OneStorageParams(), nn.Linear(3, 1))
+        model = RoundPipe(seq, devices=devices,
+                          model_run_config=RoundPipeRunConfig(num_microbatch=3))
+        model.forward_backward(input_args=(x,), loss_fn=lambda out, _: out.pow(2).sum())
+        grads[devices] = {n: m.grad.clone() for n, m in model.optim_named_parameters()}
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(3, 3), _OneStorageParams(), nn.Linear(3, 1))
+    names, params = zip(*ref.named_parameters())
+    # Summed by hand: .backward() itself would let p.grad and q.grad share the storage.
+    per_mb = [torch.autograd.grad(ref(xm).pow(2).sum(), params)
+              for xm in torch.tensor_split(x, 3)]
+    for n, *gs in zip(names, *per_mb):
+        assert torch.equal(grads["cpu"][n], grads["cpu:2"][n]), n
+        torch.testing.assert_close(grads["cpu"][n], sum(gs), rtol=1e-6, atol=1e-6)
+
+
+def test_one_device_fuses_the_stages_of_a_microbatch_unless_a_parameter_spans_stages():
+    cfg = RoundPipeRunConfig(num_microbatch=3)
+    fused = RoundPipe(mlp(), devices="cpu", model_run_config=cfg)
+    assert {a.kind for a in fused.plan().actions()} == {roundpipe.schedule.ActionKind.MICROBATCH}
+    assert len(fused.plan().actions()) == 3
+    # Inference and several devices keep per-stage actions; so do tied weights (one backward
+    # would sum a shared weight's two gradients in another order than the per-stage plan).
+    assert len(fused.plan(training=False).actions()) == 5 * 3
+    assert len(RoundPipe(mlp(), devices="cpu:2", model_run_config=cfg).plan().actions()) > 3
+    tied = RoundPipe(_tied(), devices="cpu", model_run_config=cfg)
+    assert roundpipe.schedule.ActionKind.BACKWARD in {a.kind for a in tied.plan().actions()}
+
+
+@pytest.mark.parametrize("devices", ["cpu", "cpu:2"])
+def test_batchnorm_running_stats_are_updated_once_per_microbatch_with_recompute(devices):
     torch.manual_seed(0)
     ref = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
-    model = RoundPipe(copy.deepcopy(ref), devices="cpu:2",
+    model = RoundPipe(copy.deepcopy(ref), devices=devices,
                       model_run_config=RoundPipeRunConfig(num_microbatch=2))
     x = torch.randn(8, 4)
     model.forward_backward(input_args=(x,), loss_fn=lambda out, _: out.sum())

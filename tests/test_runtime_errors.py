@@ -67,10 +67,11 @@ def fresh_grads(x):
     return [m.grad.clone() for m in model.optim_parameters()]
 
 
+@pytest.mark.parametrize("devices", ["cpu", "cpu:2"])
 @pytest.mark.parametrize("when,phase", [("forward", "forward"), ("recompute", "recompute")])
-def test_layer_error_reraised_with_location_then_next_iteration_is_clean(when, phase):
+def test_layer_error_reraised_with_location_then_next_iteration_is_clean(when, phase, devices):
     err = KeyError("bad key")
-    model = make(err, on_mb=1, when=when)
+    model = make(err, on_mb=1, when=when, devices=devices)
     x = tagged_batch()
     with pytest.raises(KeyError) as info:
         model.forward_backward(input_args=(x,), loss_fn=loss_fn)
@@ -86,6 +87,52 @@ def test_layer_error_reraised_with_location_then_next_iteration_is_clean(when, p
     with OptimizerCtx():
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
     model.step(lambda: opt.step(), is_async=False)
+
+
+class _FailingBackward(torch.autograd.Function):
+    """Identity whose backward raises for microbatch 1 (tagged in column 0) while armed."""
+
+    armed = True
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.mb = int(x[0, 0].item())
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        if _FailingBackward.armed and ctx.mb == 1:
+            raise ZeroDivisionError("bad backward")
+        return g
+
+
+class _FailsInBackward(nn.Module):
+    def forward(self, x):
+        return _FailingBackward.apply(x)
+
+
+@pytest.mark.parametrize("devices,where", [("cpu", "all stages"), ("cpu:2", "stage 2")])
+def test_error_in_a_backward_names_the_microbatch_then_training_continues(devices, where,
+                                                                         monkeypatch):
+    # One device runs a microbatch's stages under one backward: its note cannot name the stage.
+    torch.manual_seed(0)
+    seq = nn.Sequential(TagLinear(3, 3), TagTanh(), _FailsInBackward(), nn.Linear(3, 2))
+    model = RoundPipe(seq, devices=devices, model_run_config=RoundPipeRunConfig(num_microbatch=3))
+    x = tagged_batch()
+    with pytest.raises(ZeroDivisionError) as info:
+        model.forward_backward(input_args=(x,), loss_fn=loss_fn)
+    assert f"[roundpipe {where}, microbatch 1, backward]" in info.value.__notes__
+    assert all(m.grad is None for m in model.optim_parameters())
+    monkeypatch.setattr(_FailingBackward, "armed", False)
+    model.forward_backward(input_args=(x,), loss_fn=_sum_loss)
+    first = [m.grad.clone() for m in model.optim_parameters()]
+    with OptimizerCtx():
+        model.zero_grad()
+    # A differentiable forward's backward afterwards still sends its gradients to the masters.
+    _sum_loss(model(x), None).backward()
+    optim_thread.synchronize()
+    for a, b in zip(first, (m.grad for m in model.optim_parameters())):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
 
 
 def test_first_error_in_causal_order_wins():

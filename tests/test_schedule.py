@@ -114,3 +114,19 @@ def test_several_devices_follow_the_clock():
     plan = build_plan(2, 2, 2, True)
     assert [str(a) for a in plan.per_device[0]] == ["F0.0", "F0.1", "B0.0", "B0.1"]
     assert [str(a) for a in plan.per_device[1]] == ["L1.0", "L1.1"]
+
+
+@pytest.mark.parametrize("S,M", [(1, 1), (3, 4), (5, 2)])
+def test_fused_plan_runs_each_microbatch_as_one_action_in_order(S, M):
+    plan = build_plan(S, M, 1, True, fuse_stages=True)
+    (actions,) = plan.per_device
+    assert [(a.kind, a.mb_index) for a in actions] == [(ActionKind.MICROBATCH, m) for m in range(M)]
+    assert all(plan.dependencies(a) == () for a in actions)
+    assert simulate(plan) == list(actions)
+    assert str(plan).splitlines()[1] == "  device 0: " + " ".join(f"M.{m}" for m in range(M))
+
+
+@pytest.mark.parametrize("D,training", [(2, True), (1, False)])
+def test_fusing_needs_one_device_and_training(D, training):
+    with pytest.raises(ValueError, match="fuse_stages needs one device and training"):
+        build_plan(3, 2, D, training, fuse_stages=True)
