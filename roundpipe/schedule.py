@@ -72,7 +72,9 @@ class Action:
 # microbatch instead, sorted by (mb_index, time, stage): the forward and backward of microbatch 0,
 # then of microbatch 1, ... (a dependency is of the same microbatch and earlier in time, so it
 # comes first). It keeps one microbatch's stage inputs alive instead of all of them, as plain
-# PyTorch's loop over microbatches does.
+# PyTorch's loop over microbatches does. In training the runtime usually goes one step further
+# and fuses each microbatch's actions into one MICROBATCH action (fuse_stages), which has the
+# same order; the per-stage order remains for inference and for tied weights.
 # Microbatches of one stage run in increasing mb_index on one device, which is what makes the
 # order of gradient accumulation independent of the number of devices.
 
