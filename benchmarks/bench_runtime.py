@@ -9,11 +9,13 @@
     microbatches with ``torch.utils.checkpoint`` per stage and ``backward()``. Target <= 1.05.
 (d) the same two, each alone in a fresh process (as a user runs one of them), processes
     alternating; catches what sharing one process hides (e.g. OpenMP thread teams).
+(e) the fixed cost per call behind (b): the same stages at width 16, where compute is
+    negligible, in microseconds per stage and microbatch, for one worker and for two.
 (c) peak memory (VmHWM) per parameter of a ~300M-parameter fp16 model with fp32 Adam masters,
     in a subprocess, against the 18 bytes/param the state itself needs
     (2 fp16 param + 4 fp32 master + 4 fp32 grad + 8 Adam moments).
 
-    python benchmarks/bench_runtime.py [--part a,b,d,c] [--iters 20]
+    python benchmarks/bench_runtime.py [--part a,b,d,e,c] [--iters 20]
 """
 
 import argparse
@@ -124,10 +126,11 @@ def part_a(args):
 _B_SHAPE = dict(width=1024, depth=8, batch=256, M=4)
 
 
-def _b_iterations():
-    """The two iterations (b) and (d) compare: plain PyTorch with checkpoint per stage, and
-    RoundPipe's forward_backward, on equal models and data."""
-    width, depth, batch, M = (_B_SHAPE[k] for k in ("width", "depth", "batch", "M"))
+def _b_iterations(devices="cpu", **shape):
+    """The two iterations (b), (d) and (e) compare: plain PyTorch with checkpoint per stage, and
+    RoundPipe's forward_backward, on equal models and data (``_B_SHAPE``, or ``shape``)."""
+    shape = {**_B_SHAPE, **shape}
+    width, depth, batch, M = (shape[k] for k in ("width", "depth", "batch", "M"))
     x = torch.randn(batch, width)
     y = torch.randint(0, 16, (batch,))
 
@@ -143,7 +146,7 @@ def _b_iterations():
         for p in plain.parameters():
             p.grad = None
 
-    model = RoundPipe(mlp(width, depth), devices="cpu",
+    model = RoundPipe(mlp(width, depth), devices=devices,
                       model_run_config=RoundPipeRunConfig(num_microbatch=M))
 
     def rp_iteration():
@@ -235,6 +238,30 @@ def part_d(args):
           f"{statistics.median(cpu):.3f}")
 
 
+# -- (e) ----------------------------------------------------------------------------------------
+
+
+def part_e(args):
+    """(b)'s 17 stages and 4 microbatches at width 16: compute is negligible, so the difference
+    is RoundPipe's fixed cost per call, which (b) at full width cannot resolve on a noisy machine."""
+    iters = 10 * args.iters
+    print(f"(e) fixed cost: (b) at width 16, batch 16, {iters} paired iterations (medians)")
+    for devices, what in (("cpu", "one worker (fused plan)"), ("cpu:2", "two workers")):
+        plain_iteration, rp_iteration, _, n_stages = _b_iterations(devices, width=16, batch=16)
+        tp, tr = [], []
+        for fn in (plain_iteration, rp_iteration) * 5:
+            fn()
+        for _ in range(iters):
+            for fn, ts in ((plain_iteration, tp), (rp_iteration, tr)):
+                t0 = time.perf_counter()
+                fn()
+                ts.append(time.perf_counter() - t0)
+        p, r = statistics.median(tp), statistics.median(tr)
+        per = (r - p) / (n_stages * _B_SHAPE["M"])
+        print(f"    {what:24s} plain {p * 1e3:6.2f} ms, RoundPipe {r * 1e3:6.2f} ms: "
+              f"{per * 1e6:+6.1f} us per stage and microbatch")
+
+
 # -- (c) ----------------------------------------------------------------------------------------
 
 _MEM_CHILD = r"""
@@ -293,7 +320,7 @@ def part_c(args):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--part", default="a,b,d,c")
+    parser.add_argument("--part", default="a,b,d,e,c")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--child", choices=["plain", "roundpipe"], help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -302,7 +329,7 @@ def main():
     print(f"torch {torch.__version__}, {torch.get_num_threads()} intra-op threads, "
           f"{os.cpu_count()} CPUs")
     for part in args.part.split(","):
-        {"a": part_a, "b": part_b, "c": part_c, "d": part_d}[part.strip()](args)
+        {"a": part_a, "b": part_b, "c": part_c, "d": part_d, "e": part_e}[part.strip()](args)
 
 
 if __name__ == "__main__":
