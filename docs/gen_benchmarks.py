@@ -31,7 +31,7 @@ SECTIONS = [
      "async against sync iteration time when the step costs as much as `forward_backward` "
      "(target <= 0.55) and the main thread's share in `scaler.update()` (target <= 1%); overhead "
      "against plain PyTorch with `torch.utils.checkpoint` per stage (target <= 1.05), in one "
-     "process and with each variant alone in its own; peak memory per parameter against the 18 "
+     "process and with each variant alone in its own, and the fixed cost behind it; peak memory per parameter against the 18 "
      "bytes the state itself needs."),
 ]
 
