@@ -326,6 +326,9 @@ class _Call:
     # grad is wanted); their grads are in slots[(0, m)].grad_in. Written by stage 0's worker.
     input_origins: List[Any] = dataclasses.field(default_factory=list)
     grad_sink: Optional["_GradSink"] = None    # a fused plan's (see [Note: fused stages])
+    # (param, .grad) a user left on a model param, set aside during a fused call; main thread.
+    stashed_grads: List[Tuple[nn.Parameter, torch.Tensor]] = dataclasses.field(
+        default_factory=list)
 
 
 # [Note: gradient accumulation]
@@ -662,6 +665,8 @@ class RoundPipe(nn.Module):
             self._discard_grads()
             raise
         finally:
+            for p, g in call.stashed_grads:
+                p.grad = g
             self._restore_rng(call, ok)
         return (total, merged) if return_outputs else total
 
@@ -897,6 +902,7 @@ class RoundPipe(nn.Module):
         if call.plan.per_device[0][0].kind is ActionKind.MICROBATCH:
             self._ensure_grad_hooks()
             call.grad_sink = _GradSink(call, self._master_of)
+            call.stashed_grads = _stash_grads(stage_params)
         return call
 
     def _learn_rng_use(self, call: _Call) -> None:
@@ -1250,6 +1256,20 @@ def _wait_uninterrupted(futures: List[Future]) -> None:
                 break
             except KeyboardInterrupt:
                 continue
+
+
+def _stash_grads(stage_params: List[List[Tuple[str, nn.Parameter]]]
+                 ) -> List[Tuple[nn.Parameter, torch.Tensor]]:
+    """Main thread, before a fused call: set aside any ``.grad`` left on a model param (e.g. by a
+    plain backward before wrapping). The fused backward accumulates into ``.grad`` and its hooks
+    take all of it (see [Note: fused stages]); the call gives these back when it ends."""
+    stashed = []
+    for params in stage_params:
+        for _, p in params:
+            if p.grad is not None:
+                stashed.append((p, p.grad))
+                p.grad = None
+    return stashed
 
 
 def _shares_params(stages: List[_Stage]) -> bool:

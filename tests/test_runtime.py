@@ -352,6 +352,22 @@ def test_one_device_fuses_the_stages_of_a_microbatch_unless_a_parameter_spans_st
     assert roundpipe.schedule.ActionKind.BACKWARD in {a.kind for a in tied.plan().actions()}
 
 
+def test_a_grad_left_on_a_model_parameter_is_not_added_and_is_left_in_place():
+    # One device accumulates through the model params' .grad (see [Note: fused stages]).
+    x, y = data()
+    grads = {}
+    for devices in ("cpu", "cpu:2"):
+        seq = mlp()
+        seq(x).sum().backward()  # a plain backward before wrapping leaves .grad behind
+        left = [p.grad.clone() for p in seq.parameters()]
+        model = RoundPipe(seq, devices=devices,
+                          model_run_config=RoundPipeRunConfig(num_microbatch=2))
+        model.forward_backward(input_args=(x,), label=y, loss_fn=loss_fn)
+        grads[devices] = [m.grad for m in model.optim_parameters()]
+        assert all(torch.equal(p.grad, g) for p, g in zip(seq.parameters(), left))
+    assert all(torch.equal(a, b) for a, b in zip(grads["cpu"], grads["cpu:2"]))
+
+
 @pytest.mark.parametrize("devices", ["cpu", "cpu:2"])
 def test_batchnorm_running_stats_are_updated_once_per_microbatch_with_recompute(devices):
     torch.manual_seed(0)
