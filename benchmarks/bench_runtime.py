@@ -158,6 +158,21 @@ def _b_iterations(devices="cpu", **shape):
     return plain_iteration, rp_iteration, n_params, len(stages)
 
 
+def _alternate(plain_iteration, rp_iteration, iters, warmup):
+    """Run the two one iteration each in turn; per variant, the wall and the process CPU times
+    (all threads) of every iteration."""
+    times = ([], []), ([], [])
+    for fn in (plain_iteration, rp_iteration) * warmup:
+        fn()
+    for _ in range(iters):
+        for fn, (wall, cpu) in zip((plain_iteration, rp_iteration), times):
+            t0, c0 = time.perf_counter(), time.process_time()
+            fn()
+            wall.append(time.perf_counter() - t0)
+            cpu.append(time.process_time() - c0)
+    return times
+
+
 def part_b(args):
     plain_iteration, rp_iteration, n_params, n_stages = _b_iterations()
     batch, M = _B_SHAPE["batch"], _B_SHAPE["M"]
@@ -167,15 +182,7 @@ def part_b(args):
     # Wall time, and CPU time of the whole process (all threads): on a shared VM the wall
     # time also measures how much of the two cores the hypervisor lent us, the CPU time only
     # the work done.
-    tp, tr, cp, cr = [], [], [], []
-    for fn in (plain_iteration, rp_iteration) * 2:
-        fn()
-    for _ in range(args.iters):
-        for fn, ts, cs in ((plain_iteration, tp, cp), (rp_iteration, tr, cr)):
-            t0, c0 = time.perf_counter(), time.process_time()
-            fn()
-            ts.append(time.perf_counter() - t0)
-            cs.append(time.process_time() - c0)
+    (tp, cp), (tr, cr) = _alternate(plain_iteration, rp_iteration, args.iters, warmup=2)
     t_plain, t_rp = min(tp), min(tr)
     med = statistics.median(tr) / statistics.median(tp)
     # Each RoundPipe iteration against the plain one just before it: the two of a pair ran
@@ -248,14 +255,7 @@ def part_e(args):
     print(f"(e) fixed cost: (b) at width 16, batch 16, {iters} paired iterations (medians)")
     for devices, what in (("cpu", "one worker (fused plan)"), ("cpu:2", "two workers")):
         plain_iteration, rp_iteration, _, n_stages = _b_iterations(devices, width=16, batch=16)
-        tp, tr = [], []
-        for fn in (plain_iteration, rp_iteration) * 5:
-            fn()
-        for _ in range(iters):
-            for fn, ts in ((plain_iteration, tp), (rp_iteration, tr)):
-                t0 = time.perf_counter()
-                fn()
-                ts.append(time.perf_counter() - t0)
+        (tp, _), (tr, _) = _alternate(plain_iteration, rp_iteration, iters, warmup=5)
         p, r = statistics.median(tp), statistics.median(tr)
         per = (r - p) / (n_stages * _B_SHAPE["M"])
         print(f"    {what:24s} plain {p * 1e3:6.2f} ms, RoundPipe {r * 1e3:6.2f} ms: "

@@ -899,7 +899,7 @@ class RoundPipe(nn.Module):
         call.grad_buffers = [[None] * len(ps) for ps in stage_params]
         call.outputs = [None] * M
         call.input_origins = [None] * M
-        if call.plan.per_device[0][0].kind is ActionKind.MICROBATCH:
+        if call.plan.fused:
             self._ensure_grad_hooks()
             call.grad_sink = _GradSink(call, self._master_of)
             call.stashed_grads = _stash_grads(stage_params)
@@ -1125,17 +1125,18 @@ class RoundPipe(nn.Module):
             loss = self._check_loss(call, m, loss)
             for s in range(last):
                 call.slots[(s, m)].phase = "recompute"
+            sink = call.grad_sink
             wrt = [x for x in in_leaves if isinstance(x, torch.Tensor) and x.requires_grad]
-            params = [p for ps in call.stage_params for _, p in ps]
-            with _recompute_guard(call, call.stages), _GRAD_SINK.catching(call.grad_sink):
+            with _recompute_guard(call, call.stages), _GRAD_SINK.catching(sink):
                 try:
-                    torch.autograd.backward([loss], [torch.ones_like(loss)], inputs=wrt + params)
+                    torch.autograd.backward([loss], [torch.ones_like(loss)],
+                                            inputs=wrt + sink.params)
                 except BaseException as exc:  # noqa: B036 -- annotated, then re-raised
                     if not _has_location(exc):  # a recompute error already says where it was
                         add_note(exc, self._where(None, m, "backward", None))
                     raise
         if in_leaves:
-            call.slots[(0, m)].grad_in = [call.grad_sink.input_grad(x) for x in in_leaves]
+            call.slots[(0, m)].grad_in = [sink.input_grad(x) for x in in_leaves]
         if m == call.plan.num_microbatch - 1:
             self._launch_moves(call, range(last + 1))
         self._finish_microbatch(call, m, loss, out)
@@ -1338,6 +1339,8 @@ class _GradSink:
         self._where = {id(p): (s, i, master_of[id(p)])
                        for s, params in enumerate(call.stage_params)
                        for i, (_, p) in enumerate(params)}
+        # Every trainable param of the call: what its backward computes gradients for.
+        self.params = [p for params in call.stage_params for _, p in params]
         self._adopted: set = set()  # storages that became buffers
 
     def take(self, param: torch.Tensor, grad: torch.Tensor) -> bool:

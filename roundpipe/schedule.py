@@ -93,6 +93,11 @@ class Plan:
         index = _check_unique(a for actions in self.per_device for a in actions)
         object.__setattr__(self, "_index", index)
 
+    @property
+    def fused(self) -> bool:
+        """Whether this is a fused plan: one ``MICROBATCH`` action per microbatch."""
+        return self.per_device[0][0].kind is ActionKind.MICROBATCH
+
     def actions(self) -> List[Action]:
         """All actions, in no particular order across devices."""
         return [a for actions in self.per_device for a in actions]
