@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import threading
-from typing import Any, Iterable, Iterator, List, Optional
+from typing import Any, Iterable, List, Optional
 
 import torch
 
@@ -155,22 +155,48 @@ _NO_SCOPE = _ScopeResult()
 def rng_scope(start: Optional[RNGState], backend: Any) -> contextlib.AbstractContextManager:
     """Run the body with the global RNG set to ``start`` under :data:`RNG_LOCK`; the object the
     ``with`` yields has ``end``, the state the body ended in, and ``drew``. ``start=None``: no RNG
-    handling, no lock (``end`` stays None). Worker threads; blocks on the lock."""
+    handling, no lock (``end`` stays None). The returned object may be entered again (each entry
+    starts from ``start``), on any thread: checkpoint enters it for a recompute, which on an
+    accelerator runs on the autograd engine's device thread, maybe more than once if a recompute
+    fails. Blocks on the lock."""
     if start is None:
         return _NO_SCOPE
-    return _chain_scope(start, backend)
+    return _ChainScope(start, backend)
 
 
-@contextlib.contextmanager
-def _chain_scope(start: RNGState, backend: Any) -> Iterator[_ScopeResult]:
-    result = _ScopeResult()
-    with RNG_LOCK:
-        torch.set_rng_state(start.cpu)
-        backend.set_rng_state(start.device)
-        yield result
-        result.end = RNGState(torch.get_rng_state(), backend.get_rng_state())
-        result.drew = not (torch.equal(result.end.cpu, start.cpu)
-                           and _same_or_none(result.end.device, start.device))
+class _ChainScope:
+    """The context manager of :func:`rng_scope` for a stage in the RNG chain. Its state is the
+    start and the backend, both given at construction: nothing is read from the entering
+    thread's locals."""
+
+    __slots__ = ("_start", "_backend", "_result")
+
+    def __init__(self, start: RNGState, backend: Any) -> None:
+        self._start = start
+        self._backend = backend
+        self._result: Optional[_ScopeResult] = None
+
+    def __enter__(self) -> _ScopeResult:
+        RNG_LOCK.acquire()
+        try:
+            torch.set_rng_state(self._start.cpu)
+            self._backend.set_rng_state(self._start.device)
+        except BaseException:
+            RNG_LOCK.release()
+            raise
+        self._result = _ScopeResult()
+        return self._result
+
+    def __exit__(self, exc_type: Any, *exc: Any) -> None:
+        result, self._result = self._result, None
+        try:
+            if exc_type is None and result is not None:
+                start = self._start
+                result.end = RNGState(torch.get_rng_state(), self._backend.get_rng_state())
+                result.drew = not (torch.equal(result.end.cpu, start.cpu)
+                                   and _same_or_none(result.end.device, start.device))
+        finally:
+            RNG_LOCK.release()
 
 
 def _same_or_none(a: Optional[torch.Tensor], b: Optional[torch.Tensor]) -> bool:

@@ -1,7 +1,8 @@
 """The device pool: which devices compute, one worker per device, and the backends.
 
 * :func:`parse_devices` turns ``"cpu"``, ``"cpu:2"`` (two CPU workers), ``"cuda"`` (every CUDA
-  device) or ``"cuda:0,1"`` into a tuple of :class:`WorkerDevice`.
+  device), ``"cuda:0,1"``, ``"emu"`` or ``"emu:2"`` (one or two emulated accelerators, see
+  :mod:`roundpipe.testing.emu`) into a tuple of :class:`WorkerDevice`.
 * :func:`resolve_devices`: the ``devices=`` argument beats ``ROUNDPIPE_DEVICES``, which beats the
   default (every CUDA device, else one CPU worker).
 * One worker thread per device, process-wide (:func:`get_worker`): a daemon thread started on
@@ -9,10 +10,13 @@
   (:class:`Future`): the worker catches ``BaseException`` and stores it, the waiter re-raises it.
   Except CPU device 0, whose work the calling thread runs itself, in :func:`caller_as_worker`
   (see [Note: the calling thread runs CPU device 0]).
-* Backends: the CPU backend is the reference (host <-> device moves are the identity); the CUDA
-  backend is thin: each action runs on a side stream, stage parameters are uploaded with a
-  differentiable ``.to(device, non_blocking=True)``, and an action's end is published by a CUDA
-  event that the worker waits for before setting the host-side future.
+* Backends: the CPU backend is the reference (host <-> device moves are the identity). Every
+  accelerator (CUDA, the emulated ``emu``) has one backend written against torch's
+  device-agnostic APIs (``torch.get_device_module``, ``torch.Stream``, ``torch.Event``): each
+  action runs on a side stream, stage parameters and buffers are uploaded with a differentiable
+  ``.to(device, non_blocking=True)``, buffers a forward changed (BatchNorm's running stats) are
+  written back to the host, and an action's end is published by a device event that the worker
+  waits for before setting the host-side future.
 """
 
 from __future__ import annotations
@@ -34,12 +38,14 @@ __all__ = ["WorkerDevice", "parse_devices", "resolve_devices", "DevicePool", "Fu
 
 ENV_VAR = "ROUNDPIPE_DEVICES"
 
-_ACCEPTED = "'cpu', 'cpu:N' (N CPU workers), 'cuda' (every CUDA device) or 'cuda:I[,J...]'"
+_ACCEPTED = ("'cpu', 'cpu:N' (N CPU workers), 'cuda' (every CUDA device), 'cuda:I[,J...]', or "
+             "'emu' / 'emu:N' (N emulated accelerators, for tests)")
 
 
 @dataclasses.dataclass(frozen=True)
 class WorkerDevice:
-    """A slot of the pool: ``("cpu", i)`` is the i-th CPU worker, ``("cuda", i)`` is cuda:i."""
+    """A slot of the pool: ``("cpu", i)`` is the i-th CPU worker, ``("cuda", i)`` is cuda:i,
+    ``("emu", i)`` is emu:i."""
 
     type: str
     index: int
@@ -78,6 +84,14 @@ def parse_devices(spec: Union[str, torch.device, Sequence[Union[str, torch.devic
             return tuple(WorkerDevice("cpu", i) for i in range(int(rest)))
         raise ValueError(f"bad device spec {spec!r}: 'cpu:N' takes a number of workers N >= 1; "
                          f"use {_ACCEPTED}")
+    if kind == "emu":
+        from roundpipe.testing import emu
+
+        if rest and not (rest.isdigit() and 1 <= int(rest) <= emu.DEVICE_COUNT):
+            raise ValueError(f"bad device spec {spec!r}: 'emu:N' takes a number of emulated "
+                             f"devices 1 <= N <= {emu.DEVICE_COUNT}; use {_ACCEPTED}")
+        emu.install()
+        return tuple(WorkerDevice("emu", i) for i in range(int(rest) if rest else 1))
     if kind == "cuda":
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if not rest:
@@ -101,7 +115,8 @@ def parse_devices(spec: Union[str, torch.device, Sequence[Union[str, torch.devic
 
 def _check_one_kind(devices: Sequence[WorkerDevice], spec: Any) -> None:
     if len({d.type for d in devices}) > 1:
-        raise ValueError(f"device spec {spec!r} mixes device types; a pool is all CPU or all CUDA")
+        raise ValueError(f"device spec {spec!r} mixes device types; a pool is all CPU, all CUDA "
+                         f"or all emulated")
     if len(set(devices)) != len(devices):
         raise ValueError(f"device spec {spec!r} names a device twice")
 
@@ -313,53 +328,67 @@ class _CPUBackend:
         return None
 
 
-class _CUDABackend:
-    """Thin CUDA backend: same interface, with a side stream and events.
+class _AcceleratorBackend:
+    """Every accelerator's backend (CUDA, the emulated ``emu``), on torch's device-agnostic APIs.
 
     Stage parameters stay in host memory; each action uploads them with a differentiable
     ``.to(device, non_blocking=True)`` and calls the layer through ``torch.func.functional_call``,
-    so ``torch.autograd.grad`` with respect to the host parameters gives host gradients.
-    """
+    so ``torch.autograd.grad`` with respect to the host parameters gives host gradients. Buffers
+    travel the same way; one that the forward changed in place (BatchNorm's running stats) is
+    copied back to its host tensor. Work runs on the backend's side stream; :meth:`finish`
+    records a device event on it and waits for it on the host.
 
-    device_type = "cuda"
+    Touched by the device's worker thread, and (recompute) by the autograd engine's thread for
+    the device, which runs the re-run forward under the stream of the original forward.
+    """
 
     def __init__(self, device: WorkerDevice) -> None:
         self.device = device
+        self.device_type = device.type
         self.torch_device = device.torch_device
-        self._stream: Optional[torch.cuda.Stream] = None
+        self._module = torch.get_device_module(device.type)
+        self._stream: Optional[torch.Stream] = None
 
     @property
-    def stream(self) -> "torch.cuda.Stream":
+    def stream(self) -> torch.Stream:
         if self._stream is None:
-            self._stream = torch.cuda.Stream(self.torch_device)
+            self._stream = torch.Stream(device=self.torch_device)
         return self._stream
 
     @contextlib.contextmanager
     def action_context(self) -> Iterator[None]:
-        with torch.cuda.device(self.torch_device), torch.cuda.stream(self.stream):
+        with torch.accelerator.device_index(self.torch_device.index), self.stream:
             yield
 
     def to_device(self, tree: Any) -> Any:
-        stream = self.stream
-
         def move(x: Any) -> Any:
             if not isinstance(x, torch.Tensor):
                 return x
             if x.device == self.torch_device:
                 # Produced on another stream (finished: see finish()); keep the allocator from
                 # reusing it while this stream still reads it.
-                x.record_stream(stream)
+                x.record_stream(self.stream)
                 return x
             return x.to(self.torch_device, non_blocking=True)
 
+        if isinstance(tree, torch.Tensor):
+            return move(tree)
         return pytree.tree_map(move, tree)
 
     def call_layer(self, layer: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
-        params = {n: p.to(self.torch_device, non_blocking=True)
-                  for n, p in layer.named_parameters()}
-        params.update({n: b.to(self.torch_device, non_blocking=True)
-                       for n, b in layer.named_buffers()})
-        return torch.func.functional_call(layer, params, args, kwargs)
+        device = self.torch_device
+        tensors = {n: p.to(device, non_blocking=True) for n, p in layer.named_parameters()}
+        buffers = {n: b.to(device, non_blocking=True) for n, b in layer.named_buffers()}
+        tensors.update(buffers)
+        out = torch.func.functional_call(layer, tensors, args, kwargs)
+        # A module in training mode may update its buffers in place (BatchNorm's running stats;
+        # no version counter shows it): its host buffers take the uploaded copies' values.
+        with torch.no_grad():
+            for prefix, module in layer.named_modules():
+                if module.training:
+                    for n, host in module.named_buffers(prefix=prefix, recurse=False):
+                        host.copy_(buffers[n])
+        return out
 
     def grads_to_host(self, grads: List[Optional[torch.Tensor]]) -> List[Optional[torch.Tensor]]:
         host = [None if g is None else g.to("cpu", non_blocking=True) for g in grads]
@@ -368,21 +397,23 @@ class _CUDABackend:
 
     def finish(self) -> None:
         # Device event, then the host side: the action's future is set only after this returns.
-        event = torch.cuda.Event()
+        event = torch.Event(device=self.torch_device)
         event.record(self.stream)
         event.synchronize()
 
     def get_rng_state(self) -> Optional[torch.Tensor]:
-        return torch.cuda.get_rng_state(self.torch_device)
+        return self._module.get_rng_state(self.torch_device.index)
 
     def set_rng_state(self, state: Optional[torch.Tensor]) -> None:
         if state is not None:
-            torch.cuda.set_rng_state(state, self.torch_device)
+            self._module.set_rng_state(state, self.torch_device.index)
 
     def seeded_rng_state(self, seed: int) -> Optional[torch.Tensor]:
-        gen = torch.Generator(device=self.torch_device)
-        gen.manual_seed(seed)
-        return gen.get_state()
+        index = self.torch_device.index
+        with torch.random.fork_rng(devices=[index], device_type=self.device_type), \
+                torch.accelerator.device_index(index):
+            self._module.manual_seed(seed)
+            return self._module.get_rng_state(index)
 
 
 # [Note: the calling thread runs CPU device 0]
@@ -392,7 +423,7 @@ class _CUDABackend:
 # threads spin between parallel regions: every matmul then pays a futex wake-up of its helpers.
 # On a 2-core machine that made a one-worker forward_backward about 1.35x slower than the same
 # ops on the calling thread. So in a CPU pool the calling thread runs device 0's actions itself,
-# in caller_as_worker(); devices 1.. have worker threads. CUDA devices compute on the GPU and
+# in caller_as_worker(); devices 1.. have worker threads. Accelerators compute on the device and
 # keep a worker thread each.
 class DevicePool:
     """The devices of one model, their workers and their backends. Built on the main thread;
@@ -402,7 +433,7 @@ class DevicePool:
     def __init__(self, devices: Any = None) -> None:
         self.devices = resolve_devices(devices)
         self.device_type = self.devices[0].type
-        backend_cls = _CPUBackend if self.device_type == "cpu" else _CUDABackend
+        backend_cls = _CPUBackend if self.device_type == "cpu" else _AcceleratorBackend
         self.backends = [backend_cls(d) for d in self.devices]
         self.caller_device: Optional[int] = 0 if self.device_type == "cpu" else None
 

@@ -364,7 +364,7 @@ class _Call:
 # loss_fn, then one backward through all stages, as plain PyTorch runs a microbatch. Its
 # parameter gradients leave autograd through AccumulateGrad into the model params' .grad, where
 # the grad hooks take them at once (still in cache) into the call's per-stage buffers (a
-# _GradSink, found through a thread-local); the sum per param is then what the per-stage actions
+# _GradSink, found through the model's _SinkSlot); the sum per param is then what the per-stage actions
 # compute, so final parameters stay bitwise the same for any number of devices. The one
 # exception is a parameter in two stages (tied weights): one backward sums its two gradients of
 # a microbatch before the buffer does, in another order than per-stage backwards, so such a
@@ -482,6 +482,7 @@ class RoundPipe(nn.Module):
         self._ready = _ParamsReady(len(self._layers), done=True)
         self._has_grads = False
         self._hooks_registered = False
+        self._grad_sink = _SinkSlot()  # see [Note: fused stages]
         # Stages (by their layers and training mode) probed for drawing random numbers; main
         # thread. See [Note: RNG chains].
         self._rng_use: Dict[Tuple, bool] = {}
@@ -650,10 +651,9 @@ class RoundPipe(nn.Module):
             optim_thread._raise_failures()  # e.g. a step launched before failed
             ok = True
             out_device = torch.device(cfg.output_device)
-            total = call.losses[0]
+            total = call.losses[0].to(out_device)
             for loss in call.losses[1:]:
-                total = total + loss
-            total = total.to(out_device)
+                total = total + loss.to(out_device)
             if return_outputs:
                 merged = _to_device(merge_outputs(call.outputs, call.sizes, cfg.merge_output),
                                     out_device)
@@ -829,7 +829,7 @@ class RoundPipe(nn.Module):
                 if old is not None:
                     old.remove()
                 p._roundpipe_grad_hook = p.register_post_accumulate_grad_hook(
-                    _make_grad_hook(master, moves))
+                    _make_grad_hook(master, moves, self._grad_sink))
         self._hooks_registered = True
 
     def _name_tag(self) -> str:
@@ -1043,7 +1043,7 @@ class RoundPipe(nn.Module):
                 out = self._run_stage(call, stage, inp, m, "forward", backend)
             if call.training and s == len(call.stages) - 1:
                 try:
-                    loss = call.loss_fn(out, call.labels[m])
+                    loss = call.loss_fn(out, backend.to_device(call.labels[m]))
                 except BaseException as exc:  # noqa: B036 -- annotated, then re-raised
                     add_note(exc, self._where(s, m, "loss_fn", None))
                     raise
@@ -1127,7 +1127,7 @@ class RoundPipe(nn.Module):
                 call.slots[(s, m)].phase = "recompute"
             sink = call.grad_sink
             wrt = [x for x in in_leaves if isinstance(x, torch.Tensor) and x.requires_grad]
-            with _recompute_guard(call, call.stages), _GRAD_SINK.catching(sink):
+            with _recompute_guard(call, call.stages), self._grad_sink.catching(sink):
                 try:
                     torch.autograd.backward([loss], [torch.ones_like(loss)],
                                             inputs=wrt + sink.params)
@@ -1144,7 +1144,8 @@ class RoundPipe(nn.Module):
     def _backward_action(self, call: _Call, a: Action, backend: Any) -> None:
         s, m = a.stage, a.mb_index
         after = call.slots[(s + 1, m)]
-        grads_out, after.grad_in = after.grad_in, None
+        # Stage s+1 may have run on another device: its input grads come over to this one.
+        grads_out, after.grad_in = backend.to_device(after.grad_in), None
         with _recompute_guard(call, [call.stages[s]]):
             self._backward_body(call, a, backend, grads_out)
 
@@ -1366,8 +1367,10 @@ class _GradSink:
         return g.clone() if g.untyped_storage().data_ptr() in self._adopted else g
 
 
-class _SinkSlot(threading.local):
-    """The grad sink of the fused backward running on this thread, if any."""
+class _SinkSlot:
+    """The grad sink of a model's fused backward while one runs, else None. Set and cleared by
+    the thread that runs the call; read by the grad hooks, which autograd runs on that thread
+    or on its own device threads (so this is no thread-local)."""
 
     sink: Optional[_GradSink] = None
 
@@ -1379,8 +1382,6 @@ class _SinkSlot(threading.local):
         finally:
             self.sink = None
 
-
-_GRAD_SINK = _SinkSlot()
 
 
 def _cut_graph(inp: Tuple[tuple, dict], wants_grad: Callable[[torch.Tensor], bool]
@@ -1453,12 +1454,13 @@ class _PendingMoves:
             item.wait()
 
 
-def _make_grad_hook(master: nn.Parameter, moves: _PendingMoves) -> Callable[[torch.Tensor], None]:
+def _make_grad_hook(master: nn.Parameter, moves: _PendingMoves,
+                    slot: _SinkSlot) -> Callable[[torch.Tensor], None]:
     def move_grad_to_master(param: torch.Tensor) -> None:
         grad, param.grad = param.grad, None
         if grad is None:
             return
-        sink = _GRAD_SINK.sink
+        sink = slot.sink
         if sink is not None and sink.take(param, grad):  # a fused forward_backward's backward
             return
         moves.add(optim_thread._launch(_accumulate_grad, master, grad))

@@ -1,0 +1,314 @@
+"""An emulated accelerator, ``emu``, that lets CPU-only machines run roundpipe's accelerator path.
+
+What it is: torch's PrivateUse1 backend renamed ``emu``, with up to :data:`DEVICE_COUNT` devices
+(``emu:0`` ...). An ``emu`` tensor is a wrapper subclass (:class:`EmuTensor`) around a CPU tensor,
+and every op on it runs on the host. What it catches, as CUDA would:
+
+* Host tensors meeting device tensors: an op that mixes an ``emu`` tensor with a host tensor of
+  one or more dimensions (or with a tensor on another ``emu`` device) raises CUDA's
+  ``RuntimeError: Expected all tensors to be on the same device ...``.
+* Thread-local state lost in backward: a small C++ device guard (``_emu_guard.cpp``, built once
+  with ``torch.utils.cpp_extension.load`` and cached) makes torch's autograd engine run the
+  backward of ``emu`` tensors on its own per-device thread, as it does for CUDA. Code that only
+  works when backward runs on the thread that called it (Python thread-locals read during a
+  checkpoint recompute, say) fails here as it would on a GPU.
+* Results: random ops draw from the CPU generator and dropout draws as on the CPU, so a model
+  on ``emu`` computes what it computes on the CPU, bit for bit, which the tests compare.
+* The device APIs: ``torch.Stream``/``torch.Event``, ``torch.accelerator``,
+  ``torch.get_device_module("emu")``, ``pin_memory()``/``is_pinned()`` and
+  ``torch.autocast("emu")`` (matmul-like ops run in the autocast dtype) all work.
+
+What it cannot catch: kernels run synchronously, so every event is complete when recorded and a
+missing ``wait_event`` or ``record_stream`` (a stream race) goes unnoticed; there is no device
+memory limit (no out-of-memory); a CUDA kernel's own numerics (TF32, fused kernels, other
+reduction orders) are not reproduced; and it is slow (a Python call per op).
+
+Call :func:`install` before the first ``backward()`` of the process: the autograd engine starts
+its device threads once, on the first backward, and only for the device types it knows then.
+``RoundPipe(devices="emu")`` and ``ROUNDPIPE_DEVICES=emu`` install it; the test suite's
+conftest does so at start. It is test infrastructure, not a backend to train on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from typing import Any, Dict, List, Optional
+
+import torch
+import torch.utils._pytree as pytree
+
+__all__ = ["NAME", "DEVICE_COUNT", "EmuTensor", "install", "is_installed"]
+
+NAME = "emu"
+# Must match kDeviceCount in _emu_guard.cpp.
+DEVICE_COUNT = 4
+
+aten = torch.ops.aten
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_INSTALL_LOCK = threading.Lock()
+_installed = False
+_libraries: List[torch.library.Library] = []
+
+# Ops that take host tensors next to device tensors on CUDA too: copies between devices, and
+# indexing with host index tensors.
+_CROSS_DEVICE_OK = frozenset({
+    aten.copy_.default, aten._to_copy.default, aten.index.Tensor, aten.index_put_.default,
+    aten.index_put.default, aten._index_put_impl_.default,
+})
+# Ops that only concern streams or memory placement; nothing to compute on the host.
+_NO_OPS = frozenset({aten.record_stream.default})
+# Ops that autocast runs in the lower-precision dtype, as CUDA's autocast does.
+_AUTOCAST_LOWER = ("mm", "bmm", "addmm", "baddbmm", "addbmm", "matmul", "linear", "conv1d",
+                   "conv2d", "conv3d", "_convolution", "conv_transpose1d", "conv_transpose2d",
+                   "conv_transpose3d", "prelu", "scaled_dot_product_attention")
+
+
+def _same_device_error(func: Any, a: torch.device, b: torch.device) -> RuntimeError:
+    return RuntimeError(f"Expected all tensors to be on the same device, but found at least two "
+                        f"devices, {a} and {b}! (when checking arguments for {func})")
+
+
+class EmuTensor(torch.Tensor):
+    """A tensor on ``emu:<index>``: a wrapper whose data is the CPU tensor ``_elem``."""
+
+    _elem: torch.Tensor
+
+    @staticmethod
+    def __new__(cls, elem: torch.Tensor, index: int = 0) -> "EmuTensor":
+        if type(elem) is not torch.Tensor or elem.device.type != "cpu":
+            raise AssertionError(f"an emu tensor wraps a plain CPU tensor, got {type(elem)} on "
+                                 f"{elem.device}; please report")
+        out = torch.Tensor._make_wrapper_subclass(
+            cls, elem.size(), strides=elem.stride(), storage_offset=elem.storage_offset(),
+            dtype=elem.dtype, layout=elem.layout, device=torch.device(NAME, index),
+            requires_grad=elem.requires_grad)
+        out._elem = elem
+        return out
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    def __repr__(self) -> str:  # type: ignore[override]
+        return f"{self._elem!r} (on {self.device})"
+
+    # Storage identity, as code that checks aliasing reads it on CUDA tensors.
+    def untyped_storage(self) -> torch.UntypedStorage:  # type: ignore[override]
+        return self._elem.untyped_storage()
+
+    def data_ptr(self) -> int:  # type: ignore[override]
+        return self._elem.data_ptr()
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func in _NO_OPS:
+            return None
+        leaves = pytree.tree_leaves((args, kwargs))
+        index = _check_devices(func, leaves)
+        unwrapped_args, unwrapped_kwargs = pytree.tree_map_only(
+            EmuTensor, lambda t: t._elem, (args, kwargs))
+        target = unwrapped_kwargs.get("device")
+        if target is not None:
+            target = torch.device(target)
+            if target.type == "cpu":  # a copy to the host: hand out the plain tensor
+                return func(*unwrapped_args, **unwrapped_kwargs)
+            index = target.index or 0
+            unwrapped_kwargs["device"] = torch.device("cpu")
+        if "pin_memory" in unwrapped_kwargs:
+            unwrapped_kwargs["pin_memory"] = False
+        out = func(*unwrapped_args, **unwrapped_kwargs)
+        # An in-place or out= op returns one of its arguments: hand back that very object.
+        mine: Dict[int, torch.Tensor] = {}
+        for t in leaves:
+            if isinstance(t, EmuTensor):
+                mine[id(t._elem)] = t
+            elif isinstance(t, torch.Tensor):
+                mine[id(t)] = t
+        return pytree.tree_map_only(
+            torch.Tensor, lambda t: mine[id(t)] if id(t) in mine else EmuTensor(t, index), out)
+
+
+def _check_devices(func: Any, leaves: List[Any]) -> int:
+    """The emu device index of the op, after CUDA's same-device check."""
+    index: Optional[int] = None
+    host: Optional[torch.Tensor] = None
+    for t in leaves:
+        if isinstance(t, EmuTensor):
+            i = t.device.index
+            if index is None:
+                index = i
+            elif i != index and func not in _CROSS_DEVICE_OK:
+                raise _same_device_error(func, torch.device(NAME, index), t.device)
+        elif isinstance(t, torch.Tensor) and t.dim() > 0 and host is None:
+            host = t
+    if host is not None and index is not None and func not in _CROSS_DEVICE_OK:
+        raise _same_device_error(func, torch.device(NAME, index), host.device)
+    return 0 if index is None else index
+
+
+def _device_index(kwargs: Dict[str, Any]) -> int:
+    device = kwargs.get("device")
+    return 0 if device is None else (torch.device(device).index or 0)
+
+
+def _empty(size: Any, **kwargs: Any) -> EmuTensor:
+    """``aten::empty.memory_format`` on the emulated device."""
+    index = _device_index(kwargs)
+    kwargs.update(device="cpu", pin_memory=False)
+    return EmuTensor(aten.empty.memory_format(size, **kwargs), index)
+
+
+def _empty_strided(size: Any, stride: Any, **kwargs: Any) -> EmuTensor:
+    """``aten::empty_strided`` on the emulated device."""
+    index = _device_index(kwargs)
+    kwargs.update(device="cpu", pin_memory=False)
+    return EmuTensor(aten.empty_strided(size, stride, **kwargs), index)
+
+
+class _DeviceModule:
+    """``torch.emu``: what ``torch.amp``, ``torch.utils.checkpoint``, ``torch.random.fork_rng``
+    and ``torch.get_device_module`` look up. Random ops on emu tensors draw from the CPU
+    generator, so the "device" generator state is the CPU one."""
+
+    _initialized = True
+    Stream = torch.Stream
+    Event = torch.Event
+
+    @staticmethod
+    def is_available() -> bool:
+        return True
+
+    @staticmethod
+    def is_initialized() -> bool:
+        return True
+
+    @staticmethod
+    def _is_in_bad_fork() -> bool:
+        return False
+
+    @staticmethod
+    def _lazy_init() -> None:
+        return None
+
+    @staticmethod
+    def device_count() -> int:
+        return DEVICE_COUNT
+
+    @staticmethod
+    def current_device() -> int:
+        return torch.accelerator.current_device_index()
+
+    @staticmethod
+    def set_device(device: Any) -> None:
+        torch.accelerator.set_device_index(device)
+
+    @staticmethod
+    def device(device: Any) -> contextlib.AbstractContextManager:
+        return torch.accelerator.device_index(torch.device(NAME, device).index
+                                              if not isinstance(device, int) else device)
+
+    @staticmethod
+    def get_amp_supported_dtype() -> List[torch.dtype]:
+        return [torch.float16, torch.bfloat16]
+
+    @staticmethod
+    def get_rng_state(device: Any = None) -> torch.Tensor:
+        return torch.get_rng_state()
+
+    @staticmethod
+    def set_rng_state(state: torch.Tensor, device: Any = None) -> None:
+        torch.set_rng_state(state)
+
+    @staticmethod
+    def manual_seed(seed: int) -> None:
+        torch.default_generator.manual_seed(seed)
+
+    @staticmethod
+    def manual_seed_all(seed: int) -> None:
+        # torch.manual_seed calls this after seeding the CPU generator, which emu ops draw from.
+        return None
+
+    @staticmethod
+    def current_stream(device: Any = None) -> torch.Stream:
+        return torch.accelerator.current_stream(device)
+
+    @staticmethod
+    def stream(stream: torch.Stream) -> torch.Stream:
+        return stream  # torch.Stream is its own context manager
+
+    @staticmethod
+    def synchronize(device: Any = None) -> None:
+        torch.accelerator.synchronize(device)
+
+
+def _install_autocast(aten_lib: torch.library.Library, any_lib: torch.library.Library) -> None:
+    """``torch.autocast("emu")``: matmul-like ops cast their floating inputs to the autocast
+    dtype; every other op passes through untouched."""
+    any_lib.fallback(torch.library.fallthrough_kernel, dispatch_key="AutocastPrivateUse1")
+    excluded = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastPrivateUse1)
+    for name in _AUTOCAST_LOWER:
+        packet = getattr(aten, name, None)
+        if packet is None:
+            continue
+        for overload in packet.overloads():
+            op = getattr(packet, overload)
+
+            def kernel(*args: Any, _op: Any = op, **kwargs: Any) -> Any:
+                dtype = torch.get_autocast_dtype(NAME)
+                args, kwargs = pytree.tree_map_only(
+                    torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t,
+                    (args, kwargs))
+                with torch._C._ExcludeDispatchKeyGuard(excluded):
+                    return _op(*args, **kwargs)
+
+            qualified = name if overload == "default" else f"{name}.{overload}"
+            aten_lib.impl(qualified, kernel, "AutocastPrivateUse1")
+
+
+def _dropout(input: torch.Tensor, p: float, train: bool) -> torch.Tensor:
+    """``aten::dropout`` on emu tensors, as torch computes it for CPU tensors: torch would take
+    its fused ``native_dropout`` kernel for an accelerator, which draws other masks from the same
+    generator state. With this, an emu run and a CPU run draw the same masks."""
+    if p == 0 or not train or input.numel() == 0:
+        return input
+    if p == 1:
+        return input * torch.zeros((), dtype=input.dtype, device=input.device)
+    noise = torch.empty_like(input).bernoulli_(1 - p)
+    noise.div_(1 - p)
+    return input * noise
+
+
+def is_installed() -> bool:
+    """Whether :func:`install` has run in this process. Any thread."""
+    return _installed
+
+
+def install() -> None:
+    """Register the ``emu`` device in this process (idempotent; any thread). Builds the C++
+    guard on first use (a few seconds, cached under torch's extension directory, which needs a
+    C++ compiler and ninja). Must run before the process's first ``backward()``."""
+    global _installed
+    with _INSTALL_LOCK:
+        if _installed:
+            return
+        if torch._C._get_privateuse1_backend_name() not in ("privateuseone", NAME):
+            raise RuntimeError(
+                f"cannot install the emulated device: the PrivateUse1 backend is already "
+                f"{torch._C._get_privateuse1_backend_name()!r} in this process")
+        from torch.utils import cpp_extension
+
+        cpp_extension.load(name="roundpipe_emu_guard",
+                           sources=[os.path.join(_HERE, "_emu_guard.cpp")],
+                           is_python_module=False, verbose=False)
+        torch.utils.rename_privateuse1_backend(NAME)
+        torch.utils.generate_methods_for_privateuse1_backend(for_storage=False)
+        torch._register_device_module(NAME, _DeviceModule())
+        aten_lib = torch.library.Library("aten", "IMPL")
+        any_lib = torch.library.Library("_", "IMPL")
+        aten_lib.impl("empty.memory_format", _empty, "PrivateUse1")
+        aten_lib.impl("empty_strided", _empty_strided, "PrivateUse1")
+        aten_lib.impl("dropout", _dropout, "AutogradPrivateUse1")
+        _install_autocast(aten_lib, any_lib)
+        _libraries.extend((aten_lib, any_lib))
+        _installed = True
