@@ -46,13 +46,17 @@ __all__ = ["GradScaler", "OptState", "ScalerSnapshot", "ScaleCollapseWarning"]
 #     hands its result to the compute side as s_{k+1}, and launches U for step k on the optimizer
 #     thread, behind step k. That U sets back = s_{k+1}, so step k+1 divides by the scale that
 #     produced its gradients. s_0 = s_1 = init_scale.
-#   Overflow rule in U: on an overflow in a step scaled by s_k (= back when U runs), newest is
-#     first lowered to min(newest, s_k), then backed off; in sync mode newest == s_k, a no-op. An
-#     overflow that a stale scale repeats is thus not backed off twice.
+#   Overflow rule in U: on an overflow in a step scaled by s_k (= back when U runs), the new scale
+#     is min(newest, s_k * backoff) (and the tracker 0); in sync mode newest == s_k, so it is
+#     torch's newest * backoff. An overflow that a stale scale repeats is thus not backed off
+#     twice: U of step k-1 already set newest = s_{k-1} * backoff, and step k, scaled by the same
+#     stale s_k = s_{k-1}, leaves it there.
 #
-# Each U publishes a ``_Published`` record (clones of newest and the tracker, counters, the
-# hyperparameters): the result of its work item, so the main thread reads it only after the
-# item's event is set.
+# Each U publishes a ``_Published`` record (clones of newest and the tracker, their values as
+# Python numbers, counters, the hyperparameters): the result of its work item, so the main thread
+# reads it only after the item's event is set. The getters and snapshot() read those host values
+# and the front scale's host value (``_front_value``), never a device tensor: monitoring never
+# syncs the device. Reading them out (one sync) is done by the thread that ran U.
 
 
 class OptState(enum.Enum):
@@ -102,9 +106,10 @@ class _Hyper:
 class _Published:
     setter_seq: int  # the newest main-thread setter already applied on the back side
     scale: torch.Tensor
-    growth_tracker: torch.Tensor
+    scale_value: float  # scale, growth tracker and skipped steps as host numbers
+    growth_tracker: int
     steps: int
-    skipped_steps: torch.Tensor
+    skipped_steps: int
     collapse_streak: int
     hyper: _Hyper
 
@@ -143,7 +148,7 @@ class GradScaler:
     keep overflowing at ``min_scale`` raises a :class:`ScaleCollapseWarning`), :meth:`snapshot`
     for monitoring, :meth:`step_was_skipped`, and ``up_to_date`` on every getter.
 
-    Threads. Attributes owned by the main thread: ``_front``, ``_front_replicas``, ``_mirror``,
+    Threads. Attributes owned by the main thread: ``_front``, ``_front_value``, ``_front_replicas``, ``_mirror``,
     ``_published``, ``_pending``, ``_last_item``. Attributes of the back side (``_scale``,
     ``_back``, ``_growth_tracker``, ``_hyper``, ``_per_optimizer_states``, counters) are touched by
     the optimizer thread, or by the main thread when no launched work can touch them.
@@ -210,6 +215,7 @@ class GradScaler:
         self._per_optimizer_states: dict[int, _PerOptimizerState] = defaultdict(_PerOptimizerState)
         # Front side (main thread).
         self._front: Optional[torch.Tensor] = None
+        self._front_value = 0.0  # the front scale as a host number, once _front is set
         self._front_replicas: dict[torch.device, torch.Tensor] = {}
         self._mirror = _Hyper(**vars(self._hyper))
         # Main-thread setters are numbered; the back side records the newest it applied, so a
@@ -234,6 +240,7 @@ class GradScaler:
             self._growth_tracker = full(self._init_growth_tracker, torch.int32)
             self._skipped_steps = full(self._init_skipped, torch.int64)
             self._published = self._publish()
+            self._front_value = float(front)
             self._front = full(front)  # last: scale() reads it without the lock
 
     def _check_initialized(self, funcname: str) -> None:
@@ -277,9 +284,11 @@ class GradScaler:
             replica = replicas[device] = self._front.to(device, non_blocking=True)
         return replica
 
-    def _set_front(self, value: torch.Tensor) -> None:
-        """Main thread, between iterations: the compute side uses ``value`` from now on."""
+    def _set_front(self, value: torch.Tensor, host_value: float) -> None:
+        """Main thread, between iterations: the compute side uses ``value`` (whose value is
+        ``host_value``) from now on."""
         self._front_replicas = {}
+        self._front_value = host_value
         self._front = value
 
     # ------------------------------------------------------------------------------------------
@@ -494,15 +503,18 @@ class GradScaler:
         self._pending = None
         published = self._back_update(new_value, next_back=None)
         self._adopt(published)
-        self._set_front(published.scale)
+        self._set_front(published.scale, published.scale_value)
 
     def _update_async(self, new_value: Optional[torch.Tensor]) -> None:
         previous = self._pending
         if previous is not None and previous.wait(report=False):
             self._adopt(previous.result)
         # else: nothing pending, or it failed (reported now or before): keep the last published.
-        hand_out = new_value if new_value is not None else self._published.scale.clone()
-        self._set_front(hand_out)
+        if new_value is not None:
+            hand_out, host_value = new_value, new_value.item()  # a value the caller just gave
+        else:
+            hand_out, host_value = self._published.scale.clone(), self._published.scale_value
+        self._set_front(hand_out, host_value)
         self._pending = self._last_item = optim_thread._launch(self._back_update, new_value, hand_out)
 
     def _adopt(self, published: _Published) -> None:
@@ -562,10 +574,11 @@ class GradScaler:
         self._skipped_steps += overflow
         plain = hyper.hysteresis == 1 and hyper.min_scale is None and hyper.max_scale is None
         if plain:
-            if stale:
-                self._lower_to_back(scale, overflow)
+            before = scale.clone() if stale else None
             torch._amp_update_scale_(scale, tracker, found_inf, hyper.growth_factor,
                                      hyper.backoff_factor, hyper.growth_interval)
+            if stale:
+                self._cap_stale_backoff(scale, before, overflow)
             return
         # The extras need the overflow on the host (one sync on the thread that runs U).
         if bool(overflow):
@@ -573,26 +586,32 @@ class GradScaler:
             if self._hysteresis_left > 0:
                 tracker.zero_()  # tolerated: the step is skipped, the scale kept
                 return
-            if stale:
-                self._lower_to_back(scale, overflow)
             at_min = hyper.min_scale is not None and scale.item() <= hyper.min_scale
             self._collapse_streak = self._collapse_streak + 1 if at_min else 0
         else:
             self._hysteresis_left = hyper.hysteresis
             self._collapse_streak = 0
+        before = scale.clone() if stale else None
         torch._amp_update_scale_(scale, tracker, found_inf, hyper.growth_factor,
                                  hyper.backoff_factor, hyper.growth_interval)
+        if stale:
+            self._cap_stale_backoff(scale, before, overflow)
         if hyper.min_scale is not None or hyper.max_scale is not None:
             scale.clamp_(min=hyper.min_scale, max=hyper.max_scale)
 
-    def _lower_to_back(self, scale: torch.Tensor, overflow: torch.Tensor) -> None:
-        # [Note: the scale double buffer], overflow rule: back off from min(newest, s_k), where
-        # s_k (the scale that produced the overflowing gradients) is the back scale.
-        scale.copy_(torch.where(overflow, torch.minimum(scale, self._back), scale))
+    def _cap_stale_backoff(self, scale: torch.Tensor, before: torch.Tensor,
+                           overflow: torch.Tensor) -> None:
+        # [Note: the scale double buffer], overflow rule: after an overflow, the new scale is
+        # min(newest before U, s_k * backoff), where s_k (the scale that produced the
+        # overflowing gradients) is the back scale.
+        backed_off = torch.minimum(before, self._back * self._hyper.backoff_factor)
+        scale.copy_(torch.where(overflow, backed_off, scale))
 
     def _publish(self) -> _Published:
-        return _Published(self._setter_applied, self._scale.clone(), self._growth_tracker.clone(), self._steps,
-                          self._skipped_steps.clone(), self._collapse_streak, _Hyper(**vars(self._hyper)))
+        scale = self._scale.clone()
+        return _Published(self._setter_applied, scale, scale.item(), int(self._growth_tracker.item()),
+                          self._steps, int(self._skipped_steps.item()), self._collapse_streak,
+                          _Hyper(**vars(self._hyper)))
 
     # ------------------------------------------------------------------------------------------
     # getters and setters
@@ -612,7 +631,9 @@ class GradScaler:
             return self._init_scale if self._scale is None else self._scale.item()
         if self._front is None:
             return self._init_scale if self._init_front is None else self._init_front
-        return (self._back if on_optimizer_thread() else self._front).item()
+        if on_optimizer_thread():
+            return self._back.item()  # the optimizer thread may sync: it runs the steps
+        return self._front_value
 
     def _sync_back_side(self) -> None:
         """Wait until every launched step, update and setter has run, re-raising failures.
@@ -654,7 +675,7 @@ class GradScaler:
             self._sync_back_side()
             return self._init_growth_tracker if self._growth_tracker is None else int(self._growth_tracker.item())
         published = self._published
-        return self._init_growth_tracker if published is None else int(published.growth_tracker.item())
+        return self._init_growth_tracker if published is None else published.growth_tracker
 
     def get_growth_tracker(self, up_to_date: bool = False) -> int:
         """Consecutive non-overflowing updates since the last growth or backoff (torch's
@@ -728,11 +749,11 @@ class GradScaler:
         if pending is not None and pending.done() and pending.exception is None:
             published = pending.result
         return ScalerSnapshot(
-            scale_in_use=self._front.item(),
-            newest_scale=published.scale.item(),
-            growth_tracker=int(published.growth_tracker.item()),
+            scale_in_use=self._front_value,
+            newest_scale=published.scale_value,
+            growth_tracker=published.growth_tracker,
             steps=published.steps,
-            skipped_steps=int(published.skipped_steps.item()),
+            skipped_steps=published.skipped_steps,
         )
 
     # ------------------------------------------------------------------------------------------

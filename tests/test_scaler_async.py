@@ -18,8 +18,8 @@ GROWTH, BACKOFF = 2.0, 0.5
 
 class LagOneReference:
     """DESIGN.md "GradScaler semantics", written out: s_0 = s_1 = init; async update k hands out
-    the newest scale after U on step k-1 and then runs U on step k, whose overflow backs off from
-    min(newest, s_k). A sync update runs U on step k and hands out its result."""
+    the newest scale after U on step k-1 and then runs U on step k, whose overflow sets the scale
+    to min(newest, s_k * backoff). A sync update runs U on step k and hands out its result."""
 
     def __init__(self, init, interval):
         self.newest = self.back = self.front = self.published = init
@@ -28,7 +28,7 @@ class LagOneReference:
 
     def _rule(self, overflow):
         if overflow:
-            self.newest = min(self.newest, self.back) * BACKOFF
+            self.newest = min(self.newest, self.back * BACKOFF)
             self.tracker = 0
         else:
             self.tracker += 1
@@ -110,6 +110,22 @@ def test_async_lag_one_matches_reference_with_scale_dependent_overflows():
     assert run.scaler.get_scale(up_to_date=True) == ref.newest
     snap = run.scaler.snapshot()
     assert snap.steps == n and snap.skipped_steps == sum(run.skipped)
+
+
+def test_a_stale_overflow_is_not_backed_off_twice():
+    # Iterations 0 and 1 both use init_scale (lag one) and both overflow. U of step 0 halves the
+    # scale; step 1 overflowed at the same stale scale, so U of step 1 leaves it at
+    # min(S/2, S * 0.5) = S/2, where backing off from min(newest, s_k) would give S/4.
+    S = 2.0**10
+    run = Harness(GradScaler("cpu", init_scale=S, growth_interval=100))
+    for _ in range(2):
+        run.iteration(overflow=True)
+    assert run.used == [S, S]
+    assert run.scaler.get_scale(up_to_date=True) == S / 2
+    run.iteration(overflow=True)  # iteration 2 used S/2 and overflowed again: a real backoff
+    assert run.used[-1] == S / 2
+    assert run.scaler.get_scale(up_to_date=True) == S / 4
+    assert run.skipped == [True, True, True]
 
 
 def test_ten_thousand_async_iterations_with_random_overflows():
