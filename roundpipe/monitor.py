@@ -54,10 +54,9 @@ class TrainingHistory:
 class _HostValue:
     """A 0-d loss on its way to the host, converted to a float only when it is read.
 
-    On the CPU the tensor is kept as is. On CUDA a non-blocking copy into pinned host memory is
-    started and an event recorded behind it, so storing the loss never syncs the device; reading the
-    value waits for that event only (``history()``, off the hot path). Other device types keep
-    the tensor and convert it when read.
+    On the CPU the tensor is kept as is. On an accelerator a non-blocking copy to host memory is
+    started and a device event recorded behind it, so storing the loss never syncs the device;
+    reading the value waits for that event only (``history()``, off the hot path).
     """
 
     __slots__ = ("_value", "_event")
@@ -70,9 +69,9 @@ class _HostValue:
         if loss.numel() != 1:
             raise ValueError(f"the loss must be a scalar (one element), got shape {tuple(loss.shape)}")
         loss = loss.detach()
-        if loss.device.type == "cuda":
+        if loss.device.type != "cpu":
             host = loss.to("cpu", non_blocking=True)
-            self._event = torch.cuda.Event()
+            self._event = torch.Event(device=loss.device)
             self._event.record()
             loss = host
         self._value = loss
@@ -119,8 +118,8 @@ class TrainingMonitor:
     Threads: main thread only (the thread that calls ``scaler.update()``); the monitor is not
     shared with the workers or the optimizer thread. :meth:`record` never waits for the
     optimizer thread and does not sync on the loss; the scaler's figures come from
-    ``scaler.snapshot()``, which turns a few scalars into Python numbers (on CUDA, small
-    device-to-host copies). :meth:`history` and :meth:`save_plot` convert the recorded losses to
+    ``scaler.snapshot()``, which reads host numbers that the scaler's updates published (no
+    device sync). :meth:`history` and :meth:`save_plot` convert the recorded losses to
     numbers and may wait for the device that holds them.
 
     Create the monitor right before the loop (after loading a checkpoint, if any): it counts the
