@@ -13,72 +13,87 @@ from roundpipe import OptimizerCtx, RoundPipe, RoundPipeRunConfig
 
 class _RecordBackward(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, log):
-        ctx.log = log
+    def forward(ctx, x, log, device_type):
+        ctx.log, ctx.device_type = log, device_type
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, g):
-        ctx.log.append(("backward", torch.is_autocast_enabled("cpu")))
-        return g, None
+        ctx.log.append(("backward", torch.is_autocast_enabled(ctx.device_type)))
+        return g, None, None
 
 
 class Probe(nn.Module):
-    """Records the autocast state of every forward, and of the backward through it."""
+    """Records the autocast state (of the pool's device type) of every forward, and of the
+    backward through it."""
 
-    def __init__(self, log, name):
+    def __init__(self, log, name, device_type):
         super().__init__()
         self.lin = nn.Linear(4, 4)
-        self.log, self.name = log, name
+        self.log, self.name, self.device_type = log, name, device_type
 
     def forward(self, x):
-        self.log.append((self.name, torch.is_autocast_enabled("cpu"),
-                         torch.get_autocast_dtype("cpu"), threading.current_thread().name))
-        return _RecordBackward.apply(self.lin(x), self.log)
+        self.log.append((self.name, torch.is_autocast_enabled(self.device_type),
+                         torch.get_autocast_dtype(self.device_type),
+                         threading.current_thread().name))
+        return _RecordBackward.apply(self.lin(x), self.log, self.device_type)
 
 
-def _run(run_config=None, caller_autocast=None):
+def _run(device_type, run_config=None, caller_autocast=None):
     log = []
     torch.manual_seed(0)
-    model = RoundPipe(nn.Sequential(Probe(log, "stage0"), Probe(log, "stage1")), devices="cpu:2",
+    model = RoundPipe(nn.Sequential(Probe(log, "stage0", device_type),
+                                    Probe(log, "stage1", device_type)), devices="cpu:2",
                       model_run_config=RoundPipeRunConfig(num_microbatch=2))
 
     def loss_fn(out, y):
-        log.append(("loss_fn", torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"),
-                    threading.current_thread().name))
+        log.append(("loss_fn", torch.is_autocast_enabled(device_type),
+                    torch.get_autocast_dtype(device_type), threading.current_thread().name))
         return out.float().pow(2).mean()
 
     x = torch.randn(4, 4)
     if caller_autocast is not None:
-        with torch.autocast("cpu", dtype=caller_autocast):
+        with torch.autocast(device_type, dtype=caller_autocast):
             model.forward_backward(input_args=(x,), loss_fn=loss_fn, run_config=run_config)
     else:
         model.forward_backward(input_args=(x,), loss_fn=loss_fn, run_config=run_config)
     return log
 
 
-def test_caller_autocast_in_forward_recompute_and_loss_fn_never_in_backward():
-    log = _run(caller_autocast=torch.bfloat16)
+def test_caller_autocast_in_forward_recompute_and_loss_fn_never_in_backward(pool_kind):
+    log = _run(pool_kind, caller_autocast=torch.bfloat16)
     kinds = [e[0] for e in log]
     # stage 0: forward + recompute; stage 1 (last): forward; loss_fn per microbatch.
     assert kinds.count("stage0") == 4 and kinds.count("stage1") == 2
     assert kinds.count("loss_fn") == 2 and kinds.count("backward") == 4
-    # Stage 0 runs on the calling thread (CPU device 0), stage 1 and loss_fn on the worker of
-    # device 1, where the caller's autocast would not reach without the runtime.
+    # Stage 1 and loss_fn run on the worker of device 1, where the caller's autocast would not
+    # reach without the runtime. On the CPU, stage 0 runs on the calling thread (CPU device 0).
+    # On an accelerator, stage 0's forward runs on device 0's worker and its recompute on the
+    # autograd engine's thread for the device, which the autocast state reaches through
+    # checkpoint's closure, not a thread-local.
     main = threading.current_thread().name
+    stage0_threads = set()
     for e in log:
         if e[0] == "backward":
             assert e[1] is False
+            continue
+        assert e[1:3] == (True, torch.bfloat16), e
+        if e[0] == "stage0":
+            stage0_threads.add(e[3])
         else:
-            assert e[1:3] == (True, torch.bfloat16), e
-            assert (e[3] == main) == (e[0] == "stage0"), e
-            assert e[0] == "stage0" or e[3] == "roundpipe-worker-cpu#1", e
+            assert e[3] == ("roundpipe-worker-cpu#1" if pool_kind == "cpu"
+                            else "roundpipe-worker-emu:1"), e
+    if pool_kind == "cpu":
+        assert stage0_threads == {main}
+    else:
+        assert "roundpipe-worker-emu:0" in stage0_threads and len(stage0_threads) == 2
+        assert main not in stage0_threads
 
 
-def test_autocast_false_disables_and_dtype_enables():
-    log = _run(RoundPipeRunConfig(autocast=False), caller_autocast=torch.bfloat16)
+def test_autocast_false_disables_and_dtype_enables(pool_kind):
+    log = _run(pool_kind, RoundPipeRunConfig(autocast=False), caller_autocast=torch.bfloat16)
     assert all(e[1] is False for e in log)
-    log = _run(RoundPipeRunConfig(autocast=torch.bfloat16))
+    log = _run(pool_kind, RoundPipeRunConfig(autocast=torch.bfloat16))
     assert all(e[1:3] == (True, torch.bfloat16) for e in log if e[0] != "backward")
     assert all(e[1] is False for e in log if e[0] == "backward")
 

@@ -1,0 +1,50 @@
+"""Test-suite setup: the emulated accelerator, and running the runtime tests on it.
+
+* The emulated device (:mod:`roundpipe.testing.emu`) is installed before any test runs: the
+  autograd engine starts its device threads on the process's first backward, and only for the
+  devices it knows then.
+* Every test in the modules of ``_BOTH_POOLS`` runs twice: on the CPU pool it asks for, and on
+  the emulated pool of the same size (``pool_kind`` ``emu``: a pool of N CPU workers becomes
+  emu:0 .. emu:N-1). So each runtime behaviour is checked with backward on autograd's device
+  thread and with host tensors rejected, as on CUDA. A test about the CPU pool itself is marked
+  ``cpu_pool_only``.
+"""
+
+import pytest
+
+import roundpipe.devices
+from roundpipe.testing import emu
+
+emu.install()
+
+_BOTH_POOLS = {"test_runtime", "test_runtime_errors", "test_staleness", "test_autocast_rng",
+               "test_concurrency", "test_devices"}
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "cpu_pool_only: a test about the CPU pool itself; not repeated on the "
+                   "emulated accelerator")
+
+
+def pytest_generate_tests(metafunc):
+    module = metafunc.module.__name__.rpartition(".")[2]
+    if "pool_kind" in metafunc.fixturenames and module in _BOTH_POOLS \
+            and metafunc.definition.get_closest_marker("cpu_pool_only") is None:
+        metafunc.parametrize("pool_kind", ["cpu", "emu"], indirect=True)
+
+
+def _on_emu(devices):
+    return tuple(roundpipe.devices.WorkerDevice("emu", d.index) if d.type == "cpu" else d
+                 for d in devices)
+
+
+@pytest.fixture(autouse=True)
+def pool_kind(request, monkeypatch):
+    """``cpu``, or ``emu``: every device pool the test builds is made of emulated devices."""
+    kind = getattr(request, "param", "cpu")
+    if kind == "emu":
+        resolve = roundpipe.devices.resolve_devices
+        monkeypatch.setattr(roundpipe.devices, "resolve_devices",
+                            lambda devices=None: _on_emu(resolve(devices)))
+    return kind
