@@ -137,6 +137,18 @@ def resolve_devices(devices: Any = None) -> Tuple[WorkerDevice, ...]:
     return parse_devices("cpu")
 
 
+def _install_emu_if_named() -> None:
+    """``ROUNDPIPE_DEVICES=emu...``: install the emulated device at import, before any backward
+    of the process can run (see :mod:`roundpipe.testing.emu`)."""
+    if os.environ.get(ENV_VAR, "").strip().lower().startswith("emu"):
+        from roundpipe.testing import emu
+
+        emu.install()
+
+
+_install_emu_if_named()
+
+
 # -- futures and workers ----------------------------------------------------------------------
 
 

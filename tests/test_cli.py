@@ -4,6 +4,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 import roundpipe
@@ -36,6 +37,14 @@ def test_quick_self_check_on_two_workers_in_bf16_from_the_environment():
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "device pool ($ROUNDPIPE_DEVICES): cpu#0, cpu#1" in proc.stdout
     assert "bf16 shards" in proc.stdout and "PASSED" in proc.stdout
+
+
+@pytest.mark.parametrize("spec,pool", [("emu", "emu:0"), ("emu:2", "emu:0, emu:1")])
+def test_quick_self_check_on_the_emulated_accelerator(spec, pool):
+    proc = run_cli("--quick", env_extra={"ROUNDPIPE_DEVICES": spec})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"device pool ($ROUNDPIPE_DEVICES): {pool}" in proc.stdout
+    assert "PASSED" in proc.stdout and "[FAIL]" not in proc.stdout
 
 
 def test_a_bad_device_pool_fails_with_the_reason():

@@ -62,6 +62,7 @@ def test_worker_runs_in_order_and_reraises():
     assert bad.exception() is err
 
 
+@pytest.mark.cpu_pool_only
 def test_one_worker_per_device_process_wide():
     assert get_worker(WorkerDevice("cpu", 0)) is get_worker(WorkerDevice("cpu", 0))
     pool = DevicePool("cpu:2")
@@ -74,9 +75,13 @@ def test_future_set_before_wait():
     assert f.done() and f.result() == 3
 
 
-@needs_cuda
-def test_cuda_pool_and_backend_roundtrip():
-    pool = DevicePool("cuda:0")
+ACCELERATORS = ["emu", pytest.param("cuda", marks=needs_cuda)]
+
+
+@pytest.mark.cpu_pool_only
+@pytest.mark.parametrize("kind", ACCELERATORS)
+def test_accelerator_pool_and_backend_roundtrip(kind):
+    pool = DevicePool(f"{kind}:0" if kind == "cuda" else kind)
     backend = pool.backends[0]
     with backend.action_context():
         x = backend.to_device((torch.ones(3),))[0]
@@ -84,7 +89,25 @@ def test_cuda_pool_and_backend_roundtrip():
         y = backend.call_layer(lin, (x,), {})
         g = torch.autograd.grad(y.sum(), [lin.weight])[0]
         backend.finish()
-    assert y.is_cuda and g.device.type == "cpu"
+    assert y.device.type == kind and g.device.type == "cpu"
+
+
+@pytest.mark.cpu_pool_only
+@pytest.mark.parametrize("kind", ACCELERATORS)
+def test_accelerator_backend_writes_back_batchnorm_stats(kind):
+    backend = DevicePool(f"{kind}:0" if kind == "cuda" else kind).backends[0]
+    bn = torch.nn.BatchNorm1d(3)
+    x = torch.randn(8, 3)
+    with backend.action_context():
+        backend.call_layer(bn, backend.to_device((x,)), {})
+        backend.finish()
+    assert bn.num_batches_tracked.item() == 1
+    torch.testing.assert_close(bn.running_mean, 0.1 * x.mean(0))
+    bn.eval()
+    before = bn.running_mean.clone()
+    with backend.action_context():
+        backend.call_layer(bn, backend.to_device((x,)), {})
+    assert torch.equal(bn.running_mean, before)
 
 
 def test_roundpipe_takes_the_env_var(monkeypatch):
@@ -94,11 +117,12 @@ def test_roundpipe_takes_the_env_var(monkeypatch):
     assert len(RoundPipe(torch.nn.Linear(2, 2), devices="cpu")._pool) == 1
 
 
-@needs_cuda
-def test_cuda_forward_backward_matches_cpu():
+@pytest.mark.cpu_pool_only
+@pytest.mark.parametrize("kind", ACCELERATORS)
+def test_accelerator_forward_backward_matches_cpu(kind):
     from roundpipe import RoundPipe, RoundPipeRunConfig
     grads = []
-    for devices in ("cpu", "cuda"):
+    for devices in ("cpu", kind):
         torch.manual_seed(0)
         seq = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
         model = RoundPipe(seq, devices=devices,

@@ -11,8 +11,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_example(name, *args, timeout=100):
+def run_example(name, *args, timeout=100, devices=None):
     env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env.pop("ROUNDPIPE_DEVICES", None)
+    if devices is not None:
+        env["ROUNDPIPE_DEVICES"] = devices
     proc = subprocess.run(
         [sys.executable, str(ROOT / "examples" / name), *map(str, args)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout,
@@ -49,6 +52,14 @@ def test_digits_classifier_bf16_on_two_workers():
     assert float(re.search(r"test accuracy: ([0-9.]+)", out)[1]) > 0.5
 
 
+def test_digits_classifier_on_the_emulated_accelerator_from_the_environment():
+    # A newcomer's loop, unchanged, on ROUNDPIPE_DEVICES=emu: host tensors would be rejected and
+    # backward runs on autograd's device thread, as on CUDA.
+    out, _ = run_example("digits_classifier.py", "--steps", 60, devices="emu")
+    assert "devices emu:0" in out
+    assert float(re.search(r"test accuracy: ([0-9.]+)", out)[1]) > 0.3
+
+
 def _iteration_losses(out):
     return dict(re.findall(r"^iteration (\d+) loss \S+ (\S+)$", out, flags=re.M))
 
@@ -72,3 +83,17 @@ def test_tiny_lm_resume_continues_exactly_as_the_uninterrupted_run(tmp_path):
     assert digest(second) == digest(full) != digest(first)
     assert float.fromhex(full_losses[str(2 * n - 1)]) < float.fromhex(full_losses["0"])  # it learns
     assert "step/s" in err or "s/step" in err
+
+
+def test_tiny_lm_on_two_emulated_devices_resumes_exactly(tmp_path):
+    small = ["--print-every", 1, "--sample", 0, "--corpus-bytes", 100_000,
+             "--dim", 16, "--context", 16, "--batch-size", 4]
+    n = 2
+    full, _ = run_example("tiny_lm.py", "--steps", 2 * n, *small, devices="emu:2")
+    ckpt = tmp_path / "ckpt.pt"
+    run_example("tiny_lm.py", "--steps", n, "--save", ckpt, *small, devices="emu:2")
+    second, _ = run_example("tiny_lm.py", "--steps", 2 * n, "--resume", ckpt, *small,
+                            devices="emu:2")
+    digest = lambda out: re.search(r"params sha256: (\w+)", out)[1]  # noqa: E731
+    assert digest(second) == digest(full)
+    assert sorted(map(int, _iteration_losses(second))) == list(range(n, 2 * n))

@@ -411,3 +411,26 @@ def test_a_failed_merge_drops_the_call_gradients():
                                loss_fn=lambda out, _: out[0].sum())
     optim_thread.synchronize()
     assert all(m.grad is None for m in model.optim_parameters())
+
+
+class _AddsHostTensor(nn.Module):
+    """Adds a tensor it made on the host: fine on the CPU, an error on an accelerator."""
+
+    def forward(self, x):
+        return x + torch.ones(x.shape[-1])
+
+
+def test_a_stage_that_adds_a_host_tensor_names_the_stage(pool_kind):
+    torch.manual_seed(0)
+    seq = nn.Sequential(nn.Linear(3, 3), _AddsHostTensor(), nn.Linear(3, 2))
+    model = RoundPipe(seq, devices="cpu:2", model_run_config=RoundPipeRunConfig(num_microbatch=2))
+    x = torch.randn(4, 3)
+    if pool_kind == "cpu":
+        model.forward_backward(input_args=(x,), loss_fn=loss_fn)
+        return
+    # On an accelerator the host tensor meets a device tensor, as on CUDA.
+    with pytest.raises(RuntimeError, match="Expected all tensors to be on the same device") as info:
+        model.forward_backward(input_args=(x,), loss_fn=loss_fn)
+    assert "[roundpipe stage 1, layer 1 (_AddsHostTensor), microbatch 0, forward]" in \
+        info.value.__notes__
+    assert all(m.grad is None for m in model.optim_parameters())

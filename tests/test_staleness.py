@@ -156,7 +156,7 @@ def test_workers_wait_for_the_params_copy_of_their_stage():
 
     def record(module, inputs):
         entered.set()
-        seen.append(module.weight.detach().clone())
+        seen.append(module.weight.detach().to("cpu", copy=True))  # on an accelerator: the upload
     handle = model.module[0].register_forward_pre_hook(record)
     runner = threading.Thread(target=lambda: model.forward_backward(
         input_args=(x,), label=y, loss_fn=loss_fn))
