@@ -82,6 +82,9 @@ def autocast_context(state: AutocastState) -> contextlib.AbstractContextManager:
 #   masks).
 # * After the call the global generator is left deterministic: for M = 1 in the state where the
 #   chain ended (as plain PyTorch), for M > 1 just after the base seed was drawn.
+# * On an accelerator, a chain state also holds a device generator state, taken from device 0;
+#   whichever device runs a stage gets it, so masks do not depend on the pool's size. Device 0's
+#   generator is left as the CPU's is; the other devices' get their state from before the call.
 # Result: with a fixed seed, parameters are bitwise identical for any number of CPU workers.
 
 RNG_LOCK = threading.Lock()

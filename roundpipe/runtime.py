@@ -312,6 +312,9 @@ class _Call:
     rng_probe_keys: List[Optional[Tuple]]      # stages run in the chain only to learn if they draw
     rng_starts: Optional[List[RNGState]]
     rng_after_draw: Optional[RNGState]
+    # The generator states of the pool's other devices before the call, restored after it:
+    # their stages set them to chain states (see [Note: RNG chains]). Empty on the CPU.
+    rng_others: List[Tuple[Any, Optional[torch.Tensor]]]
     ready: _ParamsReady
     cast_dtype: Optional[torch.dtype]
     input_grad: bool                           # some input requires grad (forward_backward)
@@ -878,9 +881,11 @@ class RoundPipe(nn.Module):
             stage_rng.append(known)
             probe_keys.append(key)
         rng_starts = rng_after = None
+        rng_others: List[Tuple[Any, Optional[torch.Tensor]]] = []
         if any(stage_rng):
             rng_starts = chain_starts(M, backend0)
             rng_after = RNGState(torch.get_rng_state(), backend0.get_rng_state())
+            rng_others = [(b, b.get_rng_state()) for b in self._pool.backends[1:]]
         call = _Call(
             plan=self._plan(stages, M, training), stages=stages, training=training,
             recompute=bool(cfg.recompute), grad_enabled=grad_enabled,
@@ -889,7 +894,8 @@ class RoundPipe(nn.Module):
             chunks=chunks, sizes=sizes, labels=labels, loss_fn=loss_fn,
             return_outputs=return_outputs, stage_params=stage_params, stage_rng=stage_rng,
             stage_drew=[False] * len(stages), rng_probe_keys=probe_keys,
-            rng_starts=rng_starts, rng_after_draw=rng_after, ready=self._ready,
+            rng_starts=rng_starts, rng_after_draw=rng_after, rng_others=rng_others,
+            ready=self._ready,
             cast_dtype=self._cast_dtype,
             input_grad=training and any(isinstance(x, torch.Tensor) and x.requires_grad
                                         for x in pytree.tree_leaves((args, kwargs))))
@@ -964,6 +970,10 @@ class RoundPipe(nn.Module):
         """Leave the global RNG deterministic (see [Note: RNG chains])."""
         if call.rng_starts is None:
             return
+        # First the other devices (an emulated device's generator is the CPU's, which device
+        # 0's restore below then sets).
+        for backend, state in call.rng_others:
+            backend.set_rng_state(state)
         backend0 = self._pool.backends[0]
         if ok and call.plan.num_microbatch == 1:
             end = call.slots[(len(call.stages) - 1, 0)].rng_end

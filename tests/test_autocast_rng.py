@@ -241,3 +241,25 @@ def test_functional_randomness_is_identical_across_workers():
     for other in grads[1:]:
         for a, b in zip(grads[0], other):
             assert torch.equal(a, b)
+
+
+def test_an_rng_scope_can_be_entered_again_after_an_error():
+    # checkpoint enters a stage's recompute scope once per recompute; if a recompute fails, a
+    # later one enters the same object again and must start from the same state (a one-use
+    # context manager reported that as AttributeError instead of the first error).
+    from roundpipe.autocast import RNGState, rng_scope
+    from roundpipe.devices import _CPUBackend, WorkerDevice
+
+    torch.manual_seed(3)
+    start = RNGState(torch.get_rng_state())
+    scope = rng_scope(start, _CPUBackend(WorkerDevice("cpu", 0)))
+    with pytest.raises(KeyError):
+        with scope:
+            torch.rand(3)
+            raise KeyError("first recompute fails")
+    with scope as result:
+        again = torch.rand(3)
+    torch.set_rng_state(start.cpu)
+    assert torch.equal(again, torch.rand(3))
+    assert result.drew and torch.equal(result.end.cpu, torch.get_rng_state())
+
