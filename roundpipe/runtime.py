@@ -10,7 +10,7 @@
 * ``step(step_fn)`` runs ``step_fn`` on the optimizer thread, one step behind
   (see [Note: staleness]).
 
-Threads and what they touch (see DESIGN.md "Threads"):
+Threads and what they touch (see docs/threads-and-staleness.md, "The threads"):
 
 * main: every public method; the run configs; ``_ready`` (replaced, never mutated);
   ``_has_grads``; the per-call state before the workers start and after they finish.

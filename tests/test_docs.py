@@ -47,6 +47,32 @@ def test_relative_links_point_at_existing_files():
     assert not broken, "broken links:\n" + "\n".join(broken)
 
 
+def _project_text_files(with_tests):
+    """The text a user or a contributor reads: the README, the docs, the package, the examples,
+    the benchmarks (and, with ``with_tests``, the tests), as ``(path, text)`` pairs."""
+    paths = [ROOT / "README.md", ROOT / "pyproject.toml"]
+    folders = ["docs", "roundpipe", "examples", "benchmarks"] + (["tests"] if with_tests else [])
+    for folder in folders:
+        paths += sorted(p for p in (ROOT / folder).rglob("*") if p.suffix in (".md", ".py"))
+    return [(p, p.read_text()) for p in paths]
+
+
+_MD_NAME = re.compile(r"[\w./-]*\w\.md\b")
+
+
+def test_every_markdown_file_the_project_names_is_in_the_repository():
+    """A name such as ``docs/scaler.md`` in a docstring, a comment or a page must be a file of
+    this repository (next to the file that names it, at the root, or in docs/): a reader sent to
+    a file that is not there finds nothing."""
+    missing = []
+    for path, text in _project_text_files(with_tests=True):
+        for name in sorted(set(_MD_NAME.findall(text))):
+            bases = (path.parent, ROOT, ROOT / "docs")
+            if not any((base / name).exists() for base in bases):
+                missing.append(f"{path.relative_to(ROOT)} names {name}")
+    assert not missing, "names of files that are not in the repository:\n" + "\n".join(missing)
+
+
 def test_benchmarks_page_is_assembled_from_the_current_results():
     spec = importlib.util.spec_from_file_location("gen_benchmarks", ROOT / "docs" / "gen_benchmarks.py")
     module = importlib.util.module_from_spec(spec)

@@ -1,4 +1,5 @@
-"""GradScaler's async (lag-one) mode against a small pure-Python reference of DESIGN's contract."""
+"""GradScaler's async (lag-one) mode against a small pure-Python reference of the contract in
+docs/scaler.md."""
 
 import math
 import os
@@ -17,9 +18,9 @@ GROWTH, BACKOFF = 2.0, 0.5
 
 
 class LagOneReference:
-    """DESIGN.md "GradScaler semantics", written out: s_0 = s_1 = init; async update k hands out
-    the newest scale after U on step k-1 and then runs U on step k, whose overflow backs off from
-    min(newest, s_k). A sync update runs U on step k and hands out its result."""
+    """docs/scaler.md, "Sync and async update", written out: s_0 = s_1 = init; async update k
+    hands out the newest scale after U on step k-1 and then runs U on step k, whose overflow backs
+    off from min(newest, s_k). A sync update runs U on step k and hands out its result."""
 
     def __init__(self, init, interval):
         self.newest = self.back = self.front = self.published = init
