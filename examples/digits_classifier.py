@@ -8,7 +8,7 @@ fp32 master copies on the optimizer thread while the next iteration computes (on
 and the loss is scaled so that small fp16 gradients do not flush to zero. ``growth_interval`` is
 set low so that a short run shows the scaler at work: the scale grows until fp16 gradients
 overflow, the step is skipped and the scale backs off. ``--plot`` saves the loss, the scale in
-use and the skipped steps (needs matplotlib: ``pip install roundpipe[plot]``).
+use and the skipped steps (needs matplotlib, which the ``examples`` extra installs).
 """
 
 import argparse

@@ -73,6 +73,16 @@ def test_every_markdown_file_the_project_names_is_in_the_repository():
     assert not missing, "names of files that are not in the repository:\n" + "\n".join(missing)
 
 
+def test_no_text_sends_a_user_to_the_package_index_for_roundpipe():
+    """A different project has the name roundpipe on the package index: installs are from the
+    checkout (``pip install -e ".[extra]"``), in the README, the docs, messages and docstrings."""
+    index_install = re.compile(r"pip3? install\s+(?:-U\s+|--upgrade\s+)?[\"']?roundpipe\b")
+    offenders = [f"{path.relative_to(ROOT)}: {m.group(0)}"
+                 for path, text in _project_text_files(with_tests=False)
+                 for m in index_install.finditer(text)]
+    assert not offenders, "\n".join(offenders)
+
+
 def test_benchmarks_page_is_assembled_from_the_current_results():
     spec = importlib.util.spec_from_file_location("gen_benchmarks", ROOT / "docs" / "gen_benchmarks.py")
     module = importlib.util.module_from_spec(spec)
