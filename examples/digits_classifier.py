@@ -55,6 +55,12 @@ def main():
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--plot", default=None, metavar="PNG", help="save loss/scale/skipped steps to this file")
     args = parser.parse_args()
+    if args.plot:
+        try:  # now, not after training: save_plot at the end needs it
+            import matplotlib.figure  # noqa: F401
+        except ImportError:
+            parser.error("--plot needs matplotlib: `python -m pip install matplotlib`, or the "
+                         "examples extra from the checkout: `python -m pip install -e \".[examples]\"`")
 
     torch.manual_seed(args.seed)
     dtype = DTYPES[args.dtype]

@@ -11,13 +11,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_example(name, *args, timeout=100):
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+def run_example(name, *args, timeout=100, env=None, expect_rc=0):
+    env = dict(os.environ if env is None else env, PYTHONUNBUFFERED="1")
     proc = subprocess.run(
         [sys.executable, str(ROOT / "examples" / name), *map(str, args)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout,
     )
-    assert proc.returncode == 0, f"{name} failed:\n{proc.stdout}\n{proc.stderr}"
+    assert proc.returncode == expect_rc, f"{name} exited with {proc.returncode}:\n{proc.stdout}\n{proc.stderr}"
     return proc.stdout, proc.stderr
 
 
@@ -41,6 +41,18 @@ def test_digits_classifier_learns_and_plots(tmp_path):
     assert first_loss and float(first_loss[1]) < 1.5, out  # started at ln(10) = 2.30
     assert plot.exists() and plot.read_bytes()[:4] == b"\x89PNG"
     assert "step/s" in err or "s/step" in err  # the tqdm progress bar
+
+
+def test_digits_classifier_plot_without_matplotlib_stops_before_training(tmp_path):
+    # A matplotlib package that cannot be imported, ahead of the real one on the path.
+    (tmp_path / "matplotlib").mkdir()
+    (tmp_path / "matplotlib" / "__init__.py").write_text("raise ImportError('no matplotlib here')\n")
+    path = os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))
+    env = dict(os.environ, PYTHONPATH=path)
+    out, err = run_example("digits_classifier.py", "--steps", 5, "--plot", tmp_path / "x.png",
+                           env=env, expect_rc=2)
+    assert "--plot needs matplotlib" in err and "pip install matplotlib" in err
+    assert "training" not in err and "test accuracy" not in out  # nothing ran before the check
 
 
 def test_digits_classifier_bf16_on_two_workers():
