@@ -354,6 +354,8 @@ class GradScaler:
 
     def _found_inf_sum(self, state: _PerOptimizerState) -> torch.Tensor:
         found = [t.to(self._back.device, non_blocking=True) for t in state.found_inf_per_device.values()]
+        if not found:  # no gradient to check (a fused step without grads): nothing overflowed
+            return torch.zeros((), dtype=torch.float32, device=self._back.device)
         total = found[0]
         for other in found[1:]:
             total = total + other
