@@ -131,6 +131,15 @@ def _check_positive_finite(name: str, value: Optional[float]) -> None:
         raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
 
 
+def _check_not_on_model_params(optimizer: torch.optim.Optimizer) -> None:
+    """In a RoundPipe step function, an optimizer without gradients is most likely one built on
+    the model's own parameters (gradients go to the masters): raise the RuntimeError that says so
+    and how to fix it. Elsewhere a no-op."""
+    from roundpipe.runtime import _check_optimizer_params  # at the call: the scaler stands alone
+
+    _check_optimizer_params(optimizer, (), {})
+
+
 class GradScaler:
     """A drop-in for :class:`torch.amp.GradScaler` whose scale is double-buffered between the
     compute threads and the roundpipe optimizer thread, so :meth:`update` never waits for a
@@ -386,7 +395,12 @@ class GradScaler:
             if state.stage is OptState.READY:
                 self.unscale_(optimizer)
             if not state.found_inf_per_device:
-                raise AssertionError("No inf checks were recorded for this optimizer. Please report.")
+                _check_not_on_model_params(optimizer)
+                # torch's exception type and words, plus the cause.
+                raise AssertionError("No inf checks were recorded for this optimizer: none of its "
+                                     "parameters has a gradient. Run backward() on a scaled loss "
+                                     "before step(), or step only optimizers whose parameters "
+                                     "got gradients.")
             state.found_inf = self._found_inf_sum(state)
             retval = None
             if not state.found_inf.item():

@@ -5,7 +5,8 @@ import pytest
 import torch
 from torch import nn
 
-from roundpipe import OptimizerCtx, RoundPipe, RoundPipeRunConfig, optim_thread
+import roundpipe
+from roundpipe import GradScaler, OptimizerCtx, RoundPipe, RoundPipeRunConfig, optim_thread
 
 
 class Boom(nn.Module):
@@ -226,6 +227,42 @@ def test_optimizer_on_model_parameters_is_rejected():
         model.step(lambda: opt.step(), is_async=False)
     # Outside a RoundPipe step the hook stays out of the way.
     torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1).step()
+
+
+@pytest.mark.parametrize("clip", [False, True], ids=["step", "unscale-then-step"])
+@pytest.mark.parametrize("make_opt", [
+    lambda params: torch.optim.SGD(params, lr=0.1),
+    lambda params: torch.optim.Adam(params, lr=0.1),
+    lambda params: torch.optim.Adam(params, lr=0.1, fused=True),
+    lambda params: roundpipe.optim.Adam(params, lr=0.1),
+], ids=["sgd", "adam", "fused-adam", "roundpipe-adam"])
+def test_optimizer_on_model_parameters_with_a_grad_scaler_names_the_fix(make_opt, clip):
+    model = make()
+    opt = make_opt(model.parameters())  # outside OptimizerCtx: the wrong params
+    scaler = GradScaler("cpu")
+
+    def step_fn():
+        if clip:
+            scaler.unscale_(opt)
+        scaler.step(opt)
+        opt.zero_grad()
+
+    model.forward_backward(input_args=(tagged_batch(),),
+                           loss_fn=lambda out, lbl: scaler.scale(loss_fn(out, lbl)))
+    model.step(step_fn)
+    with pytest.raises(RuntimeError, match=r"built on the model's own \(low-precision\) "
+                                           r"parameters.*with OptimizerCtx\(\)"):
+        scaler.update()  # reports the failed step if it has already run ...
+        model.synchronize()  # ... else this, which waits for it
+    # Built as the message says, the next iteration runs.
+    with OptimizerCtx():
+        opt = make_opt(model.parameters())
+    model.forward_backward(input_args=(tagged_batch(),),
+                           loss_fn=lambda out, lbl: scaler.scale(loss_fn(out, lbl)))
+    model.step(step_fn)
+    scaler.update()
+    model.synchronize()
+    assert scaler.snapshot().steps == 1
 
 
 def test_trainable_param_without_master():
