@@ -226,6 +226,26 @@ class StepBroke(Exception):
     pass
 
 
+def test_update_without_a_step_since_the_last_is_refused_at_that_call():
+    interval = 2
+    ref, run = LagOneReference(2.0**6, interval), Harness(GradScaler("cpu", init_scale=2.0**6, growth_interval=interval))
+    for k in range(6):
+        ref.update_async(k == 3)
+        run.iteration(k == 3)
+        if k in (1, 3):
+            with pytest.raises(RuntimeError, match=r"no step since the previous update\(\).*once per "
+                                                   r"iteration, after model\.step"):
+                run.scaler.update()  # misplaced: a second update in the iteration
+    optim_thread.synchronize()  # nothing failed on the optimizer thread either
+    # The refused calls changed nothing: the run follows the reference of a correct loop.
+    assert run.scaler.get_scale() == ref.front
+    assert run.stepped_with == run.used
+    assert run.scaler.get_scale(up_to_date=True) == ref.newest
+    # update(new_scale=...) needs no step, as in torch.
+    run.scaler.update(new_scale=3.0)
+    assert run.scaler.get_scale() == 3.0
+
+
 def test_step_error_is_reraised_on_main_as_its_own_type_and_training_continues():
     ref, run = LagOneReference(2.0**4, 1000), Harness(GradScaler("cpu", init_scale=2.0**4, growth_interval=1000))
     for k in range(3):
