@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import threading
+import warnings
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
@@ -193,6 +194,26 @@ def _ensure_optimizer_hook() -> None:
         if _OPTIMIZER_HOOK is None:
             _OPTIMIZER_HOOK = register_optimizer_step_pre_hook(
                 _check_optimizer_params)
+
+
+# Model classes already warned about by _warn_single_stage (each once per process).
+_WARNED_SINGLE_STAGE: set = set()
+
+
+def _warn_single_stage(model: nn.Module) -> None:
+    """A model with submodules that is not an nn.Sequential runs as one stage: say so, once per
+    model class, with how to make stages. A leaf module (no submodules) is one layer anyway."""
+    cls = type(model)
+    if cls in _WARNED_SINGLE_STAGE or next(model.children(), None) is None:
+        return
+    _WARNED_SINGLE_STAGE.add(cls)
+    warnings.warn(
+        f"RoundPipe runs a {cls.__name__}, which is not an nn.Sequential, as a single stage: it "
+        f"is not split over the device pool, each microbatch runs the whole model on one device, "
+        f"and recompute re-runs all of it. To make stages, wrap an nn.Sequential whose children "
+        f"each take the previous child's output, e.g. nn.Sequential(embedding, *blocks, head) for "
+        f"a GPT-style model (see docs/devices.md, \"Stages\"). To keep one stage and silence this "
+        f"warning, wrap nn.Sequential(model).", UserWarning, stacklevel=3)
 
 
 # -- internal structures ----------------------------------------------------------------------
@@ -425,8 +446,9 @@ class RoundPipe(nn.Module):
     optimizer step that runs on the optimizer thread, one step behind (see [Note: staleness]).
 
     Args:
-        model: an ``nn.Sequential`` (its children are the layers) or any module (one layer). It
-            keeps its parameter objects; after :meth:`synchronize` they hold the newest values.
+        model: an ``nn.Sequential`` (its children are the layers) or any module (one layer; a
+            module with submodules warns once per class, naming how to make stages). It keeps
+            its parameter objects; after :meth:`synchronize` they hold the newest values.
         optim_dtype: dtype of the masters; None means fp32 for fp16/bf16 params, else the
             param's own dtype.
         name: shown in error notes.
@@ -464,6 +486,7 @@ class RoundPipe(nn.Module):
                 raise ValueError("cannot wrap an empty nn.Sequential")
         else:
             children = [("0", model)]
+            _warn_single_stage(model)
         self._layers = [_Layer(i, n, m) for i, (n, m) in enumerate(children)]
         self._param_names = {id(p): n for n, p in model.named_parameters(remove_duplicate=True)}
         self._lowp_ids = frozenset(self._param_names)

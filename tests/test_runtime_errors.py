@@ -1,6 +1,8 @@
 """Errors: re-raised on the main thread as their own type with where they happened; nothing
 hangs; the next iteration works. And each clear error for bad input or misuse."""
 
+import warnings
+
 import pytest
 import torch
 from torch import nn
@@ -263,6 +265,34 @@ def test_optimizer_on_model_parameters_with_a_grad_scaler_names_the_fix(make_opt
     scaler.update()
     model.synchronize()
     assert scaler.snapshot().steps == 1
+
+
+class TinyGPT(nn.Module):
+    """The common shape that is not an nn.Sequential: embedding, a ModuleList of blocks, head."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(10, 4)
+        self.blocks = nn.ModuleList(nn.Linear(4, 4) for _ in range(3))
+        self.head = nn.Linear(4, 10)
+
+    def forward(self, idx):
+        h = self.embed(idx)
+        for block in self.blocks:
+            h = torch.tanh(block(h))
+        return self.head(h)
+
+
+def test_a_model_that_is_not_sequential_warns_once_that_it_is_one_stage():
+    with pytest.warns(UserWarning, match=r"runs a TinyGPT, which is not an nn\.Sequential, as a "
+                                         r"single stage.*nn\.Sequential\(embedding, \*blocks, head\)"):
+        model = RoundPipe(TinyGPT())
+    assert len(model.plan().actions()) == 1  # one stage, one microbatch
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        RoundPipe(TinyGPT())  # the same class again: said already
+        RoundPipe(nn.Sequential(TinyGPT()))  # one stage on purpose
+        RoundPipe(nn.Linear(2, 2))  # a leaf module: nothing to split
 
 
 def test_trainable_param_without_master():
