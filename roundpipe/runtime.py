@@ -647,6 +647,9 @@ class RoundPipe(nn.Module):
         """Forward and backward of one batch, in microbatches; returns the sum of the microbatch
         losses (detached), or ``(loss, merged_outputs)`` with ``return_outputs``.
 
+        ``input_args``/``input_kwargs`` (split into microbatches) reach the first layer only;
+        every later layer gets the previous layer's output as its one argument.
+
         ``loss_fn(output, label_mb)`` runs once per microbatch on the worker of the last stage
         and must return a single-element tensor. Gradients accumulate into the masters' ``.grad``
         (``optim_dtype``); inputs that require grad get theirs in ``.grad`` (through whatever
@@ -696,7 +699,7 @@ class RoundPipe(nn.Module):
     def forward(self, *args: Any, run_config: Optional[RoundPipeRunConfig] = None,
                 **kwargs: Any) -> Any:
         """Microbatched inference; differentiable when ``requires_grad`` (default: grad mode at
-        the call) is on. Then a ``backward()`` through the output moves the parameter gradients
+        the call) is on. The arguments reach the first layer only (as in forward_backward). Then a ``backward()`` through the output moves the parameter gradients
         into the masters (as forward_backward does) and :meth:`step` may follow. ``run_config``
         (keyword only, not passed to the model) overrides the model-level config for this call,
         e.g. ``model(x, run_config=RoundPipeRunConfig(num_microbatch=1))`` for a small batch.

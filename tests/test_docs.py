@@ -32,6 +32,20 @@ def test_api_reference_covers_every_exported_name():
 
 
 _LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
+_ANCHORED_LINK = re.compile(r"\]\(([^)#\s]*\.md)#([^)\s]+)\)")
+
+
+def _heading_anchors(markdown):
+    """The anchors GitHub gives a page's headings: lower case, punctuation dropped, spaces to
+    hyphens (code fences skipped)."""
+    anchors, in_code = set(), False
+    for line in markdown.splitlines():
+        if line.startswith("```"):
+            in_code = not in_code
+        elif not in_code and line.startswith("#"):
+            title = line.lstrip("#").strip().lower()
+            anchors.add(re.sub(r"[^\w\- ]", "", title).replace(" ", "-"))
+    return anchors
 
 
 def test_relative_links_point_at_existing_files():
@@ -81,6 +95,16 @@ def test_no_text_sends_a_user_to_the_package_index_for_roundpipe():
                  for path, text in _project_text_files(with_tests=False)
                  for m in index_install.finditer(text)]
     assert not offenders, "\n".join(offenders)
+
+
+def test_links_to_a_section_name_a_heading_of_that_page():
+    broken = []
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for target, anchor in _ANCHORED_LINK.findall(page.read_text()):
+            path = page.parent / target
+            if path.exists() and anchor not in _heading_anchors(path.read_text()):
+                broken.append(f"{page.relative_to(ROOT)} -> {target}#{anchor}")
+    assert not broken, "links to sections that do not exist:\n" + "\n".join(broken)
 
 
 def test_benchmarks_page_is_assembled_from_the_current_results():
