@@ -5,6 +5,8 @@ import importlib.util
 import re
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -117,9 +119,11 @@ def test_benchmarks_page_is_assembled_from_the_current_results():
         assert section in page
 
 
-def test_the_readme_loop_runs_as_written():
-    """The loop under "## The loop" in README.md, with a concrete model and loader."""
+def test_the_readme_loop_runs_as_written(monkeypatch):
+    """The loop under "## The loop" in README.md, with a concrete model and loader; the loss it
+    logs is the real (unscaled) one."""
     import torch
+    import torch.nn.functional as F
 
     readme = (ROOT / "README.md").read_text()
     section = readme.split("## The loop", 1)[1]
@@ -137,8 +141,20 @@ def test_the_readme_loop_runs_as_written():
         holder["before"] = [p.detach().clone() for p in holder["model"].parameters()]
         return holder["model"]
 
+    real_losses = []  # every cross entropy the loop's loss_fn computes, unscaled
+    cross_entropy = F.cross_entropy
+
+    def recording_cross_entropy(*args, **kwargs):
+        loss = cross_entropy(*args, **kwargs)
+        real_losses.append(loss.item())
+        return loss
+
+    monkeypatch.setattr(F, "cross_entropy", recording_cross_entropy)
     namespace = {"make_model": make_model, "loader": loader}
     exec(compile(code, "README.md", "exec"), namespace)
+    # The last iteration: 4 microbatches, each loss divided by 4 in loss_fn.
+    assert len(real_losses) == 4 * len(loader)
+    assert namespace["real_loss"] == pytest.approx(sum(real_losses[-4:]) / 4, rel=1e-6)
     after = list(holder["model"].parameters())
     assert all(p.dtype == torch.float16 for p in after)
     assert all(not torch.equal(a, b.half()) for a, b in zip(after, holder["before"]))  # trained
