@@ -65,9 +65,23 @@ def _iteration_losses(out):
     return dict(re.findall(r"^iteration (\d+) loss \S+ (\S+)$", out, flags=re.M))
 
 
+TINY = ["--print-every", 1, "--sample", 0, "--corpus-bytes", 200_000,
+        "--dim", 32, "--context", 32, "--batch-size", 8]
+
+
+def test_tiny_lm_resume_with_steps_not_past_the_checkpoint_says_so(tmp_path):
+    ckpt = tmp_path / "ckpt.pt"
+    run_example("tiny_lm.py", "--steps", 3, "--save", ckpt, *TINY)
+    # --steps counts from the start of the run: 2 < 3 is refused, with the --steps that works.
+    _, err = run_example("tiny_lm.py", "--steps", 2, "--resume", ckpt, *TINY, expect_rc=2)
+    assert "--steps 2 is below the iteration 3" in err and "--steps 5 trains 2 more" in err
+    out, _ = run_example("tiny_lm.py", "--steps", 3, "--resume", ckpt, *TINY)
+    assert "already at iteration 3 = --steps: nothing to train" in out
+    assert not _iteration_losses(out)
+
+
 def test_tiny_lm_resume_continues_exactly_as_the_uninterrupted_run(tmp_path):
-    small = ["--print-every", 1, "--sample", 0, "--corpus-bytes", 200_000,
-             "--dim", 32, "--context", 32, "--batch-size", 8]
+    small = TINY
     n = 4
     full, _ = run_example("tiny_lm.py", "--steps", 2 * n, *small)
     ckpt = tmp_path / "ckpt.pt"
