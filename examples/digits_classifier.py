@@ -60,7 +60,8 @@ def main():
             import matplotlib.figure  # noqa: F401
         except ImportError:
             parser.error("--plot needs matplotlib: `python -m pip install matplotlib`, or the "
-                         "examples extra from the checkout: `python -m pip install -e \".[examples]\"`")
+                         "examples extra from the checkout: "
+                         "`python -m pip install -e \".[examples]\"`")
 
     torch.manual_seed(args.seed)
     dtype = DTYPES[args.dtype]

@@ -153,9 +153,10 @@ class GradScaler:
     for monitoring, :meth:`step_was_skipped`, and ``up_to_date`` on every getter.
 
     Threads. Attributes owned by the main thread: ``_front``, ``_front_replicas``, ``_mirror``,
-    ``_published``, ``_pending``, ``_last_item``, ``_launch_mark``, ``_stepped_on_main``. Attributes of the back side (``_scale``,
-    ``_back``, ``_growth_tracker``, ``_hyper``, ``_per_optimizer_states``, counters) are touched by
-    the optimizer thread, or by the main thread when no launched work can touch them.
+    ``_published``, ``_pending``, ``_last_item``, ``_launch_mark``, ``_stepped_on_main``.
+    Attributes of the back side (``_scale``, ``_back``, ``_growth_tracker``, ``_hyper``,
+    ``_per_optimizer_states``, counters) are touched by the optimizer thread, or by the main
+    thread when no launched work can touch them.
     Device workers only read ``_front`` (through :meth:`scale`).
     """
 

@@ -212,8 +212,9 @@ def _warn_single_stage(model: nn.Module) -> None:
         f"is not split over the device pool, each microbatch runs the whole model on one device, "
         f"and recompute re-runs all of it. To make stages, wrap an nn.Sequential whose children "
         f"each take the previous child's output, e.g. nn.Sequential(embedding, *blocks, head) for "
-        f"a GPT-style model (see docs/devices.md, \"Stages\"). To keep one stage and silence this "
-        f"warning, wrap nn.Sequential(model).", UserWarning, stacklevel=3)
+        f"a GPT-style model (docs/devices.md, \"A model that is not an nn.Sequential\"). To "
+        f"keep one stage and silence this warning, wrap nn.Sequential(model).",
+        UserWarning, stacklevel=3)
 
 
 # -- internal structures ----------------------------------------------------------------------
@@ -699,11 +700,14 @@ class RoundPipe(nn.Module):
     def forward(self, *args: Any, run_config: Optional[RoundPipeRunConfig] = None,
                 **kwargs: Any) -> Any:
         """Microbatched inference; differentiable when ``requires_grad`` (default: grad mode at
-        the call) is on. The arguments reach the first layer only (as in forward_backward). Then a ``backward()`` through the output moves the parameter gradients
+        the call) is on. Then a ``backward()`` through the output moves the parameter gradients
         into the masters (as forward_backward does) and :meth:`step` may follow. ``run_config``
         (keyword only, not passed to the model) overrides the model-level config for this call,
         e.g. ``model(x, run_config=RoundPipeRunConfig(num_microbatch=1))`` for a small batch.
-        Main thread; blocks until the output is computed."""
+        Main thread; blocks until the output is computed.
+
+        The arguments (split into microbatches) reach the first layer only, as in
+        :meth:`forward_backward`."""
         _check_main_thread("forward")
         self._report_failures()
         cfg = self._resolve(run_config)
