@@ -8,7 +8,7 @@ fp32 master copies on the optimizer thread while the next iteration computes (on
 and the loss is scaled so that small fp16 gradients do not flush to zero. ``growth_interval`` is
 set low so that a short run shows the scaler at work: the scale grows until fp16 gradients
 overflow, the step is skipped and the scale backs off. ``--plot`` saves the loss, the scale in
-use and the skipped steps (needs matplotlib: ``pip install roundpipe[plot]``).
+use and the skipped steps (needs matplotlib, which the ``examples`` extra installs).
 """
 
 import argparse
@@ -55,6 +55,13 @@ def main():
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--plot", default=None, metavar="PNG", help="save loss/scale/skipped steps to this file")
     args = parser.parse_args()
+    if args.plot:
+        try:  # now, not after training: save_plot at the end needs it
+            import matplotlib.figure  # noqa: F401
+        except ImportError:
+            parser.error("--plot needs matplotlib: `python -m pip install matplotlib`, or the "
+                         "examples extra from the checkout: "
+                         "`python -m pip install -e \".[examples]\"`")
 
     torch.manual_seed(args.seed)
     dtype = DTYPES[args.dtype]

@@ -6,6 +6,10 @@ checkpoints that resume exactly.
     python examples/tiny_lm.py --steps 150 --save ckpt.pt       # stop at iteration 150 ...
     python examples/tiny_lm.py --steps 300 --resume ckpt.pt     # ... continue to 300
 
+``--steps`` is the iteration to stop at, counting the checkpoint's iterations: resuming a
+checkpoint at iteration 150 with ``--steps 100`` is refused, with the ``--steps`` that trains
+100 more.
+
 The two-part run prints the same losses and ends with the same parameters (the printed sha256)
 as the uninterrupted one, bit for bit. What that takes (docs/checkpointing.md):
 
@@ -233,6 +237,13 @@ def main():
     start = 0
     if args.resume:
         start = load_checkpoint(args.resume, args, model, opt, scaler, data_gen)
+        if args.steps < start:
+            parser.error(f"--steps {args.steps} is below the iteration {start} of {args.resume}: "
+                         f"--steps is the iteration to train until, counting the checkpoint's "
+                         f"(--steps {start + args.steps} trains {args.steps} more)")
+        if args.steps == start:
+            print(f"{args.resume} is already at iteration {start} = --steps: nothing to train "
+                  f"(a larger --steps continues)")
     n_params = sum(p.numel() for p in model.optim_parameters())
     print(f"roundpipe {roundpipe.__version__}: {n_params / 1e6:.2f}M params ({args.dtype} shards, fp32 "
           f"masters), {len(tokens) / 1e6:.1f} MB of {stdlib}, iterations {start}..{args.steps}")

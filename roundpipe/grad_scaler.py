@@ -136,6 +136,15 @@ def _check_positive_finite(name: str, value: Optional[float]) -> None:
         raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
 
 
+def _check_not_on_model_params(optimizer: torch.optim.Optimizer) -> None:
+    """In a RoundPipe step function, an optimizer without gradients is most likely one built on
+    the model's own parameters (gradients go to the masters): raise the RuntimeError that says so
+    and how to fix it. Elsewhere a no-op."""
+    from roundpipe.runtime import _check_optimizer_params  # at the call: the scaler stands alone
+
+    _check_optimizer_params(optimizer, (), {})
+
+
 class GradScaler:
     """A drop-in for :class:`torch.amp.GradScaler` whose scale is double-buffered between the
     compute threads and the roundpipe optimizer thread, so :meth:`update` never waits for a
@@ -148,10 +157,11 @@ class GradScaler:
     keep overflowing at ``min_scale`` raises a :class:`ScaleCollapseWarning`), :meth:`snapshot`
     for monitoring, :meth:`step_was_skipped`, and ``up_to_date`` on every getter.
 
-    Threads. Attributes owned by the main thread: ``_front``, ``_front_value``, ``_front_replicas``, ``_mirror``,
-    ``_published``, ``_pending``, ``_last_item``. Attributes of the back side (``_scale``,
-    ``_back``, ``_growth_tracker``, ``_hyper``, ``_per_optimizer_states``, counters) are touched by
-    the optimizer thread, or by the main thread when no launched work can touch them.
+    Threads. Attributes owned by the main thread: ``_front``, ``_front_value``,
+    ``_front_replicas``, ``_mirror``, ``_published``, ``_pending``, ``_last_item``,
+    ``_launch_mark``, ``_stepped_on_main``. Attributes of the back side (``_scale``, ``_back``,
+    ``_growth_tracker``, ``_hyper``, ``_per_optimizer_states``, counters) are touched by the
+    optimizer thread, or by the main thread when no launched work can touch them.
     Device workers only read ``_front`` (through :meth:`scale`).
     """
 
@@ -224,6 +234,10 @@ class GradScaler:
         self._setter_applied = 0
         self._published: Optional[_Published] = None
         self._pending: Optional[optim_thread._WorkItem] = None  # the last launched update
+        # What a step since the previous update() looks like from the main thread: a launch
+        # (model.step) or a step()/unscale_() called on the main thread itself.
+        self._launch_mark = optim_thread._last_launch()
+        self._stepped_on_main = False
         self._last_item: Optional[optim_thread._WorkItem] = None  # the last launched back work
 
     # ------------------------------------------------------------------------------------------
@@ -309,6 +323,10 @@ class GradScaler:
             )
         self._wait_last_item()
 
+    def _note_main_thread_step(self) -> None:
+        if not on_optimizer_thread():
+            self._stepped_on_main = True
+
     def _wait_last_item(self) -> None:
         item = self._last_item
         if item is not None:
@@ -351,6 +369,7 @@ class GradScaler:
             return
         self._check_initialized("unscale_")
         self._claim_back_side("unscale_()")
+        self._note_main_thread_step()
         state = self._per_optimizer_states[id(optimizer)]
         if state.stage is OptState.UNSCALED:
             raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")
@@ -363,6 +382,8 @@ class GradScaler:
 
     def _found_inf_sum(self, state: _PerOptimizerState) -> torch.Tensor:
         found = [t.to(self._back.device, non_blocking=True) for t in state.found_inf_per_device.values()]
+        if not found:  # no gradient to check (a fused step without grads): nothing overflowed
+            return torch.zeros((), dtype=torch.float32, device=self._back.device)
         total = found[0]
         for other in found[1:]:
             total = total + other
@@ -383,6 +404,7 @@ class GradScaler:
             raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
         self._check_initialized("step")
         self._claim_back_side("step()")
+        self._note_main_thread_step()
         state = self._per_optimizer_states[id(optimizer)]
         if state.stage is OptState.STEPPED:
             raise RuntimeError("step() has already been called since the last update().")
@@ -393,7 +415,12 @@ class GradScaler:
             if state.stage is OptState.READY:
                 self.unscale_(optimizer)
             if not state.found_inf_per_device:
-                raise AssertionError("No inf checks were recorded for this optimizer. Please report.")
+                _check_not_on_model_params(optimizer)
+                # torch's exception type and words, plus the cause.
+                raise AssertionError("No inf checks were recorded for this optimizer: none of its "
+                                     "parameters has a gradient. Run backward() on a scaled loss "
+                                     "before step(), or step only optimizers whose parameters "
+                                     "got gradients.")
             state.found_inf = self._found_inf_sum(state)
             retval = None
             if not state.found_inf.item():
@@ -461,7 +488,8 @@ class GradScaler:
         and not waited for, synchronous (exactly torch) otherwise; ``is_async`` forces one.
         The async mode waits only for the previous iteration's update. ``new_scale`` sets the
         scale; the compute side uses it from the next iteration on. Re-raises a failure of
-        earlier launched work. See [Note: the scale double buffer].
+        earlier launched work. An update with no step since the previous one (e.g. called twice
+        in an iteration) raises RuntimeError at once. See [Note: the scale double buffer].
         """
         if not self._enabled:
             return
@@ -475,6 +503,18 @@ class GradScaler:
         launched = optim_thread._has_unwaited_launch()
         if is_async is None:
             is_async = launched
+        launch_mark = optim_thread._last_launch()
+        if (is_async and new_value is None and launch_mark == self._launch_mark
+                and not self._stepped_on_main):
+            # Left alone, the update launched now would find no step and fail on the optimizer
+            # thread, reported one iteration later; the call that is wrong is this one.
+            raise RuntimeError(
+                "GradScaler.update() was called with no step since the previous update(): nothing "
+                "was launched on the optimizer thread (model.step) and scaler.step() did not run "
+                "on this thread. Call scaler.update() once per iteration, after model.step(...)."
+            )
+        self._launch_mark = launch_mark
+        self._stepped_on_main = False
         # The iteration's bookkeeping completes even when earlier launched work failed (else the
         # next iteration's step would find this one's state); the failures, oldest first (the
         # root cause before what followed from it), are raised afterwards.
@@ -545,7 +585,10 @@ class GradScaler:
                 if found_inf is not None:
                     self._apply_rule(found_inf, stale=not self._back_is_newest)
                 elif failures == self._failures_seen:
-                    raise AssertionError("No inf checks were recorded prior to update.")
+                    raise AssertionError(
+                        "No inf checks were recorded prior to update: no scaler.step(optimizer) "
+                        "ran since the previous update(). Call update() once per iteration, "
+                        "after the step.")
                 # else: launched work (the step) failed since the last update and that failure
                 # is reported on the main thread; this iteration simply had no step.
         finally:

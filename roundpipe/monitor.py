@@ -113,7 +113,7 @@ class TrainingMonitor:
             model.step(...)
             scaler.update()
         model.synchronize()
-        monitor.save_plot("training.png")   # needs matplotlib: pip install roundpipe[plot]
+        monitor.save_plot("training.png")   # needs matplotlib (the "plot" extra)
 
     Threads: main thread only (the thread that calls ``scaler.update()``); the monitor is not
     shared with the workers or the optimizer thread. :meth:`record` never waits for the
@@ -216,15 +216,17 @@ class TrainingMonitor:
         """Write a PNG with the loss and, with a scaler, the scale in use (log axis); skipped
         steps are marked on both. Main thread; converts the history (see :meth:`history`).
 
-        Needs matplotlib (``pip install roundpipe[plot]``); without it raises ImportError.
+        Needs matplotlib (``python -m pip install matplotlib``, or the ``plot`` extra of the
+        checkout: ``python -m pip install -e ".[plot]"``); without it raises ImportError.
         """
         try:
             from matplotlib.backends.backend_agg import FigureCanvasAgg
             from matplotlib.figure import Figure
         except ImportError as exc:
             raise ImportError(
-                "TrainingMonitor.save_plot needs matplotlib; install it with "
-                "`pip install roundpipe[plot]` (or `pip install matplotlib`)"
+                "TrainingMonitor.save_plot needs matplotlib; install it with `python -m pip "
+                "install matplotlib` (or, in the roundpipe checkout, `python -m pip install -e "
+                "'.[plot]'`)"
             ) from exc
         hist = self.history()
         with_scale = bool(hist.scale)

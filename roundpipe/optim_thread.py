@@ -303,3 +303,9 @@ def _failure_total() -> int:
 
 def _has_unwaited_launch() -> bool:
     return _EXECUTOR.has_unwaited_launch()
+
+
+def _last_launch() -> int:
+    """A number that changes whenever work is launched through :func:`launch` (a user's step)."""
+    with _EXECUTOR._lock:
+        return _EXECUTOR._tracked_seq

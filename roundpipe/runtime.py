@@ -10,7 +10,7 @@
 * ``step(step_fn)`` runs ``step_fn`` on the optimizer thread, one step behind
   (see [Note: staleness]).
 
-Threads and what they touch (see DESIGN.md "Threads"):
+Threads and what they touch (see docs/threads-and-staleness.md, "The threads"):
 
 * main: every public method; the run configs; ``_ready`` (replaced, never mutated);
   ``_has_grads``; the per-call state before the workers start and after they finish.
@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import threading
+import warnings
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
@@ -193,6 +194,27 @@ def _ensure_optimizer_hook() -> None:
         if _OPTIMIZER_HOOK is None:
             _OPTIMIZER_HOOK = register_optimizer_step_pre_hook(
                 _check_optimizer_params)
+
+
+# Model classes already warned about by _warn_single_stage (each once per process).
+_WARNED_SINGLE_STAGE: set = set()
+
+
+def _warn_single_stage(model: nn.Module) -> None:
+    """A model with submodules that is not an nn.Sequential runs as one stage: say so, once per
+    model class, with how to make stages. A leaf module (no submodules) is one layer anyway."""
+    cls = type(model)
+    if cls in _WARNED_SINGLE_STAGE or next(model.children(), None) is None:
+        return
+    _WARNED_SINGLE_STAGE.add(cls)
+    warnings.warn(
+        f"RoundPipe runs a {cls.__name__}, which is not an nn.Sequential, as a single stage: it "
+        f"is not split over the device pool, each microbatch runs the whole model on one device, "
+        f"and recompute re-runs all of it. To make stages, wrap an nn.Sequential whose children "
+        f"each take the previous child's output, e.g. nn.Sequential(embedding, *blocks, head) for "
+        f"a GPT-style model (docs/devices.md, \"A model that is not an nn.Sequential\"). To "
+        f"keep one stage and silence this warning, wrap nn.Sequential(model).",
+        UserWarning, stacklevel=3)
 
 
 # -- internal structures ----------------------------------------------------------------------
@@ -428,8 +450,9 @@ class RoundPipe(nn.Module):
     optimizer step that runs on the optimizer thread, one step behind (see [Note: staleness]).
 
     Args:
-        model: an ``nn.Sequential`` (its children are the layers) or any module (one layer). It
-            keeps its parameter objects; after :meth:`synchronize` they hold the newest values.
+        model: an ``nn.Sequential`` (its children are the layers) or any module (one layer; a
+            module with submodules warns once per class, naming how to make stages). It keeps
+            its parameter objects; after :meth:`synchronize` they hold the newest values.
         optim_dtype: dtype of the masters; None means fp32 for fp16/bf16 params, else the
             param's own dtype.
         name: shown in error notes.
@@ -467,6 +490,7 @@ class RoundPipe(nn.Module):
                 raise ValueError("cannot wrap an empty nn.Sequential")
         else:
             children = [("0", model)]
+            _warn_single_stage(model)
         self._layers = [_Layer(i, n, m) for i, (n, m) in enumerate(children)]
         self._param_names = {id(p): n for n, p in model.named_parameters(remove_duplicate=True)}
         self._lowp_ids = frozenset(self._param_names)
@@ -628,6 +652,9 @@ class RoundPipe(nn.Module):
         """Forward and backward of one batch, in microbatches; returns the sum of the microbatch
         losses (detached), or ``(loss, merged_outputs)`` with ``return_outputs``.
 
+        ``input_args``/``input_kwargs`` (split into microbatches) reach the first layer only;
+        every later layer gets the previous layer's output as its one argument.
+
         ``loss_fn(output, label_mb)`` runs once per microbatch on the worker of the last stage
         and must return a single-element tensor. Gradients accumulate into the masters' ``.grad``
         (``optim_dtype``); inputs that require grad get theirs in ``.grad`` (through whatever
@@ -680,7 +707,10 @@ class RoundPipe(nn.Module):
         into the masters (as forward_backward does) and :meth:`step` may follow. ``run_config``
         (keyword only, not passed to the model) overrides the model-level config for this call,
         e.g. ``model(x, run_config=RoundPipeRunConfig(num_microbatch=1))`` for a small batch.
-        Main thread; blocks until the output is computed."""
+        Main thread; blocks until the output is computed.
+
+        The arguments (split into microbatches) reach the first layer only, as in
+        :meth:`forward_backward`."""
         _check_main_thread("forward")
         self._report_failures()
         cfg = self._resolve(run_config)

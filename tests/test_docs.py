@@ -5,6 +5,8 @@ import importlib.util
 import re
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -32,6 +34,20 @@ def test_api_reference_covers_every_exported_name():
 
 
 _LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
+_ANCHORED_LINK = re.compile(r"\]\(([^)#\s]*\.md)#([^)\s]+)\)")
+
+
+def _heading_anchors(markdown):
+    """The anchors GitHub gives a page's headings: lower case, punctuation dropped, spaces to
+    hyphens (code fences skipped)."""
+    anchors, in_code = set(), False
+    for line in markdown.splitlines():
+        if line.startswith("```"):
+            in_code = not in_code
+        elif not in_code and line.startswith("#"):
+            title = line.lstrip("#").strip().lower()
+            anchors.add(re.sub(r"[^\w\- ]", "", title).replace(" ", "-"))
+    return anchors
 
 
 def test_relative_links_point_at_existing_files():
@@ -47,6 +63,52 @@ def test_relative_links_point_at_existing_files():
     assert not broken, "broken links:\n" + "\n".join(broken)
 
 
+def _project_text_files(with_tests):
+    """The text a user or a contributor reads: the README, the docs, the package, the examples,
+    the benchmarks (and, with ``with_tests``, the tests), as ``(path, text)`` pairs."""
+    paths = [ROOT / "README.md", ROOT / "pyproject.toml"]
+    folders = ["docs", "roundpipe", "examples", "benchmarks"] + (["tests"] if with_tests else [])
+    for folder in folders:
+        paths += sorted(p for p in (ROOT / folder).rglob("*") if p.suffix in (".md", ".py"))
+    return [(p, p.read_text()) for p in paths]
+
+
+_MD_NAME = re.compile(r"[\w./-]*\w\.md\b")
+
+
+def test_every_markdown_file_the_project_names_is_in_the_repository():
+    """A name such as ``docs/scaler.md`` in a docstring, a comment or a page must be a file of
+    this repository (next to the file that names it, at the root, or in docs/): a reader sent to
+    a file that is not there finds nothing."""
+    missing = []
+    for path, text in _project_text_files(with_tests=True):
+        for name in sorted(set(_MD_NAME.findall(text))):
+            bases = (path.parent, ROOT, ROOT / "docs")
+            if not any((base / name).exists() for base in bases):
+                missing.append(f"{path.relative_to(ROOT)} names {name}")
+    assert not missing, "names of files that are not in the repository:\n" + "\n".join(missing)
+
+
+def test_no_text_sends_a_user_to_the_package_index_for_roundpipe():
+    """A different project has the name roundpipe on the package index: installs are from the
+    checkout (``pip install -e ".[extra]"``), in the README, the docs, messages and docstrings."""
+    index_install = re.compile(r"pip3? install\s+(?:-U\s+|--upgrade\s+)?[\"']?roundpipe\b")
+    offenders = [f"{path.relative_to(ROOT)}: {m.group(0)}"
+                 for path, text in _project_text_files(with_tests=False)
+                 for m in index_install.finditer(text)]
+    assert not offenders, "\n".join(offenders)
+
+
+def test_links_to_a_section_name_a_heading_of_that_page():
+    broken = []
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for target, anchor in _ANCHORED_LINK.findall(page.read_text()):
+            path = page.parent / target
+            if path.exists() and anchor not in _heading_anchors(path.read_text()):
+                broken.append(f"{page.relative_to(ROOT)} -> {target}#{anchor}")
+    assert not broken, "links to sections that do not exist:\n" + "\n".join(broken)
+
+
 def test_benchmarks_page_is_assembled_from_the_current_results():
     spec = importlib.util.spec_from_file_location("gen_benchmarks", ROOT / "docs" / "gen_benchmarks.py")
     module = importlib.util.module_from_spec(spec)
@@ -57,9 +119,11 @@ def test_benchmarks_page_is_assembled_from_the_current_results():
         assert section in page
 
 
-def test_the_readme_loop_runs_as_written():
-    """The loop under "## The loop" in README.md, with a concrete model and loader."""
+def test_the_readme_loop_runs_as_written(monkeypatch):
+    """The loop under "## The loop" in README.md, with a concrete model and loader; the loss it
+    logs is the real (unscaled) one."""
     import torch
+    import torch.nn.functional as F
 
     readme = (ROOT / "README.md").read_text()
     section = readme.split("## The loop", 1)[1]
@@ -77,8 +141,20 @@ def test_the_readme_loop_runs_as_written():
         holder["before"] = [p.detach().clone() for p in holder["model"].parameters()]
         return holder["model"]
 
+    real_losses = []  # every cross entropy the loop's loss_fn computes, unscaled
+    cross_entropy = F.cross_entropy
+
+    def recording_cross_entropy(*args, **kwargs):
+        loss = cross_entropy(*args, **kwargs)
+        real_losses.append(loss.item())
+        return loss
+
+    monkeypatch.setattr(F, "cross_entropy", recording_cross_entropy)
     namespace = {"make_model": make_model, "loader": loader}
     exec(compile(code, "README.md", "exec"), namespace)
+    # The last iteration: 4 microbatches, each loss divided by 4 in loss_fn.
+    assert len(real_losses) == 4 * len(loader)
+    assert namespace["real_loss"] == pytest.approx(sum(real_losses[-4:]) / 4, rel=1e-6)
     after = list(holder["model"].parameters())
     assert all(p.dtype == torch.float16 for p in after)
     assert all(not torch.equal(a, b.half()) for a, b in zip(after, holder["before"]))  # trained

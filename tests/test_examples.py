@@ -11,8 +11,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_example(name, *args, timeout=100, devices=None):
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+def run_example(name, *args, timeout=100, env=None, expect_rc=0, devices=None):
+    env = dict(os.environ if env is None else env, PYTHONUNBUFFERED="1")
     env.pop("ROUNDPIPE_DEVICES", None)
     if devices is not None:
         env["ROUNDPIPE_DEVICES"] = devices
@@ -20,7 +20,7 @@ def run_example(name, *args, timeout=100, devices=None):
         [sys.executable, str(ROOT / "examples" / name), *map(str, args)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout,
     )
-    assert proc.returncode == 0, f"{name} failed:\n{proc.stdout}\n{proc.stderr}"
+    assert proc.returncode == expect_rc, f"{name} exited with {proc.returncode}:\n{proc.stdout}\n{proc.stderr}"
     return proc.stdout, proc.stderr
 
 
@@ -46,6 +46,18 @@ def test_digits_classifier_learns_and_plots(tmp_path):
     assert "step/s" in err or "s/step" in err  # the tqdm progress bar
 
 
+def test_digits_classifier_plot_without_matplotlib_stops_before_training(tmp_path):
+    # A matplotlib package that cannot be imported, ahead of the real one on the path.
+    (tmp_path / "matplotlib").mkdir()
+    (tmp_path / "matplotlib" / "__init__.py").write_text("raise ImportError('no matplotlib here')\n")
+    path = os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))
+    env = dict(os.environ, PYTHONPATH=path)
+    out, err = run_example("digits_classifier.py", "--steps", 5, "--plot", tmp_path / "x.png",
+                           env=env, expect_rc=2)
+    assert "--plot needs matplotlib" in err and "pip install matplotlib" in err
+    assert "training" not in err and "test accuracy" not in out  # nothing ran before the check
+
+
 def test_digits_classifier_bf16_on_two_workers():
     out, _ = run_example("digits_classifier.py", "--steps", 100, "--dtype", "bf16", "--devices", "cpu:2")
     assert "cpu#0, cpu#1" in out
@@ -64,9 +76,23 @@ def _iteration_losses(out):
     return dict(re.findall(r"^iteration (\d+) loss \S+ (\S+)$", out, flags=re.M))
 
 
+TINY = ["--print-every", 1, "--sample", 0, "--corpus-bytes", 200_000,
+        "--dim", 32, "--context", 32, "--batch-size", 8]
+
+
+def test_tiny_lm_resume_with_steps_not_past_the_checkpoint_says_so(tmp_path):
+    ckpt = tmp_path / "ckpt.pt"
+    run_example("tiny_lm.py", "--steps", 3, "--save", ckpt, *TINY)
+    # --steps counts from the start of the run: 2 < 3 is refused, with the --steps that works.
+    _, err = run_example("tiny_lm.py", "--steps", 2, "--resume", ckpt, *TINY, expect_rc=2)
+    assert "--steps 2 is below the iteration 3" in err and "--steps 5 trains 2 more" in err
+    out, _ = run_example("tiny_lm.py", "--steps", 3, "--resume", ckpt, *TINY)
+    assert "already at iteration 3 = --steps: nothing to train" in out
+    assert not _iteration_losses(out)
+
+
 def test_tiny_lm_resume_continues_exactly_as_the_uninterrupted_run(tmp_path):
-    small = ["--print-every", 1, "--sample", 0, "--corpus-bytes", 200_000,
-             "--dim", 32, "--context", 32, "--batch-size", 8]
+    small = TINY
     n = 4
     full, _ = run_example("tiny_lm.py", "--steps", 2 * n, *small)
     ckpt = tmp_path / "ckpt.pt"

@@ -213,6 +213,33 @@ def test_step_without_scale_raises_torch_message():
         scaler.update()
 
 
+@pytest.mark.parametrize("make_fused", [
+    lambda params: torch.optim.Adam(params, lr=0.1, fused=True),
+    lambda params: roundpipe.optim.Adam(params, lr=0.1),
+], ids=["torch-fused-adam", "roundpipe-adam"])
+def test_fused_step_without_grads_returns_like_torch(make_fused):
+    """An optimizer that unscales in its own kernel, whose params got no gradient this iteration
+    (here: a frozen head), next to one that did: torch's step returns and steps nothing."""
+    results = []
+    for scaler_cls in (torch.amp.GradScaler, GradScaler):
+        scaler = scaler_cls("cpu", init_scale=4.0, growth_interval=1)
+        torch.manual_seed(0)
+        body, head = nn.Linear(3, 3), nn.Linear(3, 1)
+        plain = torch.optim.SGD(body.parameters(), lr=0.1)
+        fused = make_fused(head.parameters())
+        head_before = [p.detach().clone() for p in head.parameters()]
+        scaler.scale(body(torch.ones(2, 3)).sum()).backward()
+        assert all(p.grad is None for p in head.parameters())
+        assert scaler.step(fused) is None
+        scaler.step(plain)
+        scaler.update()
+        assert all(torch.equal(a, b) for a, b in zip(head.parameters(), head_before))
+        results.append((scaler.get_scale(), [p.detach().clone() for p in body.parameters()]))
+    (torch_scale, torch_body), (scale, body_params) = results
+    assert scale == torch_scale == 8.0  # one good step grew it
+    assert all(torch.equal(a, b) for a, b in zip(body_params, torch_body))
+
+
 def test_closure_is_rejected_like_torch():
     scaler = GradScaler("cpu")
     _, opt = _one_backward(scaler)

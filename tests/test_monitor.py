@@ -174,7 +174,7 @@ def test_save_plot_without_matplotlib_names_the_extra(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib...` fail
     monitor = TrainingMonitor()
     monitor.record(1.0)
-    with pytest.raises(ImportError, match=r"pip install roundpipe\[plot\]"):
+    with pytest.raises(ImportError, match=r"pip install matplotlib.*pip install -e '\.\[plot\]'"):
         monitor.save_plot(tmp_path / "x.png")
     assert not (tmp_path / "x.png").exists()
 

@@ -188,6 +188,7 @@ def test_execute_plan_partition_gives_same_result():
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.filterwarnings("ignore:RoundPipe runs a Net:UserWarning")
 def test_non_sequential_module_is_one_layer_and_kwargs_pass_through():
     class Net(nn.Module):
         def __init__(self):
@@ -206,6 +207,31 @@ def test_non_sequential_module_is_one_layer_and_kwargs_pass_through():
     loss_fn(ref(x, scale=2.0), y).backward()
     torch.testing.assert_close(dict(model.optim_named_parameters())["lin.weight"].grad,
                                ref.lin.weight.grad, rtol=1e-5, atol=1e-6)
+
+
+class Scaled(nn.Linear):
+    def forward(self, x, scale=1.0):
+        return super().forward(x) * scale
+
+
+@pytest.mark.parametrize("devices", ["cpu", "cpu:2"])
+def test_call_arguments_reach_the_first_layer_only(devices):
+    """docs/microbatch.md: the call's arguments go to the first layer; every later layer gets the
+    previous layer's output alone (so its keyword arguments keep their defaults)."""
+    torch.manual_seed(0)
+    seq = nn.Sequential(Scaled(6, 6), Scaled(6, 3))
+    model = RoundPipe(seq, devices=devices, model_run_config=RoundPipeRunConfig(num_microbatch=2))
+    x, y = data()
+    with torch.no_grad():
+        first_only = seq[1](seq[0](x, scale=3.0))
+        everywhere = seq[1](seq[0](x, scale=3.0), scale=3.0)
+        out = model(x, scale=3.0)
+    torch.testing.assert_close(out, first_only)
+    assert not torch.allclose(out, everywhere)
+    # forward_backward: the same routing, so the same loss as the first-only reference.
+    loss = model.forward_backward(input_args=(x,), input_kwargs={"scale": 3.0}, label=y,
+                                  loss_fn=loss_fn)
+    torch.testing.assert_close(loss, loss_fn(first_only, y))
 
 
 def test_synchronize_copies_newest_masters_and_state_dict_keys():

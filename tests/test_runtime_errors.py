@@ -1,11 +1,14 @@
 """Errors: re-raised on the main thread as their own type with where they happened; nothing
 hangs; the next iteration works. And each clear error for bad input or misuse."""
 
+import warnings
+
 import pytest
 import torch
 from torch import nn
 
-from roundpipe import OptimizerCtx, RoundPipe, RoundPipeRunConfig, optim_thread
+import roundpipe
+from roundpipe import GradScaler, OptimizerCtx, RoundPipe, RoundPipeRunConfig, optim_thread
 
 
 class Boom(nn.Module):
@@ -226,6 +229,70 @@ def test_optimizer_on_model_parameters_is_rejected():
         model.step(lambda: opt.step(), is_async=False)
     # Outside a RoundPipe step the hook stays out of the way.
     torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1).step()
+
+
+@pytest.mark.parametrize("clip", [False, True], ids=["step", "unscale-then-step"])
+@pytest.mark.parametrize("make_opt", [
+    lambda params: torch.optim.SGD(params, lr=0.1),
+    lambda params: torch.optim.Adam(params, lr=0.1),
+    lambda params: torch.optim.Adam(params, lr=0.1, fused=True),
+    lambda params: roundpipe.optim.Adam(params, lr=0.1),
+], ids=["sgd", "adam", "fused-adam", "roundpipe-adam"])
+def test_optimizer_on_model_parameters_with_a_grad_scaler_names_the_fix(make_opt, clip):
+    model = make()
+    opt = make_opt(model.parameters())  # outside OptimizerCtx: the wrong params
+    scaler = GradScaler("cpu")
+
+    def step_fn():
+        if clip:
+            scaler.unscale_(opt)
+        scaler.step(opt)
+        opt.zero_grad()
+
+    model.forward_backward(input_args=(tagged_batch(),),
+                           loss_fn=lambda out, lbl: scaler.scale(loss_fn(out, lbl)))
+    model.step(step_fn)
+    with pytest.raises(RuntimeError, match=r"built on the model's own \(low-precision\) "
+                                           r"parameters.*with OptimizerCtx\(\)"):
+        scaler.update()  # reports the failed step if it has already run ...
+        model.synchronize()  # ... else this, which waits for it
+    # Built as the message says, the next iteration runs.
+    with OptimizerCtx():
+        opt = make_opt(model.parameters())
+    model.forward_backward(input_args=(tagged_batch(),),
+                           loss_fn=lambda out, lbl: scaler.scale(loss_fn(out, lbl)))
+    model.step(step_fn)
+    scaler.update()
+    model.synchronize()
+    assert scaler.snapshot().steps == 1
+
+
+class TinyGPT(nn.Module):
+    """The common shape that is not an nn.Sequential: embedding, a ModuleList of blocks, head."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(10, 4)
+        self.blocks = nn.ModuleList(nn.Linear(4, 4) for _ in range(3))
+        self.head = nn.Linear(4, 10)
+
+    def forward(self, idx):
+        h = self.embed(idx)
+        for block in self.blocks:
+            h = torch.tanh(block(h))
+        return self.head(h)
+
+
+def test_a_model_that_is_not_sequential_warns_once_that_it_is_one_stage():
+    with pytest.warns(UserWarning, match=r"runs a TinyGPT, which is not an nn\.Sequential, as a "
+                                         r"single stage.*nn\.Sequential\(embedding, \*blocks, head\)"):
+        model = RoundPipe(TinyGPT())
+    assert len(model.plan().actions()) == 1  # one stage, one microbatch
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        RoundPipe(TinyGPT())  # the same class again: said already
+        RoundPipe(nn.Sequential(TinyGPT()))  # one stage on purpose
+        RoundPipe(nn.Linear(2, 2))  # a leaf module: nothing to split
 
 
 def test_trainable_param_without_master():

@@ -1,4 +1,5 @@
-"""GradScaler's async (lag-one) mode against a small pure-Python reference of DESIGN's contract."""
+"""GradScaler's async (lag-one) mode against a small pure-Python reference of the contract in
+docs/scaler.md."""
 
 import math
 import os
@@ -17,9 +18,10 @@ GROWTH, BACKOFF = 2.0, 0.5
 
 
 class LagOneReference:
-    """DESIGN.md "GradScaler semantics", written out: s_0 = s_1 = init; async update k hands out
-    the newest scale after U on step k-1 and then runs U on step k, whose overflow sets the scale
-    to min(newest, s_k * backoff). A sync update runs U on step k and hands out its result."""
+    """docs/scaler.md, "Sync and async update", written out: s_0 = s_1 = init; async update k
+    hands out the newest scale after U on step k-1 and then runs U on step k, whose overflow sets
+    the scale to min(newest, s_k * backoff). A sync update runs U on step k and hands out its
+    result."""
 
     def __init__(self, init, interval):
         self.newest = self.back = self.front = self.published = init
@@ -239,6 +241,26 @@ def test_update_and_snapshot_do_not_wait_for_a_running_step():
 
 class StepBroke(Exception):
     pass
+
+
+def test_update_without_a_step_since_the_last_is_refused_at_that_call():
+    interval = 2
+    ref, run = LagOneReference(2.0**6, interval), Harness(GradScaler("cpu", init_scale=2.0**6, growth_interval=interval))
+    for k in range(6):
+        ref.update_async(k == 3)
+        run.iteration(k == 3)
+        if k in (1, 3):
+            with pytest.raises(RuntimeError, match=r"no step since the previous update\(\).*once per "
+                                                   r"iteration, after model\.step"):
+                run.scaler.update()  # misplaced: a second update in the iteration
+    optim_thread.synchronize()  # nothing failed on the optimizer thread either
+    # The refused calls changed nothing: the run follows the reference of a correct loop.
+    assert run.scaler.get_scale() == ref.front
+    assert run.stepped_with == run.used
+    assert run.scaler.get_scale(up_to_date=True) == ref.newest
+    # update(new_scale=...) needs no step, as in torch.
+    run.scaler.update(new_scale=3.0)
+    assert run.scaler.get_scale() == 3.0
 
 
 def test_step_error_is_reraised_on_main_as_its_own_type_and_training_continues():
