@@ -283,6 +283,7 @@ class TinyGPT(nn.Module):
         return self.head(h)
 
 
+@pytest.mark.cpu_pool_only  # warned once per process: a second run would see nothing
 def test_a_model_that_is_not_sequential_warns_once_that_it_is_one_stage():
     with pytest.warns(UserWarning, match=r"runs a TinyGPT, which is not an nn\.Sequential, as a "
                                          r"single stage.*nn\.Sequential\(embedding, \*blocks, head\)"):
