@@ -308,7 +308,7 @@ def _deactivate() -> None:
             _ACTIVE = None
 
 
-def agree_found_inf(found_per_device: Dict[torch.device, torch.Tensor],
+def _agree_found_inf(found_per_device: Dict[torch.device, torch.Tensor],
                     like: torch.Tensor) -> Dict[torch.device, torch.Tensor]:
     """GradScaler's hook (see [Note: data-parallel step] (c)): with data parallelism on, the
     per-device inf/NaN flags become one flag, the MAX over devices and ranks, on ``like``'s

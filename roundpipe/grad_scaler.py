@@ -331,7 +331,7 @@ class GradScaler:
                 for same_dtype in per_dtype.values():
                     torch._amp_foreach_non_finite_check_and_unscale_(same_dtype, found, inv)
         # Under data parallelism every rank must skip the same steps: agree on the flag.
-        return distributed.agree_found_inf(found_per_device, found_inf)
+        return distributed._agree_found_inf(found_per_device, found_inf)
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Divide the optimizer's gradients by the back scale and check them for inf/NaN (as torch).

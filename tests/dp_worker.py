@@ -28,7 +28,7 @@ from roundpipe import distributed as rpd
 DEFAULTS = {
     "steps": 6, "global_batch": 12, "num_microbatch": 2, "mode": "async", "optimizer": "adam",
     "dtype": "fp32", "inf_step": None, "inf_rank": None, "fail": None, "save_after": None,
-    "resume": None, "pg_timeout": 20.0, "out": None, "seed": 0,
+    "resume": None, "pg_timeout": 20.0, "out": None, "seed": 0, "hidden": 16,
 }
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -44,7 +44,8 @@ def global_batch(it, cfg):
 
 def build(cfg):
     torch.manual_seed(cfg["seed"])
-    seq = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
+    seq = nn.Sequential(nn.Linear(8, cfg["hidden"]), nn.Tanh(),
+                        nn.Linear(cfg["hidden"], 16), nn.Tanh(), nn.Linear(16, 4))
     model = RoundPipe(seq.to(DTYPES[cfg["dtype"]]), optim_dtype=torch.float32, devices="cpu",
                       model_run_config=RoundPipeRunConfig(num_microbatch=cfg["num_microbatch"]))
     with OptimizerCtx():
@@ -147,6 +148,7 @@ def train(cfg, rank=0, world=1, dp=None):
 def main():
     cfg = {**DEFAULTS, **json.loads(sys.argv[1])}
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    cfg.update(cfg.get("by_rank", {}).get(str(rank), {}))
     rpd.init_process_group("gloo", timeout=cfg["pg_timeout"])
     record = train(cfg, rank, world, dp=cfg.get("dp", {}))
     torch.save(record, os.path.join(cfg["out"], f"rank{rank}.pt"))

@@ -196,6 +196,16 @@ def test_a_failed_rank_ends_the_others_with_a_clear_error(tmp_path, how, world):
 
 
 @pytest.mark.timeout(120)
+def test_ranks_that_built_different_models_are_told_so(tmp_path):
+    cfg = {"steps": 2, "by_rank": {"1": {"hidden": 24}}}
+    records, outcome = run_ranks(2, cfg, tmp_path, deadline=60.0, expect_exit={0: "fail", 1: "fail"})
+    assert records == {}
+    for rank, (code, err) in outcome.items():
+        assert code != 0
+        assert "ValueError" in err and "the ranks built different models" in err, err
+
+
+@pytest.mark.timeout(120)
 def test_the_example_under_torchrun(tmp_path):
     port = free_port()
     env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1",
