@@ -156,6 +156,7 @@ class Bucket:
 
     @property
     def numel(self) -> int:
+        """Elements in the bucket's flat buffer. Any thread; never blocks."""
         return self.offsets[-1] + self.numels[-1] if self.names else 0
 
     def __str__(self) -> str:
@@ -488,6 +489,13 @@ class DataParallel:
         what = f"the gradient all-reduce of step {self._steps} (counted from 0)"
         self._steps += 1
         group.check_usable(what)
+        for m in self._masters:
+            # Before any collective: every rank (same model) raises here alike, still in step.
+            if m.grad is not None and m.grad.layout is not torch.strided:
+                raise ValueError(f"DataParallel averages dense gradients only; a master has a "
+                                 f"{m.grad.layout} gradient")
+        if not self._masters:
+            return
         try:
             with group.device_scope(), torch.no_grad():
                 self._reduce(group)
@@ -496,10 +504,6 @@ class DataParallel:
 
     def _reduce(self, group: _Group) -> None:
         masters = self._masters
-        for m in masters:
-            if m.grad is not None and m.grad.layout is not torch.strided:
-                raise ValueError("DataParallel averages dense gradients only; a master has a "
-                                 f"{m.grad.layout} gradient")
         present = torch.tensor([m.grad is not None for m in masters], dtype=torch.float32,
                                device=group.device)
         present_work = group.all_reduce(present)
