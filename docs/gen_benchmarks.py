@@ -33,6 +33,9 @@ SECTIONS = [
      "against plain PyTorch with `torch.utils.checkpoint` per stage (target <= 1.05), in one "
      "process and with each variant alone in its own, and the fixed cost behind it; peak memory per parameter against the 18 "
      "bytes the state itself needs."),
+    ("Data parallelism", "distributed", "benchmarks/bench_distributed.py",
+     "iteration time of 2 gloo ranks (sync and async step) against one process doing one rank's "
+     "work, and the gradient all-reduce's time per step on the optimizer thread."),
 ]
 
 HEADER = """\

@@ -6,6 +6,7 @@ the optimizer updates live in host memory; microbatches flow through the stages 
 thread. See README.md and docs/.
 """
 
+from roundpipe import distributed
 from roundpipe import optim_thread
 from roundpipe import optim
 from roundpipe.grad_scaler import GradScaler, ScaleCollapseWarning, ScalerSnapshot
@@ -14,4 +15,4 @@ from roundpipe.runtime import OptimizerCtx, RoundPipe, RoundPipeRunConfig
 
 __version__ = "0.1.0"
 
-__all__ = ["RoundPipe", "RoundPipeRunConfig", "OptimizerCtx", "GradScaler", "ScaleCollapseWarning", "ScalerSnapshot", "TrainingHistory", "TrainingMonitor", "optim", "optim_thread", "__version__"]
+__all__ = ["RoundPipe", "RoundPipeRunConfig", "OptimizerCtx", "GradScaler", "ScaleCollapseWarning", "ScalerSnapshot", "TrainingHistory", "TrainingMonitor", "distributed", "optim", "optim_thread", "__version__"]

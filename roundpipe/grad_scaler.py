@@ -17,7 +17,7 @@ from typing import Any, Iterable, Optional, Union
 
 import torch
 
-from roundpipe import optim_thread
+from roundpipe import distributed, optim_thread
 from roundpipe.optim_thread import on_optimizer_thread
 
 __all__ = ["GradScaler", "OptState", "ScalerSnapshot", "ScaleCollapseWarning"]
@@ -357,7 +357,8 @@ class GradScaler:
                 inv = inv_per_device.setdefault(device, inv_scale.to(device))
                 for same_dtype in per_dtype.values():
                     torch._amp_foreach_non_finite_check_and_unscale_(same_dtype, found, inv)
-        return found_per_device
+        # Under data parallelism every rank must skip the same steps: agree on the flag.
+        return distributed._agree_found_inf(found_per_device, found_inf)
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Divide the optimizer's gradients by the back scale and check them for inf/NaN (as torch).

@@ -507,6 +507,9 @@ class RoundPipe(nn.Module):
                     pairs.append((p, self._master_of[id(p)]))
             self._layer_copies.append(pairs)
         self._ready = _ParamsReady(len(self._layers), done=True)
+        # Set by roundpipe.distributed.DataParallel: averages the masters' gradients over the
+        # ranks, on the optimizer thread, right before each step_fn.
+        self._grad_reducer: Optional[Callable[[], None]] = None
         self._has_grads = False
         self._hooks_registered = False
         self._grad_sink = _SinkSlot()  # see [Note: fused stages]
@@ -789,6 +792,8 @@ class RoundPipe(nn.Module):
             _STEP_TLS.model = model
             try:
                 with OptimizerCtx():
+                    if model._grad_reducer is not None:
+                        model._grad_reducer()
                     step_fn()
             except BaseException as exc:  # noqa: B036 -- annotated, then re-raised
                 # A failed step did not consume this iteration's gradients: drop them here, in

@@ -1,0 +1,159 @@
+"""One rank of a data-parallel test run (tests/test_distributed.py), and the same loop without data
+parallelism for the one-process reference.
+
+    python tests/dp_worker.py CONFIG_JSON     # with RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set
+
+A rank writes what it saw to ``{out}/rank{R}.pt``: the masters, the model's parameters, the
+scale in use per iteration, which steps were skipped, the scaler state, and the error a call
+raised (its type, message, which call, seconds since the failing iteration started).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import threading
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import roundpipe
+from roundpipe import GradScaler, OptimizerCtx, RoundPipe, RoundPipeRunConfig
+from roundpipe import distributed as rpd
+
+DEFAULTS = {
+    "steps": 6, "global_batch": 12, "num_microbatch": 2, "mode": "async", "optimizer": "adam",
+    "dtype": "fp32", "inf_step": None, "inf_rank": None, "fail": None, "save_after": None,
+    "resume": None, "pg_timeout": 20.0, "out": None, "seed": 0, "hidden": 16,
+}
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def global_batch(it, cfg):
+    """The global batch of iteration ``it``: the same on every rank and in the reference."""
+    g = torch.Generator().manual_seed(1000 + it)
+    x = torch.randn(cfg["global_batch"], 8, generator=g)
+    y = torch.randint(0, 4, (cfg["global_batch"],), generator=g)
+    return x, y
+
+
+def build(cfg):
+    torch.manual_seed(cfg["seed"])
+    seq = nn.Sequential(nn.Linear(8, cfg["hidden"]), nn.Tanh(),
+                        nn.Linear(cfg["hidden"], 16), nn.Tanh(), nn.Linear(16, 4))
+    model = RoundPipe(seq.to(DTYPES[cfg["dtype"]]), optim_dtype=torch.float32, devices="cpu",
+                      model_run_config=RoundPipeRunConfig(num_microbatch=cfg["num_microbatch"]))
+    with OptimizerCtx():
+        if cfg["optimizer"] == "adam":  # unscales in its own kernel (grad_scale/found_inf)
+            opt = roundpipe.optim.Adam(model.parameters(), lr=1e-2)
+        else:  # the scaler's unscale_ path
+            opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    scaler = GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
+    return model, opt, scaler
+
+
+def train(cfg, rank=0, world=1, dp=None):
+    """The loop; ``dp`` None: one process on the whole global batch."""
+    cfg = {**DEFAULTS, **cfg}
+    model, opt, scaler = build(cfg)
+    if dp is not None:
+        dp = rpd.DataParallel(model, bucket_cap_mb=dp.get("bucket_cap_mb", 25.0))
+    start = 0
+    if cfg["resume"]:
+        state = torch.load(cfg["resume"], weights_only=True)
+        model.load_state_dict(state["model"])
+        model.load_master_state_dict(state["masters"])
+        opt.load_state_dict(state["optimizer"])
+        scaler.load_state_dict(state["scaler"])
+        start = state["iteration"] + 1
+    nm = cfg["num_microbatch"]
+    record = {"scales": {}, "skipped": {}, "losses": {}, "error": None}
+    fail = cfg["fail"] if cfg["fail"] and cfg["fail"]["rank"] == rank else None
+
+    def loss_fn(out, label):
+        return scaler.scale(F.cross_entropy(out.float(), label)) / nm
+
+    it = start
+    failing_since = None
+    call = "forward_backward"
+    try:
+        for it in range(start, cfg["steps"]):
+            if cfg["fail"] and it == cfg["fail"]["step"]:
+                failing_since = time.monotonic()
+            if fail is not None and it == fail["step"]:
+                if fail["how"] == "raise":
+                    raise ValueError(f"rank {rank} fails on purpose at iteration {it}")
+                if fail["how"] == "kill":
+                    os.kill(os.getpid(), signal.SIGKILL)
+                if fail["how"] == "hang":
+                    threading.Event().wait()  # the test kills this process
+            x, y = global_batch(it, cfg)
+            if dp is not None:
+                x, y = rpd.shard((x, y))
+            record["scales"][it] = scaler.get_scale()
+            call = "forward_backward"
+            loss = model.forward_backward(input_args=(x,), label=y, loss_fn=loss_fn)
+            record["losses"][it] = loss.item()
+
+            def step_fn(it=it):
+                if cfg["inf_step"] == it and cfg["inf_rank"] in (None, rank):
+                    # After the gradient all-reduce, on one rank only: only the agreement on
+                    # found_inf can make the other ranks skip this step too.
+                    next(iter(model.optim_parameters())).grad[0, 0] = float("inf")
+                scaler.step(opt)
+                record["skipped"][it] = scaler.step_was_skipped(opt)
+                opt.zero_grad()
+
+            call = "step"
+            model.step(step_fn, is_async=cfg["mode"] == "async")
+            call = "scaler.update"
+            scaler.update()
+            if cfg["save_after"] == it and rank == 0:
+                torch.save({"iteration": it, "model": model.state_dict(),
+                            "masters": model.master_state_dict(), "optimizer": opt.state_dict(),
+                            "scaler": scaler.state_dict()}, os.path.join(cfg["out"], "ckpt.pt"))
+        call = "synchronize"
+        model.synchronize()
+    except rpd.DataParallelError as exc:
+        record["error"] = {"type": type(exc).__name__, "message": str(exc), "call": call,
+                           "iteration": it,
+                           "seconds": time.monotonic() - (failing_since or time.monotonic())}
+        # The library stays usable: a checkpoint can still be taken, and a later step fails at
+        # once instead of waiting for another timeout.
+        record["masters_after_error"] = model.master_state_dict()
+        record["scaler_after_error"] = scaler.state_dict()
+        t0 = time.monotonic()
+        try:
+            model.forward_backward(input_args=(rpd.shard(global_batch(it, cfg))[0],),
+                                   label=rpd.shard(global_batch(it, cfg))[1], loss_fn=loss_fn)
+            model.step(lambda: (scaler.step(opt), opt.zero_grad()), is_async=False)
+        except rpd.DataParallelError as again:
+            record["error"]["again"] = str(again)
+            record["error"]["again_seconds"] = time.monotonic() - t0
+    record["masters"] = model.master_state_dict()
+    record["params"] = {k: v.clone() for k, v in model.state_dict().items()}
+    record["scaler"] = scaler.state_dict()
+    if dp is not None and record["error"] is None:
+        record["replicas_identical"] = dp.replicas_identical()
+    if dp is not None:
+        dp.close()
+    return record
+
+
+def main():
+    cfg = {**DEFAULTS, **json.loads(sys.argv[1])}
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    cfg.update(cfg.get("by_rank", {}).get(str(rank), {}))
+    rpd.init_process_group("gloo", timeout=cfg["pg_timeout"])
+    record = train(cfg, rank, world, dp=cfg.get("dp", {}))
+    torch.save(record, os.path.join(cfg["out"], f"rank{rank}.pt"))
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,326 @@
+"""Data parallelism on torch.distributed (gloo, processes on this machine, 127.0.0.1 only).
+
+Each multi-process test starts its ranks as ``python tests/dp_worker.py`` subprocesses with the
+environment torchrun would give them, bounds them with a small process-group timeout and its own
+deadline, and kills what is left in a ``finally``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import roundpipe
+from roundpipe import GradScaler, OptimizerCtx, RoundPipe
+from roundpipe import distributed as rpd
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import dp_worker  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKER = Path(__file__).resolve().parent / "dp_worker.py"
+
+pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
+                                reason="torch.distributed with gloo is needed")
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rank_env(rank, world, port):
+    return dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo",
+                PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+
+
+def run_ranks(world, cfg, tmp_path, deadline=90.0, expect_exit=None):
+    """Run ``world`` ranks of dp_worker with ``cfg``; returns ({rank: record}, {rank: (code, stderr)})."""
+    cfg = {**cfg, "out": str(tmp_path)}
+    port = free_port()
+    procs = []
+    try:
+        for rank in range(world):
+            procs.append(subprocess.Popen(
+                [sys.executable, str(WORKER), json.dumps(cfg)], cwd=ROOT,
+                env=rank_env(rank, world, port), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                text=True))
+        end = time.monotonic() + deadline
+        outcome = {}
+        for rank, p in enumerate(procs):
+            if expect_exit is not None and expect_exit.get(rank) == "hang":
+                continue
+            try:
+                _, err = p.communicate(timeout=max(end - time.monotonic(), 1))
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"rank {rank} did not finish within {deadline} s (a hang)")
+            outcome[rank] = (p.returncode, err)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait(timeout=30)
+            for stream in (p.stdout, p.stderr):
+                stream.close()
+    records = {}
+    for rank in range(world):
+        path = tmp_path / f"rank{rank}.pt"
+        if path.exists():
+            records[rank] = torch.load(path, weights_only=False)
+    for rank, (code, err) in outcome.items():
+        if expect_exit is None or rank not in expect_exit:
+            assert code == 0, f"rank {rank} exited with {code}:\n{err}"
+    return records, outcome
+
+
+def assert_bitwise_equal_across_ranks(records, key="masters"):
+    first = records[0][key]
+    for rank, rec in records.items():
+        for name, value in rec[key].items():
+            assert torch.equal(value, first[name]), f"{key} {name!r} differs on rank {rank}"
+
+
+def assert_close_to(reference, record, rtol=1e-5, atol=1e-6):
+    for name, value in reference["masters"].items():
+        torch.testing.assert_close(record["masters"][name], value, rtol=rtol, atol=atol)
+
+
+# -- multi-process runs ------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("world,mode,optimizer", [(2, "async", "adam"), (3, "sync", "sgd")])
+def test_ranks_on_shards_match_one_process_on_the_whole_batch(tmp_path, world, mode, optimizer):
+    cfg = {"steps": 6, "global_batch": 12, "mode": mode, "optimizer": optimizer}
+    records, _ = run_ranks(world, cfg, tmp_path)
+    assert sorted(records) == list(range(world))
+    reference = dp_worker.train(cfg)
+    assert_bitwise_equal_across_ranks(records, "masters")
+    assert_bitwise_equal_across_ranks(records, "params")
+    for rec in records.values():
+        assert rec["error"] is None
+        assert rec["replicas_identical"] is True
+        assert_close_to(reference, rec)
+        # Same scales in use and same skipped steps as the one-process run (the scale grew).
+        assert rec["scales"] == reference["scales"]
+        assert rec["skipped"] == reference["skipped"]
+        assert rec["scaler"] == reference["scaler"]
+    assert max(reference["scales"].values()) > min(reference["scales"].values())
+    # The ranks did train on different data: their shards' losses differ.
+    assert records[0]["losses"] != records[1]["losses"]
+    # And they trained: the masters moved away from where they started.
+    start = dp_worker.build({**dp_worker.DEFAULTS, **cfg})[0].master_state_dict()
+    assert any(not torch.equal(start[n], v) for n, v in records[0]["masters"].items())
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("optimizer", ["adam", "sgd"])
+def test_an_overflow_on_one_rank_skips_the_step_on_every_rank(tmp_path, optimizer):
+    cfg = {"steps": 5, "mode": "async", "optimizer": optimizer, "inf_step": 2, "inf_rank": 1}
+    records, _ = run_ranks(2, cfg, tmp_path)
+    reference = dp_worker.train({**cfg, "inf_rank": None})  # one process, the same overflow
+    assert reference["skipped"][2] is True
+    for rec in records.values():
+        assert rec["skipped"] == reference["skipped"]  # rank 0 skipped step 2 although its grads were finite
+        assert rec["scaler"] == reference["scaler"]
+        assert rec["scales"] == reference["scales"]
+        assert_close_to(reference, rec)
+    assert records[0]["scaler"]["roundpipe"]["skipped_steps"] == 1
+    assert_bitwise_equal_across_ranks(records, "masters")
+
+
+@pytest.mark.timeout(240)
+def test_a_checkpoint_of_two_ranks_resumes_on_three(tmp_path):
+    n = 4
+    cfg = {"steps": n, "global_batch": 12, "mode": "async", "save_after": n - 1}
+    first_dir, second_dir = tmp_path / "two", tmp_path / "three"
+    first_dir.mkdir()
+    second_dir.mkdir()
+    run_ranks(2, cfg, first_dir)
+    ckpt = first_dir / "ckpt.pt"
+    assert ckpt.exists()
+    records, _ = run_ranks(3, {**cfg, "steps": 2 * n, "save_after": None, "resume": str(ckpt)},
+                           second_dir)
+    reference = dp_worker.train({**cfg, "steps": 2 * n, "save_after": None})
+    assert_bitwise_equal_across_ranks(records)
+    for rec in records.values():
+        assert sorted(rec["losses"]) == list(range(n, 2 * n))  # it resumed at iteration n
+        assert_close_to(reference, rec)
+        assert rec["scaler"] == reference["scaler"]
+        assert {k: v for k, v in rec["scales"].items()} == {
+            k: v for k, v in reference["scales"].items() if k >= n}
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("how,world", [("raise", 2), ("kill", 3), ("hang", 2)])
+def test_a_failed_rank_ends_the_others_with_a_clear_error(tmp_path, how, world):
+    timeout = 4.0
+    cfg = {"steps": 8, "pg_timeout": timeout, "fail": {"rank": 1, "step": 3, "how": how}}
+    records, outcome = run_ranks(world, cfg, tmp_path, deadline=60.0, expect_exit={1: how})
+    survivors = [r for r in range(world) if r != 1]
+    assert sorted(records) == survivors
+    for rank in survivors:
+        error = records[rank]["error"]
+        assert error is not None, f"rank {rank} finished without noticing rank 1's failure"
+        assert error["type"] == "DataParallelError"
+        assert f"rank {rank} of {world}" in error["message"]
+        assert "Another rank most likely failed" in error["message"]
+        assert error["call"] in ("forward_backward", "step", "scaler.update", "synchronize")
+        # Within the group's timeout (plus scheduling slack on a loaded machine), not a hang.
+        assert error["seconds"] < timeout + 10, error
+        if how == "hang":
+            assert "timed out" in error["message"].lower() or "timeout" in error["message"].lower()
+            assert error["seconds"] >= timeout * 0.9  # it was the timeout that ended the wait
+        # Afterwards the group is marked broken: the next step fails at once.
+        assert "was not attempted" in error["again"]
+        assert error["again_seconds"] < timeout
+        assert records[rank]["masters_after_error"].keys() == records[rank]["masters"].keys()
+    if how == "raise":
+        code, err = outcome[1]
+        assert code != 0 and "fails on purpose" in err
+    if how == "kill":
+        assert outcome[1][0] == -signal.SIGKILL
+
+
+@pytest.mark.timeout(120)
+def test_ranks_that_built_different_models_are_told_so(tmp_path):
+    cfg = {"steps": 2, "by_rank": {"1": {"hidden": 24}}}
+    records, outcome = run_ranks(2, cfg, tmp_path, deadline=60.0, expect_exit={0: "fail", 1: "fail"})
+    assert records == {}
+    for rank, (code, err) in outcome.items():
+        assert code != 0
+        assert "ValueError" in err and "the ranks built different models" in err, err
+
+
+@pytest.mark.timeout(120)
+def test_the_example_under_torchrun(tmp_path):
+    port = free_port()
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1",
+               PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
+           "--master-addr", "127.0.0.1", "--master-port", str(port),
+           str(ROOT / "examples" / "data_parallel.py"), "--steps", "40"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=100)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    assert proc.returncode == 0, f"{out}\n{err}"
+    assert "2 ranks" in out and "masters identical on every rank: True" in out, out
+    accuracy = float(out.split("test accuracy: ")[1].split()[0])
+    assert accuracy > 0.5, out  # chance is 0.1
+
+
+# -- in one process: a group of one, and what needs no group ------------------------------------
+
+
+def test_plan_buckets_caps_bytes_per_dtype_and_keeps_order():
+    tensors = [("a", torch.zeros(10)), ("b", torch.zeros(10)), ("h", torch.zeros(4, dtype=torch.float16)),
+               ("c", torch.zeros(30)), ("d", torch.zeros(5))]
+    buckets = rpd.plan_buckets(tensors, cap_bytes=80)
+    assert [(b.dtype, b.names) for b in buckets] == [
+        (torch.float32, ("a", "b")),     # 80 bytes: full
+        (torch.float32, ("c",)),         # 120 bytes: larger than the cap, alone
+        (torch.float16, ("h",)),
+        (torch.float32, ("d",)),
+    ]
+    assert buckets[0].offsets == (0, 10) and buckets[0].numel == 20
+    assert [tensors[i][0] for b in buckets for i in b.index] == [n for b in buckets for n in b.names]
+    assert "float32, 80 bytes: a, b" in str(buckets[0])
+    with pytest.raises(ValueError, match="positive number of bytes"):
+        rpd.plan_buckets(tensors, cap_bytes=0)
+
+
+def test_without_a_process_group_the_calls_say_what_to_do():
+    if dist.is_initialized():
+        pytest.skip("a process group is initialized in this process")
+    model = RoundPipe(nn.Linear(2, 2))
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        rpd.DataParallel(model)
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        rpd.shard(torch.zeros(4))
+    assert model._grad_reducer is None
+    assert rpd._ACTIVE is None
+
+
+@pytest.fixture
+def group_of_one(tmp_path):
+    if dist.is_initialized():
+        pytest.skip("a process group is initialized in this process")
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0,
+                            world_size=1, timeout=rpd._as_timedelta(10))
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+        if rpd._ACTIVE is not None:  # a failed test left a DataParallel attached
+            rpd._ACTIVE, rpd._ACTIVE_USERS = None, 0
+
+
+def test_a_group_of_one_trains_bitwise_as_no_data_parallelism(group_of_one):
+    cfg = {"steps": 4, "mode": "async", "inf_step": 1}
+    plain = dp_worker.train(cfg)
+    with_dp = dp_worker.train(cfg, dp={"bucket_cap_mb": 1e-4})  # several buckets, a ring reused
+    assert rpd._ACTIVE is None  # the worker closed its DataParallel
+    for name, value in plain["masters"].items():
+        assert torch.equal(with_dp["masters"][name], value), name
+    assert with_dp["skipped"] == plain["skipped"] and plain["skipped"][1] is True
+    assert with_dp["replicas_identical"] is True
+
+
+def test_data_parallel_misuse_is_rejected(group_of_one):
+    model = RoundPipe(nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 2)))
+    with pytest.raises(ValueError, match="bucket_cap_mb"):
+        rpd.DataParallel(model, bucket_cap_mb=0)
+    with pytest.raises(ValueError, match="buckets_in_flight"):
+        rpd.DataParallel(model, buckets_in_flight=0)
+    dp = rpd.DataParallel(model, bucket_cap_mb=5e-5)  # 52 bytes
+    try:
+        assert dp.rank == 0 and dp.world_size == 1
+        names = [n for b in dp.buckets for n in b.names]
+        assert names == [n for n, _ in model.optim_named_parameters()]
+        assert [b.names for b in dp.buckets] == [("0.weight", "0.bias"), ("1.weight", "1.bias")]
+        with pytest.raises(RuntimeError, match="already has a DataParallel"):
+            rpd.DataParallel(model)
+        with pytest.raises(ValueError, match="does not split evenly"):
+            rpd.shard((torch.zeros(4), torch.tensor(1.0)))  # a 0-d tensor has no batch dim
+    finally:
+        dp.close()
+    dp.close()  # idempotent
+    assert model._grad_reducer is None and rpd._ACTIVE is None
+    with pytest.raises(RuntimeError, match="was closed"):
+        dp.replicas_identical()
+
+
+def test_a_parameter_no_rank_used_keeps_no_gradient(group_of_one):
+    seq = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    model = RoundPipe(seq)
+    dp = rpd.DataParallel(model)
+    try:
+        masters = dict(model.optim_named_parameters())
+        model.forward_backward(input_args=(torch.randn(2, 4),), label=torch.tensor([0, 1]),
+                               loss_fn=lambda out, y: torch.nn.functional.cross_entropy(out, y))
+        masters["0.bias"].grad = None  # as if no rank had used it
+        before = masters["1.weight"].grad.clone()
+        seen = {}
+        model.step(lambda: seen.update({n: m.grad for n, m in masters.items()}), is_async=False)
+        assert seen["0.bias"] is None
+        assert torch.equal(seen["1.weight"], before)  # averaged over one rank: itself
+    finally:
+        dp.close()
