@@ -12,11 +12,11 @@
   (see [Note: the calling thread runs CPU device 0]).
 * Backends: the CPU backend is the reference (host <-> device moves are the identity). Every
   accelerator (CUDA, the emulated ``emu``) has one backend written against torch's
-  device-agnostic APIs (``torch.get_device_module``, ``torch.Stream``, ``torch.Event``): each
-  action runs on a side stream, stage parameters and buffers are uploaded with a differentiable
-  ``.to(device, non_blocking=True)``, buffers a forward changed (BatchNorm's running stats) are
-  written back to the host, and an action's end is published by a device event that the worker
-  waits for before setting the host-side future.
+  device-agnostic APIs (``torch.get_device_module``, ``torch.Stream``, ``torch.Event``): the
+  model stays in pinned host memory, a stage is uploaded once per run of actions
+  (:class:`Resident`), its gradients accumulate on the device and are downloaded once, and an
+  action's end is published by a device event that the worker waits for before setting the
+  host-side future.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import torch
 from torch.utils import _pytree as pytree
 
-__all__ = ["WorkerDevice", "parse_devices", "resolve_devices", "DevicePool", "Future",
+__all__ = ["WorkerDevice", "parse_devices", "resolve_devices", "DevicePool", "Future", "Resident",
            "on_device_worker", "caller_as_worker", "get_worker", "ENV_VAR"]
 
 ENV_VAR = "ROUNDPIPE_DEVICES"
@@ -321,11 +321,15 @@ class _CPUBackend:
     def to_device(self, tree: Any) -> Any:
         return tree
 
-    def call_layer(self, layer: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
+    def prepare_host(self, module: torch.nn.Module) -> None:
+        """Called once per wrapped model; nothing to do when the host is the device."""
+
+    def call_layer(self, layer: torch.nn.Module, args: tuple, kwargs: dict,
+                   resident: Optional["Resident"] = None) -> Any:
         return layer(*args, **kwargs)
 
-    def grads_to_host(self, grads: List[Optional[torch.Tensor]]) -> List[Optional[torch.Tensor]]:
-        return grads
+    def download(self, tensors: List[Optional[torch.Tensor]]) -> List[Optional[torch.Tensor]]:
+        return tensors
 
     def finish(self) -> None:
         """Called at the end of every action on the worker."""
@@ -340,18 +344,42 @@ class _CPUBackend:
         return None
 
 
+class Resident:
+    """A stage's parameters and buffers on an accelerator for one run of actions (see
+    [Note: streaming] in :mod:`roundpipe.schedule`): uploaded once by
+    :meth:`_AcceleratorBackend.upload`, read by every action of the run, dropped by
+    :meth:`_AcceleratorBackend.release`. Touched by the stage's worker only.
+
+    ``tensors``: per layer module (by id), its parameters and buffers by name, for
+    ``torch.func.functional_call``. ``leaves``: the device copies of the stage's trainable
+    parameters, in the order given to ``upload``, that gradients are taken with respect to
+    (None for a differentiable upload, whose gradients flow back to the host parameters)."""
+
+    __slots__ = ("tensors", "leaves", "_buffers")
+
+    def __init__(self) -> None:
+        self.tensors: Dict[int, Dict[str, torch.Tensor]] = {}
+        self.leaves: Optional[List[torch.Tensor]] = None
+        # (host buffer, device copy, whether its module is in training mode)
+        self._buffers: List[Tuple[torch.Tensor, torch.Tensor, bool]] = []
+
+
 class _AcceleratorBackend:
     """Every accelerator's backend (CUDA, the emulated ``emu``), on torch's device-agnostic APIs.
 
-    Stage parameters stay in host memory; each action uploads them with a differentiable
-    ``.to(device, non_blocking=True)`` and calls the layer through ``torch.func.functional_call``,
-    so ``torch.autograd.grad`` with respect to the host parameters gives host gradients. Buffers
-    travel the same way; one that the forward changed in place (BatchNorm's running stats) is
-    copied back to its host tensor. Work runs on the backend's side stream; :meth:`finish`
-    records a device event on it and waits for it on the host.
+    The model stays in host memory, pinned (:meth:`prepare_host`), so that uploads are
+    asynchronous copies. A stage's parameters and buffers are uploaded once per run of actions
+    (:meth:`upload`, see [Note: streaming] in :mod:`roundpipe.schedule`); the actions call their
+    layers on those copies through ``torch.func.functional_call``. In training the parameter
+    copies are fresh leaves, so that gradients stay on the device and accumulate there; they are
+    downloaded once per stage and call into pinned host memory (:meth:`download`). For a
+    differentiable inference call the upload is a differentiable ``.to(device)`` instead, so a
+    later ``backward()`` reaches the host parameters. Buffers that a training-mode module changed
+    in place (BatchNorm's running stats) are copied back to the host at the end of a forward run
+    (:meth:`release`). Work runs on the backend's stream; :meth:`finish` records a device event
+    on it and waits for it on the host.
 
-    Touched by the device's worker thread, and (recompute) by the autograd engine's thread for
-    the device, which runs the re-run forward under the stream of the original forward.
+    Touched by the device's worker thread only.
     """
 
     def __init__(self, device: WorkerDevice) -> None:
@@ -372,6 +400,15 @@ class _AcceleratorBackend:
         with torch.accelerator.device_index(self.torch_device.index), self.stream:
             yield
 
+    def prepare_host(self, module: torch.nn.Module) -> None:
+        """Main thread, at wrap time: move the module's parameters and buffers into pinned host
+        memory (same objects, new storage), so that uploads do not stage through a bounce
+        buffer and can overlap compute."""
+        with torch.no_grad():
+            for t in list(module.parameters()) + list(module.buffers()):
+                if t.device.type == "cpu" and not t.is_pinned():
+                    t.data = t.data.pin_memory()
+
     def to_device(self, tree: Any) -> Any:
         def move(x: Any) -> Any:
             if not isinstance(x, torch.Tensor):
@@ -387,23 +424,65 @@ class _AcceleratorBackend:
             return move(tree)
         return pytree.tree_map(move, tree)
 
-    def call_layer(self, layer: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
-        device = self.torch_device
-        tensors = {n: p.to(device, non_blocking=True) for n, p in layer.named_parameters()}
-        buffers = {n: b.to(device, non_blocking=True) for n, b in layer.named_buffers()}
-        tensors.update(buffers)
-        out = torch.func.functional_call(layer, tensors, args, kwargs)
-        # A module in training mode may update its buffers in place (BatchNorm's running stats;
-        # no version counter shows it): its host buffers take the uploaded copies' values.
-        with torch.no_grad():
-            for prefix, module in layer.named_modules():
-                if module.training:
-                    for n, host in module.named_buffers(prefix=prefix, recurse=False):
-                        host.copy_(buffers[n])
-        return out
+    def upload(self, modules: Sequence[torch.nn.Module], trainable: Sequence[torch.Tensor],
+               leaves: bool) -> Resident:
+        """Copy ``modules``' parameters and buffers to the device, each tensor once.
+        ``leaves``: the ``trainable`` parameters become device leaves that require grad
+        (``Resident.leaves``, aligned with ``trainable``); else a differentiable copy."""
+        device, resident = self.torch_device, Resident()
+        copies: Dict[int, torch.Tensor] = {}
 
-    def grads_to_host(self, grads: List[Optional[torch.Tensor]]) -> List[Optional[torch.Tensor]]:
-        host = [None if g is None else g.to("cpu", non_blocking=True) for g in grads]
+        def up(t: torch.Tensor, leaf: bool) -> torch.Tensor:
+            copy = copies.get(id(t))
+            if copy is None:
+                if leaf:
+                    copy = t.detach().to(device, non_blocking=True).requires_grad_(True)
+                else:
+                    copy = t.to(device, non_blocking=True)
+                copies[id(t)] = copy
+            return copy
+
+        trainable_ids = {id(p) for p in trainable}
+        for module in modules:
+            tensors = {n: up(p, leaves and id(p) in trainable_ids)
+                       for n, p in module.named_parameters()}
+            for prefix, sub in module.named_modules():
+                for n, b in sub.named_buffers(prefix=prefix, recurse=False):
+                    tensors[n] = up(b, False)
+                    resident._buffers.append((b, tensors[n], sub.training))
+            resident.tensors[id(module)] = tensors
+        if leaves:
+            resident.leaves = [copies[id(p)] for p in trainable]
+        return resident
+
+    def release(self, resident: Resident, write_back: bool) -> None:
+        """End of a run: with ``write_back``, buffers of training-mode modules take the values
+        the run left on the device (a forward run; a recompute's updates are dropped)."""
+        if write_back:
+            with torch.no_grad():
+                for host, copy, training in resident._buffers:
+                    if training:
+                        host.copy_(copy)
+        resident.tensors.clear()
+        resident.leaves = None
+        resident._buffers.clear()
+
+    def call_layer(self, layer: torch.nn.Module, args: tuple, kwargs: dict,
+                   resident: Optional[Resident] = None) -> Any:
+        if resident is None:
+            raise AssertionError("an accelerator action ran a layer without its stage's upload; "
+                                 "please report")
+        return torch.func.functional_call(layer, resident.tensors[id(layer)], args, kwargs)
+
+    def download(self, tensors: List[Optional[torch.Tensor]]) -> List[Optional[torch.Tensor]]:
+        """Device tensors -> fresh pinned host tensors; returns once they have arrived."""
+        host = []
+        for t in tensors:
+            if t is None or t.device.type == "cpu":
+                host.append(t)
+                continue
+            dst = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            host.append(dst.copy_(t, non_blocking=True))
         self.finish()
         return host
 

@@ -39,7 +39,7 @@ from torch.utils.checkpoint import checkpoint
 from roundpipe import optim_thread
 from roundpipe.autocast import (AutocastState, RNGState, autocast_context, chain_starts,
                                 resolve_autocast, restore_global, rng_scope, uses_rng)
-from roundpipe.devices import DevicePool, Future, caller_as_worker, on_device_worker
+from roundpipe.devices import DevicePool, Future, Resident, caller_as_worker, on_device_worker
 from roundpipe.microbatch import merge_outputs, split_inputs, split_label
 from roundpipe.optim_thread import add_note
 from roundpipe.schedule import Action, ActionKind, Plan, build_plan, partition
@@ -300,7 +300,8 @@ class _Stage:
 class _Slot:
     """What one (stage, microbatch) hands to the actions that depend on it."""
 
-    __slots__ = ("phase", "rng_start", "rng_end", "out", "graph_in", "graph_out", "grad_in")
+    __slots__ = ("phase", "rng_start", "rng_end", "out", "graph_in", "graph_out", "grad_in",
+                 "saved_input")
 
     def __init__(self) -> None:
         self.phase = "forward"          # pass of a checkpointed stage, for error notes
@@ -310,6 +311,7 @@ class _Slot:
         self.graph_in: Any = None       # input leaves of the stage's graph
         self.graph_out: Any = None      # output leaves with their (checkpointed) graph
         self.grad_in: Any = None        # grads w.r.t. this stage's input leaves (aligned)
+        self.saved_input: Any = None    # a streamed forward's stage input, for its recompute
 
 
 @dataclasses.dataclass
@@ -351,6 +353,8 @@ class _Call:
     # grad is wanted); their grads are in slots[(0, m)].grad_in. Written by stage 0's worker.
     input_origins: List[Any] = dataclasses.field(default_factory=list)
     grad_sink: Optional["_GradSink"] = None    # a fused plan's (see [Note: fused stages])
+    # A stage-major plan's uploads, by stage: written and read by the stage's worker only.
+    resident: Dict[int, Resident] = dataclasses.field(default_factory=dict)
     # (param, .grad) a user left on a model param, set aside during a fused call; main thread.
     stashed_grads: List[Tuple[nn.Parameter, torch.Tensor]] = dataclasses.field(
         default_factory=list)
@@ -484,6 +488,7 @@ class RoundPipe(nn.Module):
         self.name = name
         self.model_run_config = model_run_config or RoundPipeRunConfig()
         self._pool = DevicePool(devices)
+        self._pool.backends[0].prepare_host(model)
         if isinstance(model, nn.Sequential):
             children = list(model.named_children())
             if not children:
@@ -630,21 +635,28 @@ class RoundPipe(nn.Module):
             self._stage_cache[key] = stages
         return stages
 
-    def _plan(self, stages: List[_Stage], num_microbatch: int, training: bool) -> Plan:
-        # See [Note: fused stages].
-        fuse = training and len(self._pool) == 1 and not _shares_params(stages)
-        key = (len(stages), num_microbatch, training, fuse)
+    def _plan(self, stages: List[_Stage], num_microbatch: int, training: bool,
+              recompute: bool) -> Plan:
+        # An accelerator pool streams stage by stage (see [Note: streaming] in schedule.py);
+        # one CPU worker fuses each microbatch's stages (see [Note: fused stages]).
+        streaming = self._pool.device_type != "cpu"
+        fuse = (training and not streaming and len(self._pool) == 1
+                and not _shares_params(stages))
+        key = (len(stages), num_microbatch, training, fuse, streaming, recompute)
         plan = self._plan_cache.get(key)
         if plan is None:
-            plan = self._plan_cache[key] = build_plan(len(stages), num_microbatch,
-                                                      len(self._pool), training, fuse)
+            plan = self._plan_cache[key] = build_plan(
+                len(stages), num_microbatch, len(self._pool), training, fuse,
+                stage_major=streaming, recompute=recompute)
         return plan
 
     def plan(self, run_config: Optional[RoundPipeRunConfig] = None,
              training: bool = True) -> Plan:
-        """The plan a call with ``run_config`` would execute (``print`` it to see the order)."""
+        """The plan a call with ``run_config`` would execute (``print`` it to see the order and,
+        on an accelerator, each stage's uploads and gradient downloads)."""
         cfg = self._resolve(run_config)
-        return self._plan(self._stages(cfg.execute_plan), cfg.num_microbatch, training)
+        return self._plan(self._stages(cfg.execute_plan), cfg.num_microbatch, training,
+                          bool(cfg.recompute))
 
     # -- public calls -------------------------------------------------------------------------
     def forward_backward(self, input_args: Sequence[Any] = (),
@@ -684,9 +696,12 @@ class RoundPipe(nn.Module):
             optim_thread._raise_failures()  # e.g. a step launched before failed
             ok = True
             out_device = torch.device(cfg.output_device)
-            total = call.losses[0].to(out_device)
+            # Summed where the losses are when they share a device (one transfer, not M).
+            same = len({loss.device for loss in call.losses}) == 1
+            total = call.losses[0] if same else call.losses[0].to(out_device)
             for loss in call.losses[1:]:
-                total = total + loss.to(out_device)
+                total = total + (loss if same else loss.to(out_device))
+            total = total.to(out_device)
             if return_outputs:
                 merged = _to_device(merge_outputs(call.outputs, call.sizes, cfg.merge_output),
                                     out_device)
@@ -922,7 +937,8 @@ class RoundPipe(nn.Module):
             rng_after = RNGState(torch.get_rng_state(), backend0.get_rng_state())
             rng_others = [(b, b.get_rng_state()) for b in self._pool.backends[1:]]
         call = _Call(
-            plan=self._plan(stages, M, training), stages=stages, training=training,
+            plan=self._plan(stages, M, training, bool(cfg.recompute)), stages=stages,
+            training=training,
             recompute=bool(cfg.recompute), grad_enabled=grad_enabled,
             inference_mode=torch.is_inference_mode_enabled(),
             autocast=resolve_autocast(cfg.autocast, self._pool.device_type),
@@ -1025,13 +1041,51 @@ class RoundPipe(nn.Module):
                 raise _Cancelled()
         backend = self._pool.backends[action.device]
         with backend.action_context():
+            streaming = call.plan.stage_major
+            if streaming:
+                self._enter_run(call, action, backend)
             if action.kind is ActionKind.BACKWARD:
-                self._backward_action(call, action, backend)
+                if streaming and call.recompute:
+                    self._recompute_backward_action(call, action, backend)
+                else:
+                    self._backward_action(call, action, backend)
             elif action.kind is ActionKind.MICROBATCH:
                 self._microbatch_action(call, action, backend)
+            elif streaming and call.training and call.recompute \
+                    and action.kind is ActionKind.FORWARD:
+                self._streamed_forward_action(call, action, backend)
             else:
                 self._forward_action(call, action, backend)
+            if streaming and call.plan.ends_run(action):
+                self._leave_run(call, action, backend)
             backend.finish()
+
+    # [Note: streaming] in schedule.py: a stage is uploaded at the first action of a run that
+    # needs it, and dropped at the end of the run (kept from the forward to the backward run
+    # when recompute is off, since the backward then walks the forward's graph).
+    def _enter_run(self, call: _Call, a: Action, backend: Any) -> None:
+        s = a.stage
+        if s in call.resident:
+            return
+        stage = call.stages[s]
+        for layer in stage.layers:
+            call.ready.wait(layer.index)
+        trainable = [p for _, p in call.stage_params[s]]
+        # Training: device leaves, whose gradients stay on the device. A differentiable
+        # inference call: a differentiable upload, so a later backward() reaches the host
+        # parameters and their grad hooks.
+        with torch.set_grad_enabled(not call.training and call.grad_enabled):
+            call.resident[s] = backend.upload([l.module for l in stage.layers], trainable,
+                                              leaves=call.training)
+
+    def _leave_run(self, call: _Call, a: Action, backend: Any) -> None:
+        if a.kind is ActionKind.FORWARD and call.training and not call.recompute:
+            return  # the backward run reads this upload (see _enter_run)
+        resident = call.resident.pop(a.stage, None)
+        if resident is not None:
+            # A recompute's updates of the buffers are dropped: the forward made them.
+            backend.release(resident, write_back=not (a.kind is ActionKind.BACKWARD
+                                                     and call.recompute))
 
     def _stage_input(self, call: _Call, s: int, m: int, backend: Any) -> Tuple[tuple, dict]:
         if s == 0:
@@ -1056,12 +1110,13 @@ class RoundPipe(nn.Module):
                    phase: str, backend: Any) -> Any:
         args, kwargs = inp
         x: Any = None
+        resident = call.resident.get(stage.index)
         for i, layer in enumerate(stage.layers):
             try:
                 if i == 0:
-                    x = backend.call_layer(layer.module, args, kwargs)
+                    x = backend.call_layer(layer.module, args, kwargs, resident)
                 else:
-                    x = backend.call_layer(layer.module, (x,), {})
+                    x = backend.call_layer(layer.module, (x,), {}, resident)
             except _NOT_LAYER_ERRORS:
                 raise
             except BaseException as exc:  # noqa: B036 -- annotated, then re-raised
@@ -1158,6 +1213,43 @@ class RoundPipe(nn.Module):
             self._grad_and_move(call, s, m, [loss], [torch.ones_like(loss)], in_leaves, backend)
         self._finish_microbatch(call, m, loss, out)
 
+    def _streamed_forward_action(self, call: _Call, a: Action, backend: Any) -> None:
+        """FORWARD of a stage-major plan with recompute (see [Note: streaming] in schedule.py):
+        no graph is kept, only the stage input; the BACKWARD action re-runs the stage on its own
+        upload and takes the gradients there."""
+        s, m = a.stage, a.mb_index
+        if s > 0:
+            inp = self._stage_input(call, s, m, backend)
+        else:
+            _, inp = self._stage0_input(call, m, backend)
+        with torch.no_grad():
+            out, _ = self._stage_forward(call, s, m, inp, backend, checkpointed=False)
+        slot = call.slots[(s, m)]
+        slot.saved_input = inp
+        slot.out = out
+
+    def _recompute_backward_action(self, call: _Call, a: Action, backend: Any) -> None:
+        """BACKWARD of a stage-major plan with recompute: re-run the stage from its saved input
+        under the forward's autocast and RNG start state, on this run's upload, then take the
+        gradients. It runs on the worker, not inside autograd."""
+        s, m = a.stage, a.mb_index
+        after, slot = call.slots[(s + 1, m)], call.slots[(s, m)]
+        grads_out, after.grad_in = backend.to_device(after.grad_in), None
+        inp, slot.saved_input = slot.saved_input, None
+        _, in_leaves, inp = _cut_graph(inp, _requires_grad if s == 0 else _is_float)
+        slot.phase = "recompute"
+        with torch.enable_grad():
+            with autocast_context(call.autocast), rng_scope(slot.rng_start, backend):
+                out = self._run_stage(call, call.stages[s], inp, m, "recompute", backend)
+            out_leaves = _leaves(out)
+            if len(out_leaves) != len(grads_out):
+                raise AssertionError(f"stage {s} has {len(out_leaves)} outputs but stage {s + 1} "
+                                     f"returned {len(grads_out)} input grads; please report")
+            pairs = [(o, g) for o, g in zip(out_leaves, grads_out)
+                     if g is not None and isinstance(o, torch.Tensor) and o.requires_grad]
+            self._grad_and_move(call, s, m, [o for o, _ in pairs], [g for _, g in pairs],
+                                in_leaves, backend)
+
     def _microbatch_action(self, call: _Call, a: Action, backend: Any) -> None:
         """A fused plan's MICROBATCH(m): see [Note: fused stages]."""
         m, last = a.mb_index, len(call.stages) - 1
@@ -1183,7 +1275,7 @@ class RoundPipe(nn.Module):
         if in_leaves:
             call.slots[(0, m)].grad_in = [sink.input_grad(x) for x in in_leaves]
         if m == call.plan.num_microbatch - 1:
-            self._launch_moves(call, range(last + 1))
+            self._launch_moves(call, range(last + 1), backend)
         self._finish_microbatch(call, m, loss, out)
 
     def _backward_action(self, call: _Call, a: Action, backend: Any) -> None:
@@ -1236,7 +1328,11 @@ class RoundPipe(nn.Module):
         (see [Note: gradient accumulation])."""
         params = call.stage_params[s]
         wrt = [x for x in in_leaves if isinstance(x, torch.Tensor) and x.requires_grad]
-        inputs = wrt + [p for _, p in params]
+        resident = call.resident.get(s)
+        # On an accelerator the gradients are taken w.r.t. the stage's device copies and summed
+        # on the device (see [Note: streaming] in schedule.py).
+        targets = resident.leaves if resident is not None else [p for _, p in params]
+        inputs = wrt + targets
         if outputs and inputs:
             try:
                 grads = list(torch.autograd.grad(outputs, inputs, grad_outputs,
@@ -1251,7 +1347,7 @@ class RoundPipe(nn.Module):
             by_id = {id(x): g for x, g in zip(wrt, grads[:len(wrt)])}
             call.slots[(s, m)].grad_in = [by_id.get(id(x)) if isinstance(x, torch.Tensor)
                                           else None for x in in_leaves]
-        param_grads = backend.grads_to_host(grads[len(wrt):])
+        param_grads = grads[len(wrt):]
         # See [Note: gradient accumulation].
         buffers = call.grad_buffers[s]
         shared = _storage_counts(grads[:len(wrt)] + list(param_grads) + list(grad_outputs))
@@ -1262,9 +1358,9 @@ class RoundPipe(nn.Module):
                 alone = shared[g.untyped_storage().data_ptr()] == 1
                 _sum_into(buffers, i, g, self._master_of[id(p)], alone)
         if m == call.plan.num_microbatch - 1:
-            self._launch_moves(call, [s])
+            self._launch_moves(call, [s], backend)
 
-    def _launch_moves(self, call: _Call, stages: Sequence[int]) -> None:
+    def _launch_moves(self, call: _Call, stages: Sequence[int], backend: Any) -> None:
         """After a stage's last microbatch: hand its summed gradients to the masters, in one work
         item (the optimizer thread wakes once, not per param)."""
         pairs = []
@@ -1273,6 +1369,9 @@ class RoundPipe(nn.Module):
             pairs += [(self._master_of[id(p)], buffers[i])
                       for i, (_, p) in enumerate(call.stage_params[s]) if buffers[i] is not None]
             buffers[:] = [None] * len(buffers)
+        if pairs and call.plan.stage_major:  # summed on the device: one download per stage
+            host = backend.download([g for _, g in pairs])
+            pairs = [(master, g) for (master, _), g in zip(pairs, host)]
         if pairs:
             call.move_items.append(optim_thread._launch(_move_grads, pairs))
 
@@ -1336,10 +1435,10 @@ def _storage_counts(tensors: List[Any]) -> Dict[int, int]:
 
 
 def _can_adopt(g: torch.Tensor, master: torch.Tensor) -> bool:
-    """Whether ``g`` has the master's dtype, device and layout, alone in a storage of exactly its
+    """Whether ``g`` has the master's dtype and layout (on the host, or summed on the device), alone in a storage of exactly its
     size (autograd often returns a transposed view instead), so that it can become the
     accumulation buffer itself. Whether another tensor shares that storage is the caller's."""
-    return (g.dtype == master.dtype and g.device == master.device and g.shape == master.shape
+    return (g.dtype == master.dtype and g.shape == master.shape
             and g.is_contiguous() and g.storage_offset() == 0 and not g.requires_grad
             and g.numel() > 0
             and g.untyped_storage().nbytes() == g.numel() * g.element_size())
@@ -1356,7 +1455,7 @@ def _sum_into(buffers: List[Optional[torch.Tensor]], i: int, g: torch.Tensor,
     if alone and _can_adopt(g, master):
         buffers[i] = g
         return True
-    buffers[i] = torch.empty_like(master).copy_(g)
+    buffers[i] = torch.empty_like(master, device=g.device).copy_(g)
     return False
 
 

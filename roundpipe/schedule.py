@@ -17,6 +17,10 @@ Actions (see [Note: the clock]):
 * ``MICROBATCH(m)``: a fused plan's only kind (one device, ``fuse_stages=True``): every stage's
   forward of microbatch ``m``, ``loss_fn``, and one backward through all of them (see
   [Note: fused stages] in :mod:`roundpipe.runtime`). Printed ``M.m``: it has no single stage.
+
+Orders: the clock order of [Note: the clock] (CPU pools), or the stage-major order of
+[Note: streaming] (accelerator pools), whose plan also lists the weight uploads and gradient
+downloads it implies (:meth:`Plan.transfers`).
 """
 
 from __future__ import annotations
@@ -25,7 +29,8 @@ import dataclasses
 import enum
 from typing import Dict, Iterable, List, Sequence, Tuple
 
-__all__ = ["ActionKind", "Action", "Plan", "build_plan", "simulate", "partition", "stage_device"]
+__all__ = ["ActionKind", "Action", "Plan", "Transfer", "TransferKind", "build_plan", "simulate",
+           "partition", "stage_device"]
 
 
 class ActionKind(enum.Enum):
@@ -79,19 +84,72 @@ class Action:
 # order of gradient accumulation independent of the number of devices.
 
 
+# [Note: streaming]
+# On an accelerator the stages' weights live in host memory and must be uploaded before a stage
+# computes. A stage-major plan (stage_major=True) makes each device run all microbatches of one
+# stage before the next: the forward pass stage by stage upwards (FORWARD s.0 .. s.M-1, then the
+# LAST stage's actions), then the backward pass stage by stage downwards (BACKWARD s.0 ..
+# s.M-1). So each device meets a stage in one run of consecutive actions per pass, and a stage's
+# weights are uploaded once per run, whatever M is:
+#   * a stage before the last: twice per iteration, for its forward run and for its backward run
+#     (whose recompute needs them again); with recompute off the forward's upload is kept and
+#     serves the backward run too: once;
+#   * the last stage: once (its LAST actions run forward, loss_fn and backward together);
+#   * inference: once per stage.
+# Gradients of a stage accumulate on the device over its microbatches and are downloaded once,
+# after its last backward action. Dependencies only point to lower stages in the forward pass and
+# to higher stages (or the same stage's forward) in the backward pass, so a device never waits for
+# an action that comes later in another device's list: no deadlock, and with several devices
+# stage s+1 of microbatch 0 starts while stage s computes microbatch 1. All microbatches' stage
+# inputs stay alive until their backward, as in any stage-major pipeline.
+
+
+class TransferKind(enum.Enum):
+    UPLOAD = "up"        # a stage's weights (and buffers) to its device, before the action
+    DOWNLOAD = "down"    # a stage's summed gradients to the host, after the action
+
+
+@dataclasses.dataclass(frozen=True)
+class Transfer:
+    """A move that a stage-major plan implies, at ``action`` (see [Note: streaming])."""
+
+    kind: TransferKind
+    stage: int
+    action: Action
+
+    def __str__(self) -> str:
+        return f"{self.kind.value}{self.stage}@{self.action}"
+
+
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """The per-device action lists of one call. Immutable; cached by the runtime."""
+    """The per-device action lists of one call. Immutable; cached by the runtime.
+
+    ``stage_major``: the order of [Note: streaming]; ``recompute``: whether its backward run
+    re-runs each stage (so uploads the stage again)."""
 
     num_stages: int
     num_microbatch: int
     num_devices: int
     training: bool
     per_device: Tuple[Tuple[Action, ...], ...]
+    stage_major: bool = False
+    recompute: bool = True
 
     def __post_init__(self) -> None:
         index = _check_unique(a for actions in self.per_device for a in actions)
         object.__setattr__(self, "_index", index)
+        run_ends = set()
+        for actions in self.per_device:
+            for a, nxt in zip(actions, actions[1:] + (None,)):
+                if nxt is None or nxt.stage != a.stage or nxt.kind is not a.kind:
+                    run_ends.add(a.key)
+        object.__setattr__(self, "_run_ends", frozenset(run_ends))
+
+    def ends_run(self, action: Action) -> bool:
+        """Whether ``action`` is the last of a run of its stage and kind on its device (see
+        [Note: streaming])."""
+        return action.key in self._run_ends  # type: ignore[attr-defined]
 
     @property
     def fused(self) -> bool:
@@ -118,12 +176,38 @@ class Plan:
                  else self.action(ActionKind.BACKWARD, s + 1, m))
         return (self.action(ActionKind.FORWARD, s, m), after)
 
+    def transfers(self) -> Tuple[Transfer, ...]:
+        """The weight uploads and gradient downloads of a stage-major plan, per device in
+        execution order (see [Note: streaming]); empty for a clock-order (CPU) plan."""
+        return tuple(t for d in range(self.num_devices) for t in self._transfers(d))
+
+    def _transfers(self, device: int) -> List[Transfer]:
+        if not self.stage_major:
+            return []
+        out: List[Transfer] = []
+        actions = self.per_device[device]
+        for i, a in enumerate(actions):
+            prev = actions[i - 1] if i else None
+            backward_pass = a.kind is ActionKind.BACKWARD
+            new_run = prev is None or prev.stage != a.stage or prev.kind is not a.kind
+            if new_run and (not backward_pass or self.recompute):
+                out.append(Transfer(TransferKind.UPLOAD, a.stage, a))
+            grads_done = (a.kind in (ActionKind.BACKWARD, ActionKind.LAST)
+                          and a.mb_index == self.num_microbatch - 1)
+            if grads_done and self.ends_run(a):
+                out.append(Transfer(TransferKind.DOWNLOAD, a.stage, a))
+        return out
+
     def __str__(self) -> str:
         mode = "train" if self.training else "infer"
+        order = ", stage-major" if self.stage_major else ""
         lines = [f"Plan({mode}, stages={self.num_stages}, microbatches={self.num_microbatch}, "
-                 f"devices={self.num_devices})"]
+                 f"devices={self.num_devices}{order})"]
         for d, actions in enumerate(self.per_device):
             lines.append(f"  device {d}: " + " ".join(str(a) for a in actions))
+            moves = self._transfers(d)
+            if moves:
+                lines.append(f"    moves {d}: " + " ".join(str(t) for t in moves))
         return "\n".join(lines)
 
 
@@ -133,11 +217,13 @@ def stage_device(stage: int, num_devices: int) -> int:
 
 
 def build_plan(num_stages: int, num_microbatch: int, num_devices: int, training: bool,
-               fuse_stages: bool = False) -> Plan:
+               fuse_stages: bool = False, stage_major: bool = False,
+               recompute: bool = True) -> Plan:
     """Build the plan of one ``forward_backward`` (``training=True``) or ``forward`` call.
 
     ``fuse_stages`` (training on one device only): one ``MICROBATCH`` action per microbatch
-    instead of a forward and a backward per stage."""
+    instead of a forward and a backward per stage. ``stage_major``: the order of
+    [Note: streaming], for accelerator pools (``recompute`` tells its transfers)."""
     for name, value in (("num_stages", num_stages), ("num_microbatch", num_microbatch),
                         ("num_devices", num_devices)):
         if not isinstance(value, int) or value < 1:
@@ -147,6 +233,8 @@ def build_plan(num_stages: int, num_microbatch: int, num_devices: int, training:
         if D != 1 or not training:
             raise ValueError(f"fuse_stages needs one device and training, got "
                              f"num_devices={D}, training={training}")
+        if stage_major:
+            raise ValueError("fuse_stages and stage_major exclude each other")
         fused = tuple(Action(ActionKind.MICROBATCH, 0, m, 0, m) for m in range(M))
         return Plan(S, M, D, training, (fused,))
     actions: List[Action] = []
@@ -163,13 +251,17 @@ def build_plan(num_stages: int, num_microbatch: int, num_devices: int, training:
             if training and s < S - 1:
                 add(ActionKind.BACKWARD, s, m, (S - 1) + (M - 1) + (S - 1 - s) + m + 1)
     per_device: List[List[Action]] = [[] for _ in range(D)]
-    if D == 1:  # see [Note: the clock]
+    if stage_major:  # see [Note: streaming]
+        order = sorted(actions, key=lambda a: (1, -a.stage, a.mb_index)
+                       if a.kind is ActionKind.BACKWARD else (0, a.stage, a.mb_index))
+    elif D == 1:  # see [Note: the clock]
         order = sorted(actions, key=lambda a: (a.mb_index, a.time, a.stage))
     else:
         order = sorted(actions, key=lambda a: (a.time, a.stage))
     for a in order:
         per_device[a.device].append(a)
-    return Plan(S, M, D, training, tuple(tuple(p) for p in per_device))
+    return Plan(S, M, D, training, tuple(tuple(p) for p in per_device), stage_major,
+                recompute)
 
 
 def simulate(plan: Plan) -> List[Action]:

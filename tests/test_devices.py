@@ -83,13 +83,19 @@ ACCELERATORS = ["emu", pytest.param("cuda", marks=needs_cuda)]
 def test_accelerator_pool_and_backend_roundtrip(kind):
     pool = DevicePool(f"{kind}:0" if kind == "cuda" else kind)
     backend = pool.backends[0]
+    lin = torch.nn.Linear(3, 2)
+    backend.prepare_host(lin)
+    assert lin.weight.is_pinned()  # uploads from pinned memory
     with backend.action_context():
         x = backend.to_device((torch.ones(3),))[0]
-        lin = torch.nn.Linear(3, 2)
-        y = backend.call_layer(lin, (x,), {})
-        g = torch.autograd.grad(y.sum(), [lin.weight])[0]
-        backend.finish()
-    assert y.device.type == kind and g.device.type == "cpu"
+        resident = backend.upload([lin], [lin.weight, lin.bias], leaves=True)
+        y = backend.call_layer(lin, (x,), {}, resident)
+        g = torch.autograd.grad(y.sum(), resident.leaves)
+        (host_g, _) = backend.download(list(g))
+        backend.release(resident, write_back=True)
+    assert y.device.type == kind and g[0].device.type == kind
+    assert host_g.device.type == "cpu" and host_g.is_pinned()
+    torch.testing.assert_close(host_g, torch.ones(2, 1).expand(2, 3))
 
 
 @pytest.mark.cpu_pool_only
@@ -98,23 +104,22 @@ def test_accelerator_backend_writes_back_batchnorm_stats(kind):
     backend = DevicePool(f"{kind}:0" if kind == "cuda" else kind).backends[0]
     bn = torch.nn.BatchNorm1d(3)
     x = torch.randn(8, 3)
-    with backend.action_context():
-        backend.call_layer(bn, backend.to_device((x,)), {})
-        backend.finish()
+
+    def run(write_back):
+        with backend.action_context():
+            resident = backend.upload([bn], [], leaves=False)
+            backend.call_layer(bn, backend.to_device((x,)), {}, resident)
+            backend.release(resident, write_back=write_back)
+
+    run(write_back=False)  # a recompute: its update is dropped
+    assert bn.num_batches_tracked.item() == 0
+    run(write_back=True)   # a forward run
     assert bn.num_batches_tracked.item() == 1
     torch.testing.assert_close(bn.running_mean, 0.1 * x.mean(0))
     bn.eval()
     before = bn.running_mean.clone()
-    with backend.action_context():
-        backend.call_layer(bn, backend.to_device((x,)), {})
+    run(write_back=True)
     assert torch.equal(bn.running_mean, before)
-
-
-def test_roundpipe_takes_the_env_var(monkeypatch):
-    from roundpipe import RoundPipe
-    monkeypatch.setenv("ROUNDPIPE_DEVICES", "cpu:3")
-    assert len(RoundPipe(torch.nn.Linear(2, 2))._pool) == 3
-    assert len(RoundPipe(torch.nn.Linear(2, 2), devices="cpu")._pool) == 1
 
 
 @pytest.mark.cpu_pool_only

@@ -365,6 +365,7 @@ def test_gradients_given_as_views_of_one_storage_stay_separate_and_equal_on_any_
         torch.testing.assert_close(grads["cpu"][n], sum(gs), rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.cpu_pool_only  # an accelerator streams stage by stage instead (test_streaming.py)
 def test_one_device_fuses_the_stages_of_a_microbatch_unless_a_parameter_spans_stages():
     cfg = RoundPipeRunConfig(num_microbatch=3)
     fused = RoundPipe(mlp(), devices="cpu", model_run_config=cfg)

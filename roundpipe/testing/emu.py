@@ -32,14 +32,16 @@ conftest does so at start. It is test infrastructure, not a backend to train on.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import threading
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Iterator, List, Optional
 
 import torch
 import torch.utils._pytree as pytree
 
-__all__ = ["NAME", "DEVICE_COUNT", "EmuTensor", "install", "is_installed"]
+__all__ = ["NAME", "DEVICE_COUNT", "EmuTensor", "Copy", "record_copies", "install",
+           "is_installed"]
 
 NAME = "emu"
 # Must match kDeviceCount in _emu_guard.cpp.
@@ -63,6 +65,43 @@ _NO_OPS = frozenset({aten.record_stream.default})
 _AUTOCAST_LOWER = ("mm", "bmm", "addmm", "baddbmm", "addbmm", "matmul", "linear", "conv1d",
                    "conv2d", "conv3d", "_convolution", "conv_transpose1d", "conv_transpose2d",
                    "conv_transpose3d", "prelu", "scaled_dot_product_attention")
+
+
+@dataclasses.dataclass(frozen=True)
+class Copy:
+    """One copy between the host and an emulated device, as :func:`record_copies` logs it.
+
+    ``direction``: ``"h2d"`` or ``"d2h"``; ``host_ptr``: the data pointer of the host tensor's
+    storage (for an upload, what was read; for a download into an existing tensor, what was
+    written; None for a download that made a new tensor)."""
+
+    direction: str
+    host_ptr: Optional[int]
+    numel: int
+    dtype: torch.dtype
+    pinned: bool
+
+
+_copy_logs: List[List[Copy]] = []
+
+
+@contextlib.contextmanager
+def record_copies() -> Iterator[List[Copy]]:
+    """Log every copy between the host and an emulated device made inside the block (by any
+    thread) into the list it yields. Main thread; for tests that count transfers."""
+    log: List[Copy] = []
+    _copy_logs.append(log)
+    try:
+        yield log
+    finally:
+        _copy_logs.remove(log)
+
+
+def _log_copy(direction: str, host: Optional[torch.Tensor], emu: torch.Tensor) -> None:
+    entry = Copy(direction, None if host is None else host.untyped_storage().data_ptr(),
+                 emu.numel(), emu.dtype, host is not None and host.is_pinned())
+    for log in _copy_logs:
+        log.append(entry)  # list.append is atomic: workers may log at once
 
 
 def _same_device_error(func: Any, a: torch.device, b: torch.device) -> RuntimeError:
@@ -108,10 +147,18 @@ class EmuTensor(torch.Tensor):
         index = _check_devices(func, leaves)
         unwrapped_args, unwrapped_kwargs = pytree.tree_map_only(
             EmuTensor, lambda t: t._elem, (args, kwargs))
+        if _copy_logs and func is aten.copy_.default:
+            dst, src = args[0], args[1]
+            if isinstance(dst, EmuTensor) and not isinstance(src, EmuTensor):
+                _log_copy("h2d", src, dst)
+            elif isinstance(src, EmuTensor) and not isinstance(dst, EmuTensor):
+                _log_copy("d2h", dst, src)
         target = unwrapped_kwargs.get("device")
         if target is not None:
             target = torch.device(target)
             if target.type == "cpu":  # a copy to the host: hand out the plain tensor
+                if _copy_logs and func is aten._to_copy.default:
+                    _log_copy("d2h", None, args[0])
                 return func(*unwrapped_args, **unwrapped_kwargs)
             index = target.index or 0
             unwrapped_kwargs["device"] = torch.device("cpu")

@@ -1,0 +1,166 @@
+"""Streaming on an accelerator (see [Note: streaming] in roundpipe/schedule.py): stage-major
+plans, what they say they move, and what the emulated device sees moved."""
+
+import copy
+import itertools
+from collections import Counter
+
+import pytest
+import torch
+from torch import nn
+
+from roundpipe import OptimizerCtx, RoundPipe, RoundPipeRunConfig
+from roundpipe.schedule import ActionKind, TransferKind, build_plan, simulate
+from roundpipe.testing import emu
+
+SHAPES = list(itertools.product([1, 2, 3, 5], [1, 2, 4, 16], [1, 2, 3]))
+
+
+def _moves(plan):
+    ups, downs = Counter(), Counter()
+    for t in plan.transfers():
+        (ups if t.kind is TransferKind.UPLOAD else downs)[t.stage] += 1
+    return ups, downs
+
+
+@pytest.mark.parametrize("S,M,D", SHAPES)
+def test_stage_major_training_plan_runs_and_moves_each_stage_at_most_twice(S, M, D):
+    plan = build_plan(S, M, D, training=True, stage_major=True)
+    assert len(simulate(plan)) == len(plan.actions())  # no deadlock
+    ups, downs = _moves(plan)
+    for s in range(S):
+        assert ups[s] == (1 if s == S - 1 else 2), plan  # the last stage: forward+backward
+        assert downs[s] == 1, plan
+    for actions in plan.per_device:  # each (stage, kind) is one run on its device
+        runs = [k for k, _ in itertools.groupby((a.stage, a.kind) for a in actions)]
+        assert len(runs) == len(set(runs))
+
+
+@pytest.mark.parametrize("S,M,D", SHAPES)
+def test_stage_major_inference_and_no_recompute_upload_once(S, M, D):
+    infer = build_plan(S, M, D, training=False, stage_major=True)
+    assert len(simulate(infer)) == S * M
+    assert _moves(infer) == (Counter({s: 1 for s in range(S)}), Counter())
+    kept = build_plan(S, M, D, training=True, stage_major=True, recompute=False)
+    ups, downs = _moves(kept)
+    assert ups == Counter({s: 1 for s in range(S)}) and downs == Counter({s: 1 for s in range(S)})
+
+
+def test_a_stage_major_plan_prints_its_moves():
+    text = str(build_plan(3, 2, 1, training=True, stage_major=True))
+    assert "device 0: F0.0 F0.1 F1.0 F1.1 L2.0 L2.1 B1.0 B1.1 B0.0 B0.1" in text
+    assert "moves 0: up0@F0.0 up1@F1.0 up2@L2.0 down2@L2.1 up1@B1.0 down1@B1.1 up0@B0.0 " \
+           "down0@B0.1" in text
+
+
+def _model(dtype=torch.float32):
+    torch.manual_seed(0)
+    # Parameter sizes all differ, so a download is told apart by its size.
+    return nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 5), nn.Dropout(0.2),
+                         nn.Linear(5, 3)).to(dtype)
+
+
+def _batch(n=32):
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(n, 4, generator=g), torch.randn(n, 3, generator=g)
+
+
+def _loss(out, y):
+    return (out.float() - y).pow(2).mean()
+
+
+@pytest.mark.parametrize("devices", ["emu", "emu:2"])
+@pytest.mark.parametrize("M", [1, 4, 16])
+def test_each_stage_is_uploaded_at_most_twice_and_its_grads_downloaded_once(devices, M):
+    model = RoundPipe(_model(), devices=devices,
+                      model_run_config=RoundPipeRunConfig(num_microbatch=M))
+    params = dict(model.module.named_parameters())
+    assert all(p.is_pinned() for p in params.values())  # uploads come from pinned memory
+    ptr = {p.untyped_storage().data_ptr(): n for n, p in params.items()}
+    x, y = _batch()
+    with emu.record_copies() as log:
+        model.forward_backward(input_args=(x,), label=y, loss_fn=_loss)
+    uploads = Counter(ptr[c.host_ptr] for c in log if c.direction == "h2d" and c.host_ptr in ptr)
+    last = str(len(model.module) - 1)
+    for name in params:  # "0.weight": layer 0 is stage 0
+        assert uploads[name] == (1 if name.split(".")[0] == last else 2), (name, uploads)
+    by_size = {p.numel(): n for n, p in params.items()}
+    downloads = Counter(by_size[c.numel] for c in log
+                        if c.direction == "d2h" and c.dtype == torch.float32 and c.numel > 1)
+    assert downloads == Counter({n: 1 for n in params}), downloads
+    assert all(c.pinned for c in log if c.direction == "d2h" and c.numel > 1)
+
+
+@pytest.mark.parametrize("devices", ["emu", "emu:2"])
+def test_streamed_training_equals_the_cpu_pool_bit_for_bit(devices):
+    # fp16 shards, dropout in the RNG chain, BatchNorm stats, an async step: the streamed run
+    # (forward without a graph, recompute on the worker, gradients summed on the device) ends
+    # with the CPU pool's parameters and running stats.
+    def run(pool):
+        torch.manual_seed(0)
+        seq = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Dropout(0.2),
+                            nn.Linear(8, 3)).half()
+        model = RoundPipe(copy.deepcopy(seq), optim_dtype=torch.float32, devices=pool,
+                          model_run_config=RoundPipeRunConfig(num_microbatch=4))
+        with OptimizerCtx():
+            opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        for i in range(3):
+            x, y = _batch()
+            model.forward_backward(input_args=(x,), label=y, loss_fn=_loss)
+            model.step(lambda: (opt.step(), opt.zero_grad()))
+        model.synchronize()
+        return model.module.state_dict()
+
+    ref, got = run("cpu"), run(devices)
+    assert ref.keys() == got.keys()
+    for k in ref:
+        assert torch.equal(ref[k], got[k]), k
+
+
+def test_inputs_that_require_grad_get_it_through_a_streamed_call():
+    x, y = _batch(8)
+    grads = []
+    for pool in ("cpu", "emu:2"):
+        model = RoundPipe(_model(), devices=pool,
+                          model_run_config=RoundPipeRunConfig(num_microbatch=2))
+        leaf = x.clone().requires_grad_()
+        model.forward_backward(input_args=(leaf * 2,), label=y, loss_fn=_loss)
+        grads.append(leaf.grad)
+    assert grads[1] is not None and torch.equal(grads[0], grads[1])
+
+
+def test_no_recompute_keeps_the_forward_upload_for_the_backward():
+    model = RoundPipe(_model(), devices="emu",
+                      model_run_config=RoundPipeRunConfig(num_microbatch=4, recompute=False))
+    ptr = {p.untyped_storage().data_ptr() for p in model.module.parameters()}
+    x, y = _batch()
+    with emu.record_copies() as log:
+        model.forward_backward(input_args=(x,), label=y, loss_fn=_loss)
+    assert sum(c.direction == "h2d" and c.host_ptr in ptr for c in log) == len(ptr)
+    ref = RoundPipe(_model(), devices="cpu",
+                    model_run_config=RoundPipeRunConfig(num_microbatch=4, recompute=False))
+    ref.forward_backward(input_args=(x,), label=y, loss_fn=_loss)
+    for a, b in zip(model.optim_parameters(), ref.optim_parameters()):
+        assert torch.equal(a.grad, b.grad)
+
+
+def test_a_differentiable_forward_reaches_the_masters_on_an_accelerator():
+    x, _ = _batch(8)
+    grads = []
+    for pool in ("cpu", "emu"):
+        model = RoundPipe(_model(), devices=pool,
+                          model_run_config=RoundPipeRunConfig(num_microbatch=2))
+        model(x).pow(2).sum().backward()
+        grads.append([m.grad for m in model.optim_parameters()])
+    assert all(g is not None for g in grads[1])
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
+
+
+def test_the_plan_of_an_accelerator_pool_is_stage_major():
+    model = RoundPipe(_model(), devices="emu:2",
+                      model_run_config=RoundPipeRunConfig(num_microbatch=3))
+    plan = model.plan()
+    assert plan.stage_major and not plan.fused
+    assert [a.kind for a in plan.per_device[0][:3]] == [ActionKind.FORWARD] * 3
+    assert "moves 1:" in str(plan)
