@@ -139,8 +139,8 @@ def test_ctrl_c_while_waiting_raises_keyboard_interrupt():
         from roundpipe import optim_thread
         release = threading.Event()
         optim_thread.launch(release.wait)
-        print("waiting", flush=True)
-        try:
+        try:  # the print inside: a SIGINT right after it must not escape the try
+            print("waiting", flush=True)
             optim_thread.synchronize()
         except KeyboardInterrupt:
             print("interrupted", flush=True)
