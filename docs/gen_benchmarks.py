@@ -33,6 +33,12 @@ SECTIONS = [
      "against plain PyTorch with `torch.utils.checkpoint` per stage (target <= 1.05), in one "
      "process and with each variant alone in its own, and the fixed cost behind it; peak memory per parameter against the 18 "
      "bytes the state itself needs."),
+    ("GPU", "gpu", "benchmarks/bench_gpu.py",
+     "a GPT-style decoder-only transformer trained with roundpipe against plain PyTorch on the "
+     "same GPU, with the model resident there, with and without per-block checkpoint: tokens/s "
+     "for each microbatch count, peak GPU memory and peak host RSS, in one run, with the "
+     "issue's targets (roundpipe >= 0.85x plain PyTorch with the same recompute, tokens/s not "
+     "falling as microbatches grow, GPU peak <= 2 stages + activations)."),
 ]
 
 HEADER = """\
