@@ -36,6 +36,12 @@ SECTIONS = [
     ("Data parallelism", "distributed", "benchmarks/bench_distributed.py",
      "iteration time of 2 gloo ranks (sync and async step) against one process doing one rank's "
      "work, and the gradient all-reduce's time per step on the optimizer thread."),
+    ("GPU", "gpu", "benchmarks/bench_gpu.py",
+     "a GPT-style decoder-only transformer trained with roundpipe against plain PyTorch on the "
+     "same GPU, with the model resident there, with and without per-block checkpoint: tokens/s "
+     "for each microbatch count, peak GPU memory and peak host RSS, in one run, with the "
+     "issue's targets (roundpipe >= 0.85x plain PyTorch with the same recompute, tokens/s not "
+     "falling as microbatches grow, GPU peak <= 2 stages + activations)."),
 ]
 
 HEADER = """\

@@ -1,0 +1,75 @@
+"""benchmarks/bench_gpu.py, run as a user runs it (a subprocess from the repository root): its tiny
+mode on the CPU and on the emulated accelerator prints the table of the three variants with
+ratios that agree with its own tokens/s, and without CUDA it says so and exits 0. No timing is
+asserted: only that the script runs and reports what it measured."""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "bench_gpu.py"
+TIGHT = ["--layers", "1", "--dim", "16", "--heads", "2", "--seq", "8", "--vocab", "32",
+         "--batch", "4", "--iters", "1", "--warmup", "1"]
+VARIANTS = ("roundpipe", "plain PyTorch", "plain PyTorch + checkpoint")
+ROW = re.compile(r"^\| (roundpipe|plain PyTorch|plain PyTorch \+ checkpoint) \| (\d+) \| "
+                 r"([\d,]+) \| ([\d.]+) \| ([\d.]+) \| (\S+) \| (\S+) \|$", re.M)
+
+
+def run_bench(*args):
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env.pop("ROUNDPIPE_DEVICES", None)
+    proc = subprocess.run([sys.executable, str(SCRIPT), *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, f"bench_gpu.py failed:\n{proc.stdout}\n{proc.stderr}"
+    return proc.stdout
+
+
+@pytest.mark.parametrize("devices", ["cpu", "emu"])
+def test_tiny_mode_prints_the_three_variants_with_ratios(devices):
+    out = run_bench("--devices", devices, "--microbatches", "1", "2", *TIGHT)
+    assert f"NOT A GPU RUN: a tiny configuration on {devices}" in out
+    assert ("| variant | microbatches | tokens/s | vs plain PyTorch | vs plain PyTorch + checkpoint "
+            "| GPU peak GiB | host RSS peak GiB |") in out
+
+    rows = {(name, int(m)): (float(tps.replace(",", "")), float(vs_plain), float(vs_ckpt), gpu, rss)
+            for name, m, tps, vs_plain, vs_ckpt, gpu, rss in ROW.findall(out)}
+    assert set(rows) == {(name, m) for name in VARIANTS for m in (1, 2)}, out
+    for m in (1, 2):
+        rp, plain, ckpt = (rows[(name, m)] for name in VARIANTS)
+        assert plain[1] == 1.0 and ckpt[2] == 1.0  # each baseline against itself
+        for row in (rp, plain, ckpt):
+            assert row[0] > 0
+            # The ratio columns are the row's tokens/s over the baseline's (tokens/s is printed
+            # rounded to whole tokens, the ratio to three decimals).
+            assert row[1] == pytest.approx(row[0] / plain[0], rel=0.02, abs=2e-3), out
+            assert row[2] == pytest.approx(row[0] / ckpt[0], rel=0.02, abs=2e-3), out
+            assert row[3] == "n/a"  # no GPU memory without a GPU
+            assert float(row[4]) > 0.05  # host RSS in GiB: at least torch itself
+
+    # The targets beside the measured values, the ratio the same as in the table.
+    assert "[no GPU: not a measurement of the target]" in out
+    for m in (1, 2):
+        line = re.search(rf"roundpipe / plain PyTorch \+ checkpoint, +{m} microbatches: "
+                         rf"([\d.]+)  \(target >= 0.85\)  (met|NOT met)", out)
+        assert line and float(line[1]) == rows[("roundpipe", m)][2], out
+    assert re.search(r"roundpipe tokens/s against 1 microbatches: 1: 1.000, 2: [\d.]+  "
+                     r"\(target: none below 0.95\)  (met|NOT met)", out), out
+    assert "GPU peak <= 2 stages + activations: n/a (no GPU memory to measure)" in out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available here")
+def test_without_cuda_it_says_so_and_exits_0():
+    for args in ([], ["--devices", "cuda"]):
+        out = run_bench(*args)
+        assert out.startswith("No GPU: ") and "CUDA is not available" in out, out
+        assert "--allow-cpu" in out and "| variant |" not in out
+
+    out = run_bench("--allow-cpu", "--microbatches", "2", *TIGHT)
+    assert "NOT A GPU RUN: a tiny configuration on cpu" in out
+    assert {name for name, *_ in ROW.findall(out)} == set(VARIANTS)
