@@ -27,10 +27,12 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Dict, Iterable, List, Sequence, Tuple
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+
+import torch
 
 __all__ = ["ActionKind", "Action", "Plan", "Transfer", "TransferKind", "build_plan", "simulate",
-           "partition", "stage_device"]
+           "partition", "stage_device", "stages_by_size"]
 
 
 class ActionKind(enum.Enum):
@@ -315,3 +317,75 @@ def partition(num_layers: int, execute_plan: Sequence[int] | None) -> List[Tuple
         bounds.append((start, start + n))
         start += n
     return bounds
+
+
+def stages_by_size(model: "torch.nn.Sequential", num_stages: Optional[int] = None,
+                   max_stage_bytes: Optional[int] = None) -> List[int]:
+    """An ``execute_plan`` that groups the consecutive layers of ``model`` into stages of about
+    equal parameter bytes, so that a model of many small layers does not pay per-stage costs
+    (an upload, a gradient download and an action per microbatch) for each layer.
+
+    Give ``num_stages`` (that many stages, the largest as small as it can be; fewer when there
+    are fewer layers with parameters), or ``max_stage_bytes`` (as few stages as keep each under
+    it, where a layer larger than it is a stage of its own). Layers without parameters join the
+    stage before them. Any thread; reads
+    only the parameters' sizes. Use it as
+    ``RoundPipeRunConfig(execute_plan=stages_by_size(seq, num_stages=8))``.
+    """
+    if (num_stages is None) == (max_stage_bytes is None):
+        raise ValueError("stages_by_size needs exactly one of num_stages and max_stage_bytes")
+    layers = list(model.children()) if isinstance(model, torch.nn.Sequential) else None
+    if not layers:
+        raise ValueError("stages_by_size groups the children of a non-empty nn.Sequential")
+    sizes, seen = [], set()
+    for layer in layers:
+        size = 0
+        for p in layer.parameters():
+            # A parameter shared by two layers counts where it first appears.
+            if id(p) not in seen:
+                seen.add(id(p))
+                size += p.numel() * p.element_size()
+        sizes.append(size)
+    if max_stage_bytes is not None:
+        if not isinstance(max_stage_bytes, int) or max_stage_bytes < 1:
+            raise ValueError(f"max_stage_bytes must be a positive int, got {max_stage_bytes!r}")
+        return _greedy_groups(sizes, max_stage_bytes)
+    if not isinstance(num_stages, int) or isinstance(num_stages, bool) or num_stages < 1:
+        raise ValueError(f"num_stages must be a positive int, got {num_stages!r}")
+    # The smallest capacity whose greedy grouping needs at most num_stages stages.
+    lo, hi = max(sizes), max(sum(sizes), 1)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if len(_greedy_groups(sizes, mid)) <= num_stages:
+            hi = mid
+        else:
+            lo = mid + 1
+    groups = _greedy_groups(sizes, lo)
+    # Fewer stages than asked (the largest layer set the capacity): split the heaviest stage
+    # that holds two layers with parameters, which never makes the largest stage larger.
+    while len(groups) < num_stages:
+        bounds = [sum(groups[:i]) for i in range(len(groups) + 1)]
+        splittable = [i for i in range(len(groups))
+                      if sum(1 for b in sizes[bounds[i]:bounds[i + 1]] if b) >= 2]
+        if not splittable:
+            break
+        i = max(splittable, key=lambda j: sum(sizes[bounds[j]:bounds[j + 1]]))
+        part = sizes[bounds[i]:bounds[i + 1]]
+        cut = min((c for c in range(1, len(part)) if sum(part[:c]) and sum(part[c:])),
+                  key=lambda c: (max(sum(part[:c]), sum(part[c:])), -c))
+        groups[i:i + 1] = [cut, len(part) - cut]
+    return groups
+
+
+def _greedy_groups(sizes: Sequence[int], capacity: int) -> List[int]:
+    """Layers per stage: fill each stage up to ``capacity`` bytes, in order."""
+    groups: List[int] = []
+    total = count = 0
+    for size in sizes:
+        if count and size and total + size > capacity:  # a free layer joins the stage
+            groups.append(count)
+            total = count = 0
+        total += size
+        count += 1
+    groups.append(count)
+    return groups

@@ -130,3 +130,40 @@ def test_fused_plan_runs_each_microbatch_as_one_action_in_order(S, M):
 def test_fusing_needs_one_device_and_training(D, training):
     with pytest.raises(ValueError, match="fuse_stages needs one device and training"):
         build_plan(3, 2, D, training, fuse_stages=True)
+
+
+def _seq(*widths):
+    import torch.nn as nn
+    layers = []
+    for w in widths:
+        layers += [nn.Linear(w, w, bias=False), nn.ReLU()]  # w*w*4 bytes, then a free layer
+    return nn.Sequential(*layers)
+
+
+def test_stages_by_size_balances_parameter_bytes():
+    from roundpipe.schedule import stages_by_size
+
+    seq = _seq(8, 8, 8, 8, 16)  # 256 B x 4, then 1024 B
+    plan = stages_by_size(seq, num_stages=2)
+    assert sum(plan) == len(seq) and len(plan) == 2
+    assert plan == [8, 2]  # the four small linears, then the big one alone
+    assert stages_by_size(seq, num_stages=100) == [2] * 5  # each linear with its ReLU
+    assert stages_by_size(seq, max_stage_bytes=512) == [4, 4, 2]
+    # A layer bigger than the limit is a stage of its own.
+    assert stages_by_size(seq, max_stage_bytes=300) == [2, 2, 2, 2, 2]
+
+
+def test_stages_by_size_counts_a_shared_parameter_once_and_rejects_misuse():
+    import torch.nn as nn
+    from roundpipe.schedule import stages_by_size
+
+    first, last = nn.Linear(8, 8, bias=False), nn.Linear(8, 8, bias=False)
+    last.weight = first.weight  # tied: its 256 bytes count in the first layer only
+    seq = nn.Sequential(first, nn.Linear(8, 8, bias=False), last)
+    assert stages_by_size(seq, max_stage_bytes=256) == [1, 2]
+    with pytest.raises(ValueError, match="exactly one"):
+        stages_by_size(seq)
+    with pytest.raises(ValueError, match="nn.Sequential"):
+        stages_by_size(nn.Linear(2, 2), num_stages=2)
+    with pytest.raises(ValueError, match="num_stages"):
+        stages_by_size(seq, num_stages=0)
