@@ -138,3 +138,20 @@ def test_accelerator_forward_backward_matches_cpu(kind):
         grads.append([m.grad for m in model.optim_parameters()])
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.cpu_pool_only
+def test_emu_installed_after_a_backward_says_how_to_install_it_first():
+    import subprocess
+    import sys
+
+    code = ("import torch\n"
+            "w = torch.ones(2, requires_grad=True); (w * 2).sum().backward()\n"
+            "from roundpipe import RoundPipe\n"
+            "RoundPipe(torch.nn.Sequential(torch.nn.Linear(2, 2)), devices='emu')\n")
+    env = {k: v for k, v in __import__("os").environ.items() if k != "ROUNDPIPE_DEVICES"}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, env=env)
+    assert proc.returncode == 1
+    assert "installed after this process's first backward()" in proc.stderr
+    assert "ROUNDPIPE_DEVICES=emu" in proc.stderr

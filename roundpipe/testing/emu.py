@@ -51,6 +51,7 @@ aten = torch.ops.aten
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _INSTALL_LOCK = threading.Lock()
 _installed = False
+_late_error: Optional[RuntimeError] = None  # installed too late (see _check_backward_threads)
 _libraries: List[torch.library.Library] = []
 
 # Ops that take host tensors next to device tensors on CUDA too: copies between devices, and
@@ -335,8 +336,10 @@ def install() -> None:
     """Register the ``emu`` device in this process (idempotent; any thread). Builds the C++
     guard on first use (a few seconds, cached under torch's extension directory, which needs a
     C++ compiler and ninja). Must run before the process's first ``backward()``."""
-    global _installed
+    global _installed, _late_error
     with _INSTALL_LOCK:
+        if _late_error is not None:
+            raise RuntimeError(str(_late_error))
         if _installed:
             return
         if torch._C._get_privateuse1_backend_name() not in ("privateuseone", NAME):
@@ -359,3 +362,23 @@ def install() -> None:
         _install_autocast(aten_lib, any_lib)
         _libraries.extend((aten_lib, any_lib))
         _installed = True
+        try:
+            _check_backward_threads()
+        except RuntimeError as exc:
+            _late_error = exc
+            raise
+
+
+def _check_backward_threads() -> None:
+    """A backward on the device: it starts autograd's device threads if none ran yet, and fails
+    if they started before the device existed (then emu backwards would fail later, less
+    clearly)."""
+    leaf = torch.ones(2).to(NAME).requires_grad_()
+    try:
+        (leaf * 2).sum().backward()
+    except RuntimeError as exc:
+        raise RuntimeError(
+            "the emulated device was installed after this process's first backward(), so "
+            "autograd has no thread for it; install it first: set ROUNDPIPE_DEVICES=emu before "
+            "the process starts, or call roundpipe.testing.emu.install() before any backward"
+        ) from exc
