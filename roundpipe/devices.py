@@ -355,11 +355,12 @@ class Resident:
     parameters, in the order given to ``upload``, that gradients are taken with respect to
     (None for a differentiable upload, whose gradients flow back to the host parameters)."""
 
-    __slots__ = ("tensors", "leaves", "_buffers")
+    __slots__ = ("tensors", "leaves", "_buffers", "_ready")
 
     def __init__(self) -> None:
         self.tensors: Dict[int, Dict[str, torch.Tensor]] = {}
         self.leaves: Optional[List[torch.Tensor]] = None
+        self._ready: Optional[torch.Event] = None  # a prefetch's copies done (copy stream)
         # (host buffer, device copy, whether its module is in training mode)
         self._buffers: List[Tuple[torch.Tensor, torch.Tensor, bool]] = []
 
@@ -388,12 +389,21 @@ class _AcceleratorBackend:
         self.torch_device = device.torch_device
         self._module = torch.get_device_module(device.type)
         self._stream: Optional[torch.Stream] = None
+        self._copy_stream: Optional[torch.Stream] = None
 
     @property
     def stream(self) -> torch.Stream:
+        """The compute stream of the device's worker."""
         if self._stream is None:
             self._stream = torch.Stream(device=self.torch_device)
         return self._stream
+
+    @property
+    def copy_stream(self) -> torch.Stream:
+        """The stream that prefetched uploads run on, beside the compute."""
+        if self._copy_stream is None:
+            self._copy_stream = torch.Stream(device=self.torch_device)
+        return self._copy_stream
 
     @contextlib.contextmanager
     def action_context(self) -> Iterator[None]:
@@ -425,10 +435,18 @@ class _AcceleratorBackend:
         return pytree.tree_map(move, tree)
 
     def upload(self, modules: Sequence[torch.nn.Module], trainable: Sequence[torch.Tensor],
-               leaves: bool) -> Resident:
+               leaves: bool, prefetch: bool = False) -> Resident:
         """Copy ``modules``' parameters and buffers to the device, each tensor once.
         ``leaves``: the ``trainable`` parameters become device leaves that require grad
-        (``Resident.leaves``, aligned with ``trainable``); else a differentiable copy."""
+        (``Resident.leaves``, aligned with ``trainable``); else a differentiable copy.
+        ``prefetch``: the copies run on :attr:`copy_stream`, beside the compute; the upload is
+        usable after :meth:`adopt`. Else they run on the compute stream, in order."""
+        if prefetch:
+            with self.copy_stream:
+                resident = self.upload(modules, trainable, leaves)
+            resident._ready = torch.Event(device=self.torch_device)
+            resident._ready.record(self.copy_stream)
+            return resident
         device, resident = self.torch_device, Resident()
         copies: Dict[int, torch.Tensor] = {}
 
@@ -454,6 +472,17 @@ class _AcceleratorBackend:
         if leaves:
             resident.leaves = [copies[id(p)] for p in trainable]
         return resident
+
+    def adopt(self, resident: Resident) -> None:
+        """Before the compute stream reads an upload: wait (on the device, not the host) for a
+        prefetch's copies, and tell the allocator the compute stream uses its tensors."""
+        ready, resident._ready = resident._ready, None
+        if ready is None:
+            return
+        self.stream.wait_event(ready)
+        for tensors in resident.tensors.values():
+            for t in tensors.values():
+                t.record_stream(self.stream)
 
     def release(self, resident: Resident, write_back: bool) -> None:
         """End of a run: with ``write_back``, buffers of training-mode modules take the values

@@ -262,6 +262,11 @@ class _ParamsReady:
         if layer >= self.failed_from:
             raise _ParamsCopyFailed(self)
 
+    def is_set(self, layer: int) -> bool:
+        """Whether ``layer``'s params are ready (their copy done and not failed). Never
+        blocks."""
+        return self._events[layer].is_set() and layer < self.failed_from
+
     def wait_all(self) -> None:
         for layer in range(len(self._events)):
             self.wait(layer)
@@ -353,8 +358,10 @@ class _Call:
     # grad is wanted); their grads are in slots[(0, m)].grad_in. Written by stage 0's worker.
     input_origins: List[Any] = dataclasses.field(default_factory=list)
     grad_sink: Optional["_GradSink"] = None    # a fused plan's (see [Note: fused stages])
-    # A stage-major plan's uploads, by stage: written and read by the stage's worker only.
+    # A stage-major plan's uploads, by stage, and uploads prefetched for the action that will
+    # use them: written and read by the stage's worker only.
     resident: Dict[int, Resident] = dataclasses.field(default_factory=dict)
+    prefetched: Dict[Tuple, Resident] = dataclasses.field(default_factory=dict)
     # (param, .grad) a user left on a model param, set aside during a fused call; main thread.
     stashed_grads: List[Tuple[nn.Parameter, torch.Tensor]] = dataclasses.field(
         default_factory=list)
@@ -1058,7 +1065,8 @@ class RoundPipe(nn.Module):
                 self._forward_action(call, action, backend)
             if streaming and call.plan.ends_run(action):
                 self._leave_run(call, action, backend)
-            backend.finish()
+            if not streaming or call.plan.needs_sync(action):
+                backend.finish()
 
     # [Note: streaming] in schedule.py: a stage is uploaded at the first action of a run that
     # needs it, and dropped at the end of the run (kept from the forward to the backward run
@@ -1067,16 +1075,29 @@ class RoundPipe(nn.Module):
         s = a.stage
         if s in call.resident:
             return
-        stage = call.stages[s]
-        for layer in stage.layers:
-            call.ready.wait(layer.index)
+        resident = call.prefetched.pop(a.key, None)
+        if resident is None:
+            for layer in call.stages[s].layers:
+                call.ready.wait(layer.index)
+            resident = self._upload(call, s, backend, prefetch=False)
+        backend.adopt(resident)
+        call.resident[s] = resident
+        # Copy the device's next upload in while this run computes, if its params are ready
+        # (else it is uploaded when its run starts).
+        nxt = call.plan.next_upload(a)
+        if nxt is not None and all(call.ready.is_set(l.index) for l in call.stages[nxt.stage].layers):
+            call.prefetched[nxt.action.key] = self._upload(call, nxt.stage, backend,
+                                                           prefetch=True)
+
+    @staticmethod
+    def _upload(call: _Call, s: int, backend: Any, prefetch: bool) -> Resident:
         trainable = [p for _, p in call.stage_params[s]]
         # Training: device leaves, whose gradients stay on the device. A differentiable
         # inference call: a differentiable upload, so a later backward() reaches the host
         # parameters and their grad hooks.
         with torch.set_grad_enabled(not call.training and call.grad_enabled):
-            call.resident[s] = backend.upload([l.module for l in stage.layers], trainable,
-                                              leaves=call.training)
+            return backend.upload([l.module for l in call.stages[s].layers], trainable,
+                                  leaves=call.training, prefetch=prefetch)
 
     def _leave_run(self, call: _Call, a: Action, backend: Any) -> None:
         if a.kind is ActionKind.FORWARD and call.training and not call.recompute:

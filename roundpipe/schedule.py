@@ -99,7 +99,11 @@ class Action:
 #   * the last stage: once (its LAST actions run forward, loss_fn and backward together);
 #   * inference: once per stage.
 # Gradients of a stage accumulate on the device over its microbatches and are downloaded once,
-# after its last backward action. Dependencies only point to lower stages in the forward pass and
+# after its last backward action. While a run computes, the next run's upload on the device is
+# copied in on a separate stream (next_upload): at most two stages' weights are on a device.
+# A device's actions are ordered by its stream, so the host waits for the device only where
+# another device or the host reads a result (needs_sync): before a hand-off to another device,
+# after a device's last action, and for each gradient download. Dependencies only point to lower stages in the forward pass and
 # to higher stages (or the same stage's forward) in the backward pass, so a device never waits for
 # an action that comes later in another device's list: no deadlock, and with several devices
 # stage s+1 of microbatch 0 starts while stage s computes microbatch 1. All microbatches' stage
@@ -147,6 +151,31 @@ class Plan:
                 if nxt is None or nxt.stage != a.stage or nxt.kind is not a.kind:
                     run_ends.add(a.key)
         object.__setattr__(self, "_run_ends", frozenset(run_ends))
+        # Actions whose end another device, or the host, must see: a dependent on another
+        # device, or the last action of its device (see [Note: streaming]).
+        syncs = {actions[-1].key for actions in self.per_device if actions}
+        for a in index.values():
+            for dep in self.dependencies(a):
+                if dep.device != a.device:
+                    syncs.add(dep.key)
+        object.__setattr__(self, "_syncs", frozenset(syncs))
+        # For each upload, the next upload on its device: what to prefetch while it computes.
+        next_up: Dict[Tuple, "Transfer"] = {}
+        for d in range(self.num_devices):
+            ups = [t for t in self._transfers(d) if t.kind is TransferKind.UPLOAD]
+            for t, nxt in zip(ups, ups[1:]):
+                next_up[t.action.key] = nxt
+        object.__setattr__(self, "_next_up", next_up)
+
+    def needs_sync(self, action: Action) -> bool:
+        """Whether the host must wait for ``action``'s device work before its result is
+        published: an action on another device reads it, or it is its device's last."""
+        return action.key in self._syncs  # type: ignore[attr-defined]
+
+    def next_upload(self, action: Action) -> "Optional[Transfer]":
+        """At an upload (``action`` starts a run that uploads its stage): the next upload on the
+        same device, which can be copied in while this run computes. None otherwise."""
+        return self._next_up.get(action.key)  # type: ignore[attr-defined]
 
     def ends_run(self, action: Action) -> bool:
         """Whether ``action`` is the last of a run of its stage and kind on its device (see

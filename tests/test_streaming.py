@@ -164,3 +164,38 @@ def test_the_plan_of_an_accelerator_pool_is_stage_major():
     assert plan.stage_major and not plan.fused
     assert [a.kind for a in plan.per_device[0][:3]] == [ActionKind.FORWARD] * 3
     assert "moves 1:" in str(plan)
+
+
+def test_the_next_stage_is_prefetched_on_the_copy_stream():
+    model = RoundPipe(_model(), devices="emu",
+                      model_run_config=RoundPipeRunConfig(num_microbatch=4))
+    backend = model._pool.backends[0]
+    params = dict(model.module.named_parameters())
+    stage_of = {p.untyped_storage().data_ptr(): int(n.split(".")[0]) for n, p in params.items()}
+    x, y = _batch()
+    with emu.record_copies() as log:
+        model.forward_backward(input_args=(x,), label=y, loss_fn=_loss)
+    uploads = [(stage_of[c.host_ptr], c.stream_id) for c in log
+               if c.direction == "h2d" and c.host_ptr in stage_of]
+    # Stage 0's first upload opens the call on the compute stream; every later one was copied
+    # in on the copy stream while the stage before it computed.
+    assert uploads[0] == (0, backend.stream.stream_id)
+    later = {stream for stage, stream in uploads[2:]}
+    assert later == {backend.copy_stream.stream_id}, uploads
+    assert backend.copy_stream.stream_id != backend.stream.stream_id
+
+
+def test_one_device_waits_for_the_device_only_at_the_end_and_for_downloads(monkeypatch):
+    from roundpipe.devices import _AcceleratorBackend
+
+    waits = []
+    finish = _AcceleratorBackend.finish
+    monkeypatch.setattr(_AcceleratorBackend, "finish",
+                        lambda self: (waits.append(1), finish(self))[1])
+    model = RoundPipe(_model(), devices="emu",
+                      model_run_config=RoundPipeRunConfig(num_microbatch=4))
+    x, y = _batch()
+    model.forward_backward(input_args=(x,), label=y, loss_fn=_loss)
+    # 3 stages hold parameters: 3 downloads, and the device's last action. Not one per action
+    # (5 stages x 4 microbatches x forward and backward).
+    assert len(waits) == 3 + 1

@@ -74,13 +74,15 @@ class Copy:
 
     ``direction``: ``"h2d"`` or ``"d2h"``; ``host_ptr``: the data pointer of the host tensor's
     storage (for an upload, what was read; for a download into an existing tensor, what was
-    written; None for a download that made a new tensor)."""
+    written; None for a download that made a new tensor); ``stream_id``: the stream current on
+    the emulated device when the copy was made."""
 
     direction: str
     host_ptr: Optional[int]
     numel: int
     dtype: torch.dtype
     pinned: bool
+    stream_id: int
 
 
 _copy_logs: List[List[Copy]] = []
@@ -100,7 +102,8 @@ def record_copies() -> Iterator[List[Copy]]:
 
 def _log_copy(direction: str, host: Optional[torch.Tensor], emu: torch.Tensor) -> None:
     entry = Copy(direction, None if host is None else host.untyped_storage().data_ptr(),
-                 emu.numel(), emu.dtype, host is not None and host.is_pinned())
+                 emu.numel(), emu.dtype, host is not None and host.is_pinned(),
+                 torch.accelerator.current_stream(emu.device).stream_id)
     for log in _copy_logs:
         log.append(entry)  # list.append is atomic: workers may log at once
 
