@@ -1083,9 +1083,11 @@ class RoundPipe(nn.Module):
         backend.adopt(resident)
         call.resident[s] = resident
         # Copy the device's next upload in while this run computes, if its params are ready
-        # (else it is uploaded when its run starts).
+        # (else it is uploaded when its run starts). Not the same stage's: this run may still
+        # write its host buffers back (BatchNorm stats) while the copy would read them.
         nxt = call.plan.next_upload(a)
-        if nxt is not None and all(call.ready.is_set(l.index) for l in call.stages[nxt.stage].layers):
+        if nxt is not None and nxt.stage != s \
+                and all(call.ready.is_set(l.index) for l in call.stages[nxt.stage].layers):
             call.prefetched[nxt.action.key] = self._upload(call, nxt.stage, backend,
                                                            prefetch=True)
 
