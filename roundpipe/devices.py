@@ -11,7 +11,8 @@
   ``BaseException`` and stores it, the waiter re-raises it.
   Except CPU device 0, whose work the calling thread runs itself, in :func:`caller_as_worker`
   (see [Note: the calling thread runs CPU device 0]).
-* Backends: the CPU backend is the reference (host <-> device moves are the identity). Every
+* Backends (typed by the :class:`Backend` protocol, what the runtime calls; an accelerator's is
+  also a :class:`StreamingBackend`): the CPU backend is the reference (host <-> device moves are the identity). Every
   accelerator (CUDA, the emulated ``emu``) has one backend written against torch's
   device-agnostic APIs (``torch.get_device_module``, ``torch.Stream``, ``torch.Event``): the
   model stays in pinned host memory, a stage is uploaded once per run of actions
@@ -27,15 +28,17 @@ import dataclasses
 import functools
 import os
 import threading
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import (Any, Callable, Dict, Iterator, List, Optional, Protocol, Sequence, Tuple,
+                    Union)
 
 import torch
 from torch.utils import _pytree as pytree
 
 from roundpipe.workers import Future, WorkerThread
 
-__all__ = ["WorkerDevice", "parse_devices", "resolve_devices", "DevicePool", "Future", "Resident",
-           "on_device_worker", "caller_as_worker", "get_worker", "ENV_VAR"]
+__all__ = ["WorkerDevice", "parse_devices", "resolve_devices", "DevicePool", "Backend",
+           "StreamingBackend", "Future", "Resident", "on_device_worker", "caller_as_worker",
+           "get_worker", "ENV_VAR"]
 
 ENV_VAR = "ROUNDPIPE_DEVICES"
 
@@ -211,6 +214,69 @@ def get_worker(device: WorkerDevice) -> _Worker:
 
 
 # -- backends ---------------------------------------------------------------------------------
+
+
+class Backend(Protocol):
+    """What the runtime calls on a device's backend (:class:`_CPUBackend`, the reference, or
+    :class:`_AcceleratorBackend`). Every method runs on the device's worker thread (or the
+    calling thread standing in for it), except :meth:`prepare_host`, which the main thread calls
+    once per wrapped model, and the RNG state accessors, which the main thread uses around a
+    call (see [Note: RNG chains])."""
+
+    device_type: str
+    torch_device: torch.device
+
+    def action_context(self) -> contextlib.AbstractContextManager:
+        """Entered around every action (an accelerator's device and stream)."""
+        ...
+
+    def prepare_host(self, module: torch.nn.Module) -> None:
+        """Main thread, once per wrapped model: ready the host copy of ``module``."""
+        ...
+
+    def to_device(self, tree: Any) -> Any:
+        """A pytree's tensors on this device (the identity on the CPU)."""
+        ...
+
+    def call_layer(self, layer: torch.nn.Module, args: tuple, kwargs: dict,
+                   resident: Optional["Resident"] = None) -> Any:
+        """Run one layer; on an accelerator, on its stage's upload ``resident``."""
+        ...
+
+    def download(self, tensors: List[Optional[torch.Tensor]]) -> List[Optional[torch.Tensor]]:
+        """Device tensors to host tensors; returns once they have arrived."""
+        ...
+
+    def finish(self) -> None:
+        """End of an action: its work is done once this returns."""
+        ...
+
+    def get_rng_state(self) -> Optional[torch.Tensor]:
+        """The device generator's state (None: the CPU generator is the device's)."""
+        ...
+
+    def set_rng_state(self, state: Optional[torch.Tensor]) -> None:
+        ...
+
+    def seeded_rng_state(self, seed: int) -> Optional[torch.Tensor]:
+        """The device generator's state after seeding it with ``seed``, the generator left as
+        it was."""
+        ...
+
+
+class StreamingBackend(Backend, Protocol):
+    """A backend whose stages are uploaded once per run of actions (every accelerator; see
+    [Note: streaming] in :mod:`roundpipe.schedule`)."""
+
+    def upload(self, modules: Sequence[torch.nn.Module], trainable: Sequence[torch.Tensor],
+               leaves: bool) -> "Resident":
+        """Copy a stage's parameters and buffers to the device for one run of actions."""
+        ...
+
+    def release(self, resident: "Resident", write_back: bool) -> None:
+        """End of a run: drop the upload (``write_back``: training-mode buffers go home)."""
+        ...
+
 
 
 class _CPUBackend:
@@ -432,7 +498,7 @@ class DevicePool:
         self.devices = resolve_devices(devices)
         self.device_type = self.devices[0].type
         backend_cls = _CPUBackend if self.device_type == "cpu" else _AcceleratorBackend
-        self.backends = [backend_cls(d) for d in self.devices]
+        self.backends: List[Backend] = [backend_cls(d) for d in self.devices]
         self.caller_device: Optional[int] = 0 if self.device_type == "cpu" else None
 
     def __len__(self) -> int:
