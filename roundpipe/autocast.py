@@ -13,9 +13,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import threading
-from typing import Any, Iterable, List, Optional
+from typing import TYPE_CHECKING, Any, Iterable, List, Optional
 
 import torch
+
+if TYPE_CHECKING:
+    from roundpipe.devices import Backend
 
 __all__ = ["AutocastState", "capture_autocast", "resolve_autocast", "autocast_context",
            "RNGState", "chain_starts", "rng_scope", "restore_global", "uses_rng", "RNG_LOCK"]
@@ -116,7 +119,7 @@ def _mix(base: int, mb_index: int) -> int:
     return (x ^ (x >> 31)) & 0x7FFFFFFFFFFFFFFF
 
 
-def chain_starts(num_microbatch: int, backend: Any) -> List[RNGState]:
+def chain_starts(num_microbatch: int, backend: Backend) -> List[RNGState]:
     """The start state of each microbatch's chain; draws the base seed when M > 1.
 
     Call on the caller's thread at the start of the call (it may advance the global generator).
@@ -155,7 +158,7 @@ class _ScopeResult:
 _NO_SCOPE = _ScopeResult()
 
 
-def rng_scope(start: Optional[RNGState], backend: Any) -> contextlib.AbstractContextManager:
+def rng_scope(start: Optional[RNGState], backend: Backend) -> contextlib.AbstractContextManager:
     """Run the body with the global RNG set to ``start`` under :data:`RNG_LOCK`; the object the
     ``with`` yields has ``end``, the state the body ended in, and ``drew``. ``start=None``: no RNG
     handling, no lock (``end`` stays None). The returned object may be entered again (each entry
@@ -174,7 +177,7 @@ class _ChainScope:
 
     __slots__ = ("_start", "_backend", "_result")
 
-    def __init__(self, start: RNGState, backend: Any) -> None:
+    def __init__(self, start: RNGState, backend: Backend) -> None:
         self._start = start
         self._backend = backend
         self._result: Optional[_ScopeResult] = None
@@ -206,7 +209,7 @@ def _same_or_none(a: Optional[torch.Tensor], b: Optional[torch.Tensor]) -> bool:
     return (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
 
 
-def restore_global(state: RNGState, backend: Any) -> None:
+def restore_global(state: RNGState, backend: Backend) -> None:
     """Set the global generator(s) to ``state`` (caller's thread, after the call)."""
     with RNG_LOCK:
         torch.set_rng_state(state.cpu)

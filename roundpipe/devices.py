@@ -5,12 +5,14 @@
   :mod:`roundpipe.testing.emu`) into a tuple of :class:`WorkerDevice`.
 * :func:`resolve_devices`: the ``devices=`` argument beats ``ROUNDPIPE_DEVICES``, which beats the
   default (every CUDA device, else one CPU worker).
-* One worker thread per device, process-wide (:func:`get_worker`): a daemon thread started on
-  first use, fed by a ``queue.SimpleQueue`` of work items with future-like results
-  (:class:`Future`): the worker catches ``BaseException`` and stores it, the waiter re-raises it.
+* One worker thread per device, process-wide (:func:`get_worker`): a
+  :class:`roundpipe.workers.WorkerThread` (a daemon thread started on first use, FIFO, drained
+  at exit) whose work items have future-like results (:class:`Future`): the worker catches
+  ``BaseException`` and stores it, the waiter re-raises it.
   Except CPU device 0, whose work the calling thread runs itself, in :func:`caller_as_worker`
   (see [Note: the calling thread runs CPU device 0]).
-* Backends: the CPU backend is the reference (host <-> device moves are the identity). Every
+* Backends (typed by the :class:`Backend` protocol, what the runtime calls; an accelerator's is
+  also a :class:`StreamingBackend`): the CPU backend is the reference (host <-> device moves are the identity). Every
   accelerator (CUDA, the emulated ``emu``) has one backend written against torch's
   device-agnostic APIs (``torch.get_device_module``, ``torch.Stream``, ``torch.Event``): the
   model stays in pinned host memory, a stage is uploaded once per run of actions
@@ -21,20 +23,22 @@
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import dataclasses
-import enum
+import functools
 import os
-import queue
 import threading
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import (Any, Callable, Dict, Iterator, List, Optional, Protocol, Sequence, Tuple,
+                    Union)
 
 import torch
 from torch.utils import _pytree as pytree
 
-__all__ = ["WorkerDevice", "parse_devices", "resolve_devices", "DevicePool", "Future", "Resident",
-           "on_device_worker", "caller_as_worker", "get_worker", "ENV_VAR"]
+from roundpipe.workers import Future, WorkerThread
+
+__all__ = ["WorkerDevice", "parse_devices", "resolve_devices", "DevicePool", "Backend",
+           "StreamingBackend", "Future", "Resident", "on_device_worker", "caller_as_worker",
+           "get_worker", "ENV_VAR"]
 
 ENV_VAR = "ROUNDPIPE_DEVICES"
 
@@ -149,66 +153,7 @@ def _install_emu_if_named() -> None:
 _install_emu_if_named()
 
 
-# -- futures and workers ----------------------------------------------------------------------
-
-
-class Future:
-    """Future-like result of one work item.
-
-    Written once by the thread that runs the work (``set_result``/``set_exception``) before
-    ``_done`` is set; read by other threads only after waiting on ``_done``.
-    """
-
-    __slots__ = ("_done", "_result", "_exception")
-
-    def __init__(self) -> None:
-        self._done = threading.Event()
-        self._result: Any = None
-        self._exception: Optional[BaseException] = None
-
-    def set_result(self, value: Any) -> None:
-        self._result = value
-        self._done.set()
-
-    def set_exception(self, exc: BaseException) -> None:
-        self._exception = exc
-        self._done.set()
-
-    def done(self) -> bool:
-        return self._done.is_set()
-
-    def run(self, fn: Callable, *args: Any, reraise: Tuple[type, ...] = ()) -> None:
-        """Call ``fn(*args)`` on this thread and settle the future with its result or exception;
-        an exception of a ``reraise`` type propagates instead and leaves the future unsettled."""
-        try:
-            result = fn(*args)
-        except reraise:
-            raise
-        except BaseException as exc:  # noqa: B036 -- stored and re-raised by the waiter
-            self.set_exception(exc)
-        else:
-            self.set_result(result)
-
-    def exception(self) -> Optional[BaseException]:
-        """Block until done; return the stored exception (None on success)."""
-        self._done.wait()
-        return self._exception
-
-    def result(self) -> Any:
-        """Block until done; return the result or re-raise the stored exception."""
-        self._done.wait()
-        if self._exception is not None:
-            raise self._exception
-        return self._result
-
-
-class _State(enum.Enum):
-    NOT_STARTED = "not started"
-    RUNNING = "running"
-    SHUT_DOWN = "shut down"
-
-
-_STOP = object()
+# -- workers ----------------------------------------------------------------------------------
 
 
 _WORKER_TLS = threading.local()
@@ -233,53 +178,26 @@ def on_device_worker() -> bool:
     return getattr(_WORKER_TLS, "is_worker", False)
 
 
-class _Worker:
-    """One thread that runs work items for one device, in submission order.
+def _mark_worker() -> None:
+    _WORKER_TLS.is_worker = True
 
-    ``_state`` and ``_thread`` are guarded by ``_lock``; items only travel through ``_queue``.
-    """
+
+class _Worker(WorkerThread):
+    """One thread that runs work items for one device, in submission order (a
+    :class:`roundpipe.workers.WorkerThread`)."""
 
     def __init__(self, device: WorkerDevice) -> None:
+        super().__init__(
+            name=f"roundpipe-worker-{device}", thread_init=_mark_worker,
+            closed_message=f"the roundpipe worker for {device} has shut down (the interpreter "
+                           f"is exiting); no new work can be submitted")
         self.device = device
-        self._queue: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
-        self._lock = threading.Lock()
-        self._state = _State.NOT_STARTED
-        self._thread: Optional[threading.Thread] = None
 
     def submit(self, fn: Callable, *args: Any, future: Optional[Future] = None) -> Future:
         """Queue ``fn(*args)``; returns its future at once. Any thread."""
         fut = future if future is not None else Future()
-        with self._lock:
-            if self._state is _State.SHUT_DOWN:
-                raise RuntimeError(f"the roundpipe worker for {self.device} has shut down (the "
-                                   f"interpreter is exiting); no new work can be submitted")
-            if self._state is _State.NOT_STARTED:
-                self._thread = threading.Thread(target=self._run, daemon=True,
-                                                name=f"roundpipe-worker-{self.device}")
-                self._thread.start()
-                self._state = _State.RUNNING
-            self._queue.put((fut, fn, args))
+        self.enqueue(functools.partial(fut.run, fn, *args))
         return fut
-
-    def _run(self) -> None:
-        _WORKER_TLS.is_worker = True
-        while True:
-            item = self._queue.get()
-            if item is _STOP:
-                return
-            fut, fn, args = item
-            fut.run(fn, *args)
-            del item, fut, fn, args  # drop references to tensors before blocking again
-
-    def shutdown(self) -> None:
-        """Let queued work finish, then stop the thread. Idempotent; never from the worker."""
-        with self._lock:
-            was_running = self._state is _State.RUNNING
-            self._state = _State.SHUT_DOWN
-            thread = self._thread
-        if was_running and thread is not None and thread is not threading.current_thread():
-            self._queue.put(_STOP)
-            thread.join()
 
 
 _WORKERS: Dict[WorkerDevice, _Worker] = {}
@@ -295,15 +213,74 @@ def get_worker(device: WorkerDevice) -> _Worker:
         return worker
 
 
-@atexit.register
-def _shutdown_workers() -> None:
-    with _WORKERS_LOCK:
-        workers = list(_WORKERS.values())
-    for w in workers:
-        w.shutdown()
-
-
 # -- backends ---------------------------------------------------------------------------------
+
+
+class Backend(Protocol):
+    """What the runtime calls on a device's backend (:class:`_CPUBackend`, the reference, or
+    :class:`_AcceleratorBackend`). Every method runs on the device's worker thread (or the
+    calling thread standing in for it), except :meth:`prepare_host`, which the main thread calls
+    once per wrapped model, and the RNG state accessors, which the main thread uses around a
+    call (see [Note: RNG chains])."""
+
+    device_type: str
+    torch_device: torch.device
+
+    def action_context(self) -> contextlib.AbstractContextManager:
+        """Entered around every action (an accelerator's device and stream)."""
+        ...
+
+    def prepare_host(self, module: torch.nn.Module) -> None:
+        """Main thread, once per wrapped model: ready the host copy of ``module``."""
+        ...
+
+    def to_device(self, tree: Any) -> Any:
+        """A pytree's tensors on this device (the identity on the CPU)."""
+        ...
+
+    def call_layer(self, layer: torch.nn.Module, args: tuple, kwargs: dict,
+                   resident: Optional["Resident"] = None) -> Any:
+        """Run one layer; on an accelerator, on its stage's upload ``resident``."""
+        ...
+
+    def download(self, tensors: List[Optional[torch.Tensor]]) -> List[Optional[torch.Tensor]]:
+        """Device tensors to host tensors; returns once they have arrived."""
+        ...
+
+    def finish(self) -> None:
+        """End of an action: its work is done once this returns."""
+        ...
+
+    def get_rng_state(self) -> Optional[torch.Tensor]:
+        """The device generator's state (None: the CPU generator is the device's)."""
+        ...
+
+    def set_rng_state(self, state: Optional[torch.Tensor]) -> None:
+        ...
+
+    def seeded_rng_state(self, seed: int) -> Optional[torch.Tensor]:
+        """The device generator's state after seeding it with ``seed``, the generator left as
+        it was."""
+        ...
+
+
+class StreamingBackend(Backend, Protocol):
+    """A backend whose stages are uploaded once per run of actions (every accelerator; see
+    [Note: streaming] in :mod:`roundpipe.schedule`)."""
+
+    def upload(self, modules: Sequence[torch.nn.Module], trainable: Sequence[torch.Tensor],
+               leaves: bool, prefetch: bool = False) -> "Resident":
+        """Copy a stage's parameters and buffers to the device for one run of actions
+        (``prefetch``: on a copy stream, beside the compute)."""
+        ...
+
+    def adopt(self, resident: "Resident") -> None:
+        """Before the compute stream reads an upload: order it after a prefetch's copies."""
+        ...
+
+    def release(self, resident: "Resident", write_back: bool) -> None:
+        """End of a run: drop the upload (``write_back``: training-mode buffers go home)."""
+        ...
 
 
 class _CPUBackend:
@@ -554,7 +531,7 @@ class DevicePool:
         self.devices = resolve_devices(devices)
         self.device_type = self.devices[0].type
         backend_cls = _CPUBackend if self.device_type == "cpu" else _AcceleratorBackend
-        self.backends = [backend_cls(d) for d in self.devices]
+        self.backends: List[Backend] = [backend_cls(d) for d in self.devices]
         self.caller_device: Optional[int] = 0 if self.device_type == "cpu" else None
 
     def __len__(self) -> int:

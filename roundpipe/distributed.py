@@ -275,8 +275,7 @@ def _on_optimizer_thread(fn: Callable[[], Any]) -> Any:
 
 
 def _wait_result(item: Any) -> Any:
-    item.wait()
-    return item.result
+    return item.result() if item.wait() else None  # None: a failure reported earlier
 
 
 # The data-parallel group of this process, shared by every DataParallel and GradScaler in it.

@@ -549,7 +549,7 @@ class GradScaler:
     def _update_async(self, new_value: Optional[torch.Tensor]) -> None:
         previous = self._pending
         if previous is not None and previous.wait(report=False):
-            self._adopt(previous.result)
+            self._adopt(previous.result())
         # else: nothing pending, or it failed (reported now or before): keep the last published.
         if new_value is not None:
             hand_out, host_value = new_value, new_value.item()  # a value the caller just gave
@@ -790,8 +790,8 @@ class GradScaler:
             return ScalerSnapshot(scale, scale, self._init_growth_tracker, 0, self._init_skipped)
         published = self._published
         pending = self._pending
-        if pending is not None and pending.done() and pending.exception is None:
-            published = pending.result
+        if pending is not None and pending.done() and pending.exception() is None:
+            published = pending.result()
         return ScalerSnapshot(
             scale_in_use=self._front_value,
             newest_scale=published.scale_value,

@@ -17,13 +17,13 @@ call that depends on it (see [Note: error reporting]). The thread keeps serving 
 
 from __future__ import annotations
 
-import atexit
-import enum
-import queue
+import functools
 import sys
 import threading
 import traceback
 from typing import Any, Callable, Optional
+
+from roundpipe.workers import Future, WorkerThread
 
 __all__ = ["launch", "synchronize", "on_optimizer_thread"]
 
@@ -43,42 +43,32 @@ def add_note(exc: BaseException, note: str) -> None:
         exc.add_note(note)
 
 
-class _State(enum.Enum):
-    NOT_STARTED = "not started"
-    RUNNING = "running"
-    SHUT_DOWN = "shut down"
+class _WorkItem(Future):
+    """One launched callable and its future-like result (a :class:`roundpipe.workers.Future`
+    that also reports its failure, see [Note: error reporting]).
 
-
-class _WorkItem:
-    """One launched callable and its future-like result.
-
-    Written by the optimizer thread only (``result``, ``exception``) before ``_done`` is set;
-    read by other threads only after ``_done`` is set.
+    Written by the optimizer thread only (the result or exception) before ``_done`` is set; read
+    by other threads only after ``_done`` is set.
     """
 
-    __slots__ = ("fn", "args", "kwargs", "seq", "result", "exception", "_done", "_owner")
+    __slots__ = ("fn", "args", "kwargs", "seq", "_owner")
 
     def __init__(self, owner: "_OptimizerThread", fn: Callable, args: tuple, kwargs: dict, seq: int):
+        super().__init__()
         self.fn, self.args, self.kwargs, self.seq = fn, args, kwargs, seq
-        self.result: Any = None
-        self.exception: Optional[BaseException] = None
-        self._done = threading.Event()
         self._owner = owner
 
-    def run(self) -> None:
-        try:
-            self.result = self.fn(*self.args, **self.kwargs)
-        except BaseException as exc:  # noqa: B036 -- reported on the main thread, never dropped
-            add_note(exc, f"[roundpipe optimizer thread] raised while running {_describe(self.fn)}")
-            self.exception = exc
-            self._owner._record_failure(self)
-        finally:
-            self.args = self.kwargs = None  # free tensors held by the closure's arguments
-            self._done.set()
+    def __call__(self) -> None:
+        """Run on the optimizer thread (the worker's job)."""
+        args, kwargs = self.args, self.kwargs
+        self.args = self.kwargs = None  # free tensors held by the closure's arguments
+        self.run(functools.partial(self.fn, *args, **kwargs))
 
-    def done(self) -> bool:
-        """Non-blocking: whether the item has run (successfully or not)."""
-        return self._done.is_set()
+    def set_exception(self, exc: BaseException) -> None:
+        add_note(exc, f"[roundpipe optimizer thread] raised while running {_describe(self.fn)}")
+        self._exception = exc
+        self._owner._record_failure(self)  # before _done: a waiter then finds it to claim
+        super().set_exception(exc)
 
     def wait(self, report: bool = True) -> bool:
         """Block until the item ran. Returns True on success.
@@ -96,10 +86,10 @@ class _WorkItem:
                 )
             self._done.wait()
         self._owner._note_waited(self.seq)
-        if self.exception is None:
+        if self._exception is None:
             return True
         if report and self._owner._claim_failure(self):
-            raise self.exception
+            raise self._exception
         return False
 
 
@@ -108,59 +98,42 @@ def _describe(fn: Callable) -> str:
     return f"{name}()"
 
 
-_STOP = object()
-
-
 class _OptimizerThread:
-    """The process-wide optimizer thread and its queue.
+    """The process-wide optimizer thread (a :class:`roundpipe.workers.WorkerThread`) and the
+    bookkeeping of what was launched on it.
 
-    Shared state, guarded by ``_lock``: ``_state``, ``_seq`` (launch counter), ``_tracked_seq``
-    (the last launch made through :func:`launch`), ``_waited_seq`` (the newest launch another
-    thread has waited for), ``_failures`` (unreported failed items, oldest first).
+    Shared state, guarded by ``_lock``: ``_seq`` (launch counter), ``_tracked_seq`` (the last
+    launch made through :func:`launch`), ``_waited_seq`` (the newest launch another thread has
+    waited for), ``_failures`` (unreported failed items, oldest first). The thread's lifecycle
+    is the worker's.
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._queue: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
-        self._thread: Optional[threading.Thread] = None
-        self._state = _State.NOT_STARTED
+        self._worker = WorkerThread(
+            name="roundpipe-optimizer",
+            closed_message="the roundpipe optimizer thread has shut down (the interpreter is "
+                           "exiting); no new work can be launched",
+            after_exit_drain=self._report_unwaited)
         self._seq = 0
         self._tracked_seq = 0
         self._waited_seq = 0
         self._failures: list[_WorkItem] = []
         self._failure_total = 0  # failures ever recorded
 
+    @property
+    def _thread(self) -> Optional[threading.Thread]:
+        return self._worker.thread
+
     # -- submission ---------------------------------------------------------------------------
     def submit(self, fn: Callable, args: tuple, kwargs: dict, track: bool) -> _WorkItem:
         with self._lock:
-            if self._state is _State.SHUT_DOWN:
-                raise RuntimeError(
-                    "the roundpipe optimizer thread has shut down (the interpreter is exiting); "
-                    "no new work can be launched"
-                )
-            if self._state is _State.NOT_STARTED:
-                self._start_locked()
+            item = _WorkItem(self, fn, args, kwargs, self._seq + 1)
+            self._worker.enqueue(item)  # under _lock: FIFO order is launch order
             self._seq += 1
-            item = _WorkItem(self, fn, args, kwargs, self._seq)
             if track:
                 self._tracked_seq = self._seq
-            self._queue.put(item)
         return item
-
-    def _start_locked(self) -> None:
-        # Daemon, so a stuck user step cannot keep the process alive; _shutdown (atexit) drains
-        # the queue before the interpreter tears down.
-        self._thread = threading.Thread(target=self._run, name="roundpipe-optimizer", daemon=True)
-        self._thread.start()
-        self._state = _State.RUNNING
-        atexit.register(self._shutdown)
-
-    def _run(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is _STOP:
-                return
-            item.run()
 
     # -- waiting ------------------------------------------------------------------------------
     def synchronize(self) -> None:
@@ -171,9 +144,7 @@ class _OptimizerThread:
         """Wait until everything launched so far has run; report nothing."""
         if on_optimizer_thread():
             return
-        with self._lock:
-            running = self._state is _State.RUNNING
-        if running:
+        if self._worker.running():
             # A barrier item: FIFO order means everything launched before it has run.
             self.submit(_noop, (), {}, track=False).wait()
 
@@ -211,29 +182,21 @@ class _OptimizerThread:
             failures, self._failures = self._failures, []
         if not failures:
             return
-        first = failures[0].exception
+        first = failures[0]._exception
         for later in failures[1:]:
-            exc = later.exception
+            exc = later._exception
             add_note(first, "[roundpipe optimizer thread] a later launched call also failed:\n"
                      + "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)))
         raise first
 
     # -- shutdown -----------------------------------------------------------------------------
-    def _shutdown(self) -> None:
-        """Drain queued work, then stop the thread. Idempotent."""
-        with self._lock:
-            if self._state is not _State.RUNNING:
-                self._state = _State.SHUT_DOWN
-                return
-            self._state = _State.SHUT_DOWN
-            self._queue.put(_STOP)
-            thread = self._thread
-        thread.join()
+    def _report_unwaited(self) -> None:
+        """At interpreter exit, after the worker drained: print the failures nobody waited for."""
         with self._lock:
             failures, self._failures = self._failures, []
         for item in failures:
             # Nothing on the main thread can depend on this work any more: say so, loudly.
-            exc = item.exception
+            exc = item._exception
             print("roundpipe: work launched on the optimizer thread failed and was never waited for:",
                   file=sys.stderr)
             traceback.print_exception(type(exc), exc, exc.__traceback__, file=sys.stderr)

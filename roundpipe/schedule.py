@@ -1,6 +1,6 @@
 """The execution plan: which stage runs on which device, for which microbatch, in which order.
 
-This module only decides *order*; :mod:`roundpipe.runtime` executes a plan on the device workers.
+This module only decides *order*; :mod:`roundpipe.runtime.execute` executes a plan on the device workers.
 A plan is a list of small typed actions per device, printable as text (``str(plan)``), and can be
 checked without threads (:func:`simulate`).
 
@@ -16,7 +16,7 @@ Actions (see [Note: the clock]):
   first re-runs the stage from its saved input (under the forward's RNG and autocast state).
 * ``MICROBATCH(m)``: a fused plan's only kind (one device, ``fuse_stages=True``): every stage's
   forward of microbatch ``m``, ``loss_fn``, and one backward through all of them (see
-  [Note: fused stages] in :mod:`roundpipe.runtime`). Printed ``M.m``: it has no single stage.
+  [Note: fused stages] in :mod:`roundpipe.runtime.execute`). Printed ``M.m``: it has no single stage.
 
 Orders: the clock order of [Note: the clock] (CPU pools), or the stage-major order of
 [Note: streaming] (accelerator pools), whose plan also lists the weight uploads and gradient

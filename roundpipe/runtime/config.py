@@ -1,0 +1,93 @@
+"""Run configs: :class:`RoundPipeRunConfig` (how a call runs) and how a call's, the model's and the
+default configs merge, field by field (:func:`resolve_config`)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional, Sequence
+
+import torch
+
+__all__ = ["RoundPipeRunConfig", "resolve_config"]
+
+
+@dataclasses.dataclass
+class RoundPipeRunConfig:
+    """How a call runs. Every field ``None`` = inherit: call-level config, then the model-level
+    config, then the default.
+
+    * ``num_microbatch`` (default 1).
+    * ``autocast``: None (the caller's autocast state at the call), False (off), or a dtype (on,
+      with that dtype); active in every stage forward, recompute and ``loss_fn``, never backward.
+    * ``requires_grad``: whether ``forward()`` output tracks gradients (default
+      ``torch.is_grad_enabled()`` at the call).
+    * ``preserve_rng_state``: whether stages run in an RNG chain (see [Note: RNG chains]);
+      default: the stages with a dropout module in training mode, and those that a probe of
+      their first call finds drawing random numbers.
+    * ``recompute`` (default True): keep only stage inputs, recompute in backward.
+    * ``split_input`` / ``split_label`` / ``merge_output``: specs (``TensorChunkSpec``, int, a
+      pytree of them) or callables, see :mod:`roundpipe.microbatch`.
+    * ``output_device`` (default ``"cpu"``): where merged outputs and the loss are returned.
+    * ``execute_plan``: the stage partition, layers per stage (default one layer per stage).
+
+    Plain data; build it on any thread, do not mutate one that a call is using.
+    """
+
+    num_microbatch: Optional[int] = None
+    autocast: Any = None
+    requires_grad: Optional[bool] = None
+    preserve_rng_state: Optional[bool] = None
+    recompute: Optional[bool] = None
+    split_input: Any = None
+    split_label: Any = None
+    merge_output: Any = None
+    output_device: Any = None
+    execute_plan: Optional[Sequence[int]] = None
+
+    def __post_init__(self) -> None:
+        n = self.num_microbatch
+        if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
+            raise ValueError(f"num_microbatch must be a positive int, got {n!r}")
+        if not (self.autocast is None or self.autocast is False
+                or isinstance(self.autocast, torch.dtype)):
+            raise ValueError(f"autocast must be None (the caller's autocast state), False or a "
+                             f"torch.dtype such as torch.bfloat16, got {self.autocast!r}")
+        for name in ("requires_grad", "preserve_rng_state", "recompute"):
+            v = getattr(self, name)
+            if v is not None and not isinstance(v, bool):
+                raise ValueError(f"{name} must be None, True or False, got {v!r}")
+        if self.output_device is not None:
+            try:
+                torch.device(self.output_device)
+            except (RuntimeError, TypeError) as exc:
+                raise ValueError(f"output_device {self.output_device!r} is not a device: "
+                                 f"{exc}") from None
+        if self.execute_plan is not None:
+            plan = self.execute_plan
+            if (isinstance(plan, (str, bytes)) or not hasattr(plan, "__len__") or len(plan) == 0
+                    or any(not isinstance(k, int) or isinstance(k, bool) or k < 1 for k in plan)):
+                raise ValueError(f"execute_plan must be a non-empty list of positive ints "
+                                 f"(layers per stage), got {plan!r}")
+
+
+_DEFAULTS = RoundPipeRunConfig(num_microbatch=1, recompute=True, output_device="cpu")
+
+
+def _merge_configs(*configs: Optional[RoundPipeRunConfig]) -> RoundPipeRunConfig:
+    """Field by field, the first non-None among ``configs`` (highest priority first)."""
+    values = {}
+    for f in dataclasses.fields(RoundPipeRunConfig):
+        for cfg in configs:
+            if cfg is not None and getattr(cfg, f.name) is not None:
+                values[f.name] = getattr(cfg, f.name)
+                break
+    return RoundPipeRunConfig(**values)
+
+
+def resolve_config(run_config: Optional[RoundPipeRunConfig],
+                   model_config: RoundPipeRunConfig) -> RoundPipeRunConfig:
+    """The config a call runs with: ``run_config`` (checked), then ``model_config``, then the
+    defaults. Any thread."""
+    if run_config is not None and not isinstance(run_config, RoundPipeRunConfig):
+        raise TypeError("run_config must be a RoundPipeRunConfig")
+    return _merge_configs(run_config, model_config, _DEFAULTS)

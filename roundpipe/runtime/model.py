@@ -1,0 +1,355 @@
+"""The wrapper: :class:`RoundPipe`, which composes the runtime's parts (listed in
+:mod:`roundpipe.runtime`) into the public calls (``forward_backward``, ``forward``, ``step``,
+``synchronize``, the state dicts), and the order of what ``step`` launches (see
+[Note: staleness]).
+
+Threads: every public method is for the main thread (checked, :func:`_check_main_thread`); see
+the :mod:`roundpipe.runtime` docstring for which thread touches what.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from roundpipe import optim_thread
+from roundpipe.devices import DevicePool, on_device_worker
+from roundpipe.microbatch import merge_outputs
+from roundpipe.runtime.call import _learn_rng_use, _prepare_call, _restore_rng
+from roundpipe.runtime.config import RoundPipeRunConfig, resolve_config
+from roundpipe.runtime.execute import _backward_to_inputs, _execute
+from roundpipe.runtime.grads import _clear_grads, _register_grad_hooks, _SinkSlot
+from roundpipe.runtime.optimizer_ctx import _ensure_optimizer_hook, _in_optimizer_ctx, _wrap_step
+from roundpipe.runtime.params import _Params
+from roundpipe.runtime.plan import _model_layers, _Planner
+from roundpipe.schedule import Plan
+
+__all__ = ["RoundPipe"]
+
+
+# [Note: staleness]
+# model.step(step_fn) (async, the default) launches on the optimizer thread, in this order:
+#   (a) the master->model copy: the current masters (produced by the previous step) are copied
+#       into the low-precision params layer by layer, each layer's "params ready" event set after
+#       its copy; workers wait on those events before reading a stage's params;
+#   (b) step_fn, inside OptimizerCtx.
+# and returns without waiting. The next forward_backward computes while the step runs; its grad
+# moves queue behind the step (the optimizer thread is FIFO) and forward_backward waits for them,
+# so a forward_backward never returns while a step is in flight. Hence iteration k computes with
+# the params produced by step k-2 (iterations 0 and 1 with the initial ones), and step k applies
+# iteration k's gradients to the newest masters: ZeRO-Offload's delayed parameter update.
+# step(step_fn, is_async=False) launches step_fn, then the copy, then waits: zero-stale.
+# The low-precision params are never written while a worker reads them: the copy of step k runs
+# after forward_backward k returned, and forward_backward k+1 waits for the events.
+
+
+class RoundPipe(nn.Module):
+    """Runs ``model`` in microbatches on a device pool, with fp32 master parameters and an
+    optimizer step that runs on the optimizer thread, one step behind (see [Note: staleness]).
+
+    Args:
+        model: an ``nn.Sequential`` (its children are the layers) or any module (one layer; a
+            module with submodules warns once per class, naming how to make stages). It keeps
+            its parameter objects; after :meth:`synchronize` they hold the newest values.
+        optim_dtype: dtype of the masters; None means fp32 for fp16/bf16 params, else the
+            param's own dtype.
+        name: shown in error notes.
+        model_run_config: the model-level :class:`RoundPipeRunConfig`.
+        devices: the device pool (``"cpu"``, ``"cpu:2"``, ``"cuda:0,1"``); default
+            ``$ROUNDPIPE_DEVICES``, else every CUDA device, else one CPU worker.
+
+    Every public method is for the main thread (the one that runs the training loop), except
+    :meth:`optim_parameters`/:meth:`optim_named_parameters` and ``parameters()`` inside
+    :class:`OptimizerCtx`, which any thread may call. Attributes by thread: see the
+    :mod:`roundpipe.runtime` docstring.
+    """
+
+    def __init__(self, model: nn.Module, optim_dtype: Optional[torch.dtype] = None,
+                 name: Optional[str] = None,
+                 model_run_config: Optional[RoundPipeRunConfig] = None,
+                 devices: Any = None) -> None:
+        super().__init__()
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"RoundPipe wraps an nn.Module, got {type(model).__name__}")
+        if any(isinstance(m, RoundPipe) for m in model.modules()):
+            raise TypeError("the module to wrap already contains a RoundPipe: wrap the plain "
+                            "module (RoundPipe(model.module)) instead of wrapping twice")
+        if model_run_config is not None and not isinstance(model_run_config, RoundPipeRunConfig):
+            raise TypeError("model_run_config must be a RoundPipeRunConfig")
+        if optim_dtype is not None and not isinstance(optim_dtype, torch.dtype):
+            raise ValueError(f"optim_dtype must be None or a torch.dtype, got {optim_dtype!r}")
+        self.module = model
+        self.name = name
+        self.model_run_config = model_run_config or RoundPipeRunConfig()
+        self._pool = DevicePool(devices)
+        self._pool.backends[0].prepare_host(model)
+        layers = _model_layers(model)
+        self._params = _Params(model, [l.module for l in layers], optim_dtype)
+        self._planner = _Planner(layers, self._params, self._pool)
+        # Set by roundpipe.distributed.DataParallel: averages the masters' gradients over the
+        # ranks, on the optimizer thread, right before each step_fn.
+        self._grad_reducer: Optional[Callable[[], None]] = None
+        self._has_grads = False
+        self._hooks_registered = False
+        self._grad_sink = _SinkSlot()  # see [Note: fused stages] in execute.py
+        # Stages (by their layers and training mode) probed for drawing random numbers; main
+        # thread. See [Note: RNG chains].
+        self._rng_use: Dict[Tuple, bool] = {}
+        if self.model_run_config.execute_plan is not None:
+            self._planner.stages(self.model_run_config.execute_plan)  # validate now
+        _ensure_optimizer_hook()
+
+    @property
+    def _layer_copies(self) -> List[List[Tuple[nn.Parameter, nn.Parameter]]]:
+        """Per layer, the (param, master) pairs the master->model copy writes (tests patch it)."""
+        return self._params.layer_copies
+
+    def optim_parameters(self) -> Iterator[nn.Parameter]:
+        """The fp32 master parameters (one per trainable parameter). Any thread; never blocks."""
+        return iter(list(self._params.masters.values()))
+
+    def optim_named_parameters(self) -> Iterator[Tuple[str, nn.Parameter]]:
+        """``(name, master)`` pairs, named like the wrapped module's parameters."""
+        return iter(list(self._params.masters.items()))
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True,
+                         remove_duplicate: bool = True) -> Iterator[Tuple[str, nn.Parameter]]:
+        """The wrapped module's parameters (names without a wrapper prefix); inside
+        :class:`OptimizerCtx`, the masters. Decided at the call, not at iteration."""
+        if _in_optimizer_ctx():
+            sep = "." if prefix else ""
+            return iter([(prefix + sep + n, m) for n, m in self._params.masters.items()])
+        return self.module.named_parameters(prefix=prefix, recurse=recurse,
+                                            remove_duplicate=remove_duplicate)
+
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
+        """``named_parameters()`` without the names (masters inside :class:`OptimizerCtx`)."""
+        return iter([p for _, p in self.named_parameters(recurse=recurse)])
+
+    # -- state dicts --------------------------------------------------------------------------
+    def state_dict(self, *args: Any, **kwargs: Any) -> Dict[str, Any]:
+        """The wrapped module's state dict (same keys; the low-precision values the model holds
+        now). Main thread; waits for a pending master->model copy, not for the step."""
+        _check_main_thread("state_dict")
+        self._params.wait_ready()
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        """Load into the wrapped module, then refresh the masters from the loaded params.
+
+        For an exact resume, call :meth:`load_master_state_dict` afterwards. Main thread; blocks
+        until the optimizer thread has run everything launched before.
+        """
+        _check_main_thread("load_state_dict")
+        if assign:
+            raise ValueError("load_state_dict(assign=True) would replace the parameter objects "
+                             "that RoundPipe's masters shadow; load with assign=False")
+        optim_thread.synchronize()
+        self._params.wait_ready()
+        result = self.module.load_state_dict(state_dict, strict=strict)
+        self._params.refresh_masters()
+        return result
+
+    def master_state_dict(self) -> Dict[str, torch.Tensor]:
+        """``{name: clone of the master}``. Main thread; waits for the optimizer thread."""
+        optim_thread.synchronize()
+        return {n: m.detach().clone() for n, m in self._params.masters.items()}
+
+    def load_master_state_dict(self, state_dict: Dict[str, torch.Tensor]) -> None:
+        """Copy values into the masters in place (the optimizer keeps referencing them). The
+        model params are not touched: :meth:`synchronize` or the next step copies them.
+        Main thread; blocks until the optimizer thread has applied it."""
+        _check_main_thread("load_master_state_dict")
+        self._params.load_masters(state_dict)
+
+    # -- config, stages, plans ----------------------------------------------------------------
+    def plan(self, run_config: Optional[RoundPipeRunConfig] = None,
+             training: bool = True) -> Plan:
+        """The plan a call with ``run_config`` would execute (``print`` it to see the order and,
+        on an accelerator, each stage's uploads and gradient downloads)."""
+        cfg = resolve_config(run_config, self.model_run_config)
+        return self._planner.plan(self._planner.stages(cfg.execute_plan), cfg.num_microbatch,
+                                  training, bool(cfg.recompute))
+
+    # -- public calls -------------------------------------------------------------------------
+    def forward_backward(self, input_args: Sequence[Any] = (),
+                         input_kwargs: Optional[Dict[str, Any]] = None, label: Any = None,
+                         loss_fn: Optional[Callable[[Any, Any], torch.Tensor]] = None,
+                         return_outputs: bool = False,
+                         run_config: Optional[RoundPipeRunConfig] = None) -> Any:
+        """Forward and backward of one batch, in microbatches; returns the sum of the microbatch
+        losses (detached), or ``(loss, merged_outputs)`` with ``return_outputs``.
+
+        ``input_args``/``input_kwargs`` (split into microbatches) reach the first layer only;
+        every later layer gets the previous layer's output as its one argument.
+
+        ``loss_fn(output, label_mb)`` runs once per microbatch on the worker of the last stage
+        and must return a single-element tensor. Gradients accumulate into the masters' ``.grad``
+        (``optim_dtype``); inputs that require grad get theirs in ``.grad`` (through whatever
+        graph produced them), as ``loss.backward()`` would give them. Main thread; blocks until
+        every gradient of the call is accumulated, so nothing of it is in flight afterwards (it
+        also waits for a step launched before, whose gradient moves come first). If it raises,
+        the gradients accumulated since the last step are discarded, so the next iteration
+        starts clean.
+        """
+        _check_main_thread("forward_backward")
+        self._report_failures()
+        if not callable(loss_fn):
+            raise ValueError("forward_backward needs loss_fn(output, label) -> scalar tensor")
+        cfg = resolve_config(run_config, self.model_run_config)
+        call = _prepare_call(self, cfg, tuple(input_args), dict(input_kwargs or {}), label,
+                             loss_fn, training=True, return_outputs=return_outputs)
+        self._has_grads = True
+        ok = False
+        try:
+            _execute(call)
+            _learn_rng_use(self._rng_use, call)
+            for item in call.move_items:
+                item.wait()
+            optim_thread._raise_failures()  # e.g. a step launched before failed
+            ok = True
+            out_device = torch.device(cfg.output_device)
+            # Summed where the losses are when they share a device (one transfer, not M).
+            same = len({loss.device for loss in call.losses}) == 1
+            total = call.losses[0] if same else call.losses[0].to(out_device)
+            for loss in call.losses[1:]:
+                total = total + (loss if same else loss.to(out_device))
+            total = total.to(out_device)
+            if return_outputs:
+                merged = _to_device(merge_outputs(call.outputs, call.sizes, cfg.merge_output),
+                                    out_device)
+            if call.input_grad:  # last: a failure before it leaves the inputs' .grad untouched
+                _backward_to_inputs(call)
+        except BaseException:
+            # Whatever failed (a stage, loss_fn, an earlier step, the merge), the call's
+            # gradients are dropped so that retrying the iteration does not add them twice.
+            self._discard_grads()
+            raise
+        finally:
+            for p, g in call.stashed_grads:
+                p.grad = g
+            _restore_rng(call, ok)
+        return (total, merged) if return_outputs else total
+
+    def forward(self, *args: Any, run_config: Optional[RoundPipeRunConfig] = None,
+                **kwargs: Any) -> Any:
+        """Microbatched inference; differentiable when ``requires_grad`` (default: grad mode at
+        the call) is on. Then a ``backward()`` through the output moves the parameter gradients
+        into the masters (as forward_backward does) and :meth:`step` may follow. ``run_config``
+        (keyword only, not passed to the model) overrides the model-level config for this call,
+        e.g. ``model(x, run_config=RoundPipeRunConfig(num_microbatch=1))`` for a small batch.
+        Main thread; blocks until the output is computed.
+
+        The arguments (split into microbatches) reach the first layer only, as in
+        :meth:`forward_backward`."""
+        _check_main_thread("forward")
+        self._report_failures()
+        cfg = resolve_config(run_config, self.model_run_config)
+        grad = torch.is_grad_enabled() if cfg.requires_grad is None else cfg.requires_grad
+        grad = grad and not torch.is_inference_mode_enabled()
+        call = _prepare_call(self, cfg, args, kwargs, None, None, training=False,
+                             return_outputs=True, grad_enabled=grad)
+        if grad:
+            self._ensure_grad_hooks()
+        ok = False
+        try:
+            _execute(call)
+            _learn_rng_use(self._rng_use, call)
+            ok = True
+        finally:
+            _restore_rng(call, ok)
+        merged = _to_device(merge_outputs(call.outputs, call.sizes, cfg.merge_output),
+                            torch.device(cfg.output_device))
+        if grad and any(isinstance(x, torch.Tensor) and x.requires_grad
+                        for x in pytree.tree_leaves(merged)):
+            self._has_grads = True
+        return merged
+
+    def step(self, step_fn: Callable[[], Any], is_async: bool = True) -> None:
+        """Run ``step_fn`` on the optimizer thread, inside :class:`OptimizerCtx`.
+
+        Async (default): launch the master->model copy, then ``step_fn``, and return without
+        waiting; the next iteration computes with parameters one step older (see
+        [Note: staleness]). ``is_async=False``: launch ``step_fn``, then the copy, and wait
+        (zero-stale). Main thread. Raises ``RuntimeError`` if no gradients were produced since
+        the last step; re-raises an earlier failure of the optimizer thread (and then discards
+        the accumulated gradients).
+        """
+        _check_main_thread("step")
+        self._report_failures()
+        if not callable(step_fn):
+            raise ValueError("step() needs a callable step_fn, e.g. lambda: (opt.step(), "
+                             "opt.zero_grad())")
+        if not self._has_grads:
+            raise RuntimeError(
+                "step() called with no gradients since the last step: run forward_backward() (or "
+                "a differentiable forward() and backward()) first; each step consumes the "
+                "gradients accumulated since the previous one")
+        self._has_grads = False
+        run = _wrap_step(self, step_fn)
+        if is_async:
+            self._params.launch_copy()
+            optim_thread._launch_step(run)
+            return
+        optim_thread._launch_step(run)
+        self._params.launch_copy()
+        try:
+            optim_thread.synchronize()
+        except BaseException:
+            self._discard_grads()
+            raise
+
+    def synchronize(self) -> None:
+        """Wait for every launched step, then copy the newest masters into the model's
+        parameters (the user's parameter objects hold the newest values afterwards). Main
+        thread; blocks; re-raises an optimizer-thread failure."""
+        _check_main_thread("synchronize")
+        try:
+            optim_thread.synchronize()
+        except BaseException:
+            self._discard_grads()
+            raise
+        self._params.launch_copy()
+        self._params.wait_ready()
+
+    # -- internals: steps, copies, grads ------------------------------------------------------
+    def _discard_grads(self) -> None:
+        self._has_grads = False
+        optim_thread._launch(_clear_grads, list(self._params.masters.values())).wait()
+
+    def _report_failures(self) -> None:
+        try:
+            optim_thread._raise_failures()
+        except BaseException:
+            self._discard_grads()
+            raise
+        if self._params.ready.failed():
+            # A failed copy leaves the params partly updated; the next call must not read them.
+            self._params.launch_copy()
+
+    def _ensure_grad_hooks(self) -> None:
+        if not self._hooks_registered:
+            _register_grad_hooks(self._params.records, self._grad_sink)
+            self._hooks_registered = True
+
+    def _name_tag(self) -> str:
+        return f" {self.name!r}" if self.name else ""
+
+
+def _check_main_thread(method: str) -> None:
+    """RoundPipe's calls wait for the device workers and the optimizer thread; made on one of
+    those threads they would wait for themselves."""
+    if optim_thread.on_optimizer_thread() or on_device_worker():
+        where = "the optimizer thread (inside a step function)" if optim_thread.on_optimizer_thread() \
+            else "a device worker (inside a stage or loss_fn)"
+        raise RuntimeError(
+            f"RoundPipe.{method}() was called on {where}, where it would wait for itself; call "
+            f"it on the main thread (inside a step function, model.master_state_dict() and "
+            f"model.optim_parameters() are the masters' state)")
+
+
+def _to_device(tree: Any, device: torch.device) -> Any:
+    return pytree.tree_map(lambda x: x.to(device) if isinstance(x, torch.Tensor) else x, tree)
