@@ -6,6 +6,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -119,9 +120,10 @@ def test_benchmarks_page_is_assembled_from_the_current_results():
         assert section in page
 
 
-def test_the_readme_loop_runs_as_written(monkeypatch):
-    """The loop under "## The loop" in README.md, with a concrete model and loader; the loss it
-    logs is the real (unscaled) one."""
+def _run_readme_loop(monkeypatch, devices):
+    """The loop under "## The loop" in README.md, with a concrete model and loader, on the pool
+    ``devices`` names through ROUNDPIPE_DEVICES (as a user would); the loss it logs is the real
+    (unscaled) one. Returns the trained parameters."""
     import torch
     import torch.nn.functional as F
 
@@ -150,6 +152,7 @@ def test_the_readme_loop_runs_as_written(monkeypatch):
         return loss
 
     monkeypatch.setattr(F, "cross_entropy", recording_cross_entropy)
+    monkeypatch.setenv("ROUNDPIPE_DEVICES", devices)
     namespace = {"make_model": make_model, "loader": loader}
     exec(compile(code, "README.md", "exec"), namespace)
     # The last iteration: 4 microbatches, each loss divided by 4 in loss_fn.
@@ -159,3 +162,14 @@ def test_the_readme_loop_runs_as_written(monkeypatch):
     assert all(p.dtype == torch.float16 for p in after)
     assert all(not torch.equal(a, b.half()) for a, b in zip(after, holder["before"]))  # trained
     assert namespace["scaler"].snapshot().steps == len(loader)
+    return [p.detach().clone() for p in after]
+
+
+def test_the_readme_loop_runs_as_written_on_cpu_and_on_the_emulated_accelerator(monkeypatch):
+    # The same loop, unchanged, on one CPU worker and on one and two emulated devices (which
+    # reject host tensors and run backward off the calling thread, as CUDA does): the trained
+    # parameters are the same bit for bit.
+    results = {devices: _run_readme_loop(monkeypatch, devices) for devices in ("cpu", "emu", "emu:2")}
+    for devices in ("emu", "emu:2"):
+        for a, b in zip(results["cpu"], results[devices]):
+            assert torch.equal(a, b), devices
