@@ -243,8 +243,10 @@ class Backend(Protocol):
         """Run one layer; on an accelerator, on its stage's upload ``resident``."""
         ...
 
-    def download(self, tensors: List[Optional[torch.Tensor]]) -> List[Optional[torch.Tensor]]:
-        """Device tensors to host tensors; returns once they have arrived."""
+    def download(self, tensors: List[Optional[torch.Tensor]]
+                 ) -> Tuple[List[Optional[torch.Tensor]], Optional[torch.Event]]:
+        """Start copying device tensors to host tensors; returns the host tensors and an event
+        that completes when they have arrived (None: they already have)."""
         ...
 
     def finish(self) -> None:
@@ -305,8 +307,9 @@ class _CPUBackend:
                    resident: Optional["Resident"] = None) -> Any:
         return layer(*args, **kwargs)
 
-    def download(self, tensors: List[Optional[torch.Tensor]]) -> List[Optional[torch.Tensor]]:
-        return tensors
+    def download(self, tensors: List[Optional[torch.Tensor]]
+                 ) -> Tuple[List[Optional[torch.Tensor]], Optional[torch.Event]]:
+        return tensors, None
 
     def finish(self) -> None:
         """Called at the end of every action on the worker."""
@@ -367,6 +370,7 @@ class _AcceleratorBackend:
         self._module = torch.get_device_module(device.type)
         self._stream: Optional[torch.Stream] = None
         self._copy_stream: Optional[torch.Stream] = None
+        self._download_stream: Optional[torch.Stream] = None
 
     @property
     def stream(self) -> torch.Stream:
@@ -381,6 +385,13 @@ class _AcceleratorBackend:
         if self._copy_stream is None:
             self._copy_stream = torch.Stream(device=self.torch_device)
         return self._copy_stream
+
+    @property
+    def download_stream(self) -> torch.Stream:
+        """The stream that gradient downloads run on, beside the compute."""
+        if self._download_stream is None:
+            self._download_stream = torch.Stream(device=self.torch_device)
+        return self._download_stream
 
     @contextlib.contextmanager
     def action_context(self) -> Iterator[None]:
@@ -480,17 +491,25 @@ class _AcceleratorBackend:
                                  "please report")
         return torch.func.functional_call(layer, resident.tensors[id(layer)], args, kwargs)
 
-    def download(self, tensors: List[Optional[torch.Tensor]]) -> List[Optional[torch.Tensor]]:
-        """Device tensors -> fresh pinned host tensors; returns once they have arrived."""
+    def download(self, tensors: List[Optional[torch.Tensor]]
+                 ) -> Tuple[List[Optional[torch.Tensor]], Optional[torch.Event]]:
+        """Start copying device tensors into fresh pinned host tensors on the download stream,
+        after the compute so far; returns them and the event that completes when they have
+        arrived. The worker goes on computing; whoever reads them waits for the event."""
+        down = self.download_stream
+        down.wait_stream(self.stream)
         host = []
-        for t in tensors:
-            if t is None or t.device.type == "cpu":
-                host.append(t)
-                continue
-            dst = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-            host.append(dst.copy_(t, non_blocking=True))
-        self.finish()
-        return host
+        with down:
+            for t in tensors:
+                if t is None or t.device.type == "cpu":
+                    host.append(t)
+                    continue
+                t.record_stream(down)  # the compute side may drop it before the copy ran
+                dst = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                host.append(dst.copy_(t, non_blocking=True))
+        done = torch.Event(device=self.torch_device)
+        done.record(down)
+        return host, done
 
     def finish(self) -> None:
         # Device event, then the host side: the action's future is set only after this returns.

@@ -103,7 +103,8 @@ class Action:
 # copied in on a separate stream (next_upload): at most two stages' weights are on a device.
 # A device's actions are ordered by its stream, so the host waits for the device only where
 # another device or the host reads a result (needs_sync): before a hand-off to another device,
-# after a device's last action, and for each gradient download. Dependencies only point to lower stages in the forward pass and
+# and after a device's last action. Gradient downloads run on their own stream; the optimizer
+# thread waits for their event before it adds them to the masters. Dependencies only point to lower stages in the forward pass and
 # to higher stages (or the same stage's forward) in the backward pass, so a device never waits for
 # an action that comes later in another device's list: no deadlock, and with several devices
 # stage s+1 of microbatch 0 starts while stage s computes microbatch 1. All microbatches' stage

@@ -91,7 +91,8 @@ def test_accelerator_pool_and_backend_roundtrip(kind):
         resident = backend.upload([lin], [lin.weight, lin.bias], leaves=True)
         y = backend.call_layer(lin, (x,), {}, resident)
         g = torch.autograd.grad(y.sum(), resident.leaves)
-        (host_g, _) = backend.download(list(g))
+        (host_g, _), arrived = backend.download(list(g))
+        arrived.synchronize()
         backend.release(resident, write_back=True)
     assert y.device.type == kind and g[0].device.type == kind
     assert host_g.device.type == "cpu" and host_g.is_pinned()

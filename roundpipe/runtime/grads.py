@@ -46,9 +46,13 @@ __all__: list = []  # private to roundpipe.runtime
 # The buffer is owned by the worker until the move is launched, then by the optimizer thread.
 
 
-def _move_grads(pairs: List[Tuple[nn.Parameter, torch.Tensor]]) -> None:
+def _move_grads(pairs: List[Tuple[nn.Parameter, torch.Tensor]],
+                arrived: Optional[torch.Event] = None) -> None:
     """Grad move (optimizer thread): hand a stage's summed gradients of a call (master dtype,
-    tensors nobody else holds) to the masters."""
+    tensors nobody else holds) to the masters; first wait for their download (``arrived``, a
+    device event) from an accelerator."""
+    if arrived is not None:
+        arrived.synchronize()
     for master, grad in pairs:
         if master.grad is None:
             master.grad = grad
@@ -114,11 +118,12 @@ def _launch_moves(call: "_Call", stages: Sequence[int], backend: Backend) -> Non
         pairs += [(rec.master, buffers[i])
                   for i, rec in enumerate(call.stage_params[s]) if buffers[i] is not None]
         buffers[:] = [None] * len(buffers)
+    arrived = None
     if pairs and call.plan.stage_major:  # summed on the device: one download per stage
-        host = backend.download([g for _, g in pairs])
+        host, arrived = backend.download([g for _, g in pairs])
         pairs = [(master, g) for (master, _), g in zip(pairs, host)]
     if pairs:
-        call.move_items.append(optim_thread._launch(_move_grads, pairs))
+        call.move_items.append(optim_thread._launch(_move_grads, pairs, arrived))
 
 
 def _stash_grads(stage_params: List[List[_ParamRecord]]
