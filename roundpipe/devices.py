@@ -234,8 +234,13 @@ class Backend(Protocol):
         """Main thread, once per wrapped model: ready the host copy of ``module``."""
         ...
 
-    def to_device(self, tree: Any) -> Any:
-        """A pytree's tensors on this device (the identity on the CPU)."""
+    def to_device(self, tree: Any, after: Optional[torch.Event] = None) -> Any:
+        """A pytree's tensors on this device (the identity on the CPU); tensors from another
+        device are read once ``after`` (their producer's event) has completed."""
+        ...
+
+    def record_event(self) -> Optional[torch.Event]:
+        """An event at the current end of this device's work (None on the CPU)."""
         ...
 
     def call_layer(self, layer: torch.nn.Module, args: tuple, kwargs: dict,
@@ -297,8 +302,11 @@ class _CPUBackend:
     def action_context(self) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()
 
-    def to_device(self, tree: Any) -> Any:
+    def to_device(self, tree: Any, after: Optional[torch.Event] = None) -> Any:
         return tree
+
+    def record_event(self) -> Optional[torch.Event]:
+        return None
 
     def prepare_host(self, module: torch.nn.Module) -> None:
         """Called once per wrapped model; nothing to do when the host is the device."""
@@ -407,15 +415,20 @@ class _AcceleratorBackend:
                 if t.device.type == "cpu" and not t.is_pinned():
                     t.data = t.data.pin_memory()
 
-    def to_device(self, tree: Any) -> Any:
+    def to_device(self, tree: Any, after: Optional[torch.Event] = None) -> Any:
         def move(x: Any) -> Any:
             if not isinstance(x, torch.Tensor):
                 return x
             if x.device == self.torch_device:
-                # Produced on another stream (finished: see finish()); keep the allocator from
-                # reusing it while this stream still reads it.
+                # Keep the allocator from reusing it while this stream still reads it.
                 x.record_stream(self.stream)
                 return x
+            if after is not None and x.device.type == self.device_type:
+                # From another device of the pool: torch copies it on that device's current
+                # stream (on this thread), which must first wait for the producer's event.
+                source = torch.accelerator.current_stream(x.device)
+                source.wait_event(after)
+                x.record_stream(source)
             return x.to(self.torch_device, non_blocking=True)
 
         if isinstance(tree, torch.Tensor):
@@ -510,6 +523,11 @@ class _AcceleratorBackend:
         done = torch.Event(device=self.torch_device)
         done.record(down)
         return host, done
+
+    def record_event(self) -> Optional[torch.Event]:
+        event = torch.Event(device=self.torch_device)
+        event.record(self.stream)
+        return event
 
     def finish(self) -> None:
         # Device event, then the host side: the action's future is set only after this returns.

@@ -101,10 +101,11 @@ class Action:
 # Gradients of a stage accumulate on the device over its microbatches and are downloaded once,
 # after its last backward action. While a run computes, the next run's upload on the device is
 # copied in on a separate stream (next_upload): at most two stages' weights are on a device.
-# A device's actions are ordered by its stream, so the host waits for the device only where
-# another device or the host reads a result (needs_sync): before a hand-off to another device,
-# and after a device's last action. Gradient downloads run on their own stream; the optimizer
-# thread waits for their event before it adds them to the masters. Dependencies only point to lower stages in the forward pass and
+# A device's actions are ordered by its stream, so the host waits for a device only after its
+# last action of the call (needs_sync). An action whose output or input gradients another device
+# reads records a device event (hands_off); the reader's copy waits for it on the device.
+# Gradient downloads run on their own stream; the optimizer thread waits for their event before
+# it adds them to the masters. Dependencies only point to lower stages in the forward pass and
 # to higher stages (or the same stage's forward) in the backward pass, so a device never waits for
 # an action that comes later in another device's list: no deadlock, and with several devices
 # stage s+1 of microbatch 0 starts while stage s computes microbatch 1. All microbatches' stage
@@ -152,14 +153,13 @@ class Plan:
                 if nxt is None or nxt.stage != a.stage or nxt.kind is not a.kind:
                     run_ends.add(a.key)
         object.__setattr__(self, "_run_ends", frozenset(run_ends))
-        # Actions whose end another device, or the host, must see: a dependent on another
-        # device, or the last action of its device (see [Note: streaming]).
-        syncs = {actions[-1].key for actions in self.per_device if actions}
-        for a in index.values():
-            for dep in self.dependencies(a):
-                if dep.device != a.device:
-                    syncs.add(dep.key)
-        object.__setattr__(self, "_syncs", frozenset(syncs))
+        # The last action of each device (the host waits for it) and the actions that an action
+        # on another device reads (they publish a device event); see [Note: streaming].
+        object.__setattr__(self, "_syncs",
+                           frozenset(actions[-1].key for actions in self.per_device if actions))
+        object.__setattr__(self, "_handoffs", frozenset(
+            dep.key for a in index.values() for dep in self.dependencies(a)
+            if dep.device != a.device))
         # For each upload, the next upload on its device: what to prefetch while it computes.
         next_up: Dict[Tuple, "Transfer"] = {}
         for d in range(self.num_devices):
@@ -169,9 +169,14 @@ class Plan:
         object.__setattr__(self, "_next_up", next_up)
 
     def needs_sync(self, action: Action) -> bool:
-        """Whether the host must wait for ``action``'s device work before its result is
-        published: an action on another device reads it, or it is its device's last."""
+        """Whether the host waits for ``action``'s device work before publishing it: the last
+        action of its device, which the host reads after the call."""
         return action.key in self._syncs  # type: ignore[attr-defined]
+
+    def hands_off(self, action: Action) -> bool:
+        """Whether an action on another device reads ``action``'s result (it then publishes a
+        device event that the reader's copy waits for)."""
+        return action.key in self._handoffs  # type: ignore[attr-defined]
 
     def next_upload(self, action: Action) -> "Optional[Transfer]":
         """At an upload (``action`` starts a run that uploads its stage): the next upload on the

@@ -199,3 +199,25 @@ def test_one_device_waits_for_the_device_only_at_the_end_of_the_call(monkeypatch
     # Once, after the device's last action: not once per action (5 stages x 4 microbatches x
     # forward and backward), nor per gradient download (the optimizer thread waits for those).
     assert len(waits) == 1
+
+
+def test_two_devices_hand_off_through_device_events(monkeypatch):
+    from roundpipe.devices import _AcceleratorBackend
+
+    waits, events = [], []
+    finish, record = _AcceleratorBackend.finish, _AcceleratorBackend.record_event
+    monkeypatch.setattr(_AcceleratorBackend, "finish",
+                        lambda self: (waits.append(self.device), finish(self))[1])
+    monkeypatch.setattr(_AcceleratorBackend, "record_event",
+                        lambda self: (events.append(self.device), record(self))[1])
+    model = RoundPipe(_model(), devices="emu:2",
+                      model_run_config=RoundPipeRunConfig(num_microbatch=4))
+    x, y = _batch()
+    model.forward_backward(input_args=(x,), label=y, loss_fn=_loss)
+    plan = model.plan()
+    # Each stage's output (forward) and input gradients (backward) go to the other device with
+    # a device event; the host waits for each device once, after its last action.
+    handoffs = [a for a in plan.actions() if plan.hands_off(a)]
+    assert len(handoffs) == 2 * (5 - 1) * 4
+    assert len(events) == len(handoffs)
+    assert sorted(str(d) for d in waits) == ["emu:0", "emu:1"]

@@ -42,7 +42,7 @@ class _Slot:
     """What one (stage, microbatch) hands to the actions that depend on it."""
 
     __slots__ = ("phase", "rng_start", "rng_end", "out", "graph_in", "graph_out", "grad_in",
-                 "saved_input")
+                 "saved_input", "handoff")
 
     def __init__(self) -> None:
         self.phase = "forward"          # pass of a checkpointed stage, for error notes
@@ -53,6 +53,9 @@ class _Slot:
         self.graph_out: Any = None      # output leaves with their (checkpointed) graph
         self.grad_in: Any = None        # grads w.r.t. this stage's input leaves (aligned)
         self.saved_input: Any = None    # a streamed forward's stage input, for its recompute
+        # Device event after the action that wrote ``out`` or ``grad_in`` for an action on
+        # another device (see [Note: streaming] in schedule.py); None on the CPU.
+        self.handoff: Any = None
 
 
 @dataclasses.dataclass

@@ -143,6 +143,8 @@ def _run_action(call: _Call, action: Action) -> None:
             _forward_action(call, action, backend)
         if streaming and call.plan.ends_run(action):
             _leave_run(call, action, cast(StreamingBackend, backend))
+        if streaming and call.plan.hands_off(action):
+            call.slots[(action.stage, action.mb_index)].handoff = backend.record_event()
         if not streaming or call.plan.needs_sync(action):
             backend.finish()
 
@@ -202,6 +204,7 @@ def _stage_input(call: _Call, s: int, m: int, backend: Backend) -> Tuple[tuple, 
         prev = call.slots[(s - 1, m)]
         args, kwargs = (prev.out,), {}
         prev.out = None
+        return backend.to_device((args, kwargs), after=prev.handoff)
     return backend.to_device((args, kwargs))
 
 
@@ -346,7 +349,7 @@ def _recompute_backward_action(call: _Call, a: Action, backend: Backend) -> None
     gradients. It runs on the worker, not inside autograd."""
     s, m = a.stage, a.mb_index
     after, slot = call.slots[(s + 1, m)], call.slots[(s, m)]
-    grads_out, after.grad_in = backend.to_device(after.grad_in), None
+    grads_out, after.grad_in = backend.to_device(after.grad_in, after=after.handoff), None
     inp, slot.saved_input = slot.saved_input, None
     _, in_leaves, inp = _cut_graph(inp, _requires_grad if s == 0 else _is_float)
     slot.phase = "recompute"
@@ -396,7 +399,7 @@ def _backward_action(call: _Call, a: Action, backend: Backend) -> None:
     s, m = a.stage, a.mb_index
     after = call.slots[(s + 1, m)]
     # Stage s+1 may have run on another device: its input grads come over to this one.
-    grads_out, after.grad_in = backend.to_device(after.grad_in), None
+    grads_out, after.grad_in = backend.to_device(after.grad_in, after=after.handoff), None
     with _recompute_guard(call, [call.stages[s]]):
         _backward_body(call, a, backend, grads_out)
 
