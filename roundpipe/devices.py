@@ -243,6 +243,15 @@ class Backend(Protocol):
         """An event at the current end of this device's work (None on the CPU)."""
         ...
 
+    def offload(self, tree: Any) -> Tuple[Any, Optional[torch.Event]]:
+        """Start copying a pytree's device tensors to pinned host memory; returns the host
+        pytree and the event of their arrival (the identity and None on the CPU)."""
+        ...
+
+    def reload(self, tree: Any, arrived: torch.Event) -> Any:
+        """An :meth:`offload`'s pytree back on this device, once ``arrived`` has completed."""
+        ...
+
     def call_layer(self, layer: torch.nn.Module, args: tuple, kwargs: dict,
                    resident: Optional["Resident"] = None) -> Any:
         """Run one layer; on an accelerator, on its stage's upload ``resident``."""
@@ -307,6 +316,12 @@ class _CPUBackend:
 
     def record_event(self) -> Optional[torch.Event]:
         return None
+
+    def offload(self, tree: Any) -> Tuple[Any, Optional[torch.Event]]:
+        return tree, None
+
+    def reload(self, tree: Any, arrived: torch.Event) -> Any:
+        return tree
 
     def prepare_host(self, module: torch.nn.Module) -> None:
         """Called once per wrapped model; nothing to do when the host is the device."""
@@ -519,7 +534,7 @@ class _AcceleratorBackend:
                     continue
                 t.record_stream(down)  # the compute side may drop it before the copy ran
                 dst = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-                host.append(dst.copy_(t, non_blocking=True))
+                host.append(dst.copy_(t.detach(), non_blocking=True))
         done = torch.Event(device=self.torch_device)
         done.record(down)
         return host, done
@@ -528,6 +543,20 @@ class _AcceleratorBackend:
         event = torch.Event(device=self.torch_device)
         event.record(self.stream)
         return event
+
+    def offload(self, tree: Any) -> Tuple[Any, Optional[torch.Event]]:
+        leaves, spec = pytree.tree_flatten(tree)
+        on_device = [i for i, x in enumerate(leaves)
+                     if isinstance(x, torch.Tensor) and x.device == self.torch_device]
+        host, arrived = self.download([leaves[i] for i in on_device])
+        for i, h in zip(on_device, host):
+            # The backward cuts its graph at the leaves that require grad: keep the flag.
+            leaves[i] = h.requires_grad_(leaves[i].requires_grad)
+        return pytree.tree_unflatten(leaves, spec), arrived
+
+    def reload(self, tree: Any, arrived: torch.Event) -> Any:
+        self.stream.wait_event(arrived)  # on the device: the host copies have landed
+        return self.to_device(tree)
 
     def finish(self) -> None:
         # Device event, then the host side: the action's future is set only after this returns.

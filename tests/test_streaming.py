@@ -221,3 +221,33 @@ def test_two_devices_hand_off_through_device_events(monkeypatch):
     assert len(handoffs) == 2 * (5 - 1) * 4
     assert len(events) == len(handoffs)
     assert sorted(str(d) for d in waits) == ["emu:0", "emu:1"]
+
+
+@pytest.mark.parametrize("devices", ["emu", "emu:2"])
+def test_offloaded_stage_inputs_wait_in_pinned_host_memory_and_change_nothing(devices):
+    x, y = _batch()
+    cfg = RoundPipeRunConfig(num_microbatch=4, offload_activations=True)
+    results = {}
+    for pool, config in (("cpu", cfg), (devices, cfg),
+                         (devices, RoundPipeRunConfig(num_microbatch=4))):
+        model = RoundPipe(_model(), devices=pool, model_run_config=config)
+        leaf = x.clone().requires_grad_()
+        with emu.record_copies() as log:
+            model.forward_backward(input_args=(leaf,), label=y, loss_fn=_loss)
+        grads = [m.grad for m in model.optim_parameters()] + [leaf.grad]
+        results[(pool, config.offload_activations)] = (grads, log)
+    # Each stage before the last saves its input of each microbatch (batch 32 / 4 = 8 rows):
+    # stage 0 gets 8 x 4 inputs, stage 1 8 x 6, stage 2 8 x 6, stage 3 8 x 5.
+    # (The input's own gradient, 8 x 4 per microbatch, reaches the host through autograd, in
+    # pageable memory: only the pinned copies are the runtime's.)
+    _, log = results[(devices, True)]
+    saved = Counter(c.numel for c in log
+                    if c.direction == "d2h" and c.pinned and c.numel in (32, 48, 40))
+    assert saved == Counter({32: 4, 48: 8, 40: 4}), saved
+    _, kept = results[(devices, None)]
+    assert not any(c.direction == "d2h" and c.pinned and c.numel in (32, 48, 40) for c in kept)
+    # Same gradients, the input's included, with and without the offload and on the CPU.
+    reference = results[("cpu", True)][0]
+    for key in ((devices, True), (devices, None)):
+        for a, b in zip(reference, results[key][0]):
+            assert torch.equal(a, b), key

@@ -42,7 +42,7 @@ class _Slot:
     """What one (stage, microbatch) hands to the actions that depend on it."""
 
     __slots__ = ("phase", "rng_start", "rng_end", "out", "graph_in", "graph_out", "grad_in",
-                 "saved_input", "handoff")
+                 "saved_input", "saved_ready", "handoff")
 
     def __init__(self) -> None:
         self.phase = "forward"          # pass of a checkpointed stage, for error notes
@@ -53,6 +53,7 @@ class _Slot:
         self.graph_out: Any = None      # output leaves with their (checkpointed) graph
         self.grad_in: Any = None        # grads w.r.t. this stage's input leaves (aligned)
         self.saved_input: Any = None    # a streamed forward's stage input, for its recompute
+        self.saved_ready: Any = None    # device event: an offloaded saved_input has arrived
         # Device event after the action that wrote ``out`` or ``grad_in`` for an action on
         # another device (see [Note: streaming] in schedule.py); None on the CPU.
         self.handoff: Any = None
@@ -69,6 +70,7 @@ class _Call:
     stages: List[_Stage]
     training: bool
     recompute: bool
+    offload: bool                              # saved stage inputs go to the host (streaming)
     grad_enabled: bool
     inference_mode: bool
     autocast: AutocastState
@@ -156,6 +158,7 @@ def _prepare_call(model: "RoundPipe", cfg: RoundPipeRunConfig, args: tuple, kwar
         plan=model._planner.plan(stages, M, training, bool(cfg.recompute)), stages=stages,
         training=training,
         recompute=bool(cfg.recompute), grad_enabled=grad_enabled,
+        offload=bool(cfg.offload_activations) and bool(cfg.recompute) and training,
         inference_mode=torch.is_inference_mode_enabled(),
         autocast=resolve_autocast(cfg.autocast, pool.device_type),
         chunks=chunks, sizes=sizes, labels=labels, loss_fn=loss_fn,

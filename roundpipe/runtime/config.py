@@ -25,6 +25,9 @@ class RoundPipeRunConfig:
       default: the stages with a dropout module in training mode, and those that a probe of
       their first call finds drawing random numbers.
     * ``recompute`` (default True): keep only stage inputs, recompute in backward.
+    * ``offload_activations`` (default False): on an accelerator, with recompute, keep those
+      stage inputs in pinned host memory between the forward and the backward pass instead of
+      on the device (see [Note: streaming] in :mod:`roundpipe.schedule`); no effect on the CPU.
     * ``split_input`` / ``split_label`` / ``merge_output``: specs (``TensorChunkSpec``, int, a
       pytree of them) or callables, see :mod:`roundpipe.microbatch`.
     * ``output_device`` (default ``"cpu"``): where merged outputs and the loss are returned.
@@ -38,6 +41,7 @@ class RoundPipeRunConfig:
     requires_grad: Optional[bool] = None
     preserve_rng_state: Optional[bool] = None
     recompute: Optional[bool] = None
+    offload_activations: Optional[bool] = None
     split_input: Any = None
     split_label: Any = None
     merge_output: Any = None
@@ -52,7 +56,7 @@ class RoundPipeRunConfig:
                 or isinstance(self.autocast, torch.dtype)):
             raise ValueError(f"autocast must be None (the caller's autocast state), False or a "
                              f"torch.dtype such as torch.bfloat16, got {self.autocast!r}")
-        for name in ("requires_grad", "preserve_rng_state", "recompute"):
+        for name in ("requires_grad", "preserve_rng_state", "recompute", "offload_activations"):
             v = getattr(self, name)
             if v is not None and not isinstance(v, bool):
                 raise ValueError(f"{name} must be None, True or False, got {v!r}")

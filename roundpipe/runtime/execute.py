@@ -339,7 +339,10 @@ def _streamed_forward_action(call: _Call, a: Action, backend: Backend) -> None:
     with torch.no_grad():
         out, _ = _stage_forward(call, s, m, inp, backend, checkpointed=False)
     slot = call.slots[(s, m)]
-    slot.saved_input = inp
+    if call.offload:  # the backward pass brings it back (see [Note: streaming])
+        slot.saved_input, slot.saved_ready = backend.offload(inp)
+    else:
+        slot.saved_input = inp
     slot.out = out
 
 
@@ -351,6 +354,8 @@ def _recompute_backward_action(call: _Call, a: Action, backend: Backend) -> None
     after, slot = call.slots[(s + 1, m)], call.slots[(s, m)]
     grads_out, after.grad_in = backend.to_device(after.grad_in, after=after.handoff), None
     inp, slot.saved_input = slot.saved_input, None
+    if slot.saved_ready is not None:
+        inp, slot.saved_ready = backend.reload(inp, slot.saved_ready), None
     _, in_leaves, inp = _cut_graph(inp, _requires_grad if s == 0 else _is_float)
     slot.phase = "recompute"
     with torch.enable_grad():
