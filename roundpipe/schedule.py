@@ -355,7 +355,8 @@ def partition(num_layers: int, execute_plan: Sequence[int] | None) -> List[Tuple
 
 
 def stages_by_size(model: "torch.nn.Sequential", num_stages: Optional[int] = None,
-                   max_stage_bytes: Optional[int] = None) -> List[int]:
+                   max_stage_bytes: Optional[int] = None,
+                   costs: Optional[Sequence[float]] = None) -> List[int]:
     """An ``execute_plan`` that groups the consecutive layers of ``model`` into stages of about
     equal parameter bytes, so that a model of many small layers does not pay per-stage costs
     (an upload, a gradient download and an action per microbatch) for each layer.
@@ -363,8 +364,9 @@ def stages_by_size(model: "torch.nn.Sequential", num_stages: Optional[int] = Non
     Give ``num_stages`` (that many stages, the largest as small as it can be; fewer when there
     are fewer layers with parameters), or ``max_stage_bytes`` (as few stages as keep each under
     it, where a layer larger than it is a stage of its own). Layers without parameters join the
-    stage before them. Any thread; reads
-    only the parameters' sizes. Use it as
+    stage before them. With ``costs`` (one number >= 0 per layer, e.g. each layer's forward time
+    as you measured it on your device), ``num_stages`` balances those instead of the bytes.
+    Any thread; reads only the parameters' sizes. Use it as
     ``RoundPipeRunConfig(execute_plan=stages_by_size(seq, num_stages=8))``.
     """
     if (num_stages is None) == (max_stage_bytes is None):
@@ -372,6 +374,12 @@ def stages_by_size(model: "torch.nn.Sequential", num_stages: Optional[int] = Non
     layers = list(model.children()) if isinstance(model, torch.nn.Sequential) else None
     if not layers:
         raise ValueError("stages_by_size groups the children of a non-empty nn.Sequential")
+    if costs is not None:
+        costs = list(costs)
+        if max_stage_bytes is not None or len(costs) != len(layers) \
+                or any(not isinstance(c, (int, float)) or not c >= 0 for c in costs):
+            raise ValueError(f"costs must be one number >= 0 per layer ({len(layers)}), given "
+                             f"with num_stages, got {len(costs)} values")
     sizes, seen = [], set()
     for layer in layers:
         size = 0
@@ -381,6 +389,10 @@ def stages_by_size(model: "torch.nn.Sequential", num_stages: Optional[int] = Non
                 seen.add(id(p))
                 size += p.numel() * p.element_size()
         sizes.append(size)
+    if costs is not None:
+        # Integer units for the search below; a layer costs at least 1 so it is never "free".
+        top = max(costs) or 1.0
+        sizes = [max(1, round(c / top * 1_000_000)) for c in costs]
     if max_stage_bytes is not None:
         if not isinstance(max_stage_bytes, int) or max_stage_bytes < 1:
             raise ValueError(f"max_stage_bytes must be a positive int, got {max_stage_bytes!r}")

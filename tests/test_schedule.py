@@ -167,3 +167,17 @@ def test_stages_by_size_counts_a_shared_parameter_once_and_rejects_misuse():
         stages_by_size(nn.Linear(2, 2), num_stages=2)
     with pytest.raises(ValueError, match="num_stages"):
         stages_by_size(seq, num_stages=0)
+
+
+def test_stages_by_size_can_balance_measured_costs_instead_of_bytes():
+    import torch.nn as nn
+    from roundpipe.schedule import stages_by_size
+
+    seq = nn.Sequential(*[nn.Linear(4, 4) for _ in range(6)])  # equal bytes
+    assert stages_by_size(seq, num_stages=3) == [2, 2, 2]
+    # The first layer is as slow as the other five together: it gets a stage of its own.
+    assert stages_by_size(seq, num_stages=2, costs=[5, 1, 1, 1, 1, 1]) == [1, 5]
+    with pytest.raises(ValueError, match="one number >= 0 per layer"):
+        stages_by_size(seq, num_stages=2, costs=[1, 2])
+    with pytest.raises(ValueError, match="one number >= 0 per layer"):
+        stages_by_size(seq, max_stage_bytes=100, costs=[1] * 6)
