@@ -380,8 +380,13 @@ class _AcceleratorBackend:
     differentiable inference call the upload is a differentiable ``.to(device)`` instead, so a
     later ``backward()`` reaches the host parameters. Buffers that a training-mode module changed
     in place (BatchNorm's running stats) are copied back to the host at the end of a forward run
-    (:meth:`release`). Work runs on the backend's stream; :meth:`finish` records a device event
-    on it and waits for it on the host.
+    (:meth:`release`).
+
+    Three streams: compute (:attr:`stream`, every action), copy (:attr:`copy_stream`, prefetched
+    uploads, adopted by the compute stream through an event) and download
+    (:attr:`download_stream`, gradients and offloaded stage inputs, after the compute).
+    :meth:`record_event` marks a hand-off to another device; :meth:`finish` records a device
+    event on the compute stream and waits for it on the host.
 
     Touched by the device's worker thread only.
     """
@@ -391,30 +396,28 @@ class _AcceleratorBackend:
         self.device_type = device.type
         self.torch_device = device.torch_device
         self._module = torch.get_device_module(device.type)
-        self._stream: Optional[torch.Stream] = None
-        self._copy_stream: Optional[torch.Stream] = None
-        self._download_stream: Optional[torch.Stream] = None
+        self._streams: Dict[str, torch.Stream] = {}  # made on first use, by the worker
+
+    def _named_stream(self, name: str) -> torch.Stream:
+        stream = self._streams.get(name)
+        if stream is None:
+            stream = self._streams[name] = torch.Stream(device=self.torch_device)
+        return stream
 
     @property
     def stream(self) -> torch.Stream:
         """The compute stream of the device's worker."""
-        if self._stream is None:
-            self._stream = torch.Stream(device=self.torch_device)
-        return self._stream
+        return self._named_stream("compute")
 
     @property
     def copy_stream(self) -> torch.Stream:
         """The stream that prefetched uploads run on, beside the compute."""
-        if self._copy_stream is None:
-            self._copy_stream = torch.Stream(device=self.torch_device)
-        return self._copy_stream
+        return self._named_stream("copy")
 
     @property
     def download_stream(self) -> torch.Stream:
-        """The stream that gradient downloads run on, beside the compute."""
-        if self._download_stream is None:
-            self._download_stream = torch.Stream(device=self.torch_device)
-        return self._download_stream
+        """The stream that downloads run on, after the compute."""
+        return self._named_stream("download")
 
     @contextlib.contextmanager
     def action_context(self) -> Iterator[None]:
