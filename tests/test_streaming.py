@@ -251,3 +251,39 @@ def test_offloaded_stage_inputs_wait_in_pinned_host_memory_and_change_nothing(de
     for key in ((devices, True), (devices, None)):
         for a, b in zip(reference, results[key][0]):
             assert torch.equal(a, b), key
+
+
+def _saved_offloads(log):
+    """Pinned downloads of stage inputs (8 rows of 4, 6 or 5 floats), by size."""
+    return Counter(c.numel for c in log
+                   if c.direction == "d2h" and c.pinned and c.numel in (32, 48, 40))
+
+
+@pytest.mark.parametrize("budget,offloaded,prefetched", [
+    (10**9, Counter(), True),                          # room for everything
+    (560 + 1000, Counter({48: 6, 40: 4}), True),       # stage 0's and two of stage 1's kept
+    (1, Counter({32: 4, 48: 8, 40: 4}), False),        # nothing fits
+])
+def test_a_device_memory_budget_decides_prefetch_and_offload(budget, offloaded, prefetched):
+    # On one emulated device the largest stage (Linear(6, 5): 140 bytes of fp32 weights and
+    # 140 of gradient sums) reserves 2 x 280 = 560 bytes; the saved inputs of a microbatch are
+    # 8 x 4, 8 x 6, 8 x 6 and 8 x 5 floats for stages 0 to 3.
+    x, y = _batch()
+    model = RoundPipe(_model(), devices="emu", model_run_config=RoundPipeRunConfig(
+        num_microbatch=4, device_memory_budget=budget))
+    backend = model._pool.backends[0]
+    ptr = {p.untyped_storage().data_ptr() for p in model.module.parameters()}
+    with emu.record_copies() as log:
+        model.forward_backward(input_args=(x,), label=y, loss_fn=_loss)
+    assert _saved_offloads(log) == offloaded
+    streams = {c.stream_id for c in log if c.direction == "h2d" and c.host_ptr in ptr}
+    assert (backend.copy_stream.stream_id in streams) == prefetched
+    ref = RoundPipe(_model(), devices="cpu", model_run_config=RoundPipeRunConfig(num_microbatch=4))
+    ref.forward_backward(input_args=(x,), label=y, loss_fn=_loss)
+    for a, b in zip(model.optim_parameters(), ref.optim_parameters()):
+        assert torch.equal(a.grad, b.grad)
+
+
+def test_a_bad_device_memory_budget_is_refused():
+    with pytest.raises(ValueError, match="device_memory_budget"):
+        RoundPipeRunConfig(device_memory_budget=0)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+from collections import defaultdict
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -26,7 +27,7 @@ from roundpipe.runtime.config import RoundPipeRunConfig
 from roundpipe.runtime.grads import _GradSink, _SinkSlot, _stash_grads
 from roundpipe.runtime.params import _ParamRecord, _ParamsReady
 from roundpipe.runtime.plan import _Stage
-from roundpipe.schedule import Plan
+from roundpipe.schedule import Plan, stage_device
 
 if TYPE_CHECKING:
     from roundpipe.runtime.model import RoundPipe
@@ -42,7 +43,7 @@ class _Slot:
     """What one (stage, microbatch) hands to the actions that depend on it."""
 
     __slots__ = ("phase", "rng_start", "rng_end", "out", "graph_in", "graph_out", "grad_in",
-                 "saved_input", "saved_ready", "handoff")
+                 "saved_input", "saved_ready", "saved_bytes", "handoff")
 
     def __init__(self) -> None:
         self.phase = "forward"          # pass of a checkpointed stage, for error notes
@@ -54,6 +55,7 @@ class _Slot:
         self.grad_in: Any = None        # grads w.r.t. this stage's input leaves (aligned)
         self.saved_input: Any = None    # a streamed forward's stage input, for its recompute
         self.saved_ready: Any = None    # device event: an offloaded saved_input has arrived
+        self.saved_bytes = 0            # device bytes of a saved_input kept on the device
         # Device event after the action that wrote ``out`` or ``grad_in`` for an action on
         # another device (see [Note: streaming] in schedule.py); None on the CPU.
         self.handoff: Any = None
@@ -71,6 +73,9 @@ class _Call:
     training: bool
     recompute: bool
     offload: bool                              # saved stage inputs go to the host (streaming)
+    budget: Optional[int]                      # device_memory_budget, bytes per device
+    # Per device, the room kept for two stages (the running one and a prefetch) under a budget.
+    reserve: Dict[int, int]
     grad_enabled: bool
     inference_mode: bool
     autocast: AutocastState
@@ -107,6 +112,9 @@ class _Call:
     # use them: written and read by the stage's worker only.
     resident: Dict[int, Resident] = dataclasses.field(default_factory=dict)
     prefetched: Dict[Tuple, Resident] = dataclasses.field(default_factory=dict)
+    # Per device, the bytes of the saved stage inputs kept on it (device_memory_budget): each
+    # entry written by that device's worker only.
+    saved_bytes: Dict[int, int] = dataclasses.field(default_factory=lambda: defaultdict(int))
     # (param, .grad) a user left on a model param, set aside during a fused call; main thread.
     stashed_grads: List[Tuple[nn.Parameter, torch.Tensor]] = dataclasses.field(
         default_factory=list)
@@ -159,6 +167,8 @@ def _prepare_call(model: "RoundPipe", cfg: RoundPipeRunConfig, args: tuple, kwar
         training=training,
         recompute=bool(cfg.recompute), grad_enabled=grad_enabled,
         offload=bool(cfg.offload_activations) and bool(cfg.recompute) and training,
+        budget=cfg.device_memory_budget,
+        reserve=_two_stages_per_device(stages, len(pool)),
         inference_mode=torch.is_inference_mode_enabled(),
         autocast=resolve_autocast(cfg.autocast, pool.device_type),
         chunks=chunks, sizes=sizes, labels=labels, loss_fn=loss_fn,
@@ -204,3 +214,12 @@ def _restore_rng(call: _Call, ok: bool) -> None:
         restore_global(end, backend0)
     else:
         restore_global(call.rng_after_draw, backend0)
+
+
+def _two_stages_per_device(stages: List[_Stage], num_devices: int) -> Dict[int, int]:
+    """Twice the largest ``device_bytes`` of the stages each device runs."""
+    reserve: Dict[int, int] = defaultdict(int)
+    for stage in stages:
+        d = stage_device(stage.index, num_devices)
+        reserve[d] = max(reserve[d], 2 * stage.device_bytes)
+    return reserve

@@ -167,7 +167,10 @@ def _enter_run(call: _Call, a: Action, backend: StreamingBackend) -> None:
     # (else it is uploaded when its run starts). Not the same stage's: this run may still
     # write its host buffers back (BatchNorm stats) while the copy would read them.
     nxt = call.plan.next_upload(a)
-    if nxt is not None and nxt.stage != s \
+    fits = call.budget is None or (call.saved_bytes[a.device] + call.stages[s].device_bytes
+                                   + call.stages[nxt.stage].device_bytes <= call.budget
+                                   if nxt is not None else False)
+    if nxt is not None and nxt.stage != s and fits \
             and all(call.ready.is_set(l.index) for l in call.stages[nxt.stage].layers):
         call.prefetched[nxt.action.key] = _upload(call, nxt.stage, backend, prefetch=True)
 
@@ -339,11 +342,20 @@ def _streamed_forward_action(call: _Call, a: Action, backend: Backend) -> None:
     with torch.no_grad():
         out, _ = _stage_forward(call, s, m, inp, backend, checkpointed=False)
     slot = call.slots[(s, m)]
-    if call.offload:  # the backward pass brings it back (see [Note: streaming])
+    nbytes = _device_bytes(inp, backend)
+    if call.offload or (call.budget is not None and call.saved_bytes[a.device] + nbytes
+                        + call.reserve[a.device] > call.budget):
+        # The backward pass brings it back (see [Note: streaming]).
         slot.saved_input, slot.saved_ready = backend.offload(inp)
     else:
-        slot.saved_input = inp
+        slot.saved_input, slot.saved_bytes = inp, nbytes
+        call.saved_bytes[a.device] += nbytes
     slot.out = out
+
+
+def _device_bytes(tree: Any, backend: Backend) -> int:
+    return sum(x.numel() * x.element_size() for x in pytree.tree_leaves(tree)
+               if isinstance(x, torch.Tensor) and x.device == backend.torch_device)
 
 
 def _recompute_backward_action(call: _Call, a: Action, backend: Backend) -> None:
@@ -354,6 +366,8 @@ def _recompute_backward_action(call: _Call, a: Action, backend: Backend) -> None
     after, slot = call.slots[(s + 1, m)], call.slots[(s, m)]
     grads_out, after.grad_in = backend.to_device(after.grad_in, after=after.handoff), None
     inp, slot.saved_input = slot.saved_input, None
+    call.saved_bytes[a.device] -= slot.saved_bytes
+    slot.saved_bytes = 0
     if slot.saved_ready is not None:
         inp, slot.saved_ready = backend.reload(inp, slot.saved_ready), None
     _, in_leaves, inp = _cut_graph(inp, _requires_grad if s == 0 else _is_float)

@@ -66,6 +66,13 @@ class _Stage:
                 if rec not in seen:
                     seen.add(rec)
                     self.params.append(rec)
+        # What the stage holds on an accelerator while it runs: its upload (parameters and
+        # buffers, each once) and its gradient sums (in the masters' dtype).
+        tensors = {id(t): t for layer in layers
+                   for t in list(layer.module.parameters()) + list(layer.module.buffers())}
+        self.device_bytes = (sum(t.numel() * t.element_size() for t in tensors.values())
+                             + sum(rec.master.numel() * rec.master.element_size()
+                                   for rec in self.params if rec.master is not None))
 
 
 def _model_layers(model: nn.Module) -> List[_Layer]:
