@@ -52,11 +52,11 @@ __all__ = ["GradScaler", "OptState", "ScalerSnapshot", "ScaleCollapseWarning"]
 #     twice: U of step k-1 already set newest = s_{k-1} * backoff, and step k, scaled by the same
 #     stale s_k = s_{k-1}, leaves it there.
 #
-# Each U publishes a ``_Published`` record (clones of newest and the tracker, their values as
-# Python numbers, counters, the hyperparameters): the result of its work item, so the main thread
-# reads it only after the item's event is set. The getters and snapshot() read those host values
-# and the front scale's host value (``_front_value``), never a device tensor: monitoring never
-# syncs the device. Reading them out (one sync) is done by the thread that ran U.
+# Each U publishes a ``_Published`` record (a clone of newest, the counters, the hyperparameters,
+# and a _HostCopy of newest, the tracker and the skipped steps): the result of its work item, so
+# the main thread reads it only after the item's event is set. The getters and snapshot() read
+# those host copies and the front scale's (``_front_copy``), never a device tensor: monitoring
+# never syncs the device, and neither does U (a host copy is started without waiting).
 
 
 class OptState(enum.Enum):
@@ -102,16 +102,52 @@ class _Hyper:
     max_scale: Optional[float]
 
 
+class _HostCopy:
+    """The values of a few 0-d tensors, copied to the host without waiting for the device:
+    :meth:`values` waits only for that copy (its own event), never for the device's other work.
+    Made by one thread; read by another after the hand-off that publishes it."""
+
+    __slots__ = ("_host", "_event", "_values")
+
+    def __init__(self, *tensors: torch.Tensor) -> None:
+        self._values: Optional[list] = None
+        packed = torch.stack([t.detach().reshape(()).to(torch.float64) for t in tensors])
+        self._event: Optional[torch.Event] = None
+        if packed.device.type == "cpu":
+            self._host = packed
+        else:
+            self._host = packed.to("cpu", non_blocking=True)
+            self._event = torch.Event(device=packed.device)
+            self._event.record()
+
+    def values(self) -> list:
+        if self._values is None:
+            if self._event is not None:
+                self._event.synchronize()
+            self._values = self._host.tolist()
+        return self._values
+
+
 @dataclass(frozen=True)
 class _Published:
     setter_seq: int  # the newest main-thread setter already applied on the back side
     scale: torch.Tensor
-    scale_value: float  # scale, growth tracker and skipped steps as host numbers
-    growth_tracker: int
+    numbers: _HostCopy  # scale, growth tracker, skipped steps
     steps: int
-    skipped_steps: int
     collapse_streak: int
     hyper: _Hyper
+
+    @property
+    def scale_value(self) -> float:
+        return self.numbers.values()[0]
+
+    @property
+    def growth_tracker(self) -> int:
+        return int(self.numbers.values()[1])
+
+    @property
+    def skipped_steps(self) -> int:
+        return int(self.numbers.values()[2])
 
 
 class _PerOptimizerState:
@@ -157,7 +193,7 @@ class GradScaler:
     keep overflowing at ``min_scale`` raises a :class:`ScaleCollapseWarning`), :meth:`snapshot`
     for monitoring, :meth:`step_was_skipped`, and ``up_to_date`` on every getter.
 
-    Threads. Attributes owned by the main thread: ``_front``, ``_front_value``,
+    Threads. Attributes owned by the main thread: ``_front``, ``_front_copy``,
     ``_front_replicas``, ``_mirror``, ``_published``, ``_pending``, ``_last_item``,
     ``_launch_mark``, ``_stepped_on_main``. Attributes of the back side (``_scale``, ``_back``,
     ``_growth_tracker``, ``_hyper``, ``_per_optimizer_states``, counters) are touched by the
@@ -225,7 +261,7 @@ class GradScaler:
         self._per_optimizer_states: dict[int, _PerOptimizerState] = defaultdict(_PerOptimizerState)
         # Front side (main thread).
         self._front: Optional[torch.Tensor] = None
-        self._front_value = 0.0  # the front scale as a host number, once _front is set
+        self._front_copy: Optional[_HostCopy] = None  # the front scale's value, with _front
         self._front_replicas: dict[torch.device, torch.Tensor] = {}
         self._mirror = _Hyper(**vars(self._hyper))
         # Main-thread setters are numbered; the back side records the newest it applied, so a
@@ -254,8 +290,9 @@ class GradScaler:
             self._growth_tracker = full(self._init_growth_tracker, torch.int32)
             self._skipped_steps = full(self._init_skipped, torch.int64)
             self._published = self._publish()
-            self._front_value = float(front)
-            self._front = full(front)  # last: scale() reads it without the lock
+            front_tensor = full(front)
+            self._front_copy = _HostCopy(front_tensor)
+            self._front = front_tensor  # last: scale() reads it without the lock
 
     def _check_initialized(self, funcname: str) -> None:
         if self._front is None:
@@ -298,12 +335,15 @@ class GradScaler:
             replica = replicas[device] = self._front.to(device, non_blocking=True)
         return replica
 
-    def _set_front(self, value: torch.Tensor, host_value: float) -> None:
-        """Main thread, between iterations: the compute side uses ``value`` (whose value is
-        ``host_value``) from now on."""
+    def _set_front(self, value: torch.Tensor, copy: _HostCopy) -> None:
+        """Main thread, between iterations: the compute side uses ``value`` (whose value
+        ``copy`` holds first) from now on."""
         self._front_replicas = {}
-        self._front_value = host_value
+        self._front_copy = copy
         self._front = value
+
+    def _front_value(self) -> float:
+        return self._front_copy.values()[0]
 
     # ------------------------------------------------------------------------------------------
     # back side: unscale_ / step
@@ -544,7 +584,7 @@ class GradScaler:
         self._pending = None
         published = self._back_update(new_value, next_back=None)
         self._adopt(published)
-        self._set_front(published.scale, published.scale_value)
+        self._set_front(published.scale, published.numbers)
 
     def _update_async(self, new_value: Optional[torch.Tensor]) -> None:
         previous = self._pending
@@ -552,10 +592,10 @@ class GradScaler:
             self._adopt(previous.result())
         # else: nothing pending, or it failed (reported now or before): keep the last published.
         if new_value is not None:
-            hand_out, host_value = new_value, new_value.item()  # a value the caller just gave
+            hand_out, copy = new_value, _HostCopy(new_value)
         else:
-            hand_out, host_value = self._published.scale.clone(), self._published.scale_value
-        self._set_front(hand_out, host_value)
+            hand_out, copy = self._published.scale.clone(), self._published.numbers
+        self._set_front(hand_out, copy)
         self._pending = self._last_item = optim_thread._launch(self._back_update, new_value, hand_out)
 
     def _adopt(self, published: _Published) -> None:
@@ -653,9 +693,9 @@ class GradScaler:
 
     def _publish(self) -> _Published:
         scale = self._scale.clone()
-        return _Published(self._setter_applied, scale, scale.item(), int(self._growth_tracker.item()),
-                          self._steps, int(self._skipped_steps.item()), self._collapse_streak,
-                          _Hyper(**vars(self._hyper)))
+        return _Published(self._setter_applied, scale,
+                          _HostCopy(scale, self._growth_tracker, self._skipped_steps), self._steps,
+                          self._collapse_streak, _Hyper(**vars(self._hyper)))
 
     # ------------------------------------------------------------------------------------------
     # getters and setters
@@ -677,7 +717,7 @@ class GradScaler:
             return self._init_scale if self._init_front is None else self._init_front
         if on_optimizer_thread():
             return self._back.item()  # the optimizer thread may sync: it runs the steps
-        return self._front_value
+        return self._front_value()
 
     def _sync_back_side(self) -> None:
         """Wait until every launched step, update and setter has run, re-raising failures.
@@ -793,7 +833,7 @@ class GradScaler:
         if pending is not None and pending.done() and pending.exception() is None:
             published = pending.result()
         return ScalerSnapshot(
-            scale_in_use=self._front_value,
+            scale_in_use=self._front_value(),
             newest_scale=published.scale_value,
             growth_tracker=published.growth_tracker,
             steps=published.steps,
@@ -814,7 +854,7 @@ class GradScaler:
         if self._front is None:
             scale, front, tracker, skipped = self._init_scale, self.get_scale(), self._init_growth_tracker, self._init_skipped
         else:
-            scale, front = self._scale.item(), self._front.item()
+            scale, front = self._scale.item(), self._front_value()
             tracker, skipped = int(self._growth_tracker.item()), int(self._skipped_steps.item())
         return {
             "scale": scale,
