@@ -342,7 +342,7 @@ def _streamed_forward_action(call: _Call, a: Action, backend: Backend) -> None:
     with torch.no_grad():
         out, _ = _stage_forward(call, s, m, inp, backend, checkpointed=False)
     slot = call.slots[(s, m)]
-    nbytes = _device_bytes(inp, backend)
+    nbytes = _device_bytes(inp, backend) if call.budget is not None else 0
     if call.offload or (call.budget is not None and call.saved_bytes[a.device] + nbytes
                         + call.reserve[a.device] > call.budget):
         # The backward pass brings it back (see [Note: streaming]).
