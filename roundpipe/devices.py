@@ -234,6 +234,16 @@ class Backend(Protocol):
         """Main thread, once per wrapped model: ready the host copy of ``module``."""
         ...
 
+    def begin_call(self) -> None:
+        """Main thread, at the start of a call, before any of its actions: the device work the
+        caller enqueued so far (its inputs, the scaler's scale) comes before the call's."""
+        ...
+
+    def drain(self) -> None:
+        """Main thread, after a failed call, once no worker touches it: wait until nothing the
+        call enqueued runs any more (its last actions, which wait for the device, did not run)."""
+        ...
+
     def to_device(self, tree: Any, after: Optional[torch.Event] = None) -> Any:
         """A pytree's tensors on this device (the identity on the CPU); tensors from another
         device are read once ``after`` (their producer's event) has completed."""
@@ -310,6 +320,12 @@ class _CPUBackend:
 
     def action_context(self) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()
+
+    def begin_call(self) -> None:
+        """Nothing to order: the host runs the caller's work before the call's."""
+
+    def drain(self) -> None:
+        """Nothing runs on the CPU once its actions have returned."""
 
     def to_device(self, tree: Any, after: Optional[torch.Event] = None) -> Any:
         return tree
@@ -423,6 +439,17 @@ class _AcceleratorBackend:
     def action_context(self) -> Iterator[None]:
         with torch.accelerator.device_index(self.torch_device.index), self.stream:
             yield
+
+    def begin_call(self) -> None:
+        # The caller's stream (where it made the inputs, where the scaler updated the scale)
+        # is not the compute stream: without this wait a kernel could read them half-written.
+        self.stream.wait_stream(torch.accelerator.current_stream(self.torch_device))
+
+    def drain(self) -> None:
+        # Uploads (prefetched ones too) may still be reading host parameters that the next
+        # step writes, and downloads writing pinned buffers.
+        for stream in list(self._streams.values()):
+            stream.synchronize()
 
     def prepare_host(self, module: torch.nn.Module) -> None:
         """Main thread, at wrap time: move the module's parameters and buffers into pinned host

@@ -77,6 +77,8 @@ def _execute(call: _Call) -> None:
     are never left waiting for work that will not come, and nothing of the call lands later."""
     own = call.pool.caller_device
     submitted: List[Action] = []  # handed to worker threads, in submission order
+    for backend in call.pool.backends:
+        backend.begin_call()
     try:
         for d, actions in enumerate(call.plan.per_device):
             if d == own:
@@ -104,6 +106,7 @@ def _execute(call: _Call) -> None:
             if a not in started and not call.futures[a.key].done():
                 call.futures[a.key].set_exception(_Cancelled())
         _wait_uninterrupted([call.futures[a.key] for a in submitted])
+        _drain(call)
         raise
     failures = []
     for a in call.plan.actions():
@@ -112,10 +115,19 @@ def _execute(call: _Call) -> None:
             failures.append((a.time, a.stage, a.mb_index, exc))
     if not failures:
         return
+    _drain(call)
     exc = min(failures, key=lambda f: f[:3])[3]
     if isinstance(exc, _ParamsCopyFailed):
         raise_copy_failure(exc.ready)
     raise exc
+
+
+def _drain(call: _Call) -> None:
+    """A failed call: nothing it enqueued on a device still runs once it has returned (its
+    workers' last actions, which wait for their devices, may not have run)."""
+    call.prefetched.clear()
+    for backend in call.pool.backends:
+        backend.drain()
 
 
 def _run_action(call: _Call, action: Action) -> None:

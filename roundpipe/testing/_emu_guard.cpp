@@ -5,13 +5,24 @@
 // for PrivateUse1 makes backward of "emu" tensors run off the calling thread, as on CUDA. Every
 // method is noexcept-safe and never calls into Python: the engine calls some of them from its
 // own threads while an error is being propagated.
+//
+// The guard also keeps the streams' happens-before order (vector clocks), which emu.py's
+// dispatcher checks every op against, and runs the host side of non-blocking copies when the
+// host learns they are done (see [Note: emulated streams] in emu.py).
 #include <ATen/detail/PrivateUse1HooksInterface.h>
 #include <c10/core/CPUAllocator.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <atomic>
+#include <cstring>
+#include <map>
 #include <mutex>
+#include <string>
+#include <unordered_map>
 #include <unordered_set>
+#include <vector>
 
 namespace {
 using namespace c10;
@@ -21,8 +32,81 @@ using namespace c10;
 constexpr DeviceIndex kDeviceCount = 4;
 
 thread_local DeviceIndex current_device = 0;
-thread_local StreamId current_stream = 0;
+thread_local StreamId current_stream[kDeviceCount] = {};
 std::atomic<StreamId> next_stream{1};
+
+// Happens-before between streams. A stream is keyed by (stream id, device); its ops are counted
+// in the order they are enqueued. A Clock says, per stream, how many of its ops are known done.
+using Clock = std::unordered_map<int64_t, int64_t>;
+
+int64_t stream_key(int64_t device, int64_t stream) { return stream * kDeviceCount + device; }
+
+// A device without an index (plain "emu") means the calling thread's current device.
+Device indexed(Device d) {
+  return d.has_index() ? d : Device(DeviceType::PrivateUse1, current_device);
+}
+
+void merge(Clock& into, const Clock& from) {
+  for (const auto& [key, count] : from) {
+    int64_t& mine = into[key];
+    mine = std::max(mine, count);
+  }
+}
+
+struct EventState {
+  Clock clock;  // what is done once the event is: its stream up to the record, and what that
+                // stream had waited for
+};
+
+// Host memory written or read by a non-blocking copy that the host has not waited for yet.
+struct Pending {
+  bool download;     // device to host: write `snap` into `host` once the host waits for it
+  void* host;
+  const void* snap;  // the copy's data as it was when the copy was enqueued
+  int64_t nbytes;
+  int64_t key;       // the stream it was enqueued on, and its op count there
+  int64_t count;
+};
+
+std::mutex clock_mutex;
+std::unordered_map<int64_t, int64_t> enqueued;  // stream key -> ops enqueued so far
+std::unordered_map<int64_t, Clock> seen;        // stream key -> what its next op may rely on
+Clock host_seen;                                // what the host has waited for
+std::map<int64_t, Pending> pending;             // id -> copy; ids grow
+std::unordered_set<int64_t> finished;           // ids whose host side ran, until asked for
+int64_t next_pending = 1;
+
+// Run the host side of every pending copy the host now knows is done (clock_mutex held).
+// A download writes its data; an upload checks that the host left its source alone.
+void settle_locked() {
+  std::string error;
+  for (auto it = pending.begin(); it != pending.end();) {
+    const Pending& p = it->second;
+    auto known = host_seen.find(p.key);
+    if (known == host_seen.end() || known->second < p.count) {
+      ++it;
+      continue;
+    }
+    if (p.download) {
+      std::memcpy(p.host, p.snap, p.nbytes);
+    } else if (error.empty() && std::memcmp(p.host, p.snap, p.nbytes) != 0) {
+      error = "host memory that a non-blocking upload reads was written before the host "
+              "waited for that upload (stream " + std::to_string(p.key / kDeviceCount) +
+              " of emu:" + std::to_string(p.key % kDeviceCount) + "): on a GPU the device may "
+              "read the new bytes; wait for an event recorded after the copy, or synchronize, "
+              "before writing the source";
+    }
+    finished.insert(it->first);
+    it = pending.erase(it);
+  }
+  TORCH_CHECK(error.empty(), error);
+}
+
+void host_waits_for_stream_locked(int64_t key) {
+  merge(host_seen, seen[key]);
+  int64_t& known = host_seen[key];
+  known = std::max(known, enqueued[key]);
+}
 
 struct EmuGuard final : impl::DeviceGuardImplInterface {
   DeviceType type() const override { return DeviceType::PrivateUse1; }
@@ -35,32 +119,166 @@ struct EmuGuard final : impl::DeviceGuardImplInterface {
   void setDevice(Device d) const override { current_device = d.index(); }
   void uncheckedSetDevice(Device d) const noexcept override { current_device = d.index(); }
   Stream getStream(Device d) const noexcept override {
-    return Stream(Stream::UNSAFE, d, current_stream);
+    d = indexed(d);
+    return Stream(Stream::UNSAFE, d, current_stream[d.index()]);
   }
   Stream getNewStream(Device d, int) const override {
-    return Stream(Stream::UNSAFE, d, next_stream++);
+    return Stream(Stream::UNSAFE, indexed(d), next_stream++);
   }
   Stream exchangeStream(Stream s) const noexcept override {
-    Stream old(Stream::UNSAFE, s.device(), current_stream);
-    current_stream = s.id();
+    Device d = indexed(s.device());
+    StreamId& slot = current_stream[d.index()];
+    Stream old(Stream::UNSAFE, d, slot);
+    slot = s.id();
     return old;
   }
   DeviceIndex deviceCount() const noexcept override { return kDeviceCount; }
-  // Kernels run synchronously on the host, so an event is complete once it is recorded, and
-  // waiting on one or on a stream returns at once.
-  void record(void** event, const Stream&, const DeviceIndex, const EventFlag) const override {
-    if (*event == nullptr) *event = reinterpret_cast<void*>(0x1);
+  // Kernels run on the host at once, but the order a GPU would guarantee is kept as clocks: an
+  // event holds its stream's clock at the record, a wait merges it into the waiting stream, and
+  // a synchronize merges it into the host's (then pending copies settle).
+  void record(void** event, const Stream& stream, const DeviceIndex,
+              const EventFlag) const override {
+    std::lock_guard<std::mutex> lock(clock_mutex);
+    if (*event == nullptr) *event = new EventState();
+    auto* state = static_cast<EventState*>(*event);
+    int64_t key = stream_key(indexed(stream.device()).index(), stream.id());
+    state->clock = seen[key];
+    state->clock[key] = enqueued[key];
   }
-  void block(void*, const Stream&) const override {}
-  bool queryEvent(void*) const override { return true; }
-  void destroyEvent(void*, const DeviceIndex) const noexcept override {}
-  bool queryStream(const Stream&) const override { return true; }
-  void synchronizeStream(const Stream&) const override {}
-  void synchronizeEvent(void*) const override {}
-  void synchronizeDevice(const DeviceIndex) const override {}
+  void block(void* event, const Stream& stream) const override {
+    if (event == nullptr) return;
+    std::lock_guard<std::mutex> lock(clock_mutex);
+    merge(seen[stream_key(indexed(stream.device()).index(), stream.id())],
+          static_cast<EventState*>(event)->clock);
+  }
+  bool queryEvent(void* event) const override {
+    synchronizeEvent(event);  // done at once; whoever asks may then read the results
+    return true;
+  }
+  void destroyEvent(void* event, const DeviceIndex) const noexcept override {
+    std::lock_guard<std::mutex> lock(clock_mutex);
+    delete static_cast<EventState*>(event);
+  }
+  bool queryStream(const Stream& stream) const override {
+    synchronizeStream(stream);
+    return true;
+  }
+  void synchronizeStream(const Stream& stream) const override {
+    std::lock_guard<std::mutex> lock(clock_mutex);
+    host_waits_for_stream_locked(stream_key(indexed(stream.device()).index(), stream.id()));
+    settle_locked();
+  }
+  void synchronizeEvent(void* event) const override {
+    if (event == nullptr) return;
+    std::lock_guard<std::mutex> lock(clock_mutex);
+    merge(host_seen, static_cast<EventState*>(event)->clock);
+    settle_locked();
+  }
+  void synchronizeDevice(const DeviceIndex device) const override {
+    const DeviceIndex index = device < 0 ? current_device : device;
+    std::lock_guard<std::mutex> lock(clock_mutex);
+    for (const auto& [key, count] : enqueued) {
+      if (key % kDeviceCount == index) host_waits_for_stream_locked(key);
+    }
+    settle_locked();
+  }
   double elapsedTime(void*, void*, const DeviceIndex) const override { return 0.0; }
 };
 C10_REGISTER_GUARD_IMPL(PrivateUse1, EmuGuard);
+
+// What emu.py's dispatcher calls, through ctypes. Errors come back as a nonzero return and the
+// message from roundpipe_emu_error(), never as a C++ exception across the C boundary.
+thread_local std::string last_error;
+
+template <typename F>
+int guarded(F&& f) {
+  try {
+    f();
+    return 0;
+  } catch (const c10::Error& e) {
+    last_error = e.what_without_backtrace();
+    return 1;
+  } catch (const std::exception& e) {
+    last_error = e.what();
+    return 1;
+  }
+}
+}  // namespace
+
+extern "C" {
+// The calling thread's current stream on a device.
+int64_t roundpipe_emu_current_stream(int64_t device) { return current_stream[device]; }
+
+// Enqueue one op on a stream: returns its count there. The op may rely on whatever the host
+// has waited for (the host enqueues it afterwards).
+int64_t roundpipe_emu_enqueue(int64_t device, int64_t stream) {
+  std::lock_guard<std::mutex> lock(clock_mutex);
+  int64_t key = stream_key(device, stream);
+  merge(seen[key], host_seen);
+  return ++enqueued[key];
+}
+
+// How many ops of stream (wdevice, wstream) the stream (device, stream) may rely on.
+int64_t roundpipe_emu_known(int64_t device, int64_t stream, int64_t wdevice, int64_t wstream) {
+  std::lock_guard<std::mutex> lock(clock_mutex);
+  int64_t key = stream_key(device, stream), wkey = stream_key(wdevice, wstream);
+  if (key == wkey) return enqueued[key];
+  auto it = seen[key].find(wkey);
+  return it == seen[key].end() ? 0 : it->second;
+}
+
+// Each stream waits for the other (a copy between devices orders both current streams).
+void roundpipe_emu_join(int64_t device_a, int64_t stream_a, int64_t device_b, int64_t stream_b) {
+  std::lock_guard<std::mutex> lock(clock_mutex);
+  int64_t a = stream_key(device_a, stream_a), b = stream_key(device_b, stream_b);
+  Clock ca = seen[a], cb = seen[b];
+  ca[a] = std::max(ca[a], enqueued[a]);
+  cb[b] = std::max(cb[b], enqueued[b]);
+  merge(seen[a], cb);
+  merge(seen[b], ca);
+}
+
+// The host waits for a stream (a blocking copy to the host, or .item()).
+int roundpipe_emu_host_waits(int64_t device, int64_t stream) {
+  return guarded([&] {
+    std::lock_guard<std::mutex> lock(clock_mutex);
+    host_waits_for_stream_locked(stream_key(device, stream));
+    settle_locked();
+  });
+}
+
+// A non-blocking copy between pinned host memory and the device, enqueued as op `count` of a
+// stream: a download writes `snap` into `host` once the host waits for it; an upload checks
+// then that `host` still equals `snap`. Returns an id for roundpipe_emu_finished.
+int64_t roundpipe_emu_pending(int download, void* host, const void* snap, int64_t nbytes,
+                              int64_t device, int64_t stream, int64_t count) {
+  std::lock_guard<std::mutex> lock(clock_mutex);
+  int64_t id = next_pending++;
+  pending[id] = Pending{download != 0, host, snap, nbytes, stream_key(device, stream), count};
+  return id;
+}
+
+// A device op ordered after pending download `id` reads its host memory: the bytes land now.
+void roundpipe_emu_land(int64_t id) {
+  std::lock_guard<std::mutex> lock(clock_mutex);
+  auto it = pending.find(id);
+  if (it == pending.end()) return;
+  std::memcpy(it->second.host, it->second.snap, it->second.nbytes);
+  finished.insert(id);
+  pending.erase(it);
+}
+
+// Whether a pending copy's host side has run (then its buffers may go); forgets it once true.
+int roundpipe_emu_finished(int64_t id) {
+  std::lock_guard<std::mutex> lock(clock_mutex);
+  return finished.erase(id) > 0 ? 1 : 0;
+}
+
+const char* roundpipe_emu_error() { return last_error.c_str(); }
+}  // extern "C"
+
+namespace {
+
 
 // pin_memory() on the emulated accelerator: host memory from the CPU allocator, remembered so
 // that is_pinned() answers True for it and only for it.

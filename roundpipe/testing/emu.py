@@ -32,16 +32,18 @@ conftest does so at start. It is test infrastructure, not a backend to train on.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
+import hashlib
 import os
 import threading
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.utils._pytree as pytree
 
-__all__ = ["NAME", "DEVICE_COUNT", "EmuTensor", "Copy", "record_copies", "install",
-           "is_installed"]
+__all__ = ["NAME", "DEVICE_COUNT", "EmuTensor", "Copy", "StreamOrderError", "record_copies",
+           "install", "is_installed"]
 
 NAME = "emu"
 # Must match kDeviceCount in _emu_guard.cpp.
@@ -108,6 +110,205 @@ def _log_copy(direction: str, host: Optional[torch.Tensor], emu: torch.Tensor) -
         log.append(entry)  # list.append is atomic: workers may log at once
 
 
+# [Note: emulated streams]
+# Emu kernels run on the host at once, so nothing is ever late. What a GPU would allow to be
+# late is tracked instead, and misuse raises :class:`StreamOrderError` (or shows as poison):
+#
+# * Every op is enqueued on its device's current stream and counted there. The native guard
+#   keeps a vector clock per stream (how far each other stream is known done) that events carry
+#   (``record``), waits merge (``wait_event``/``wait_stream``) and host waits merge into the
+#   host's clock (``synchronize``, ``query``, a blocking copy to the host, ``.item()``). An op
+#   enqueued after a host wait may rely on what the host waited for.
+# * Per device storage, the last write and the newest read per stream. An op that reads a
+#   storage last written on another stream, or writes one another stream wrote or read, without
+#   the clocks ordering the two, raises: on a GPU it would race.
+# * A copy between two devices orders both devices' current streams, as torch's does.
+# * A non-blocking download into pinned memory leaves the destination poisoned (all bits set: NaN
+#   for floats) until the host waits for the copy's stream or an event after it; host code that
+#   reads it sooner computes with NaN. A non-blocking upload from pinned memory remembers its
+#   source; if the host changed it by the time the host waits for the copy, the wait raises.
+# * Not modelled: the caching allocator's reuse of freed blocks across streams (so a missing
+#   ``record_stream`` goes unseen), and host-side races between host threads.
+
+
+class StreamOrderError(RuntimeError):
+    """Two accesses to one emulated device's memory that no stream order, event or host wait
+    puts in order: on a GPU they would race."""
+
+
+_native: Any = None  # the guard library, through ctypes (set by install)
+_order_lock = threading.Lock()
+_pending_buffers: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}  # id -> (host, snapshot)
+# id -> (host storage pointer, stream, count) of the pending downloads
+_landing: Dict[int, Tuple[int, Tuple[int, int], int]] = {}
+_writes_cache: Dict[Any, Tuple[Tuple[int, ...], Tuple[str, ...]]] = {}
+
+
+class _Access:
+    """The stream order of one device storage: its last write and newest read per stream."""
+
+    __slots__ = ("writer", "written", "wrote", "reads")
+
+    def __init__(self, writer: Optional[Tuple[int, int]], written: int, wrote: Any) -> None:
+        self.writer = writer  # (device, stream) or None (written before anything was tracked)
+        self.written = written
+        self.wrote = wrote  # the op that wrote it, for the error message
+        self.reads: Dict[Tuple[int, int], Tuple[int, Any]] = {}  # stream -> (count, op)
+
+
+_accesses: Dict[int, _Access] = {}  # storage data pointer -> its order
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def _written_arguments(func: Any) -> Tuple[Tuple[int, ...], Tuple[str, ...]]:
+    """The positions and names of the arguments ``func`` writes (``Tensor(a!)`` in its schema)."""
+    found = _writes_cache.get(func)
+    if found is None:
+        positions, names = [], []
+        for i, arg in enumerate(func._schema.arguments):
+            if arg.alias_info is not None and arg.alias_info.is_write:
+                if arg.kwarg_only:
+                    names.append(arg.name)
+                else:
+                    positions.append(i)
+        found = _writes_cache[func] = (tuple(positions), tuple(names))
+    return found
+
+
+def _current(index: int) -> Tuple[int, int]:
+    return index, _native.roundpipe_emu_current_stream(index)
+
+
+def _known(stream: Tuple[int, int], other: Tuple[int, int]) -> int:
+    return _native.roundpipe_emu_known(stream[0], stream[1], other[0], other[1])
+
+
+def _race(func: Any, stream: Tuple[int, int], other: Tuple[int, int], what: str,
+          other_op: Any) -> StreamOrderError:
+    return StreamOrderError(
+        f"stream race on {NAME}:{stream[0]}: {func} on stream {stream[1]} {what} by {other_op} "
+        f"on stream {other[1]} of {NAME}:{other[0]}, with nothing ordering the two; record an "
+        f"event on "
+        f"stream {other[1]} after that access and wait for it on stream {stream[1]} "
+        f"(Stream.wait_event), or synchronize, first")
+
+
+def _host_waits(stream: Tuple[int, int]) -> None:
+    if _native.roundpipe_emu_host_waits(stream[0], stream[1]):
+        raise StreamOrderError(_native.roundpipe_emu_error().decode())
+
+
+def _enqueue(func: Any, args: Any, kwargs: Dict[str, Any], leaves: List[Any],
+             stream: Tuple[int, int]) -> Tuple[int, Dict[int, None]]:
+    """Enqueue ``func`` on ``stream``: check its reads and writes of device memory against the
+    stream order and record them. Returns its count on the stream and the storages it touched."""
+    positions, names = _written_arguments(func)
+    written = pytree.tree_leaves(([args[i] for i in positions if i < len(args)],
+                                  [kwargs[n] for n in names if n in kwargs]))
+    written_ids = {id(t) for t in written if isinstance(t, EmuTensor)}
+    touched: Dict[int, None] = {}
+    with _order_lock:
+        count = _native.roundpipe_emu_enqueue(stream[0], stream[1])
+        for t in leaves:
+            if not isinstance(t, EmuTensor) or t.numel() == 0:
+                continue
+            key = _storage_key(t._elem)
+            touched[key] = None
+            access = _accesses.get(key)
+            if access is None:
+                access = _accesses[key] = _Access(None, 0, None)
+            writer = access.writer
+            if writer is not None and writer != stream and _known(stream, writer) < access.written:
+                raise _race(func, stream, writer, "uses memory written", access.wrote)
+            if id(t) in written_ids:
+                for reader, (seen_at, op) in access.reads.items():
+                    if reader != stream and _known(stream, reader) < seen_at:
+                        raise _race(func, stream, reader, "writes memory read", op)
+                access.writer, access.written, access.wrote = stream, count, func
+                access.reads.clear()
+            else:
+                access.reads[stream] = (count, func)
+    return count, touched
+
+
+def _record_outputs(func: Any, out: Any, touched: Dict[int, None], stream: Tuple[int, int],
+                    count: int) -> None:
+    """An op's outputs in fresh device memory were written by it, on its stream."""
+    for t in pytree.tree_leaves(out):
+        if isinstance(t, torch.Tensor) and t.numel() > 0:
+            key = _storage_key(t)
+            if key not in touched:
+                _accesses[key] = _Access(stream, count, func)
+
+
+def _allocated(t: torch.Tensor, index: int) -> None:
+    """Fresh device memory: what a previous storage at its address saw no longer applies."""
+    if _native is not None and t.numel() > 0:
+        stream = _current(index)
+        with _order_lock:
+            count = _native.roundpipe_emu_enqueue(stream[0], stream[1])
+            _accesses[_storage_key(t)] = _Access(stream, count, "an allocation")
+
+
+def _keep_until_settled(ident: int, host: torch.Tensor, snapshot: torch.Tensor) -> None:
+    with _order_lock:
+        for done in [i for i in _pending_buffers if _native.roundpipe_emu_finished(i)]:
+            del _pending_buffers[done]
+            _landing.pop(done, None)
+        _pending_buffers[ident] = (host, snapshot)
+
+
+def _land_downloads(func: Any, source: torch.Tensor, stream: Tuple[int, int]) -> None:
+    """An upload from pinned ``source``: a pending download into it must be ordered before the
+    upload (then its bytes land now), else the upload would read what is not there yet."""
+    key = _storage_key(source)
+    with _order_lock:
+        waiting = [(i, at) for i, at in _landing.items() if at[0] == key]
+    for ident, (_, writer, count) in waiting:
+        if writer != stream and _known(stream, writer) < count:
+            raise _race(func, stream, writer, "uploads host memory still being written",
+                        "a download")
+        _native.roundpipe_emu_land(ident)
+        with _order_lock:
+            _landing.pop(ident, None)
+
+
+def _async_download(host: torch.Tensor, source: torch.Tensor, stream: Tuple[int, int],
+                    count: int) -> None:
+    """``host.copy_(source, non_blocking=True)`` into pinned memory: ``host`` holds poison until
+    the host waits for the copy."""
+    snapshot = torch.empty_like(host, memory_format=torch.contiguous_format)
+    snapshot.copy_(source)
+    host.reshape(-1).view(torch.uint8).fill_(0xFF)
+    ident = _native.roundpipe_emu_pending(1, ctypes.c_void_p(host.data_ptr()),
+                                          ctypes.c_void_p(snapshot.data_ptr()),
+                                          host.numel() * host.element_size(), stream[0],
+                                          stream[1], count)
+    _keep_until_settled(ident, host, snapshot)
+    _landing[ident] = (_storage_key(host), stream, count)
+
+
+def _watch_upload(source: torch.Tensor, stream: Tuple[int, int], count: int) -> None:
+    """A non-blocking upload from pinned ``source``: the host must not change it before it
+    waits for the copy."""
+    snapshot = source.clone()
+    ident = _native.roundpipe_emu_pending(0, ctypes.c_void_p(source.data_ptr()),
+                                          ctypes.c_void_p(snapshot.data_ptr()),
+                                          source.numel() * source.element_size(), stream[0],
+                                          stream[1], count)
+    _keep_until_settled(ident, source, snapshot)
+
+
+def _asynchronous_host(t: Any, non_blocking: bool) -> bool:
+    """Whether a copy between the device and host tensor ``t`` is asynchronous, as on CUDA:
+    non-blocking, pinned, and (here) one contiguous block."""
+    return (non_blocking and isinstance(t, torch.Tensor) and t.numel() > 0 and t.is_pinned()
+            and t.is_contiguous())
+
+
 def _same_device_error(func: Any, a: torch.device, b: torch.device) -> RuntimeError:
     return RuntimeError(f"Expected all tensors to be on the same device, but found at least two "
                         f"devices, {a} and {b}! (when checking arguments for {func})")
@@ -151,24 +352,60 @@ class EmuTensor(torch.Tensor):
         index = _check_devices(func, leaves)
         unwrapped_args, unwrapped_kwargs = pytree.tree_map_only(
             EmuTensor, lambda t: t._elem, (args, kwargs))
-        if _copy_logs and func is aten.copy_.default:
+        non_blocking = bool(kwargs.get("non_blocking", False)
+                            or (func is aten.copy_.default and len(args) > 2 and args[2]))
+        stream = _current(index)
+        # A copy between two devices runs on the source's current stream, between two
+        # barriers with the destination's (``peer``), as torch's does.
+        peer: Optional[Tuple[int, int]] = None
+        download_into: Optional[torch.Tensor] = None  # a host tensor this op copies into
+        upload_from: Optional[torch.Tensor] = None  # a host tensor this op copies from
+        if func is aten.copy_.default:
             dst, src = args[0], args[1]
             if isinstance(dst, EmuTensor) and not isinstance(src, EmuTensor):
-                _log_copy("h2d", src, dst)
+                upload_from = src
+                if _copy_logs:
+                    _log_copy("h2d", src, dst)
             elif isinstance(src, EmuTensor) and not isinstance(dst, EmuTensor):
-                _log_copy("d2h", dst, src)
+                download_into = dst
+                stream = _current(src.device.index)
+                if _copy_logs:
+                    _log_copy("d2h", dst, src)
+            elif isinstance(src, EmuTensor) and src.device != dst.device:
+                peer, stream = stream, _current(src.device.index)
+        elif func is aten._to_copy.default and not isinstance(args[0], EmuTensor):
+            upload_from = args[0]
         target = unwrapped_kwargs.get("device")
         if target is not None:
             target = torch.device(target)
             if target.type == "cpu":  # a copy to the host: hand out the plain tensor
                 if _copy_logs and func is aten._to_copy.default:
                     _log_copy("d2h", None, args[0])
-                return func(*unwrapped_args, **unwrapped_kwargs)
+                return _to_host(func, args, kwargs, unwrapped_args, unwrapped_kwargs, leaves,
+                                stream, non_blocking)
+            if isinstance(args[0], EmuTensor) and (target.index or 0) != index:
+                peer = _current(target.index or 0)
             index = target.index or 0
             unwrapped_kwargs["device"] = torch.device("cpu")
         if "pin_memory" in unwrapped_kwargs:
             unwrapped_kwargs["pin_memory"] = False
+        if peer is not None:
+            _join(stream, peer)  # the destination's current stream is done with its memory
+        count, touched = _enqueue(func, args, kwargs, leaves, stream)
+        if peer is not None:
+            _join(stream, peer)  # and waits for the copy
+        if upload_from is not None and _landing and upload_from.is_pinned():
+            _land_downloads(func, upload_from, stream)
+        if download_into is not None:
+            if _asynchronous_host(download_into, non_blocking):
+                _async_download(download_into, unwrapped_args[1], stream, count)
+                return download_into
+            _host_waits(stream)  # a blocking copy: the host waits, then the bytes land
         out = func(*unwrapped_args, **unwrapped_kwargs)
+        if upload_from is not None and _asynchronous_host(upload_from, non_blocking):
+            _watch_upload(upload_from, stream, count)
+        elif not _only_tensors(out):
+            _host_waits(stream)  # a number for the host: .item() and the like
         # An in-place or out= op returns one of its arguments: hand back that very object.
         mine: Dict[int, torch.Tensor] = {}
         for t in leaves:
@@ -176,8 +413,34 @@ class EmuTensor(torch.Tensor):
                 mine[id(t._elem)] = t
             elif isinstance(t, torch.Tensor):
                 mine[id(t)] = t
+        _record_outputs(func, out, touched, stream, count)
         return pytree.tree_map_only(
             torch.Tensor, lambda t: mine[id(t)] if id(t) in mine else EmuTensor(t, index), out)
+
+
+def _only_tensors(out: Any) -> bool:
+    return all(isinstance(leaf, torch.Tensor) or leaf is None for leaf in pytree.tree_leaves(out))
+
+
+def _join(a: Tuple[int, int], b: Tuple[int, int]) -> None:
+    _native.roundpipe_emu_join(a[0], a[1], b[0], b[1])
+
+
+def _to_host(func: Any, args: Any, kwargs: Dict[str, Any], unwrapped_args: Any,
+             unwrapped_kwargs: Dict[str, Any], leaves: List[Any], stream: Tuple[int, int],
+             non_blocking: bool) -> torch.Tensor:
+    """``tensor.to("cpu")``: blocking, the host waits for the stream; non-blocking, the result
+    is pinned, as on CUDA, and holds poison until the host waits for the copy."""
+    count, _ = _enqueue(func, args, kwargs, leaves, stream)
+    if not non_blocking:
+        out = func(*unwrapped_args, **unwrapped_kwargs)
+        _host_waits(stream)
+        return out
+    unwrapped_kwargs = dict(unwrapped_kwargs, pin_memory=False)
+    source = func(*unwrapped_args, **unwrapped_kwargs)
+    host = torch.empty_like(source, pin_memory=True, memory_format=torch.contiguous_format)
+    _async_download(host, source, stream, count)
+    return host
 
 
 def _check_devices(func: Any, leaves: List[Any]) -> int:
@@ -207,14 +470,18 @@ def _empty(size: Any, **kwargs: Any) -> EmuTensor:
     """``aten::empty.memory_format`` on the emulated device."""
     index = _device_index(kwargs)
     kwargs.update(device="cpu", pin_memory=False)
-    return EmuTensor(aten.empty.memory_format(size, **kwargs), index)
+    elem = aten.empty.memory_format(size, **kwargs)
+    _allocated(elem, index)
+    return EmuTensor(elem, index)
 
 
 def _empty_strided(size: Any, stride: Any, **kwargs: Any) -> EmuTensor:
     """``aten::empty_strided`` on the emulated device."""
     index = _device_index(kwargs)
     kwargs.update(device="cpu", pin_memory=False)
-    return EmuTensor(aten.empty_strided(size, stride, **kwargs), index)
+    elem = aten.empty_strided(size, stride, **kwargs)
+    _allocated(elem, index)
+    return EmuTensor(elem, index)
 
 
 class _DeviceModule:
@@ -351,9 +618,13 @@ def install() -> None:
                 f"{torch._C._get_privateuse1_backend_name()!r} in this process")
         from torch.utils import cpp_extension
 
-        cpp_extension.load(name="roundpipe_emu_guard",
-                           sources=[os.path.join(_HERE, "_emu_guard.cpp")],
-                           is_python_module=False, verbose=False)
+        source = os.path.join(_HERE, "_emu_guard.cpp")
+        with open(source, "rb") as f:
+            # Named by its source, so checkouts with different guards share torch's build cache.
+            digest = hashlib.sha256(f.read()).hexdigest()[:16]
+        path = cpp_extension.load(name=f"roundpipe_emu_guard_{digest}", sources=[source],
+                                  is_python_module=False, verbose=False)
+        _bind_native(path)
         torch.utils.rename_privateuse1_backend(NAME)
         torch.utils.generate_methods_for_privateuse1_backend(for_storage=False)
         torch._register_device_module(NAME, _DeviceModule())
@@ -370,6 +641,26 @@ def install() -> None:
         except RuntimeError as exc:
             _late_error = exc
             raise
+
+
+def _bind_native(path: str) -> None:
+    """The guard's C functions that the dispatcher calls (see [Note: emulated streams])."""
+    global _native
+    lib = ctypes.CDLL(path)
+    i64, vp = ctypes.c_int64, ctypes.c_void_p
+    for name, restype, argtypes in (
+            ("roundpipe_emu_current_stream", i64, [i64]),
+            ("roundpipe_emu_enqueue", i64, [i64, i64]),
+            ("roundpipe_emu_known", i64, [i64, i64, i64, i64]),
+            ("roundpipe_emu_join", None, [i64, i64, i64, i64]),
+            ("roundpipe_emu_host_waits", ctypes.c_int, [i64, i64]),
+            ("roundpipe_emu_pending", i64, [ctypes.c_int, vp, vp, i64, i64, i64, i64]),
+            ("roundpipe_emu_land", None, [i64]),
+            ("roundpipe_emu_finished", ctypes.c_int, [i64]),
+            ("roundpipe_emu_error", ctypes.c_char_p, [])):
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = restype, argtypes
+    _native = lib
 
 
 def _check_backward_threads() -> None:

@@ -1,0 +1,216 @@
+"""The emulated accelerator's stream order (see [Note: emulated streams] in roundpipe.testing.emu):
+accesses that a GPU could run in either order raise, host memory behind a non-blocking copy
+holds what a GPU could show, and the runtime loses none of the orderings it needs."""
+
+import copy
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from roundpipe import OptimizerCtx, RoundPipe, RoundPipeRunConfig
+from roundpipe.devices import _AcceleratorBackend
+from roundpipe.testing import emu
+from roundpipe.testing.emu import StreamOrderError
+
+EMU = torch.device("emu:0")
+
+
+def _side_stream(device=EMU):
+    stream = torch.Stream(device=device)
+    # Start from what the current stream has done (the tensors the test made there).
+    stream.wait_stream(torch.accelerator.current_stream(device))
+    return stream
+
+
+def test_a_read_of_another_streams_write_needs_an_event():
+    x = torch.ones(8, device=EMU)
+    side = _side_stream()
+    with side:
+        y = x * 2
+    with pytest.raises(StreamOrderError, match=r"aten.add.Tensor on stream 0 uses memory "
+                                               r"written by aten.mul.Tensor on stream \d+"):
+        y + 1
+    event = torch.Event(device=EMU)
+    event.record(side)
+    torch.accelerator.current_stream(EMU).wait_event(event)
+    assert (y + 1).sum().item() == 24
+
+
+def test_an_event_recorded_before_the_write_does_not_order_it():
+    x = torch.ones(8, device=EMU)
+    side = _side_stream()
+    early = torch.Event(device=EMU)
+    early.record(side)
+    with side:
+        y = x * 2
+    torch.accelerator.current_stream(EMU).wait_event(early)
+    with pytest.raises(StreamOrderError):
+        y + 1
+
+
+def test_a_host_wait_orders_later_work_on_every_stream():
+    x = torch.ones(8, device=EMU)
+    side = _side_stream()
+    with side:
+        y = x * 2
+    side.synchronize()
+    assert (y + 1).sum().item() == 24
+
+
+def test_a_write_over_memory_another_stream_reads_needs_an_event():
+    x = torch.ones(8, device=EMU)
+    side = _side_stream()
+    with side:
+        x.sum()
+    with pytest.raises(StreamOrderError, match="writes memory read by aten.sum"):
+        x.add_(1)
+    torch.accelerator.current_stream(EMU).wait_stream(side)
+    x.add_(1)
+
+
+def test_events_carry_what_their_stream_waited_for():
+    # a -> b -> current: waiting for b's event orders a's write too.
+    x = torch.ones(4, device=EMU)
+    a, b = _side_stream(), _side_stream()
+    with a:
+        y = x * 3
+    b.wait_stream(a)
+    event = torch.Event(device=EMU)
+    event.record(b)
+    torch.accelerator.current_stream(EMU).wait_event(event)
+    assert (y + 0).sum().item() == 12
+
+
+def test_a_non_blocking_download_lands_when_the_host_waits():
+    src = torch.arange(4.0, device=EMU)
+    host = torch.empty(4).pin_memory()
+    host.copy_(src, non_blocking=True)
+    assert torch.isnan(host).all()  # a GPU may not have written it yet
+    event = torch.Event(device=EMU)
+    event.record()
+    event.synchronize()
+    assert host.tolist() == [0.0, 1.0, 2.0, 3.0]
+    # .to("cpu", non_blocking=True) is pinned and asynchronous too, as on CUDA.
+    out = (src + 1).to("cpu", non_blocking=True)
+    assert out.is_pinned() and torch.isnan(out).all()
+    torch.accelerator.synchronize(EMU)
+    assert out.tolist() == [1.0, 2.0, 3.0, 4.0]
+
+
+def test_blocking_copies_to_the_host_wait_for_their_stream():
+    src = torch.arange(4.0, device=EMU)
+    assert src.cpu().tolist() == [0.0, 1.0, 2.0, 3.0]
+    host = torch.empty(4)  # pageable: the copy is synchronous even when asked not to be
+    host.copy_(src, non_blocking=True)
+    assert host.tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
+def test_writing_the_source_of_a_non_blocking_upload_before_waiting_raises_at_the_wait():
+    source = torch.ones(4).pin_memory()
+    on_device = source.to(EMU, non_blocking=True)
+    source.add_(1)  # the copy may not have read it yet
+    with pytest.raises(RuntimeError, match="non-blocking upload reads was written before"):
+        torch.accelerator.synchronize(EMU)
+    source = torch.ones(4).pin_memory()
+    on_device = source.to(EMU, non_blocking=True)
+    torch.accelerator.synchronize(EMU)
+    source.add_(1)  # the host knows the copy is done
+    torch.accelerator.synchronize(EMU)
+    assert on_device.sum().item() == 4
+
+
+def test_an_upload_of_downloaded_bytes_lands_them_when_ordered_after_the_download():
+    # What offloading an activation does: device -> pinned host on one stream, back on another.
+    src = torch.arange(6.0, device=EMU)
+    down, up = _side_stream(), _side_stream()
+    host = torch.empty(6).pin_memory()
+    with down:
+        host.copy_(src, non_blocking=True)
+    with up, pytest.raises(StreamOrderError, match="uploads host memory still being written"):
+        host.to(EMU, non_blocking=True)
+    event = torch.Event(device=EMU)
+    event.record(down)
+    up.wait_event(event)
+    with up:
+        back = host.to(EMU, non_blocking=True)
+    torch.accelerator.current_stream(EMU).wait_stream(up)
+    assert back.cpu().tolist() == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+
+
+def test_a_copy_between_devices_orders_both_current_streams():
+    one = torch.device("emu:1")
+    x = torch.arange(3.0, device=EMU) * 2
+    y = x.to(one)  # after the barrier, emu:1's current stream may read it
+    assert (y + 1).cpu().tolist() == [1.0, 3.0, 5.0]
+    side = _side_stream(one)
+    with side:
+        z = y * 1
+    with pytest.raises(StreamOrderError):
+        z.to(EMU)  # z was written on a stream the copy's barrier does not include
+
+
+# -- the runtime keeps the orderings it needs ----------------------------------------------
+
+
+def _train(devices, offload=False, steps=2, inputs_on=None):
+    torch.manual_seed(0)
+    seq = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 8),
+                        nn.Tanh(), nn.Linear(8, 3))
+    model = RoundPipe(copy.deepcopy(seq), optim_dtype=torch.float32, devices=devices,
+                      model_run_config=RoundPipeRunConfig(num_microbatch=4,
+                                                          offload_activations=offload))
+    with OptimizerCtx():
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(steps):
+        x, y = torch.randn(16, 4, generator=gen), torch.randint(0, 3, (16,), generator=gen)
+        if inputs_on is not None:  # made by the caller on its own stream
+            x = x.to(inputs_on)
+        loss = model.forward_backward(input_args=(x,), label=y,
+                                      loss_fn=lambda out, lbl: nn.functional.cross_entropy(out, lbl))
+        losses.append(float(loss))
+        model.step(lambda: (opt.step(), opt.zero_grad()))
+    model.synchronize()
+    return losses, {k: v.clone() for k, v in model.module.state_dict().items()}
+
+
+@pytest.mark.parametrize("devices", ["emu", "emu:2"])
+@pytest.mark.parametrize("offload", [False, True], ids=["kept", "offloaded"])
+def test_streamed_training_passes_the_order_checks_and_matches_the_cpu(devices, offload):
+    ref_losses, ref = _train("cpu")
+    losses, got = _train(devices, offload, inputs_on=EMU)
+    assert all(math.isfinite(v) for v in losses)
+    assert losses == ref_losses
+    for k in ref:
+        assert torch.equal(ref[k], got[k]), k
+
+
+def _without_prefetch_wait(self, resident):
+    resident._ready = None
+
+
+def _without_reload_wait(self, tree, arrived):
+    return self.to_device(tree)
+
+
+_original_to_device = _AcceleratorBackend.to_device
+
+
+def _without_producer_wait(self, tree, after=None):
+    return _original_to_device(self, tree)
+
+
+@pytest.mark.parametrize("devices, offload, method, broken", [
+    ("emu", False, "begin_call", lambda self: None),  # inputs made on the caller's stream
+    ("emu", False, "adopt", _without_prefetch_wait),
+    ("emu", True, "reload", _without_reload_wait),
+    ("emu:2", False, "to_device", _without_producer_wait),
+], ids=["caller-stream", "prefetch", "offload-reload", "device-hand-off"])
+def test_each_runtime_ordering_is_needed(monkeypatch, devices, offload, method, broken):
+    # The check would catch the runtime losing any of its waits: drop one, and the run races.
+    monkeypatch.setattr(_AcceleratorBackend, method, broken)
+    with pytest.raises(StreamOrderError, match="stream race"):
+        _train(devices, offload, inputs_on=EMU)
