@@ -1,5 +1,5 @@
 """Per-layer costs for grouping layers into stages: :func:`measure_layer_costs` times each layer
-of an ``nn.Sequential`` on a sample microbatch, and :func:`roundpipe.schedule.stages_by_size`
+of an ``nn.Sequential`` on a sample microbatch, and :func:`roundpipe.stages_by_size`
 balances those costs (``costs=``) when it groups consecutive layers into stages.
 
 The layers run one at a time on the calling thread, on copies of each layer's parameters and
