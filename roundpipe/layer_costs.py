@@ -170,9 +170,9 @@ def _time_layer(layer: nn.Module, tensors: Dict[str, torch.Tensor], x: Any,
 
 def _layer_copies(layer: nn.Module, device: torch.device,
                   dtype: Optional[torch.dtype]) -> Dict[str, torch.Tensor]:
-    """``layer``'s parameters and buffers, by name, for ``_reparametrize_module``, copied to ``device``:
-    a parameter as a new leaf that requires grad as it does, a tensor the layer holds twice
-    copied once."""
+    """``layer``'s parameters and buffers by name (for ``_reparametrize_module``), copied to
+    ``device``: a parameter as a new leaf that requires grad as it does, a tensor the layer
+    holds twice copied once."""
     copies: Dict[int, torch.Tensor] = {}
 
     def copy(t: torch.Tensor, requires_grad: bool) -> torch.Tensor:
@@ -194,7 +194,7 @@ def _to_device(tree: Any, device: torch.device, dtype: Optional[torch.dtype]) ->
     def one(t: Any) -> Any:
         if not isinstance(t, torch.Tensor):
             return t
-        cast = dtype if dtype is not None and _is_float(t) else t.dtype
+        cast = dtype if dtype is not None and t.is_floating_point() else t.dtype
         return t.detach().to(device=device, dtype=cast, copy=True).requires_grad_(
             t.requires_grad and _is_float(t))
 
