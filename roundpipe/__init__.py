@@ -9,10 +9,12 @@ thread. See README.md and docs/.
 from roundpipe import distributed
 from roundpipe import optim_thread
 from roundpipe import optim
+from roundpipe.layer_costs import measure_layer_costs
 from roundpipe.grad_scaler import GradScaler, ScaleCollapseWarning, ScalerSnapshot
 from roundpipe.monitor import TrainingHistory, TrainingMonitor
 from roundpipe.runtime import OptimizerCtx, RoundPipe, RoundPipeRunConfig
+from roundpipe.schedule import stages_by_size
 
 __version__ = "0.1.0"
 
-__all__ = ["RoundPipe", "RoundPipeRunConfig", "OptimizerCtx", "GradScaler", "ScaleCollapseWarning", "ScalerSnapshot", "TrainingHistory", "TrainingMonitor", "distributed", "optim", "optim_thread", "__version__"]
+__all__ = ["RoundPipe", "RoundPipeRunConfig", "OptimizerCtx", "stages_by_size", "measure_layer_costs", "GradScaler", "ScaleCollapseWarning", "ScalerSnapshot", "TrainingHistory", "TrainingMonitor", "distributed", "optim", "optim_thread", "__version__"]

@@ -161,7 +161,7 @@ def test_stages_by_size_counts_a_shared_parameter_once_and_rejects_misuse():
     last.weight = first.weight  # tied: its 256 bytes count in the first layer only
     seq = nn.Sequential(first, nn.Linear(8, 8, bias=False), last)
     assert stages_by_size(seq, max_stage_bytes=256) == [1, 2]
-    with pytest.raises(ValueError, match="exactly one"):
+    with pytest.raises(ValueError, match="needs num_stages, max_stage_bytes, or both"):
         stages_by_size(seq)
     with pytest.raises(ValueError, match="nn.Sequential"):
         stages_by_size(nn.Linear(2, 2), num_stages=2)
@@ -177,7 +177,26 @@ def test_stages_by_size_can_balance_measured_costs_instead_of_bytes():
     assert stages_by_size(seq, num_stages=3) == [2, 2, 2]
     # The first layer is as slow as the other five together: it gets a stage of its own.
     assert stages_by_size(seq, num_stages=2, costs=[5, 1, 1, 1, 1, 1]) == [1, 5]
-    with pytest.raises(ValueError, match="one number >= 0 per layer"):
-        stages_by_size(seq, num_stages=2, costs=[1, 2])
-    with pytest.raises(ValueError, match="one number >= 0 per layer"):
+    for bad in ([1, 2], [1, 1, 1, 1, 1, float("nan")], [1, 1, 1, 1, 1, float("inf")]):
+        with pytest.raises(ValueError, match="one finite number >= 0 per layer"):
+            stages_by_size(seq, num_stages=2, costs=bad)
+    with pytest.raises(ValueError, match="give num_stages too"):
         stages_by_size(seq, max_stage_bytes=100, costs=[1] * 6)
+
+
+def test_stages_by_size_balances_costs_under_a_byte_cap():
+    from roundpipe.schedule import stages_by_size
+
+    seq = _seq(8, 8, 8, 8, 16)  # 256 B x 4, then 1024 B; each linear with its ReLU
+    costs = [1, 0, 1, 0, 1, 0, 3, 0, 3, 0]  # the ReLUs free
+    assert stages_by_size(seq, num_stages=2, costs=costs) == [8, 2]
+    # Three stages of cost 3: the first holds three small linears (768 B) ...
+    assert stages_by_size(seq, num_stages=3, costs=costs) == [6, 2, 2]
+    # ... which a cap on bytes forbids: the best grouping under it.
+    assert stages_by_size(seq, num_stages=3, max_stage_bytes=512, costs=costs) == [4, 4, 2]
+    # Bytes balanced under a cap; a cap that needs more stages than asked says how many.
+    assert stages_by_size(seq, num_stages=3, max_stage_bytes=1024) == [4, 4, 2]
+    with pytest.raises(ValueError, match="needs at least 3 stages"):
+        stages_by_size(seq, num_stages=2, max_stage_bytes=512)
+    with pytest.raises(ValueError, match="max_stage_bytes must be a positive int"):
+        stages_by_size(seq, num_stages=2, max_stage_bytes=0)

@@ -36,7 +36,8 @@ class RoundPipeRunConfig:
     * ``split_input`` / ``split_label`` / ``merge_output``: specs (``TensorChunkSpec``, int, a
       pytree of them) or callables, see :mod:`roundpipe.microbatch`.
     * ``output_device`` (default ``"cpu"``): where merged outputs and the loss are returned.
-    * ``execute_plan``: the stage partition, layers per stage (default one layer per stage).
+    * ``execute_plan``: the stage partition, layers per stage (default one layer per stage);
+      :func:`roundpipe.stages_by_size` makes one, by bytes or by measured costs.
 
     Plain data; build it on any thread, do not mutate one that a call is using.
     """
