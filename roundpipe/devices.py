@@ -239,6 +239,10 @@ class Backend(Protocol):
         caller enqueued so far (its inputs, the scaler's scale) comes before the call's."""
         ...
 
+    def memory_available(self) -> Optional[int]:
+        """Any thread: bytes this device could still allocate (None: the host's memory)."""
+        ...
+
     def drain(self) -> None:
         """Main thread, after a failed call, once no worker touches it: wait until nothing the
         call enqueued runs any more (its last actions, which wait for the device, did not run)."""
@@ -326,6 +330,9 @@ class _CPUBackend:
 
     def drain(self) -> None:
         """Nothing runs on the CPU once its actions have returned."""
+
+    def memory_available(self) -> Optional[int]:
+        return None
 
     def to_device(self, tree: Any, after: Optional[torch.Event] = None) -> Any:
         return tree
@@ -444,6 +451,12 @@ class _AcceleratorBackend:
         # The caller's stream (where it made the inputs, where the scaler updated the scale)
         # is not the compute stream: without this wait a kernel could read them half-written.
         self.stream.wait_stream(torch.accelerator.current_stream(self.torch_device))
+
+    def memory_available(self) -> Optional[int]:
+        index = self.torch_device.index
+        free, _ = self._module.mem_get_info(index)
+        # Blocks torch's caching allocator holds but no tensor uses are free to this process.
+        return free + self._module.memory_reserved(index) - self._module.memory_allocated(index)
 
     def drain(self) -> None:
         # Uploads (prefetched ones too) may still be reading host parameters that the next

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 from collections import defaultdict
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple, Union, cast
 
 import torch
 from torch import nn
@@ -167,7 +167,7 @@ def _prepare_call(model: "RoundPipe", cfg: RoundPipeRunConfig, args: tuple, kwar
         training=training,
         recompute=bool(cfg.recompute), grad_enabled=grad_enabled,
         offload=bool(cfg.offload_activations) and bool(cfg.recompute) and training,
-        budget=cfg.device_memory_budget,
+        budget=_budget(cfg.device_memory_budget, pool),
         reserve=_two_stages_per_device(stages, len(pool)),
         inference_mode=torch.is_inference_mode_enabled(),
         autocast=resolve_autocast(cfg.autocast, pool.device_type),
@@ -190,6 +190,21 @@ def _prepare_call(model: "RoundPipe", cfg: RoundPipeRunConfig, args: tuple, kwar
         call.grad_sink = _GradSink(call.grad_buffers, stage_params)
         call.stashed_grads = _stash_grads(stage_params)
     return call
+
+
+# "auto" budgets leave this share of a device's free memory to the activations inside a stage
+# (which the estimate does not count) and to the allocator's rounding.
+AUTO_BUDGET_SHARE = 0.9
+
+
+def _budget(setting: Optional[Union[int, str]], pool: DevicePool) -> Optional[int]:
+    """device_memory_budget in bytes per device (None: no budget)."""
+    if setting != "auto":
+        return cast(Optional[int], setting)
+    free = [b.memory_available() for b in pool.backends]
+    if any(f is None for f in free):
+        return None  # the host's memory: nothing to budget
+    return max(int(min(cast(List[int], free)) * AUTO_BUDGET_SHARE), 1)
 
 
 def _learn_rng_use(rng_use: Dict[Tuple, bool], call: _Call) -> None:

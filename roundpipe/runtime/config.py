@@ -4,7 +4,7 @@ default configs merge, field by field (:func:`resolve_config`)."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, Union
 
 import torch
 
@@ -28,11 +28,13 @@ class RoundPipeRunConfig:
     * ``offload_activations`` (default False): on an accelerator, with recompute, keep those
       stage inputs in pinned host memory between the forward and the backward pass instead of
       on the device (see [Note: streaming] in :mod:`roundpipe.schedule`); no effect on the CPU.
-    * ``device_memory_budget`` (bytes per device, default None: no budget): on an accelerator,
-      the next stage is prefetched only if it fits beside the current one and the saved stage
-      inputs, and a saved stage input goes to the host once keeping it would leave less than
-      two stages' room (an estimate: weights, buffers and gradient sums; not the activations
-      inside a stage).
+    * ``device_memory_budget`` (bytes per device, ``"auto"``, or default None: no budget): on
+      an accelerator, the next stage is prefetched only if it fits beside the current one and
+      the saved stage inputs, and a saved stage input goes to the host once keeping it would
+      leave less than two stages' room (an estimate: weights, buffers and gradient sums; not the
+      activations inside a stage). ``"auto"``: at each call, 90% of the memory the emptiest
+      device of the pool has free (``mem_get_info``, plus what torch's allocator caches), the
+      rest left for the activations inside a stage.
     * ``split_input`` / ``split_label`` / ``merge_output``: specs (``TensorChunkSpec``, int, a
       pytree of them) or callables, see :mod:`roundpipe.microbatch`.
     * ``output_device`` (default ``"cpu"``): where merged outputs and the loss are returned.
@@ -48,7 +50,7 @@ class RoundPipeRunConfig:
     preserve_rng_state: Optional[bool] = None
     recompute: Optional[bool] = None
     offload_activations: Optional[bool] = None
-    device_memory_budget: Optional[int] = None
+    device_memory_budget: Optional[Union[int, str]] = None
     split_input: Any = None
     split_label: Any = None
     merge_output: Any = None
@@ -64,10 +66,10 @@ class RoundPipeRunConfig:
             raise ValueError(f"autocast must be None (the caller's autocast state), False or a "
                              f"torch.dtype such as torch.bfloat16, got {self.autocast!r}")
         budget = self.device_memory_budget
-        if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool)
-                                   or budget < 1):
-            raise ValueError(f"device_memory_budget must be None or a positive int (bytes per "
-                             f"device), got {budget!r}")
+        if budget is not None and budget != "auto" and (
+                not isinstance(budget, int) or isinstance(budget, bool) or budget < 1):
+            raise ValueError(f"device_memory_budget must be None, \"auto\" or a positive int "
+                             f"(bytes per device), got {budget!r}")
         for name in ("requires_grad", "preserve_rng_state", "recompute", "offload_activations"):
             v = getattr(self, name)
             if v is not None and not isinstance(v, bool):

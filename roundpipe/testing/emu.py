@@ -14,14 +14,22 @@ and every op on it runs on the host. What it catches, as CUDA would:
   checkpoint recompute, say) fails here as it would on a GPU.
 * Results: random ops draw from the CPU generator and dropout draws as on the CPU, so a model
   on ``emu`` computes what it computes on the CPU, bit for bit, which the tests compare.
+* Stream races: kernels run at once, but the order a GPU would guarantee is tracked (see
+  [Note: emulated streams]); an op whose access to device memory no stream order, event or host
+  wait orders after another stream's raises :class:`StreamOrderError`, a non-blocking download
+  into pinned memory holds NaN until the host waits for it, and changing the pinned source of a
+  non-blocking upload before waiting for it raises at the wait.
 * The device APIs: ``torch.Stream``/``torch.Event``, ``torch.accelerator``,
   ``torch.get_device_module("emu")``, ``pin_memory()``/``is_pinned()`` and
   ``torch.autocast("emu")`` (matmul-like ops run in the autocast dtype) all work.
 
-What it cannot catch: kernels run synchronously, so every event is complete when recorded and a
-missing ``wait_event`` or ``record_stream`` (a stream race) goes unnoticed; there is no device
-memory limit (no out-of-memory); a CUDA kernel's own numerics (TF32, fused kernels, other
-reduction orders) are not reproduced; and it is slow (a Python call per op).
+* Device memory: counted per storage (``memory_allocated``, ``max_memory_allocated``,
+  ``mem_get_info`` on ``torch.get_device_module("emu")``), with an optional capacity beyond
+  which allocations raise ``torch.OutOfMemoryError`` (see [Note: emulated device memory]).
+
+What it cannot catch: the caching allocator's reuse of freed memory across streams (a missing
+``record_stream``) and its rounding and fragmentation; a CUDA kernel's own numerics (TF32, fused
+kernels, other reduction orders); and it is slow (a Python call per op).
 
 Call :func:`install` before the first ``backward()`` of the process: the autograd engine starts
 its device threads once, on the first backward, and only for the device types it knows then.
@@ -37,13 +45,14 @@ import dataclasses
 import hashlib
 import os
 import threading
+import weakref
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.utils._pytree as pytree
 
 __all__ = ["NAME", "DEVICE_COUNT", "EmuTensor", "Copy", "StreamOrderError", "record_copies",
-           "install", "is_installed"]
+           "set_memory_capacity", "install", "is_installed"]
 
 NAME = "emu"
 # Must match kDeviceCount in _emu_guard.cpp.
@@ -129,6 +138,74 @@ def _log_copy(direction: str, host: Optional[torch.Tensor], emu: torch.Tensor) -
 #   source; if the host changed it by the time the host waits for the copy, the wait raises.
 # * Not modelled: the caching allocator's reuse of freed blocks across streams (so a missing
 #   ``record_stream`` goes unseen), and host-side races between host threads.
+
+
+# [Note: emulated device memory]
+# Device memory is counted per device: every storage an op or an allocation makes on the device
+# is charged when it is made and given back when torch frees it (a finalizer on the storage,
+# which torch keeps as one Python object for its whole life), so ``torch.emu.memory_allocated``
+# and ``max_memory_allocated`` are exact, as CUDA's are for its caching allocator's live blocks.
+# With a capacity (set_memory_capacity, or ROUNDPIPE_EMU_MEMORY=bytes before install), a
+# storage that would not fit raises torch.OutOfMemoryError as CUDA's allocator does, and
+# ``mem_get_info`` reports what is left; without one, the capacity is the host's memory.
+
+_memory_lock = threading.RLock()  # finalizers may run on any thread, inside a charge
+_allocated_bytes = [0] * DEVICE_COUNT
+_peak_bytes = [0] * DEVICE_COUNT
+_live_storages: Dict[int, int] = {}  # storage data pointer -> its bytes
+_capacity: Optional[int] = None
+
+
+def set_memory_capacity(nbytes: Optional[int]) -> Optional[int]:
+    """Give every emulated device ``nbytes`` of memory (None: the host's); returns the previous
+    setting. A device allocation beyond it raises ``torch.OutOfMemoryError``. Any thread."""
+    global _capacity
+    if nbytes is not None and (not isinstance(nbytes, int) or nbytes < 1):
+        raise ValueError(f"the emulated device's memory capacity must be None or a positive int "
+                         f"(bytes), got {nbytes!r}")
+    with _memory_lock:
+        previous, _capacity = _capacity, nbytes
+    return previous
+
+
+def _capacity_of_device() -> int:
+    if _capacity is not None:
+        return _capacity
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _charge(t: torch.Tensor, index: int) -> None:
+    """Device memory for ``t``'s storage (a plain CPU tensor that an emu tensor wraps)."""
+    storage = t.untyped_storage()
+    key, nbytes = storage.data_ptr(), storage.nbytes()
+    if nbytes == 0:
+        return
+    with _memory_lock:
+        if key in _live_storages:
+            return
+        if _capacity is not None and _allocated_bytes[index] + nbytes > _capacity:
+            raise torch.OutOfMemoryError(
+                f"{NAME}:{index} out of memory: tried to allocate {nbytes} bytes with "
+                f"{_allocated_bytes[index]} of {_capacity} bytes in use (the emulated capacity, "
+                f"roundpipe.testing.emu.set_memory_capacity)")
+        _allocated_bytes[index] += nbytes
+        _peak_bytes[index] = max(_peak_bytes[index], _allocated_bytes[index])
+        _live_storages[key] = nbytes
+    weakref.finalize(storage, _give_back, key, index, nbytes)
+
+
+def _give_back(key: int, index: int, nbytes: int) -> None:
+    with _memory_lock:
+        _allocated_bytes[index] -= nbytes
+        _live_storages.pop(key, None)
+
+
+def _index_of(device: Any) -> int:
+    if device is None:
+        return torch.accelerator.current_device_index()
+    if isinstance(device, int):
+        return device
+    return torch.device(device).index or 0
 
 
 class StreamOrderError(RuntimeError):
@@ -234,18 +311,23 @@ def _enqueue(func: Any, args: Any, kwargs: Dict[str, Any], leaves: List[Any],
     return count, touched
 
 
-def _record_outputs(func: Any, out: Any, touched: Dict[int, None], stream: Tuple[int, int],
-                    count: int) -> None:
-    """An op's outputs in fresh device memory were written by it, on its stream."""
+def _record_outputs(func: Any, out: Any, leaves: List[Any], touched: Dict[int, None],
+                    stream: Tuple[int, int], count: int, index: int) -> None:
+    """An op's outputs in fresh device memory were written by it, on its stream, and take
+    device memory on ``index``."""
     for t in pytree.tree_leaves(out):
         if isinstance(t, torch.Tensor) and t.numel() > 0:
             key = _storage_key(t)
-            if key not in touched:
-                _accesses[key] = _Access(stream, count, func)
+            if key in touched or any(l is t for l in leaves):
+                continue
+            _charge(t, index)
+            _accesses[key] = _Access(stream, count, func)
 
 
 def _allocated(t: torch.Tensor, index: int) -> None:
-    """Fresh device memory: what a previous storage at its address saw no longer applies."""
+    """Fresh device memory: charged, and what a previous storage at its address saw no longer
+    applies."""
+    _charge(t, index)
     if _native is not None and t.numel() > 0:
         stream = _current(index)
         with _order_lock:
@@ -413,7 +495,7 @@ class EmuTensor(torch.Tensor):
                 mine[id(t._elem)] = t
             elif isinstance(t, torch.Tensor):
                 mine[id(t)] = t
-        _record_outputs(func, out, touched, stream, count)
+        _record_outputs(func, out, leaves, touched, stream, count, index)
         return pytree.tree_map_only(
             torch.Tensor, lambda t: mine[id(t)] if id(t) in mine else EmuTensor(t, index), out)
 
@@ -559,6 +641,30 @@ class _DeviceModule:
     def synchronize(device: Any = None) -> None:
         torch.accelerator.synchronize(device)
 
+    # Memory, as torch.cuda reports it (see [Note: emulated device memory]).
+    @staticmethod
+    def memory_allocated(device: Any = None) -> int:
+        return _allocated_bytes[_index_of(device)]
+
+    @staticmethod
+    def memory_reserved(device: Any = None) -> int:
+        return _allocated_bytes[_index_of(device)]  # no cache: what is live is what is held
+
+    @staticmethod
+    def max_memory_allocated(device: Any = None) -> int:
+        return _peak_bytes[_index_of(device)]
+
+    @staticmethod
+    def reset_peak_memory_stats(device: Any = None) -> None:
+        index = _index_of(device)
+        with _memory_lock:
+            _peak_bytes[index] = _allocated_bytes[index]
+
+    @staticmethod
+    def mem_get_info(device: Any = None) -> Tuple[int, int]:
+        total = _capacity_of_device()
+        return max(total - _allocated_bytes[_index_of(device)], 0), total
+
 
 def _install_autocast(aten_lib: torch.library.Library, any_lib: torch.library.Library) -> None:
     """``torch.autocast("emu")``: matmul-like ops cast their floating inputs to the autocast
@@ -625,6 +731,9 @@ def install() -> None:
         path = cpp_extension.load(name=f"roundpipe_emu_guard_{digest}", sources=[source],
                                   is_python_module=False, verbose=False)
         _bind_native(path)
+        capacity = os.environ.get("ROUNDPIPE_EMU_MEMORY")
+        if capacity:
+            set_memory_capacity(int(capacity))
         torch.utils.rename_privateuse1_backend(NAME)
         torch.utils.generate_methods_for_privateuse1_backend(for_storage=False)
         torch._register_device_module(NAME, _DeviceModule())
