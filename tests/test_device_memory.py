@@ -27,12 +27,12 @@ def capacity():
     emu.set_memory_capacity(previous)
 
 
-def _peak(num_stages, num_microbatch, iterations=2, devices="emu", **cfg):
+def _peak(num_stages, num_microbatch, iterations=2, devices="emu", dtype=torch.float32, **cfg):
     """Device 0's peak bytes during the last iteration of a training loop, above what was in
-    use before it, and the run's parameters."""
+    use before it, and the run's master parameters."""
     gc.collect()  # earlier models' device tensors
     torch.manual_seed(0)
-    seq = nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(num_stages)])
+    seq = nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(num_stages)]).to(dtype)
     model = RoundPipe(seq, optim_dtype=torch.float32, devices=devices,
                       model_run_config=RoundPipeRunConfig(num_microbatch=num_microbatch, **cfg))
     with OptimizerCtx():
@@ -42,10 +42,12 @@ def _peak(num_stages, num_microbatch, iterations=2, devices="emu", **cfg):
         model.synchronize()
         base = memory.memory_allocated(0)
         memory.reset_peak_memory_stats(0)
-        model.forward_backward(input_args=(x,), loss_fn=lambda out, _: out.square().mean())
+        model.forward_backward(input_args=(x.to(dtype),),
+                               loss_fn=lambda out, _: out.float().square().mean())
         model.step(lambda: (opt.step(), opt.zero_grad()))
     model.synchronize()
-    return memory.max_memory_allocated(0) - base, [p.detach().clone() for p in seq.parameters()]
+    return (memory.max_memory_allocated(0) - base,
+            [p.detach().clone() for p in model.optim_parameters()])
 
 
 def test_device_memory_is_counted_per_storage_until_torch_frees_it(capacity):
@@ -118,3 +120,38 @@ def test_budget_setting_is_checked():
     RoundPipeRunConfig(device_memory_budget="auto")
     with pytest.raises(ValueError, match='None, "auto" or a positive int'):
         RoundPipeRunConfig(device_memory_budget="lots")
+
+
+# -- gradient sums in the stage's dtype ---------------------------------------------------
+
+HALF_STAGE = STAGE // 2  # one Linear stage's fp16 weights
+
+
+def test_fp16_gradient_sums_make_a_stage_weights_plus_gradients_of_its_own_dtype():
+    # The issue's bound in its own terms: two stages of fp16 weights and fp16 gradients, plus
+    # the saved inputs and one hand-off. fp32 sums (the default) exceed it by about a stage's
+    # fp16 weights; fp16 sums fit.
+    saved = 4 * 4 * ACTIVATION // 2
+    bound = 2 * (2 * HALF_STAGE) + saved + 4 * ACTIVATION // 2 + HALF_STAGE // 2
+    fp32_sums, _ = _peak(4, 4, dtype=torch.float16)
+    fp16_sums, _ = _peak(4, 4, dtype=torch.float16, device_grad_dtype=torch.float16)
+    assert fp16_sums <= bound < fp32_sums
+
+
+def test_fp16_gradient_sums_round_once_per_microbatch():
+    # One microbatch: nothing to sum, the same masters as the CPU pool bit for bit. Four: the
+    # fp16 sum rounds three times, close to the CPU pool's fp32 sum.
+    for num_microbatch, exact in ((1, True), (4, False)):
+        _, ref = _peak(4, num_microbatch, devices="cpu", dtype=torch.float16)
+        _, got = _peak(4, num_microbatch, dtype=torch.float16, device_grad_dtype=torch.float16)
+        for a, b in zip(ref, got):
+            assert b.dtype == torch.float32
+            if exact:
+                assert torch.equal(a, b)
+            else:
+                torch.testing.assert_close(b, a, rtol=1e-3, atol=1e-5)
+
+
+def test_device_grad_dtype_is_checked():
+    with pytest.raises(ValueError, match="device_grad_dtype must be None"):
+        RoundPipeRunConfig(device_grad_dtype=torch.int8)

@@ -74,6 +74,8 @@ class _Call:
     recompute: bool
     offload: bool                              # saved stage inputs go to the host (streaming)
     budget: Optional[int]                      # device_memory_budget, bytes per device
+    grad_dtype: Optional[torch.dtype]          # device_grad_dtype on accelerators, else None
+    stage_bytes: List[int]                     # per stage, its upload and gradient sums
     # Per device, the room kept for two stages (the running one and a prefetch) under a budget.
     reserve: Dict[int, int]
     grad_enabled: bool
@@ -155,6 +157,9 @@ def _prepare_call(model: "RoundPipe", cfg: RoundPipeRunConfig, args: tuple, kwar
                 key = None
         stage_rng.append(known)
         probe_keys.append(key)
+    # Device-side gradient sums exist on accelerators only (the stage-major plans).
+    grad_dtype = cfg.device_grad_dtype if pool.device_type != "cpu" else None
+    stage_bytes = [s.device_bytes(grad_dtype) for s in stages]
     rng_starts = rng_after = None
     rng_others: List[Tuple[Backend, Optional[torch.Tensor]]] = []
     if any(stage_rng):
@@ -168,7 +173,9 @@ def _prepare_call(model: "RoundPipe", cfg: RoundPipeRunConfig, args: tuple, kwar
         recompute=bool(cfg.recompute), grad_enabled=grad_enabled,
         offload=bool(cfg.offload_activations) and bool(cfg.recompute) and training,
         budget=_budget(cfg.device_memory_budget, pool),
-        reserve=_two_stages_per_device(stages, len(pool)),
+        grad_dtype=grad_dtype,
+        stage_bytes=stage_bytes,
+        reserve=_two_stages_per_device(stage_bytes, len(pool)),
         inference_mode=torch.is_inference_mode_enabled(),
         autocast=resolve_autocast(cfg.autocast, pool.device_type),
         chunks=chunks, sizes=sizes, labels=labels, loss_fn=loss_fn,
@@ -231,10 +238,10 @@ def _restore_rng(call: _Call, ok: bool) -> None:
         restore_global(call.rng_after_draw, backend0)
 
 
-def _two_stages_per_device(stages: List[_Stage], num_devices: int) -> Dict[int, int]:
-    """Twice the largest ``device_bytes`` of the stages each device runs."""
+def _two_stages_per_device(stage_bytes: List[int], num_devices: int) -> Dict[int, int]:
+    """Twice the largest of ``stage_bytes`` (per stage) among the stages each device runs."""
     reserve: Dict[int, int] = defaultdict(int)
-    for stage in stages:
-        d = stage_device(stage.index, num_devices)
-        reserve[d] = max(reserve[d], 2 * stage.device_bytes)
+    for s, nbytes in enumerate(stage_bytes):
+        d = stage_device(s, num_devices)
+        reserve[d] = max(reserve[d], 2 * nbytes)
     return reserve

@@ -35,6 +35,13 @@ class RoundPipeRunConfig:
       activations inside a stage). ``"auto"``: at each call, 90% of the memory the emptiest
       device of the pool has free (``mem_get_info``, plus what torch's allocator caches), the
       rest left for the activations inside a stage.
+    * ``device_grad_dtype`` (default None: the masters' dtype, ``optim_dtype``): on an
+      accelerator, the dtype each stage's microbatch gradients are summed in on the device
+      before their one download. The stage's low-precision dtype (``torch.float16``,
+      ``torch.bfloat16``) makes the sums as small as the stage's weights; the sum then rounds
+      to that dtype once per microbatch (an fp16 sum may overflow where fp32 would not; the
+      GradScaler skips that step). The masters still accumulate in ``optim_dtype``. No effect
+      on the CPU, where gradients go straight to the masters.
     * ``split_input`` / ``split_label`` / ``merge_output``: specs (``TensorChunkSpec``, int, a
       pytree of them) or callables, see :mod:`roundpipe.microbatch`.
     * ``output_device`` (default ``"cpu"``): where merged outputs and the loss are returned.
@@ -51,6 +58,7 @@ class RoundPipeRunConfig:
     recompute: Optional[bool] = None
     offload_activations: Optional[bool] = None
     device_memory_budget: Optional[Union[int, str]] = None
+    device_grad_dtype: Optional[torch.dtype] = None
     split_input: Any = None
     split_label: Any = None
     merge_output: Any = None
@@ -70,6 +78,10 @@ class RoundPipeRunConfig:
                 not isinstance(budget, int) or isinstance(budget, bool) or budget < 1):
             raise ValueError(f"device_memory_budget must be None, \"auto\" or a positive int "
                              f"(bytes per device), got {budget!r}")
+        dtype = self.device_grad_dtype
+        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            raise ValueError(f"device_grad_dtype must be None (the masters' dtype) or a floating "
+                             f"torch.dtype such as torch.float16, got {dtype!r}")
         for name in ("requires_grad", "preserve_rng_state", "recompute", "offload_activations"):
             v = getattr(self, name)
             if v is not None and not isinstance(v, bool):

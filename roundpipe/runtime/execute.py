@@ -179,8 +179,8 @@ def _enter_run(call: _Call, a: Action, backend: StreamingBackend) -> None:
     # (else it is uploaded when its run starts). Not the same stage's: this run may still
     # write its host buffers back (BatchNorm stats) while the copy would read them.
     nxt = call.plan.next_upload(a)
-    fits = call.budget is None or (call.saved_bytes[a.device] + call.stages[s].device_bytes
-                                   + call.stages[nxt.stage].device_bytes <= call.budget
+    fits = call.budget is None or (call.saved_bytes[a.device] + call.stage_bytes[s]
+                                   + call.stage_bytes[nxt.stage] <= call.budget
                                    if nxt is not None else False)
     if nxt is not None and nxt.stage != s and fits \
             and all(call.ready.is_set(l.index) for l in call.stages[nxt.stage].layers):
@@ -507,7 +507,7 @@ def _grad_and_move(call: _Call, s: int, m: int, outputs: List[torch.Tensor],
             # Adopted only if no other gradient or grad_output of this autograd call shares
             # its storage (autograd may pass a grad_output through unchanged).
             alone = shared[g.untyped_storage().data_ptr()] == 1
-            _sum_into(buffers, i, g, rec.master, alone)
+            _sum_into(buffers, i, g, rec.master, alone, call.grad_dtype)
     if m == call.plan.num_microbatch - 1:
         _launch_moves(call, [s], backend)
 

@@ -44,6 +44,9 @@ __all__: list = []  # private to roundpipe.runtime
 # microbatch, keeps the optimizer thread free for the step that runs concurrently (async mode):
 # the moves queue behind that step, and only they remain when it ends.
 # The buffer is owned by the worker until the move is launched, then by the optimizer thread.
+# On an accelerator the buffer lives on the device and is downloaded once; with
+# RoundPipeRunConfig(device_grad_dtype=...) it has that dtype there (the stage's low-precision
+# dtype halves or quarters it against fp32) and the masters receive it converted.
 
 
 def _move_grads(pairs: List[Tuple[nn.Parameter, torch.Tensor]],
@@ -54,10 +57,12 @@ def _move_grads(pairs: List[Tuple[nn.Parameter, torch.Tensor]],
     if arrived is not None:
         arrived.synchronize()
     for master, grad in pairs:
-        if master.grad is None:
-            master.grad = grad
-        else:
+        if master.grad is not None:
             master.grad.add_(grad)
+        elif grad.dtype == master.dtype:
+            master.grad = grad
+        else:  # summed on the device in device_grad_dtype
+            master.grad = grad.to(master.dtype)
 
 
 def _accumulate_grad(master: nn.Parameter, grad: torch.Tensor) -> None:
@@ -84,28 +89,30 @@ def _storage_counts(tensors: List[Any]) -> Dict[int, int]:
     return counts
 
 
-def _can_adopt(g: torch.Tensor, master: torch.Tensor) -> bool:
-    """Whether ``g`` has the master's dtype and layout (on the host, or summed on the device), alone in a storage of exactly its
-    size (autograd often returns a transposed view instead), so that it can become the
-    accumulation buffer itself. Whether another tensor shares that storage is the caller's."""
-    return (g.dtype == master.dtype and g.shape == master.shape
+def _can_adopt(g: torch.Tensor, master: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether ``g`` has the buffer's ``dtype`` and the master's layout, alone in a storage of
+    exactly its size (autograd often returns a transposed view instead), so that it can become
+    the accumulation buffer itself. Whether another tensor shares that storage is the caller's."""
+    return (g.dtype == dtype and g.shape == master.shape
             and g.is_contiguous() and g.storage_offset() == 0 and not g.requires_grad
             and g.numel() > 0
             and g.untyped_storage().nbytes() == g.numel() * g.element_size())
 
 
 def _sum_into(buffers: List[Optional[torch.Tensor]], i: int, g: torch.Tensor,
-              master: torch.Tensor, alone: bool) -> bool:
-    """Add microbatch gradient ``g`` into ``buffers[i]`` (see [Note: gradient accumulation]): the
-    first one is adopted when nobody else holds it (``alone``) and it fits, as AccumulateGrad
-    steals, else copied into the master's dtype. Returns whether ``g`` was adopted."""
+              master: torch.Tensor, alone: bool, dtype: Optional[torch.dtype] = None) -> bool:
+    """Add microbatch gradient ``g`` into ``buffers[i]`` (see [Note: gradient accumulation]), a
+    buffer of ``dtype`` (None: the master's): the first one is adopted when nobody else holds it
+    (``alone``) and it fits, as AccumulateGrad steals, else copied. Returns whether ``g`` was
+    adopted."""
     if buffers[i] is not None:
         buffers[i].add_(g)
         return False
-    if alone and _can_adopt(g, master):
+    dtype = master.dtype if dtype is None else dtype
+    if alone and _can_adopt(g, master, dtype):
         buffers[i] = g
         return True
-    buffers[i] = torch.empty_like(master, device=g.device).copy_(g)
+    buffers[i] = torch.empty_like(master, device=g.device, dtype=dtype).copy_(g)
     return False
 
 

@@ -9,6 +9,8 @@ import dataclasses
 import warnings
 from typing import Dict, List, Optional, Sequence, Tuple
 
+import torch
+
 from torch import nn
 
 from roundpipe.devices import DevicePool
@@ -67,12 +69,17 @@ class _Stage:
                     seen.add(rec)
                     self.params.append(rec)
         # What the stage holds on an accelerator while it runs: its upload (parameters and
-        # buffers, each once) and its gradient sums (in the masters' dtype).
+        # buffers, each once) and its gradient sums (see device_bytes).
         tensors = {id(t): t for layer in layers
                    for t in list(layer.module.parameters()) + list(layer.module.buffers())}
-        self.device_bytes = (sum(t.numel() * t.element_size() for t in tensors.values())
-                             + sum(rec.master.numel() * rec.master.element_size()
-                                   for rec in self.params if rec.master is not None))
+        self._upload_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        self._masters = [rec.master for rec in self.params if rec.master is not None]
+
+    def device_bytes(self, grad_dtype: Optional[torch.dtype] = None) -> int:
+        """The stage's upload plus its gradient sums, in ``grad_dtype`` (None: the masters')."""
+        return self._upload_bytes + sum(
+            m.numel() * (m.element_size() if grad_dtype is None else grad_dtype.itemsize)
+            for m in self._masters)
 
 
 def _model_layers(model: nn.Module) -> List[_Layer]:
