@@ -36,8 +36,9 @@ microbatches in fp16.
 Timing: after ``--warmup`` iterations, ``--iters`` iterations between two device
 synchronizations (roundpipe: ``model.synchronize()`` on both sides, so the window holds exactly
 ``--iters`` forward_backward calls and ``--iters`` optimizer steps). Peak GPU memory:
-``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats`` at the start of the
-timed window (roundpipe on several GPUs: the largest device's). Peak host RSS: the process's
+``max_memory_allocated`` of the device's module after ``reset_peak_memory_stats`` at the start
+of the timed window (roundpipe on several GPUs: the largest device's); the emulated device
+counts its memory exactly too (no caching allocator), so ``--devices emu`` reports it. Peak host RSS: the process's
 resident set (psutil's ``memory_info().rss`` if installed, else ``VmRSS`` of
 /proc/self/status), sampled every 10 ms during the timed window; it includes whatever the
 process held before the variant (torch, the CUDA context), which the header prints.
@@ -52,6 +53,13 @@ Targets (the issue's, on a GPU), printed beside the measured values:
   low-precision parameters plus their gradients, and activations are measured: the GPU peak of
   a (3)-style forward+backward of the whole batch whose parameter gradients are dropped as
   they are produced, minus the memory allocated before it.
+
+``--device-grad-dtype fp16`` runs roundpipe with ``RoundPipeRunConfig(device_grad_dtype=...)``:
+gradient sums on the device in that dtype rather than fp32, which the memory target's "stage"
+(low-precision parameters plus low-precision gradients) assumes. ``--offload-activations`` runs
+it with ``offload_activations=True``: a stage-major schedule keeps every microbatch's stage
+inputs until the backward pass, where plain PyTorch's gradient accumulation keeps one
+microbatch's at a time (the activations of the memory target are measured that way).
 
 Without CUDA the script says so and exits 0, unless ``--allow-cpu`` or ``--devices cpu`` /
 ``emu`` is given: then it runs a tiny configuration (sizes not given on the command line) on
@@ -211,6 +219,9 @@ class Bench:
         self.device = pool[0].torch_device  # where the plain variants run
         self.on_gpu = self.device.type == "cuda"
         self.devmod = torch.get_device_module(self.device.type)
+        # CUDA and the emulated device count device memory (the emulated one exactly, without
+        # a caching allocator's rounding); the CPU has none of its own.
+        self.measures_memory = self.device.type != "cpu"
         gen = torch.Generator().manual_seed(1)
         tokens = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=gen)
         self.x, self.y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
@@ -231,9 +242,9 @@ class Bench:
             iteration()
         finish()
         self.sync()
-        if self.on_gpu:
+        if self.measures_memory:
             for d in devices:
-                torch.cuda.reset_peak_memory_stats(d)
+                self.devmod.reset_peak_memory_stats(d)
         with _RSSSampler(self.read_rss) as rss:
             t0 = time.perf_counter()
             for _ in range(args.iters):
@@ -241,7 +252,8 @@ class Bench:
             finish()
             self.sync()
             elapsed = time.perf_counter() - t0
-        gpu_peak = max(torch.cuda.max_memory_allocated(d) for d in devices) if self.on_gpu else None
+        gpu_peak = (max(self.devmod.max_memory_allocated(d) for d in devices)
+                    if self.measures_memory else None)
         return dict(tps=args.iters * args.batch * args.seq / elapsed, gpu=gpu_peak, rss=rss.peak)
 
     def free(self):
@@ -261,7 +273,8 @@ def run_roundpipe(bench, spec):
     scaler = GradScaler()
     devices = [d.torch_device for d in bench.pool]
     for M in args.microbatches:
-        cfg = RoundPipeRunConfig(num_microbatch=M)
+        cfg = RoundPipeRunConfig(num_microbatch=M, device_grad_dtype=bench.grad_dtype,
+                                 offload_activations=bench.args.offload_activations)
 
         def iteration(M=M, cfg=cfg):
             model.forward_backward(
@@ -295,8 +308,16 @@ class Plain:
         self.x, self.y = bench.x.to(bench.device), bench.y.to(bench.device)
         self.masters = None
         self.sum_into_masters = False
-        for p in self.params:
-            p.register_post_accumulate_grad_hook(self._grad_hook)
+        # A hook that holds this object makes a cycle through the parameters that torch's
+        # garbage collector cannot free (a tensor's hooks are traversed only while Python
+        # alone owns it): close() removes them, or the model would stay on the device and
+        # count in the next variant's peak.
+        self.hooks = [p.register_post_accumulate_grad_hook(self._grad_hook) for p in self.params]
+
+    def close(self):
+        for hook in self.hooks:
+            hook.remove()
+        self.hooks = []
 
     def _grad_hook(self, p):
         # The gradient leaves the low-precision .grad at once: summed in fp32 into the master
@@ -339,18 +360,20 @@ class Plain:
         """GPU peak of a forward+backward of the batch in M microbatches whose gradients are
         dropped as produced, minus what was allocated before it: the activations."""
         self.bench.sync()
-        base = torch.cuda.memory_allocated(self.bench.device)
-        torch.cuda.reset_peak_memory_stats(self.bench.device)
+        devmod = self.bench.devmod
+        base = devmod.memory_allocated(self.bench.device)
+        devmod.reset_peak_memory_stats(self.bench.device)
         self.forward_backward(M)
         self.bench.sync()
-        return torch.cuda.max_memory_allocated(self.bench.device) - base
+        return devmod.max_memory_allocated(self.bench.device) - base
 
 
 def run_plain(bench, ckpt):
     args, results, activations = bench.args, {}, {}
+    plain, failed = None, False
     try:
         plain = Plain(bench, ckpt)
-        if ckpt and bench.on_gpu:  # before the masters exist, so nothing else is in the peak
+        if ckpt and bench.measures_memory:  # before the masters exist, so nothing else is in the peak
             for M in args.microbatches:
                 try:
                     activations[M] = plain.activation_bytes(M)
@@ -358,8 +381,11 @@ def run_plain(bench, ckpt):
                     activations[M] = None
         plain.start_training()
     except torch.OutOfMemoryError:
+        failed = True
+    if failed:  # out here, where the exception no longer holds the frames' tensors
+        if plain is not None:
+            plain.close()
         plain = None
-    if plain is None:  # out here, where the exception no longer holds the frames' tensors
         bench.free()
         return {M: "OOM" for M in args.microbatches}, activations
     for M in args.microbatches:
@@ -372,6 +398,7 @@ def run_plain(bench, ckpt):
             # been stopped between unscale_ and update.
             plain.opt.zero_grad(set_to_none=True)
             plain.scaler = torch.amp.GradScaler(bench.device.type)
+    plain.close()
     del plain
     bench.free()
     return results, activations
@@ -381,7 +408,9 @@ def run_plain(bench, ckpt):
 
 
 def _gib(n):
-    return "n/a" if n is None else f"{n / 2**30:.2f}"
+    if n is None:
+        return "n/a"
+    return f"{n / 2**30:.2f}" if n >= 2**24 else f"{n / 2**30:.6f}"  # tiny runs: still visible
 
 
 def _ratio(a, b):
@@ -441,7 +470,11 @@ def report(bench, results, activations, stage_bytes):
     else:
         print("  roundpipe tokens/s as microbatches grow: n/a (needs two or more --microbatches "
               "that ran)")
-    if bench.on_gpu:
+    if bench.measures_memory:
+        where = "GPU" if bench.on_gpu else f"{bench.device.type} (emulated, exact counts)"
+        print(f"  device memory on {where}; gradient sums in "
+              f"{args.device_grad_dtype or 'fp32 (the masters dtype)'}; stage inputs "
+              f"{'offloaded to the host' if args.offload_activations else 'kept on the device'}")
         for M in args.microbatches:
             act = activations.get(M)
             if not isinstance(rp[M], dict) or act is None:
@@ -498,6 +531,13 @@ def main():
     parser.add_argument("--iters", type=int, help="timed iterations per variant and count")
     parser.add_argument("--warmup", type=int, help="untimed iterations before them")
     parser.add_argument("--devices", help="roundpipe's pool: cuda, cuda:0, cuda:0,1, cpu, emu")
+    parser.add_argument("--device-grad-dtype", choices=sorted(DTYPES),
+                        help="roundpipe's RoundPipeRunConfig(device_grad_dtype=...): the dtype "
+                             "gradients are summed in on the device (default: fp32, the "
+                             "masters')")
+    parser.add_argument("--offload-activations", action="store_true",
+                        help="roundpipe's RoundPipeRunConfig(offload_activations=True): the "
+                             "stage inputs of every microbatch wait in pinned host memory")
     parser.add_argument("--allow-cpu", action="store_true",
                         help="without CUDA, run a tiny configuration on the CPU")
     args = parser.parse_args()
@@ -533,6 +573,7 @@ def main():
               f"{pool[0].type}, to test the script. These numbers say nothing about a GPU.")
 
     bench = Bench(args, pool, dtype)
+    bench.grad_dtype = DTYPES[args.device_grad_dtype] if args.device_grad_dtype else None
     with torch.device("meta"):  # sizes only
         sizes = [sum(p.numel() for p in layer.parameters()) for layer in build_model(args, dtype)]
     n_params = sum(sizes)
