@@ -283,9 +283,12 @@ def _enqueue(func: Any, args: Any, kwargs: Dict[str, Any], leaves: List[Any],
     """Enqueue ``func`` on ``stream``: check its reads and writes of device memory against the
     stream order and record them. Returns its count on the stream and the storages it touched."""
     positions, names = _written_arguments(func)
-    written = pytree.tree_leaves(([args[i] for i in positions if i < len(args)],
-                                  [kwargs[n] for n in names if n in kwargs]))
-    written_ids = {id(t) for t in written if isinstance(t, EmuTensor)}
+    written_ids = set()
+    for arg in ([args[i] for i in positions if i < len(args)]
+                + [kwargs[n] for n in names if n in kwargs]):
+        for t in (arg if isinstance(arg, (list, tuple)) else (arg,)):  # Tensor(a!) or Tensor(a!)[]
+            if isinstance(t, EmuTensor):
+                written_ids.add(id(t))
     touched: Dict[int, None] = {}
     with _order_lock:
         count = _native.roundpipe_emu_enqueue(stream[0], stream[1])
@@ -311,11 +314,11 @@ def _enqueue(func: Any, args: Any, kwargs: Dict[str, Any], leaves: List[Any],
     return count, touched
 
 
-def _record_outputs(func: Any, out: Any, leaves: List[Any], touched: Dict[int, None],
+def _record_outputs(func: Any, outputs: List[Any], leaves: List[Any], touched: Dict[int, None],
                     stream: Tuple[int, int], count: int, index: int) -> None:
     """An op's outputs in fresh device memory were written by it, on its stream, and take
     device memory on ``index``."""
-    for t in pytree.tree_leaves(out):
+    for t in outputs:
         if isinstance(t, torch.Tensor) and t.numel() > 0:
             key = _storage_key(t)
             if key in touched or any(l is t for l in leaves):
@@ -486,7 +489,8 @@ class EmuTensor(torch.Tensor):
         out = func(*unwrapped_args, **unwrapped_kwargs)
         if upload_from is not None and _asynchronous_host(upload_from, non_blocking):
             _watch_upload(upload_from, stream, count)
-        elif not _only_tensors(out):
+        outputs = [out] if isinstance(out, torch.Tensor) else pytree.tree_leaves(out)
+        if not all(isinstance(t, torch.Tensor) or t is None for t in outputs):
             _host_waits(stream)  # a number for the host: .item() and the like
         # An in-place or out= op returns one of its arguments: hand back that very object.
         mine: Dict[int, torch.Tensor] = {}
@@ -495,13 +499,9 @@ class EmuTensor(torch.Tensor):
                 mine[id(t._elem)] = t
             elif isinstance(t, torch.Tensor):
                 mine[id(t)] = t
-        _record_outputs(func, out, leaves, touched, stream, count, index)
+        _record_outputs(func, outputs, leaves, touched, stream, count, index)
         return pytree.tree_map_only(
             torch.Tensor, lambda t: mine[id(t)] if id(t) in mine else EmuTensor(t, index), out)
-
-
-def _only_tensors(out: Any) -> bool:
-    return all(isinstance(leaf, torch.Tensor) or leaf is None for leaf in pytree.tree_leaves(out))
 
 
 def _join(a: Tuple[int, int], b: Tuple[int, int]) -> None:
