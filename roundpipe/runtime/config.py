@@ -30,9 +30,9 @@ class RoundPipeRunConfig:
       on the device (see [Note: streaming] in :mod:`roundpipe.schedule`); no effect on the CPU.
     * ``device_memory_budget`` (bytes per device, default None: no budget): on an accelerator,
       the next stage is prefetched only if it fits beside the current one and the saved stage
-      inputs, and a saved stage input goes to the host once keeping it would leave less than
-      two stages' room (an estimate: weights, buffers and gradient sums; not the activations
-      inside a stage).
+      inputs (a device's first stage of a call only if it fits on its own), and a saved stage
+      input goes to the host once keeping it would leave less than two stages' room (an
+      estimate: weights, buffers and gradient sums; not the activations inside a stage).
     * ``split_input`` / ``split_label`` / ``merge_output``: specs (``TensorChunkSpec``, int, a
       pytree of them) or callables, see :mod:`roundpipe.microbatch`.
     * ``output_device`` (default ``"cpu"``): where merged outputs and the loss are returned.

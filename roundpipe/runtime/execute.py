@@ -21,9 +21,9 @@ from torch.utils import checkpoint as _checkpoint_module
 from torch.utils.checkpoint import checkpoint
 
 from roundpipe.autocast import RNGState, autocast_context, rng_scope
-from roundpipe.devices import Backend, Future, Resident, StreamingBackend, caller_as_worker
+from roundpipe.devices import Backend, Future, StreamingBackend, caller_as_worker
 from roundpipe.optim_thread import add_note
-from roundpipe.runtime.call import _Call, _Cancelled, _Slot
+from roundpipe.runtime.call import _Call, _Cancelled, _Slot, _upload
 from roundpipe.runtime.grads import _launch_moves, _storage_counts, _sum_into
 from roundpipe.runtime.params import _ParamsCopyFailed, raise_copy_failure
 from roundpipe.runtime.plan import _Layer, _Stage
@@ -103,7 +103,8 @@ def _execute(call: _Call) -> None:
         for a in call.plan.actions():
             if a not in started and not call.futures[a.key].done():
                 call.futures[a.key].set_exception(_Cancelled())
-        _wait_uninterrupted([call.futures[a.key] for a in submitted])
+        _wait_uninterrupted(list(call.first_uploads.values())
+                            + [call.futures[a.key] for a in submitted])
         raise
     failures = []
     for a in call.plan.actions():
@@ -150,13 +151,17 @@ def _run_action(call: _Call, action: Action) -> None:
 
 
 # [Note: streaming] in schedule.py: a stage is uploaded at the first action of a run that
-# needs it, and dropped at the end of the run (kept from the forward to the backward run
-# when recompute is off, since the backward then walks the forward's graph).
+# needs it, unless it was prefetched (a device's first upload as the call started, see
+# _start_first_uploads in call.py; any other while the run before it computed), and dropped at
+# the end of the run (kept from the forward to the backward run when recompute is off, since
+# the backward then walks the forward's graph).
 def _enter_run(call: _Call, a: Action, backend: StreamingBackend) -> None:
     s = a.stage
     if s in call.resident:
         return
-    resident = call.prefetched.pop(a.key, None)
+    first = call.first_uploads.get(a.key)
+    # Queued ahead of this action on this worker, so done; re-raises its error here.
+    resident = first.result() if first is not None else call.prefetched.pop(a.key, None)
     if resident is None:
         for layer in call.stages[s].layers:
             call.ready.wait(layer.index)
@@ -173,16 +178,6 @@ def _enter_run(call: _Call, a: Action, backend: StreamingBackend) -> None:
     if nxt is not None and nxt.stage != s and fits \
             and all(call.ready.is_set(l.index) for l in call.stages[nxt.stage].layers):
         call.prefetched[nxt.action.key] = _upload(call, nxt.stage, backend, prefetch=True)
-
-
-def _upload(call: _Call, s: int, backend: StreamingBackend, prefetch: bool) -> Resident:
-    trainable = [rec.param for rec in call.stage_params[s]]
-    # Training: device leaves, whose gradients stay on the device. A differentiable
-    # inference call: a differentiable upload, so a later backward() reaches the host
-    # parameters and their grad hooks.
-    with torch.set_grad_enabled(not call.training and call.grad_enabled):
-        return backend.upload([l.module for l in call.stages[s].layers], trainable,
-                              leaves=call.training, prefetch=prefetch)
 
 
 def _leave_run(call: _Call, a: Action, backend: StreamingBackend) -> None:
