@@ -35,9 +35,15 @@ def test_stage_major_training_plan_runs_and_moves_each_stage_at_most_twice(S, M,
     for d, actions in enumerate(plan.per_device):  # each (stage, kind) is one run on its device
         runs = [k for k, _ in itertools.groupby((a.stage, a.kind) for a in actions)]
         assert len(runs) == len(set(runs))
-        # A device's first upload is at its first action (None: a device without stages).
+        # A device's first upload is at its first action (None: a device without stages);
+        # every later one is named at the end of the run before it.
         first = plan.first_upload(d)
         assert (first.action if first else None) == (actions[0] if actions else None)
+        ups = [t.action for t in plan.transfers()
+               if t.kind is TransferKind.UPLOAD and t.action.device == d]
+        assert ups[1:] == [b for a, b in zip(actions, actions[1:])
+                           if plan.upload_after(a) is not None
+                           and plan.upload_after(a).action == b]
 
 
 @pytest.mark.parametrize("S,M,D", SHAPES)
@@ -228,6 +234,23 @@ def test_every_devices_first_upload_of_a_call_runs_on_its_copy_stream(devices):
                             if c.direction == "h2d" and c.host_ptr in stage_of)
         assert per_param == {ptr: 1 if s == last else 2 for ptr, s in stage_of.items()}
     model.synchronize()
+
+
+@pytest.mark.parametrize("devices", ["emu", "emu:2"])
+def test_every_upload_runs_on_the_copy_stream(devices):
+    # Stages (Linear, Tanh), (Linear, Dropout), (Linear). On two devices, device 1's backward
+    # run of stage 1 follows its forward run: that upload is copied in once the forward run has
+    # ended; every other upload while the run before it computed or as the call started.
+    model = RoundPipe(_model(), devices=devices, model_run_config=RoundPipeRunConfig(
+        num_microbatch=4, execute_plan=[2, 2, 1]))
+    ptr = {p.untyped_storage().data_ptr() for p in model.module.parameters()}
+    x, y = _batch()
+    with emu.record_copies() as log:
+        model.forward_backward(input_args=(x,), label=y, loss_fn=_loss)
+    streams = _streams_of(model)
+    kinds = Counter(streams[c.stream_id][1] for c in log
+                    if c.direction == "h2d" and c.host_ptr in ptr)
+    assert kinds == Counter({"copy": 2 * (2 + 2) + 2}), kinds  # two params a stage
 
 
 def test_a_first_upload_waits_for_the_params_of_the_step_before(monkeypatch):

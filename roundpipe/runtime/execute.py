@@ -170,7 +170,8 @@ def _enter_run(call: _Call, a: Action, backend: StreamingBackend) -> None:
     call.resident[s] = resident
     # Copy the device's next upload in while this run computes, if its params are ready
     # (else it is uploaded when its run starts). Not the same stage's: this run may still
-    # write its host buffers back (BatchNorm stats) while the copy would read them.
+    # write its host buffers back (BatchNorm stats) while the copy would read them; that one
+    # is copied in once the run has ended (_leave_run).
     nxt = call.plan.next_upload(a)
     fits = call.budget is None or (call.saved_bytes[a.device] + call.stages[s].device_bytes
                                    + call.stages[nxt.stage].device_bytes <= call.budget
@@ -188,6 +189,16 @@ def _leave_run(call: _Call, a: Action, backend: StreamingBackend) -> None:
         # A recompute's updates of the buffers are dropped: the forward made them.
         backend.release(resident, write_back=not (a.kind is ActionKind.BACKWARD
                                                  and call.recompute))
+    # The next run's upload, if its start could not be overlapped with this run: this stage's
+    # own (its buffers are home now), or one that did not fit beside this run's. It is copied
+    # in while the device waits for the next run's inputs.
+    nxt = call.plan.upload_after(a)
+    if nxt is None or nxt.action.key in call.prefetched:
+        return
+    held = call.saved_bytes[a.device] + sum(call.stages[r].device_bytes for r in call.resident)
+    fits = call.budget is None or held + call.stages[nxt.stage].device_bytes <= call.budget
+    if fits and all(call.ready.is_set(l.index) for l in call.stages[nxt.stage].layers):
+        call.prefetched[nxt.action.key] = _upload(call, nxt.stage, backend, prefetch=True)
 
 
 def _stage_input(call: _Call, s: int, m: int, backend: Backend) -> Tuple[tuple, dict]:
