@@ -152,9 +152,9 @@ def _run_action(call: _Call, action: Action) -> None:
 
 # [Note: streaming] in schedule.py: a stage is uploaded at the first action of a run that
 # needs it, unless it was prefetched (a device's first upload as the call started, see
-# _start_first_uploads in call.py; any other while the run before it computed), and dropped at
-# the end of the run (kept from the forward to the backward run when recompute is off, since
-# the backward then walks the forward's graph).
+# _start_first_uploads in call.py; any other while the run before it computed, or at its end),
+# and dropped at the end of the run (kept from the forward to the backward run when recompute
+# is off, since the backward then walks the forward's graph).
 def _enter_run(call: _Call, a: Action, backend: StreamingBackend) -> None:
     s = a.stage
     if s in call.resident:
