@@ -101,6 +101,13 @@ class Action:
 # Gradients of a stage accumulate on the device over its microbatches and are downloaded once,
 # after its last backward action. While a run computes, the next run's upload on the device is
 # copied in on a separate stream (next_upload): at most two stages' weights are on a device.
+# A device's first upload (first_upload) has no run before it: it is queued on the copy stream
+# as the call starts, ahead of the device's actions, once the step launched before the call has
+# written its params, so it overlaps the host preparing the call and, on a device after the
+# first, the wait for its first input. A next upload of the running stage itself (on every
+# device but the last stage's, the backward run of its highest stage follows that stage's
+# forward run) is copied in at the end of the run instead, once the run has written its
+# buffers back (upload_after), while the device waits for the gradients from above.
 # A device's actions are ordered by its stream, so the host waits for a device only after its
 # last action of the call (needs_sync). An action whose output or input gradients another device
 # reads records a device event (hands_off); the reader's copy waits for it on the device.
@@ -160,13 +167,25 @@ class Plan:
         object.__setattr__(self, "_handoffs", frozenset(
             dep.key for a in index.values() for dep in self.dependencies(a)
             if dep.device != a.device))
-        # For each upload, the next upload on its device: what to prefetch while it computes.
+        # For each upload, the next upload on its device: what to prefetch while it computes;
+        # each device's first upload, which has no run before it to hide behind; and for the
+        # last action of a run, the upload that the device's next action starts with.
         next_up: Dict[Tuple, "Transfer"] = {}
+        first_up: List[Optional["Transfer"]] = []
+        up_after: Dict[Tuple, "Transfer"] = {}
         for d in range(self.num_devices):
             ups = [t for t in self._transfers(d) if t.kind is TransferKind.UPLOAD]
+            first_up.append(ups[0] if ups else None)
             for t, nxt in zip(ups, ups[1:]):
                 next_up[t.action.key] = nxt
+            actions = self.per_device[d]
+            at = {t.action.key: t for t in ups}
+            for a, nxt_a in zip(actions, actions[1:]):
+                if nxt_a.key in at:
+                    up_after[a.key] = at[nxt_a.key]
         object.__setattr__(self, "_next_up", next_up)
+        object.__setattr__(self, "_first_up", tuple(first_up))
+        object.__setattr__(self, "_up_after", up_after)
 
     def needs_sync(self, action: Action) -> bool:
         """Whether the host waits for ``action``'s device work before publishing it: the last
@@ -182,6 +201,17 @@ class Plan:
         """At an upload (``action`` starts a run that uploads its stage): the next upload on the
         same device, which can be copied in while this run computes. None otherwise."""
         return self._next_up.get(action.key)  # type: ignore[attr-defined]
+
+    def upload_after(self, action: Action) -> "Optional[Transfer]":
+        """The upload that the action after ``action`` on its device starts with (``action``
+        then ends a run); None if there is none. It may be of ``action``'s own stage: the
+        backward run of a device's last stage before the loss follows its forward run."""
+        return self._up_after.get(action.key)  # type: ignore[attr-defined]
+
+    def first_upload(self, device: int) -> "Optional[Transfer]":
+        """The first upload on ``device`` (at its first action), which can be copied in as the
+        call starts; None for a device without actions or a clock-order plan."""
+        return self._first_up[device]  # type: ignore[attr-defined]
 
     def ends_run(self, action: Action) -> bool:
         """Whether ``action`` is the last of a run of its stage and kind on its device (see

@@ -3,6 +3,7 @@ plans, what they say they move, and what the emulated device sees moved."""
 
 import copy
 import itertools
+import time
 from collections import Counter
 
 import pytest
@@ -31,9 +32,18 @@ def test_stage_major_training_plan_runs_and_moves_each_stage_at_most_twice(S, M,
     for s in range(S):
         assert ups[s] == (1 if s == S - 1 else 2), plan  # the last stage: forward+backward
         assert downs[s] == 1, plan
-    for actions in plan.per_device:  # each (stage, kind) is one run on its device
+    for d, actions in enumerate(plan.per_device):  # each (stage, kind) is one run on its device
         runs = [k for k, _ in itertools.groupby((a.stage, a.kind) for a in actions)]
         assert len(runs) == len(set(runs))
+        # A device's first upload is at its first action (None: a device without stages);
+        # every later one is named at the end of the run before it.
+        first = plan.first_upload(d)
+        assert (first.action if first else None) == (actions[0] if actions else None)
+        ups = [t.action for t in plan.transfers()
+               if t.kind is TransferKind.UPLOAD and t.action.device == d]
+        assert ups[1:] == [b for a, b in zip(actions, actions[1:])
+                           if plan.upload_after(a) is not None
+                           and plan.upload_after(a).action == b]
 
 
 @pytest.mark.parametrize("S,M,D", SHAPES)
@@ -177,12 +187,100 @@ def test_the_next_stage_is_prefetched_on_the_copy_stream():
         model.forward_backward(input_args=(x,), label=y, loss_fn=_loss)
     uploads = [(stage_of[c.host_ptr], c.stream_id) for c in log
                if c.direction == "h2d" and c.host_ptr in stage_of]
-    # Stage 0's first upload opens the call on the compute stream; every later one was copied
-    # in on the copy stream while the stage before it computed.
-    assert uploads[0] == (0, backend.stream.stream_id)
-    later = {stream for stage, stream in uploads[2:]}
-    assert later == {backend.copy_stream.stream_id}, uploads
+    # Stage 0's first upload was copied in as the call started, every later one while the
+    # stage before it computed: all on the copy stream.
+    assert uploads[0][0] == 0
+    assert {stream for _, stream in uploads} == {backend.copy_stream.stream_id}, uploads
     assert backend.copy_stream.stream_id != backend.stream.stream_id
+
+
+def _streams_of(model):
+    """Stream id -> (device, "compute" or "copy") of the pool's backends."""
+    out = {}
+    for d, backend in enumerate(model._pool.backends):
+        out[backend.stream.stream_id] = (d, "compute")
+        out[backend.copy_stream.stream_id] = (d, "copy")
+    return out
+
+
+@pytest.mark.parametrize("devices", ["emu", "emu:2"])
+def test_every_devices_first_upload_of_a_call_runs_on_its_copy_stream(devices):
+    # Each device's first upload is queued as the call starts, on the copy stream, ahead of its
+    # actions; every iteration (async steps between them) still uploads each stage twice and
+    # the last stage once. Three stages with parameters, (Linear, Tanh), (Linear, Dropout) and
+    # (Linear): on two devices, each has a stage with parameters first.
+    model = RoundPipe(_model(), optim_dtype=torch.float32, devices=devices,
+                      model_run_config=RoundPipeRunConfig(num_microbatch=4,
+                                                          execute_plan=[2, 2, 1]))
+    with OptimizerCtx():
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    params = dict(model.module.named_parameters())
+    stage_of = {p.untyped_storage().data_ptr(): int(n.split(".")[0]) // 2
+                for n, p in params.items()}
+    last = 2
+    plan = model.plan()
+    x, y = _batch()
+    for _ in range(3):
+        with emu.record_copies() as log:
+            model.forward_backward(input_args=(x,), label=y, loss_fn=_loss)
+        model.step(lambda: (opt.step(), opt.zero_grad()))
+        streams = _streams_of(model)
+        uploads = [(stage_of[c.host_ptr], streams[c.stream_id]) for c in log
+                   if c.direction == "h2d" and c.host_ptr in stage_of]
+        for d, actions in enumerate(plan.per_device):
+            mine = [(stage, kind) for stage, (dev, kind) in uploads if dev == d]
+            assert mine[0] == (actions[0].stage, "copy"), (d, uploads)
+        per_param = Counter(c.host_ptr for c in log
+                            if c.direction == "h2d" and c.host_ptr in stage_of)
+        assert per_param == {ptr: 1 if s == last else 2 for ptr, s in stage_of.items()}
+    model.synchronize()
+
+
+@pytest.mark.parametrize("devices", ["emu", "emu:2"])
+def test_every_upload_runs_on_the_copy_stream(devices):
+    # Stages (Linear, Tanh), (Linear, Dropout), (Linear). On two devices, device 1's backward
+    # run of stage 1 follows its forward run: that upload is copied in once the forward run has
+    # ended; every other upload while the run before it computed or as the call started.
+    model = RoundPipe(_model(), devices=devices, model_run_config=RoundPipeRunConfig(
+        num_microbatch=4, execute_plan=[2, 2, 1]))
+    ptr = {p.untyped_storage().data_ptr() for p in model.module.parameters()}
+    x, y = _batch()
+    with emu.record_copies() as log:
+        model.forward_backward(input_args=(x,), label=y, loss_fn=_loss)
+    streams = _streams_of(model)
+    kinds = Counter(streams[c.stream_id][1] for c in log
+                    if c.direction == "h2d" and c.host_ptr in ptr)
+    assert kinds == Counter({"copy": 2 * (2 + 2) + 2}), kinds  # two params a stage
+
+
+def test_a_first_upload_waits_for_the_params_of_the_step_before(monkeypatch):
+    # The master->model copy that a step launches writes the host params the next call uploads;
+    # slowed down, an upload that did not wait for its stage's "params ready" events would read
+    # the params from before it, and the run would leave the CPU pool's result.
+    from roundpipe.runtime.params import _Params
+
+    copy_masters = _Params._copy_masters_to_model
+
+    def slow(self, ready):
+        time.sleep(0.05)
+        copy_masters(self, ready)
+
+    monkeypatch.setattr(_Params, "_copy_masters_to_model", slow)
+
+    def run(pool):
+        model = RoundPipe(_model(), optim_dtype=torch.float32, devices=pool,
+                          model_run_config=RoundPipeRunConfig(num_microbatch=2))
+        with OptimizerCtx():
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        x, y = _batch(8)
+        for _ in range(4):
+            model.forward_backward(input_args=(x,), label=y, loss_fn=_loss)
+            model.step(lambda: (opt.step(), opt.zero_grad()))
+        model.synchronize()
+        return [p.detach().clone() for p in model.module.parameters()]
+
+    for a, b in zip(run("cpu"), run("emu:2")):
+        assert torch.equal(a, b)
 
 
 def test_one_device_waits_for_the_device_only_at_the_end_of_the_call(monkeypatch):

@@ -2,10 +2,14 @@
 the main thread and the device workers) and its per (stage, microbatch) :class:`_Slot`, how a call
 is prepared from its inputs and run config (:func:`_prepare_call`), and the RNG chain bookkeeping
 around it (which stages draw random numbers, the global RNG state left afterwards; see
-[Note: RNG chains] in :mod:`roundpipe.autocast`).
+[Note: RNG chains] in :mod:`roundpipe.autocast`), and, on an accelerator, each device's first
+upload, started while the call is still being prepared (:func:`_start_first_uploads`).
 
 Threads: the main thread builds a call and reads it after the workers finish; in between each
 slot is written by one action and read by its dependents after that action's future is done.
+A first upload runs on its device's worker while the main thread finishes the call; it reads
+only what the call was built with (stages, their params, the "params ready" events) and hands
+its upload over through its future.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from torch.utils import _pytree as pytree
 
 from roundpipe.autocast import (AutocastState, RNGState, chain_starts, resolve_autocast,
                                 restore_global, uses_rng)
-from roundpipe.devices import Backend, DevicePool, Future, Resident
+from roundpipe.devices import Backend, DevicePool, Future, Resident, StreamingBackend
 from roundpipe.microbatch import split_inputs, split_label
 from roundpipe.runtime.config import RoundPipeRunConfig
 from roundpipe.runtime.grads import _GradSink, _SinkSlot, _stash_grads
@@ -114,6 +118,10 @@ class _Call:
     # use them: written and read by the stage's worker only.
     resident: Dict[int, Resident] = dataclasses.field(default_factory=dict)
     prefetched: Dict[Tuple, Resident] = dataclasses.field(default_factory=dict)
+    # Each device's first upload, by the key of the action that adopts it: its future, whose
+    # result is the upload (see _start_first_uploads). Written by the main thread before the
+    # actions are submitted, then only read.
+    first_uploads: Dict[Tuple, Future] = dataclasses.field(default_factory=dict)
     # Per device, the bytes of the saved stage inputs kept on it (device_memory_budget): each
     # entry written by that device's worker only.
     saved_bytes: Dict[int, int] = dataclasses.field(default_factory=lambda: defaultdict(int))
@@ -186,6 +194,7 @@ def _prepare_call(model: "RoundPipe", cfg: RoundPipeRunConfig, args: tuple, kwar
         cast_dtype=model._params.cast_dtype,
         input_grad=training and any(isinstance(x, torch.Tensor) and x.requires_grad
                                     for x in pytree.tree_leaves((args, kwargs))))
+    _start_first_uploads(call)
     call.slots = {(s, m): _Slot() for s in range(len(stages)) for m in range(M)}
     call.futures = {a.key: Future() for a in call.plan.actions()}
     call.losses = [None] * M
@@ -212,6 +221,47 @@ def _budget(setting: Optional[Union[int, str]], pool: DevicePool) -> Optional[in
     if any(f is None for f in free):
         return None  # the host's memory: nothing to budget
     return max(int(min(cast(List[int], free)) * AUTO_BUDGET_SHARE), 1)
+
+
+def _start_first_uploads(call: _Call) -> None:
+    """Main thread, as soon as the call exists: queue each device's first upload of a
+    stage-major plan on its worker, ahead of the call's actions, so that it is copied in on the
+    copy stream while the host finishes the call and a device after the first waits for its
+    first input (see [Note: streaming] in schedule.py). A stage that does not fit the
+    ``device_memory_budget`` on its own is left to its action, as a prefetch would be."""
+    if not call.plan.stage_major:
+        return
+    for d in range(len(call.pool)):
+        first = call.plan.first_upload(d)
+        if first is None or (call.budget is not None
+                             and call.stage_bytes[first.stage] > call.budget):
+            continue
+        backend = cast(StreamingBackend, call.pool.backends[d])
+        call.first_uploads[first.action.key] = call.pool.worker(d).submit(
+            _first_upload, call, first.stage, backend)
+
+
+def _first_upload(call: _Call, s: int, backend: StreamingBackend) -> Resident:
+    """Device worker: stage ``s``'s upload on the copy stream, once the master->model copy of a
+    step launched before the call has written its params (see [Note: staleness] in model.py);
+    the device has nothing else to do until then."""
+    if call.cancelled.is_set():
+        raise _Cancelled()
+    with backend.action_context():
+        for layer in call.stages[s].layers:
+            call.ready.wait(layer.index)
+        return _upload(call, s, backend, prefetch=True)
+
+
+def _upload(call: _Call, s: int, backend: StreamingBackend, prefetch: bool) -> Resident:
+    """Device worker: stage ``s``'s parameters and buffers on the device, for one run."""
+    trainable = [rec.param for rec in call.stage_params[s]]
+    # Training: device leaves, whose gradients stay on the device. A differentiable
+    # inference call: a differentiable upload, so a later backward() reaches the host
+    # parameters and their grad hooks.
+    with torch.set_grad_enabled(not call.training and call.grad_enabled):
+        return backend.upload([l.module for l in call.stages[s].layers], trainable,
+                              leaves=call.training, prefetch=prefetch)
 
 
 def _learn_rng_use(rng_use: Dict[Tuple, bool], call: _Call) -> None:

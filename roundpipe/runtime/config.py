@@ -30,9 +30,10 @@ class RoundPipeRunConfig:
       on the device (see [Note: streaming] in :mod:`roundpipe.schedule`); no effect on the CPU.
     * ``device_memory_budget`` (bytes per device, ``"auto"``, or default None: no budget): on
       an accelerator, the next stage is prefetched only if it fits beside the current one and
-      the saved stage inputs, and a saved stage input goes to the host once keeping it would
-      leave less than two stages' room (an estimate: weights, buffers and gradient sums; not the
-      activations inside a stage). ``"auto"``: at each call, 90% of the memory the emptiest
+      the saved stage inputs (a device's first stage of a call only if it fits on its own), and
+      a saved stage input goes to the host once keeping it would leave less than two stages'
+      room (an estimate: weights, buffers and gradient sums; not the activations inside a
+      stage). ``"auto"``: at each call, 90% of the memory the emptiest
       device of the pool has free (``mem_get_info``, plus what torch's allocator caches), the
       rest left for the activations inside a stage.
     * ``device_grad_dtype`` (default None: the masters' dtype, ``optim_dtype``): on an

@@ -21,9 +21,9 @@ from torch.utils import checkpoint as _checkpoint_module
 from torch.utils.checkpoint import checkpoint
 
 from roundpipe.autocast import RNGState, autocast_context, rng_scope
-from roundpipe.devices import Backend, Future, Resident, StreamingBackend, caller_as_worker
+from roundpipe.devices import Backend, Future, StreamingBackend, caller_as_worker
 from roundpipe.optim_thread import add_note
-from roundpipe.runtime.call import _Call, _Cancelled, _Slot
+from roundpipe.runtime.call import _Call, _Cancelled, _Slot, _upload
 from roundpipe.runtime.grads import _launch_moves, _storage_counts, _sum_into
 from roundpipe.runtime.params import _ParamsCopyFailed, raise_copy_failure
 from roundpipe.runtime.plan import _Layer, _Stage
@@ -105,7 +105,8 @@ def _execute(call: _Call) -> None:
         for a in call.plan.actions():
             if a not in started and not call.futures[a.key].done():
                 call.futures[a.key].set_exception(_Cancelled())
-        _wait_uninterrupted([call.futures[a.key] for a in submitted])
+        _wait_uninterrupted(list(call.first_uploads.values())
+                            + [call.futures[a.key] for a in submitted])
         _drain(call)
         raise
     failures = []
@@ -162,13 +163,17 @@ def _run_action(call: _Call, action: Action) -> None:
 
 
 # [Note: streaming] in schedule.py: a stage is uploaded at the first action of a run that
-# needs it, and dropped at the end of the run (kept from the forward to the backward run
-# when recompute is off, since the backward then walks the forward's graph).
+# needs it, unless it was prefetched (a device's first upload as the call started, see
+# _start_first_uploads in call.py; any other while the run before it computed, or at its end),
+# and dropped at the end of the run (kept from the forward to the backward run when recompute
+# is off, since the backward then walks the forward's graph).
 def _enter_run(call: _Call, a: Action, backend: StreamingBackend) -> None:
     s = a.stage
     if s in call.resident:
         return
-    resident = call.prefetched.pop(a.key, None)
+    first = call.first_uploads.get(a.key)
+    # Queued ahead of this action on this worker, so done; re-raises its error here.
+    resident = first.result() if first is not None else call.prefetched.pop(a.key, None)
     if resident is None:
         for layer in call.stages[s].layers:
             call.ready.wait(layer.index)
@@ -177,7 +182,8 @@ def _enter_run(call: _Call, a: Action, backend: StreamingBackend) -> None:
     call.resident[s] = resident
     # Copy the device's next upload in while this run computes, if its params are ready
     # (else it is uploaded when its run starts). Not the same stage's: this run may still
-    # write its host buffers back (BatchNorm stats) while the copy would read them.
+    # write its host buffers back (BatchNorm stats) while the copy would read them; that one
+    # is copied in once the run has ended (_leave_run).
     nxt = call.plan.next_upload(a)
     fits = call.budget is None or (call.saved_bytes[a.device] + call.stage_bytes[s]
                                    + call.stage_bytes[nxt.stage] <= call.budget
@@ -185,16 +191,6 @@ def _enter_run(call: _Call, a: Action, backend: StreamingBackend) -> None:
     if nxt is not None and nxt.stage != s and fits \
             and all(call.ready.is_set(l.index) for l in call.stages[nxt.stage].layers):
         call.prefetched[nxt.action.key] = _upload(call, nxt.stage, backend, prefetch=True)
-
-
-def _upload(call: _Call, s: int, backend: StreamingBackend, prefetch: bool) -> Resident:
-    trainable = [rec.param for rec in call.stage_params[s]]
-    # Training: device leaves, whose gradients stay on the device. A differentiable
-    # inference call: a differentiable upload, so a later backward() reaches the host
-    # parameters and their grad hooks.
-    with torch.set_grad_enabled(not call.training and call.grad_enabled):
-        return backend.upload([l.module for l in call.stages[s].layers], trainable,
-                              leaves=call.training, prefetch=prefetch)
 
 
 def _leave_run(call: _Call, a: Action, backend: StreamingBackend) -> None:
@@ -205,6 +201,16 @@ def _leave_run(call: _Call, a: Action, backend: StreamingBackend) -> None:
         # A recompute's updates of the buffers are dropped: the forward made them.
         backend.release(resident, write_back=not (a.kind is ActionKind.BACKWARD
                                                  and call.recompute))
+    # The next run's upload, if its start could not be overlapped with this run: this stage's
+    # own (its buffers are home now), or one that did not fit beside this run's. It is copied
+    # in while the device waits for the next run's inputs.
+    nxt = call.plan.upload_after(a)
+    if nxt is None or nxt.action.key in call.prefetched:
+        return
+    held = call.saved_bytes[a.device] + sum(call.stage_bytes[r] for r in call.resident)
+    fits = call.budget is None or held + call.stage_bytes[nxt.stage] <= call.budget
+    if fits and all(call.ready.is_set(l.index) for l in call.stages[nxt.stage].layers):
+        call.prefetched[nxt.action.key] = _upload(call, nxt.stage, backend, prefetch=True)
 
 
 def _stage_input(call: _Call, s: int, m: int, backend: Backend) -> Tuple[tuple, dict]:

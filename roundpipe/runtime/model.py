@@ -43,7 +43,8 @@ __all__ = ["RoundPipe"]
 # iteration k's gradients to the newest masters: ZeRO-Offload's delayed parameter update.
 # step(step_fn, is_async=False) launches step_fn, then the copy, then waits: zero-stale.
 # The low-precision params are never written while a worker reads them: the copy of step k runs
-# after forward_backward k returned, and forward_backward k+1 waits for the events.
+# after forward_backward k returned, and forward_backward k+1 waits for the events (on an
+# accelerator, before any upload of a stage, the first of each device's included).
 
 
 class RoundPipe(nn.Module):
