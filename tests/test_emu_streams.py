@@ -25,6 +25,13 @@ def _side_stream(device=EMU):
     return stream
 
 
+def _current_waits_for(stream):
+    """The current stream waits for ``stream``'s work so far, through an event."""
+    event = torch.Event(device=EMU)
+    event.record(stream)
+    torch.accelerator.current_stream(EMU).wait_event(event)
+
+
 def test_a_read_of_another_streams_write_needs_an_event():
     x = torch.ones(8, device=EMU)
     side = _side_stream()
@@ -33,9 +40,7 @@ def test_a_read_of_another_streams_write_needs_an_event():
     with pytest.raises(StreamOrderError, match=r"aten.add.Tensor on stream 0 uses memory "
                                                r"written by aten.mul.Tensor on stream \d+"):
         y + 1
-    event = torch.Event(device=EMU)
-    event.record(side)
-    torch.accelerator.current_stream(EMU).wait_event(event)
+    _current_waits_for(side)
     assert (y + 1).sum().item() == 24
 
 
@@ -78,9 +83,7 @@ def test_events_carry_what_their_stream_waited_for():
     with a:
         y = x * 3
     b.wait_stream(a)
-    event = torch.Event(device=EMU)
-    event.record(b)
-    torch.accelerator.current_stream(EMU).wait_event(event)
+    _current_waits_for(b)
     assert (y + 0).sum().item() == 12
 
 
