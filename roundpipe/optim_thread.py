@@ -94,7 +94,12 @@ class _WorkItem(Future):
 
 
 def _describe(fn: Callable) -> str:
-    name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)
+    name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None)
+    if name is None:
+        try:
+            name = repr(fn)
+        except Exception:  # noqa: BLE001 -- a description must not fail the error it describes
+            name = type(fn).__qualname__
     return f"{name}()"
 
 

@@ -58,7 +58,11 @@ class Future:
         except reraise:
             raise
         except BaseException as exc:  # noqa: B036 -- stored and re-raised by the waiter
-            self.set_exception(exc)
+            try:
+                self.set_exception(exc)  # a subclass may do more (report it)
+            finally:
+                if not self._done.is_set():  # that failed too: settle anyway, never hang
+                    Future.set_exception(self, exc)
         else:
             self.set_result(result)
 

@@ -85,6 +85,28 @@ def test_base_exceptions_are_captured_not_fatal():
     assert out == ["alive"]
 
 
+class _Unprintable:
+    """A callable whose call and whose repr both raise."""
+
+    def __call__(self):
+        raise _StepFailed("boom in call")
+
+    def __repr__(self):
+        raise RuntimeError("no repr")
+
+
+def test_a_callable_that_cannot_be_described_still_fails_loudly():
+    # Describing the failure must not kill the thread (later waits would hang).
+    optim_thread.launch(_Unprintable())
+    with pytest.raises(_StepFailed, match="boom in call") as info:
+        optim_thread.synchronize()
+    assert any("_Unprintable()" in note for note in info.value.__notes__)
+    out = []
+    optim_thread.launch(out.append, "alive")
+    optim_thread.synchronize()
+    assert out == ["alive"]
+
+
 def test_synchronize_on_the_optimizer_thread_returns_at_once():
     outcome = []
 
