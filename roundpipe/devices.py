@@ -411,7 +411,8 @@ class _AcceleratorBackend:
     :meth:`record_event` marks a hand-off to another device; :meth:`finish` records a device
     event on the compute stream and waits for it on the host.
 
-    Touched by the device's worker thread only.
+    Touched by the device's worker thread only, except :meth:`begin_call` and :meth:`drain`
+    (main thread, while no action of a call runs).
     """
 
     def __init__(self, device: WorkerDevice) -> None:
@@ -419,28 +420,11 @@ class _AcceleratorBackend:
         self.device_type = device.type
         self.torch_device = device.torch_device
         self._module = torch.get_device_module(device.type)
-        self._streams: Dict[str, torch.Stream] = {}  # made on first use, by the worker
-
-    def _named_stream(self, name: str) -> torch.Stream:
-        stream = self._streams.get(name)
-        if stream is None:
-            stream = self._streams[name] = torch.Stream(device=self.torch_device)
-        return stream
-
-    @property
-    def stream(self) -> torch.Stream:
-        """The compute stream of the device's worker."""
-        return self._named_stream("compute")
-
-    @property
-    def copy_stream(self) -> torch.Stream:
-        """The stream that prefetched uploads run on, beside the compute."""
-        return self._named_stream("copy")
-
-    @property
-    def download_stream(self) -> torch.Stream:
-        """The stream that downloads run on, after the compute."""
-        return self._named_stream("download")
+        # Made here, on the main thread, before any thread uses them: the main thread orders
+        # the compute stream after its own (begin_call) while the worker may already upload.
+        self.stream = torch.Stream(device=self.torch_device)  # compute: every action
+        self.copy_stream = torch.Stream(device=self.torch_device)  # prefetched uploads
+        self.download_stream = torch.Stream(device=self.torch_device)  # after the compute
 
     @contextlib.contextmanager
     def action_context(self) -> Iterator[None]:
@@ -461,7 +445,7 @@ class _AcceleratorBackend:
     def drain(self) -> None:
         # Uploads (prefetched ones too) may still be reading host parameters that the next
         # step writes, and downloads writing pinned buffers.
-        for stream in list(self._streams.values()):
+        for stream in (self.stream, self.copy_stream, self.download_stream):
             stream.synchronize()
 
     def prepare_host(self, module: torch.nn.Module) -> None:

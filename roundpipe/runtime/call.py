@@ -3,11 +3,11 @@ the main thread and the device workers) and its per (stage, microbatch) :class:`
 is prepared from its inputs and run config (:func:`_prepare_call`), and the RNG chain bookkeeping
 around it (which stages draw random numbers, the global RNG state left afterwards; see
 [Note: RNG chains] in :mod:`roundpipe.autocast`), and, on an accelerator, each device's first
-upload, started while the call is still being prepared (:func:`_start_first_uploads`).
+upload, queued ahead of the call's actions (:func:`_start_first_uploads`).
 
 Threads: the main thread builds a call and reads it after the workers finish; in between each
 slot is written by one action and read by its dependents after that action's future is done.
-A first upload runs on its device's worker while the main thread finishes the call; it reads
+A first upload runs on its device's worker while the main thread submits the actions; it reads
 only what the call was built with (stages, their params, the "params ready" events) and hands
 its upload over through its future.
 """
@@ -194,7 +194,6 @@ def _prepare_call(model: "RoundPipe", cfg: RoundPipeRunConfig, args: tuple, kwar
         cast_dtype=model._params.cast_dtype,
         input_grad=training and any(isinstance(x, torch.Tensor) and x.requires_grad
                                     for x in pytree.tree_leaves((args, kwargs))))
-    _start_first_uploads(call)
     call.slots = {(s, m): _Slot() for s in range(len(stages)) for m in range(M)}
     call.futures = {a.key: Future() for a in call.plan.actions()}
     call.losses = [None] * M
@@ -224,10 +223,10 @@ def _budget(setting: Optional[Union[int, str]], pool: DevicePool) -> Optional[in
 
 
 def _start_first_uploads(call: _Call) -> None:
-    """Main thread, as soon as the call exists: queue each device's first upload of a
-    stage-major plan on its worker, ahead of the call's actions, so that it is copied in on the
-    copy stream while the host finishes the call and a device after the first waits for its
-    first input (see [Note: streaming] in schedule.py). A stage that does not fit the
+    """Main thread, as the call starts (in :func:`_execute`, so that an interrupted call waits
+    for them): queue each device's first upload of a stage-major plan on its worker, ahead of
+    the call's actions, so that it is copied in on the copy stream while a device after the
+    first waits for its first input (see [Note: streaming] in schedule.py). A stage that does not fit the
     ``device_memory_budget`` on its own is left to its action, as a prefetch would be."""
     if not call.plan.stage_major:
         return

@@ -23,11 +23,11 @@ from torch.utils.checkpoint import checkpoint
 from roundpipe.autocast import RNGState, autocast_context, rng_scope
 from roundpipe.devices import Backend, Future, StreamingBackend, caller_as_worker
 from roundpipe.optim_thread import add_note
-from roundpipe.runtime.call import _Call, _Cancelled, _Slot, _upload
+from roundpipe.runtime.call import _Call, _Cancelled, _Slot, _start_first_uploads, _upload
 from roundpipe.runtime.grads import _launch_moves, _storage_counts, _sum_into
 from roundpipe.runtime.params import _ParamsCopyFailed, raise_copy_failure
 from roundpipe.runtime.plan import _Layer, _Stage
-from roundpipe.schedule import Action, ActionKind
+from roundpipe.schedule import Action, ActionKind, Transfer
 
 __all__: list = []  # private to roundpipe.runtime
 
@@ -80,6 +80,7 @@ def _execute(call: _Call) -> None:
     for backend in call.pool.backends:
         backend.begin_call()
     try:
+        _start_first_uploads(call)
         for d, actions in enumerate(call.plan.per_device):
             if d == own:
                 continue
@@ -185,12 +186,8 @@ def _enter_run(call: _Call, a: Action, backend: StreamingBackend) -> None:
     # write its host buffers back (BatchNorm stats) while the copy would read them; that one
     # is copied in once the run has ended (_leave_run).
     nxt = call.plan.next_upload(a)
-    fits = call.budget is None or (call.saved_bytes[a.device] + call.stage_bytes[s]
-                                   + call.stage_bytes[nxt.stage] <= call.budget
-                                   if nxt is not None else False)
-    if nxt is not None and nxt.stage != s and fits \
-            and all(call.ready.is_set(l.index) for l in call.stages[nxt.stage].layers):
-        call.prefetched[nxt.action.key] = _upload(call, nxt.stage, backend, prefetch=True)
+    if nxt is not None and nxt.stage != s:
+        _prefetch(call, nxt, backend, call.saved_bytes[a.device] + call.stage_bytes[s])
 
 
 def _leave_run(call: _Call, a: Action, backend: StreamingBackend) -> None:
@@ -205,9 +202,15 @@ def _leave_run(call: _Call, a: Action, backend: StreamingBackend) -> None:
     # own (its buffers are home now), or one that did not fit beside this run's. It is copied
     # in while the device waits for the next run's inputs.
     nxt = call.plan.upload_after(a)
-    if nxt is None or nxt.action.key in call.prefetched:
-        return
-    held = call.saved_bytes[a.device] + sum(call.stage_bytes[r] for r in call.resident)
+    if nxt is not None and nxt.action.key not in call.prefetched:
+        _prefetch(call, nxt, backend, call.saved_bytes[a.device]
+                  + sum(call.stage_bytes[r] for r in call.resident))
+
+
+def _prefetch(call: _Call, nxt: Transfer, backend: StreamingBackend, held: int) -> None:
+    """Copy upload ``nxt`` in on the copy stream, for the action that will adopt it, if it fits
+    the budget beside the ``held`` bytes and its params are ready (else that action uploads it;
+    a prefetch never waits for the optimizer thread)."""
     fits = call.budget is None or held + call.stage_bytes[nxt.stage] <= call.budget
     if fits and all(call.ready.is_set(l.index) for l in call.stages[nxt.stage].layers):
         call.prefetched[nxt.action.key] = _upload(call, nxt.stage, backend, prefetch=True)
@@ -393,14 +396,7 @@ def _recompute_backward_action(call: _Call, a: Action, backend: Backend) -> None
     with torch.enable_grad():
         with autocast_context(call.autocast), rng_scope(slot.rng_start, backend):
             out = _run_stage(call, call.stages[s], inp, m, "recompute", backend)
-        out_leaves = _leaves(out)
-        if len(out_leaves) != len(grads_out):
-            raise AssertionError(f"stage {s} has {len(out_leaves)} outputs but stage {s + 1} "
-                                 f"returned {len(grads_out)} input grads; please report")
-        pairs = [(o, g) for o, g in zip(out_leaves, grads_out)
-                 if g is not None and isinstance(o, torch.Tensor) and o.requires_grad]
-        _grad_and_move(call, s, m, [o for o, _ in pairs], [g for _, g in pairs],
-                            in_leaves, backend)
+        _backward_from(call, s, m, _leaves(out), grads_out, in_leaves, backend)
 
 
 def _microbatch_action(call: _Call, a: Action, backend: Backend) -> None:
@@ -446,15 +442,21 @@ def _backward_body(call: _Call, a: Action, backend: Backend, grads_out: List[Any
     slot = call.slots[(s, m)]
     in_leaves, out_leaves = slot.graph_in, slot.graph_out
     slot.graph_in = slot.graph_out = None
+    slot.phase = "recompute"  # autograd may re-run the stage now (see [Note: recompute])
+    with torch.enable_grad():
+        _backward_from(call, s, m, out_leaves, grads_out, in_leaves, backend)
+
+
+def _backward_from(call: _Call, s: int, m: int, out_leaves: List[Any], grads_out: List[Any],
+                   in_leaves: List[Any], backend: Backend) -> None:
+    """Stage ``s``'s backward of microbatch ``m`` from its output leaves and the input grads
+    stage ``s + 1`` returned for them."""
     if len(out_leaves) != len(grads_out):
         raise AssertionError(f"stage {s} has {len(out_leaves)} outputs but stage {s + 1} "
                              f"returned {len(grads_out)} input grads; please report")
     pairs = [(o, g) for o, g in zip(out_leaves, grads_out)
              if g is not None and isinstance(o, torch.Tensor) and o.requires_grad]
-    slot.phase = "recompute"  # autograd may re-run the stage now (see [Note: recompute])
-    with torch.enable_grad():
-        _grad_and_move(call, s, m, [o for o, _ in pairs], [g for _, g in pairs],
-                            in_leaves, backend)
+    _grad_and_move(call, s, m, [o for o, _ in pairs], [g for _, g in pairs], in_leaves, backend)
 
 
 def _checkpointed_stage(call: _Call, stage: _Stage, inp: Tuple[tuple, dict], m: int,
@@ -558,8 +560,6 @@ def _wait_uninterrupted(futures: List[Future]) -> None:
 
 
 @contextlib.contextmanager
-
-
 def _recompute_guard(call: _Call, stages: Sequence[_Stage]) -> Iterator[None]:
     """Around a backward that recomputes ``stages``: their forward already updated their
     buffers (BatchNorm running stats) and the recompute must not update them a second time.
