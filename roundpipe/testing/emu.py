@@ -198,6 +198,7 @@ def _give_back(key: int, index: int, nbytes: int) -> None:
     with _memory_lock:
         _allocated_bytes[index] -= nbytes
         _live_storages.pop(key, None)
+    _accesses.pop(key, None)  # its stream order ends with it (one dict op: no lock needed)
 
 
 def _index_of(device: Any) -> int:
@@ -338,12 +339,17 @@ def _allocated(t: torch.Tensor, index: int) -> None:
             _accesses[_storage_key(t)] = _Access(stream, count, "an allocation")
 
 
-def _keep_until_settled(ident: int, host: torch.Tensor, snapshot: torch.Tensor) -> None:
+def _keep_until_settled(ident: int, host: torch.Tensor, snapshot: torch.Tensor,
+                        landing: Optional[Tuple[int, Tuple[int, int], int]] = None) -> None:
+    """Hold a pending copy's buffers until its host side has run (and forget those that have);
+    ``landing``: a download's entry for :func:`_land_downloads`."""
     with _order_lock:
         for done in [i for i in _pending_buffers if _native.roundpipe_emu_finished(i)]:
             del _pending_buffers[done]
             _landing.pop(done, None)
         _pending_buffers[ident] = (host, snapshot)
+        if landing is not None:
+            _landing[ident] = landing
 
 
 def _land_downloads(func: Any, source: torch.Tensor, stream: Tuple[int, int]) -> None:
@@ -361,19 +367,17 @@ def _land_downloads(func: Any, source: torch.Tensor, stream: Tuple[int, int]) ->
             _landing.pop(ident, None)
 
 
-def _async_download(host: torch.Tensor, source: torch.Tensor, stream: Tuple[int, int],
+def _async_download(host: torch.Tensor, snapshot: torch.Tensor, stream: Tuple[int, int],
                     count: int) -> None:
-    """``host.copy_(source, non_blocking=True)`` into pinned memory: ``host`` holds poison until
-    the host waits for the copy."""
-    snapshot = torch.empty_like(host, memory_format=torch.contiguous_format)
-    snapshot.copy_(source)
+    """``host.copy_(source, non_blocking=True)`` into pinned memory, ``snapshot`` holding the
+    source's values in ``host``'s dtype and layout: ``host`` holds poison until the host waits
+    for the copy."""
     host.reshape(-1).view(torch.uint8).fill_(0xFF)
     ident = _native.roundpipe_emu_pending(1, ctypes.c_void_p(host.data_ptr()),
                                           ctypes.c_void_p(snapshot.data_ptr()),
                                           host.numel() * host.element_size(), stream[0],
                                           stream[1], count)
-    _keep_until_settled(ident, host, snapshot)
-    _landing[ident] = (_storage_key(host), stream, count)
+    _keep_until_settled(ident, host, snapshot, landing=(_storage_key(host), stream, count))
 
 
 def _watch_upload(source: torch.Tensor, stream: Tuple[int, int], count: int) -> None:
@@ -483,7 +487,8 @@ class EmuTensor(torch.Tensor):
             _land_downloads(func, upload_from, stream)
         if download_into is not None:
             if _asynchronous_host(download_into, non_blocking):
-                _async_download(download_into, unwrapped_args[1], stream, count)
+                snapshot = torch.empty_like(download_into).copy_(unwrapped_args[1])
+                _async_download(download_into, snapshot, stream, count)
                 return download_into
             _host_waits(stream)  # a blocking copy: the host waits, then the bytes land
         out = func(*unwrapped_args, **unwrapped_kwargs)
@@ -519,8 +524,8 @@ def _to_host(func: Any, args: Any, kwargs: Dict[str, Any], unwrapped_args: Any,
         _host_waits(stream)
         return out
     unwrapped_kwargs = dict(unwrapped_kwargs, pin_memory=False)
-    source = func(*unwrapped_args, **unwrapped_kwargs)
-    host = torch.empty_like(source, pin_memory=True, memory_format=torch.contiguous_format)
+    source = func(*unwrapped_args, **unwrapped_kwargs).contiguous()  # a fresh copy: the snapshot
+    host = torch.empty_like(source, pin_memory=True)
     _async_download(host, source, stream, count)
     return host
 
