@@ -24,7 +24,7 @@ import dataclasses
 import datetime
 import hashlib
 import threading
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -275,7 +275,8 @@ def _on_optimizer_thread(fn: Callable[[], Any]) -> Any:
 
 
 def _wait_result(item: Any) -> Any:
-    return item.result() if item.wait() else None  # None: a failure reported earlier
+    item.wait(report=False)  # its failure, if any, is raised by result() below, never lost
+    return item.result()
 
 
 # The data-parallel group of this process, shared by every DataParallel and GradScaler in it.
@@ -379,6 +380,10 @@ class DataParallel:
         if not isinstance(buckets_in_flight, int) or isinstance(buckets_in_flight, bool) \
                 or buckets_in_flight < 1:
             raise ValueError(f"buckets_in_flight must be an int >= 1, got {buckets_in_flight!r}")
+        # Steps already launched run without data parallelism: let them finish before the
+        # optimizer thread can see the group (its scaler check would otherwise issue a
+        # collective that the other ranks, already past their steps, do not).
+        optim_thread._wait_all()
         self._group = _activate(process_group, device)
         self._model = model
         self._masters = [m for _, m in model.optim_named_parameters()]

@@ -102,6 +102,16 @@ class _Hyper:
     max_scale: Optional[float]
 
 
+def _sum_flags(flags: Iterable[torch.Tensor], device: torch.device) -> Optional[torch.Tensor]:
+    """The sum of inf/NaN flags from several devices, on ``device`` (None: no flags), added in
+    order as torch's GradScaler does."""
+    total = None
+    for flag in flags:
+        flag = flag.to(device, non_blocking=True)
+        total = flag if total is None else total + flag
+    return total
+
+
 class _HostCopy:
     """The values of a few 0-d tensors, copied to the host without waiting for the device:
     :meth:`values` waits only for that copy (its own event), never for the device's other work.
@@ -391,10 +401,9 @@ class GradScaler:
                         grad = grad._values()
                     grads[grad.device][grad.dtype].append(grad)
             found_per_device: dict[torch.device, torch.Tensor] = {}
-            inv_per_device: dict[torch.device, torch.Tensor] = {}
             for device, per_dtype in grads.items():
                 found = found_per_device[device] = found_inf.to(device, copy=True)
-                inv = inv_per_device.setdefault(device, inv_scale.to(device))
+                inv = inv_scale.to(device)
                 for same_dtype in per_dtype.values():
                     torch._amp_foreach_non_finite_check_and_unscale_(same_dtype, found, inv)
         # Under data parallelism every rank must skip the same steps: agree on the flag.
@@ -422,12 +431,9 @@ class GradScaler:
         state.stage = OptState.UNSCALED
 
     def _found_inf_sum(self, state: _PerOptimizerState) -> torch.Tensor:
-        found = [t.to(self._back.device, non_blocking=True) for t in state.found_inf_per_device.values()]
-        if not found:  # no gradient to check (a fused step without grads): nothing overflowed
+        total = _sum_flags(state.found_inf_per_device.values(), self._back.device)
+        if total is None:  # no gradient to check (a fused step without grads): nothing overflowed
             return torch.zeros((), dtype=torch.float32, device=self._back.device)
-        total = found[0]
-        for other in found[1:]:
-            total = total + other
         return total
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
@@ -641,15 +647,8 @@ class GradScaler:
         return self._publish()
 
     def _combined_found_inf(self) -> Optional[torch.Tensor]:
-        found = [t.to(self._scale.device, non_blocking=True)
-                 for state in self._per_optimizer_states.values()
-                 for t in state.found_inf_per_device.values()]
-        if not found:
-            return None
-        total = found[0]
-        for other in found[1:]:
-            total = total + other
-        return total
+        return _sum_flags((t for state in self._per_optimizer_states.values()
+                           for t in state.found_inf_per_device.values()), self._scale.device)
 
     def _apply_rule(self, found_inf: torch.Tensor, stale: bool) -> None:
         scale, tracker, hyper = self._scale, self._growth_tracker, self._hyper

@@ -82,12 +82,16 @@ def _wrap_step(model: "RoundPipe", step_fn: Callable[[], Any]) -> Callable[[], N
     """The work item of ``model.step(step_fn)``: on the optimizer thread, inside
     :class:`OptimizerCtx`, the data-parallel gradient average (if any), then ``step_fn``."""
 
+    # Read here, on the main thread at launch, not when the step runs: a DataParallel attached
+    # or closed in between changes later steps only.
+    reducer = model._grad_reducer
+
     def run() -> None:
         _STEP_TLS.model = model
         try:
             with OptimizerCtx():
-                if model._grad_reducer is not None:
-                    model._grad_reducer()
+                if reducer is not None:
+                    reducer()
                 step_fn()
         except BaseException as exc:  # noqa: B036 -- annotated, then re-raised
             # A failed step did not consume this iteration's gradients: drop them here, in
