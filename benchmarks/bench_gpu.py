@@ -228,11 +228,9 @@ class Bench:
         self.read_rss, self.rss_what = _rss_reader()
 
     def sync(self):
-        if self.on_gpu:
-            for d in self.pool:
-                torch.cuda.synchronize(d.torch_device)
-        else:
-            self.devmod.synchronize()
+        for d in self.pool:  # every device of the pool, not only the current one
+            if d.type != "cpu":
+                torch.accelerator.synchronize(d.torch_device)
 
     def measure(self, iteration, finish, devices):
         """Warm up, then time ``--iters`` calls of ``iteration``; tokens/s, GPU peak (bytes or

@@ -7,13 +7,15 @@ checked without threads (:func:`simulate`).
 Actions (see [Note: the clock]):
 
 * ``FORWARD(s, m)``: stage ``s`` forward of microbatch ``m``. In training with recompute on it
-  runs under ``torch.utils.checkpoint`` and keeps only the stage input; without recompute it
-  keeps the graph.
+  keeps only the stage input: under ``torch.utils.checkpoint`` on CPU pools, without a graph
+  (``no_grad``) on accelerator pools (see [Note: streaming]); without recompute it keeps the
+  graph.
   In inference (:meth:`RoundPipe.forward`) every stage, the last included, is a ``FORWARD``.
 * ``LAST(S-1, m)``: the last stage in training: forward with grad, ``loss_fn`` and backward in one
   action, so ``loss_fn`` runs exactly once per microbatch.
-* ``BACKWARD(s, m)``: ``torch.autograd.grad`` through stage ``s``; with recompute on, autograd
-  first re-runs the stage from its saved input (under the forward's RNG and autocast state).
+* ``BACKWARD(s, m)``: ``torch.autograd.grad`` through stage ``s``; with recompute on, the stage
+  is first re-run from its saved input under the forward's RNG and autocast state (by autograd,
+  through checkpoint, on CPU pools; by the worker itself on accelerator pools).
 * ``MICROBATCH(m)``: a fused plan's only kind (one device, ``fuse_stages=True``): every stage's
   forward of microbatch ``m``, ``loss_fn``, and one backward through all of them (see
   [Note: fused stages] in :mod:`roundpipe.runtime.execute`). Printed ``M.m``: it has no single stage.
@@ -363,16 +365,22 @@ def _check_unique(actions: Iterable[Action]) -> Dict[Tuple, Action]:
     return seen
 
 
+def check_execute_plan(execute_plan: Sequence[int]) -> None:
+    """Raise ``ValueError`` unless ``execute_plan`` is a non-empty list of positive ints."""
+    plan = execute_plan
+    if (isinstance(plan, (str, bytes)) or not hasattr(plan, "__len__") or len(plan) == 0
+            or any(not isinstance(k, int) or isinstance(k, bool) or k < 1 for k in plan)):
+        raise ValueError(f"execute_plan must be a non-empty list of positive ints (layers per "
+                         f"stage), got {execute_plan!r}")
+
+
 def partition(num_layers: int, execute_plan: Sequence[int] | None) -> List[Tuple[int, int]]:
     """Turn ``execute_plan`` (layers per stage, or None for one layer per stage) into
     ``[(first_layer, end_layer), ...]``; raises ``ValueError`` when it does not fit."""
     if execute_plan is None:
         return [(i, i + 1) for i in range(num_layers)]
+    check_execute_plan(execute_plan)
     sizes = list(execute_plan)
-    if not sizes or any(not isinstance(n, int) or isinstance(n, bool) or n < 1 for n in sizes):
-        raise ValueError(
-            f"execute_plan must be a non-empty list of positive ints (layers per stage), "
-            f"got {execute_plan!r}")
     if sum(sizes) != num_layers:
         raise ValueError(
             f"execute_plan {sizes} covers {sum(sizes)} layers but the model has {num_layers}; "
@@ -401,7 +409,8 @@ def stages_by_size(model: "torch.nn.Sequential", num_stages: Optional[int] = Non
     :func:`roundpipe.measure_layer_costs` returns), ``num_stages`` balances those instead of the
     bytes (a layer of cost 0 joins the stage before it), while ``max_stage_bytes``, if given,
     still caps each stage's parameter bytes: time balanced, memory bounded. ``costs`` need
-    ``num_stages``.
+    ``num_stages``. On an accelerator a running stage also holds its buffers and gradient sums
+    (see ``device_memory_budget``), so its device bytes exceed its parameter bytes.
     Any thread; reads only the parameters' sizes. Use it as
     ``RoundPipeRunConfig(execute_plan=stages_by_size(seq, num_stages=8))``.
     """

@@ -8,6 +8,8 @@ from typing import Any, Optional, Sequence, Union
 
 import torch
 
+from roundpipe.schedule import check_execute_plan
+
 __all__ = ["RoundPipeRunConfig", "resolve_config"]
 
 
@@ -94,11 +96,7 @@ class RoundPipeRunConfig:
                 raise ValueError(f"output_device {self.output_device!r} is not a device: "
                                  f"{exc}") from None
         if self.execute_plan is not None:
-            plan = self.execute_plan
-            if (isinstance(plan, (str, bytes)) or not hasattr(plan, "__len__") or len(plan) == 0
-                    or any(not isinstance(k, int) or isinstance(k, bool) or k < 1 for k in plan)):
-                raise ValueError(f"execute_plan must be a non-empty list of positive ints "
-                                 f"(layers per stage), got {plan!r}")
+            check_execute_plan(self.execute_plan)
 
 
 _DEFAULTS = RoundPipeRunConfig(num_microbatch=1, recompute=True, output_device="cpu")

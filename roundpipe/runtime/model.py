@@ -9,7 +9,7 @@ the :mod:`roundpipe.runtime` docstring for which thread touches what.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -102,11 +102,6 @@ class RoundPipe(nn.Module):
         if self.model_run_config.execute_plan is not None:
             self._planner.stages(self.model_run_config.execute_plan)  # validate now
         _ensure_optimizer_hook()
-
-    @property
-    def _layer_copies(self) -> List[List[Tuple[nn.Parameter, nn.Parameter]]]:
-        """Per layer, the (param, master) pairs the master->model copy writes (tests patch it)."""
-        return self._params.layer_copies
 
     def optim_parameters(self) -> Iterator[nn.Parameter]:
         """The fp32 master parameters (one per trainable parameter). Any thread; never blocks."""

@@ -73,13 +73,14 @@ class _Stage:
         tensors = {id(t): t for layer in layers
                    for t in list(layer.module.parameters()) + list(layer.module.buffers())}
         self._upload_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
-        self._masters = [rec.master for rec in self.params if rec.master is not None]
+        masters = [rec.master for rec in self.params if rec.master is not None]
+        self._grad_numel = sum(m.numel() for m in masters)
+        self._grad_bytes = sum(m.numel() * m.element_size() for m in masters)
 
     def device_bytes(self, grad_dtype: Optional[torch.dtype] = None) -> int:
         """The stage's upload plus its gradient sums, in ``grad_dtype`` (None: the masters')."""
-        return self._upload_bytes + sum(
-            m.numel() * (m.element_size() if grad_dtype is None else grad_dtype.itemsize)
-            for m in self._masters)
+        return self._upload_bytes + (self._grad_bytes if grad_dtype is None
+                                     else self._grad_numel * grad_dtype.itemsize)
 
 
 def _model_layers(model: nn.Module) -> List[_Layer]:
@@ -108,6 +109,7 @@ class _Planner:
         self._params = params
         self._pool = pool
         self._stage_cache: Dict[Tuple[int, ...], List[_Stage]] = {}
+        self._shared_cache: Dict[int, bool] = {}  # id(stage list) -> _shares_params
         self._plan_cache: Dict[Tuple, Plan] = {}
 
     def stages(self, execute_plan: Optional[Sequence[int]]) -> List[_Stage]:
@@ -118,6 +120,7 @@ class _Planner:
             stages = [_Stage(s, self.layers[a:b], self._params)
                       for s, (a, b) in enumerate(bounds)]
             self._stage_cache[key] = stages
+            self._shared_cache[id(stages)] = _shares_params(stages)
         return stages
 
     def plan(self, stages: List[_Stage], num_microbatch: int, training: bool,
@@ -127,7 +130,7 @@ class _Planner:
         # roundpipe/runtime/execute.py).
         streaming = self._pool.device_type != "cpu"
         fuse = (training and not streaming and len(self._pool) == 1
-                and not _shares_params(stages))
+                and not self._shared_cache[id(stages)])
         key = (len(stages), num_microbatch, training, fuse, streaming, recompute)
         plan = self._plan_cache.get(key)
         if plan is None:
