@@ -9,6 +9,7 @@ thread. See README.md and docs/.
 from roundpipe import distributed
 from roundpipe import optim_thread
 from roundpipe import optim
+from roundpipe.context import WithContext
 from roundpipe.layer_costs import measure_layer_costs
 from roundpipe.grad_scaler import GradScaler, ScaleCollapseWarning, ScalerSnapshot
 from roundpipe.monitor import TrainingHistory, TrainingMonitor
@@ -17,4 +18,4 @@ from roundpipe.schedule import stages_by_size
 
 __version__ = "0.1.0"
 
-__all__ = ["RoundPipe", "RoundPipeRunConfig", "OptimizerCtx", "stages_by_size", "measure_layer_costs", "GradScaler", "ScaleCollapseWarning", "ScalerSnapshot", "TrainingHistory", "TrainingMonitor", "distributed", "optim", "optim_thread", "__version__"]
+__all__ = ["RoundPipe", "RoundPipeRunConfig", "OptimizerCtx", "stages_by_size", "WithContext", "measure_layer_costs", "GradScaler", "ScaleCollapseWarning", "ScalerSnapshot", "TrainingHistory", "TrainingMonitor", "distributed", "optim", "optim_thread", "__version__"]
