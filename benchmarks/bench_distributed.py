@@ -44,15 +44,13 @@ def worker(cfg):
     reduce_times = []
     if cfg["dp"]:
         rpd.init_process_group("gloo", timeout=120)
+        # Step pre-hooks run in registration order: DataParallel's gradient average between
+        # these two.
+        started = []
+        model.register_step_pre_hook(lambda: started.append(time.perf_counter()))
         dp = rpd.DataParallel(model)
-        reduce = model._grad_reducer
-
-        def timed_reduce():
-            t0 = time.perf_counter()
-            reduce()
-            reduce_times.append(time.perf_counter() - t0)
-
-        model._grad_reducer = timed_reduce
+        model.register_step_pre_hook(
+            lambda: reduce_times.append(time.perf_counter() - started.pop()))
     with OptimizerCtx():
         opt = torch.optim.SGD(model.parameters(), lr=1e-6)
     x = torch.randn(cfg["batch"], cfg["width"])

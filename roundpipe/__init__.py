@@ -14,7 +14,7 @@ from roundpipe.layer_costs import measure_layer_costs
 from roundpipe.grad_scaler import GradScaler, ScaleCollapseWarning, ScalerSnapshot
 from roundpipe.monitor import TrainingHistory, TrainingMonitor
 from roundpipe.runtime import OptimizerCtx, RoundPipe, RoundPipeRunConfig
-from roundpipe.schedule import stages_by_size
+from roundpipe.plan import stages_by_size
 
 __version__ = "0.1.0"
 

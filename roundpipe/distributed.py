@@ -24,6 +24,7 @@ import dataclasses
 import datetime
 import hashlib
 import threading
+import weakref
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Union
 
 import torch
@@ -58,6 +59,10 @@ __all__ = ["DataParallel", "DataParallelError", "Bucket", "init_process_group", 
 # passed) raises DataParallelError on the optimizer thread, reported on the main thread at the
 # next dependent call like any step failure; the group is then marked broken and every later
 # collective raises at once instead of waiting for a timeout again.
+
+
+# The models a DataParallel is attached to (main thread).
+_ATTACHED: "weakref.WeakSet[Any]" = weakref.WeakSet()
 
 
 class DataParallelError(RuntimeError):
@@ -367,13 +372,13 @@ class DataParallel:
     def __init__(self, model: Any, process_group: Optional[Any] = None,
                  bucket_cap_mb: float = 25.0, buckets_in_flight: int = 2,
                  device: Optional[Any] = None) -> None:
-        from roundpipe.runtime import RoundPipe, _check_main_thread
+        from roundpipe.runtime import RoundPipe, check_main_thread
 
-        _check_main_thread("DataParallel")
+        check_main_thread("DataParallel")
         if not isinstance(model, RoundPipe):
             raise TypeError(f"DataParallel attaches to a roundpipe.RoundPipe, got "
                             f"{type(model).__name__}")
-        if getattr(model, "_grad_reducer", None) is not None:
+        if model in _ATTACHED:
             raise RuntimeError("this RoundPipe already has a DataParallel; close() it first")
         if not (isinstance(bucket_cap_mb, (int, float)) and bucket_cap_mb > 0):
             raise ValueError(f"bucket_cap_mb must be a number > 0, got {bucket_cap_mb!r}")
@@ -398,7 +403,8 @@ class DataParallel:
         except BaseException:
             _deactivate()
             raise
-        model._grad_reducer = self._reduce_gradients
+        self._hook = model.register_step_pre_hook(self._reduce_gradients)
+        _ATTACHED.add(model)
 
     @property
     def rank(self) -> int:
@@ -421,7 +427,8 @@ class DataParallel:
         if self._closed:
             return
         optim_thread._wait_all()
-        self._model._grad_reducer = None
+        self._hook.remove()
+        _ATTACHED.discard(self._model)
         self._closed = True
         _deactivate()
 

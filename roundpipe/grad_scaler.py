@@ -186,9 +186,9 @@ def _check_not_on_model_params(optimizer: torch.optim.Optimizer) -> None:
     """In a RoundPipe step function, an optimizer without gradients is most likely one built on
     the model's own parameters (gradients go to the masters): raise the RuntimeError that says so
     and how to fix it. Elsewhere a no-op."""
-    from roundpipe.runtime import _check_optimizer_params  # at the call: the scaler stands alone
+    from roundpipe.runtime import check_optimizer_params  # at the call: the scaler stands alone
 
-    _check_optimizer_params(optimizer, (), {})
+    check_optimizer_params(optimizer, (), {})
 
 
 class GradScaler:

@@ -44,7 +44,7 @@ def pool_kind(request, monkeypatch):
     """``cpu``, or ``emu``: every device pool the test builds is made of emulated devices."""
     kind = getattr(request, "param", "cpu")
     if kind == "emu":
-        resolve = roundpipe.devices.resolve_devices
-        monkeypatch.setattr(roundpipe.devices, "resolve_devices",
+        resolve = roundpipe.devices.pool.resolve_devices
+        monkeypatch.setattr(roundpipe.devices.pool, "resolve_devices",
                             lambda devices=None: _on_emu(resolve(devices)))
     return kind

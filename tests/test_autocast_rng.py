@@ -246,12 +246,12 @@ def test_an_rng_scope_can_be_entered_again_after_an_error():
     # checkpoint enters a stage's recompute scope once per recompute; if a recompute fails, a
     # later one enters the same object again and must start from the same state (a one-use
     # context manager reported that as AttributeError instead of the first error).
-    from roundpipe.autocast import RNGState, rng_scope
-    from roundpipe.devices import _CPUBackend, WorkerDevice
+    from roundpipe.runtime.rng import RNGState, rng_scope
+    from roundpipe.devices import CPUBackend, WorkerDevice
 
     torch.manual_seed(3)
     start = RNGState(torch.get_rng_state())
-    scope = rng_scope(start, _CPUBackend(WorkerDevice("cpu", 0)))
+    scope = rng_scope(start, CPUBackend(WorkerDevice("cpu", 0)))
     with pytest.raises(KeyError):
         with scope:
             torch.rand(3)

@@ -254,7 +254,7 @@ def test_without_a_process_group_the_calls_say_what_to_do():
         rpd.DataParallel(model)
     with pytest.raises(RuntimeError, match="init_process_group"):
         rpd.shard(torch.zeros(4))
-    assert model._grad_reducer is None
+    assert not model._step_pre_hooks
     assert rpd._ACTIVE is None
 
 
@@ -301,7 +301,7 @@ def test_data_parallel_misuse_is_rejected(group_of_one):
     finally:
         dp.close()
     dp.close()  # idempotent
-    assert model._grad_reducer is None and rpd._ACTIVE is None
+    assert not model._step_pre_hooks and rpd._ACTIVE is None
     with pytest.raises(RuntimeError, match="was closed"):
         dp.replicas_identical()
 

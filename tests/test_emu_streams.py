@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 from roundpipe import OptimizerCtx, RoundPipe, RoundPipeRunConfig
-from roundpipe.devices import _AcceleratorBackend
-from roundpipe.runtime import grads
+from roundpipe.devices import AcceleratorBackend
+from roundpipe.runtime import grad_router
 from roundpipe.testing import emu
 from roundpipe.testing.emu import StreamOrderError
 
@@ -193,14 +193,14 @@ def test_streamed_training_passes_the_order_checks_and_matches_the_cpu(devices, 
 
 
 def _without_prefetch_wait(self, resident):
-    resident._ready = None
+    resident.ready = None
 
 
 def _without_reload_wait(self, tree, arrived):
     return self.to_device(tree)
 
 
-_original_to_device = _AcceleratorBackend.to_device
+_original_to_device = AcceleratorBackend.to_device
 
 
 def _without_producer_wait(self, tree, after=None):
@@ -224,8 +224,8 @@ def _moves_without_host_wait(pairs, arrived=None):
 ], ids=["caller-stream", "prefetch", "offload-reload", "device-hand-off"])
 def test_each_runtime_ordering_is_needed(monkeypatch, devices, offload, method, broken):
     # The check would catch the runtime losing any of its waits: drop one, and the run races.
-    monkeypatch.setattr(_AcceleratorBackend, method, broken)
+    monkeypatch.setattr(AcceleratorBackend, method, broken)
     if method == "reload":
-        monkeypatch.setattr(grads, "_move_grads", _moves_without_host_wait)
+        monkeypatch.setattr(grad_router, "move_grads", _moves_without_host_wait)
     with pytest.raises(StreamOrderError, match="stream race"):
         _train(devices, offload, inputs_on=EMU)

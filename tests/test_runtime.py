@@ -369,14 +369,14 @@ def test_gradients_given_as_views_of_one_storage_stay_separate_and_equal_on_any_
 def test_one_device_fuses_the_stages_of_a_microbatch_unless_a_parameter_spans_stages():
     cfg = RoundPipeRunConfig(num_microbatch=3)
     fused = RoundPipe(mlp(), devices="cpu", model_run_config=cfg)
-    assert {a.kind for a in fused.plan().actions()} == {roundpipe.schedule.ActionKind.MICROBATCH}
+    assert {a.kind for a in fused.plan().actions()} == {roundpipe.plan.ActionKind.MICROBATCH}
     assert len(fused.plan().actions()) == 3
     # Inference and several devices keep per-stage actions; so do tied weights (one backward
     # would sum a shared weight's two gradients in another order than the per-stage plan).
     assert len(fused.plan(training=False).actions()) == 5 * 3
     assert len(RoundPipe(mlp(), devices="cpu:2", model_run_config=cfg).plan().actions()) > 3
     tied = RoundPipe(_tied(), devices="cpu", model_run_config=cfg)
-    assert roundpipe.schedule.ActionKind.BACKWARD in {a.kind for a in tied.plan().actions()}
+    assert roundpipe.plan.ActionKind.BACKWARD in {a.kind for a in tied.plan().actions()}
 
 
 def test_a_grad_left_on_a_model_parameter_is_not_added_and_is_left_in_place():

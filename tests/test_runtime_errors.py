@@ -381,10 +381,10 @@ def _sum_loss(out, _):
 
 
 def test_ctrl_c_while_submitting_leaves_no_worker_waiting_and_no_gradients(monkeypatch):
-    # An interrupt between two submissions (as a SIGINT between two bytecodes): the actions
-    # already queued must not wait forever for ones never submitted, and nothing of the call
-    # may land in the masters afterwards.
-    from roundpipe import devices
+    # An interrupt right after the first device's program was queued (as a SIGINT between two
+    # bytecodes): the actions already queued must not wait forever for ones that never run, and
+    # nothing of the call may land in the masters afterwards.
+    from roundpipe.devices import pool as devices
 
     model = _small()
     x = torch.randn(4, 4)
@@ -392,18 +392,19 @@ def test_ctrl_c_while_submitting_leaves_no_worker_waiting_and_no_gradients(monke
     clean = [m.grad.clone() for m in model.optim_parameters()]
     for m in model.optim_parameters():
         m.grad = None
-    original, count = devices._Worker.submit, [0]
+    original, count = devices.DeviceWorker.submit, [0]
 
     def interrupted_submit(self, *args, **kwargs):
         count[0] += 1
-        if count[0] == 3:  # device 1 has 2 of its 4 actions queued; device 0 (the caller) none run
+        fut = original(self, *args, **kwargs)
+        if count[0] == 1:  # one device's program is queued; the other one's never runs
             raise KeyboardInterrupt
-        return original(self, *args, **kwargs)
+        return fut
 
-    monkeypatch.setattr(devices._Worker, "submit", interrupted_submit)
+    monkeypatch.setattr(devices.DeviceWorker, "submit", interrupted_submit)
     with pytest.raises(KeyboardInterrupt):
         model.forward_backward(input_args=(x,), loss_fn=_sum_loss)
-    monkeypatch.setattr(devices._Worker, "submit", original)
+    monkeypatch.setattr(devices.DeviceWorker, "submit", original)
     optim_thread.synchronize()
     assert all(m.grad is None for m in model.optim_parameters())
     model.forward_backward(input_args=(x,), loss_fn=_sum_loss)  # would hang before the fix

@@ -4,7 +4,7 @@ import itertools
 
 import pytest
 
-from roundpipe.schedule import ActionKind, build_plan, partition, simulate
+from roundpipe.plan import ActionKind, build_plan, partition, simulate
 
 SHAPES = list(itertools.product([1, 2, 3, 5], [1, 2, 4], [1, 2, 3], [True, False]))
 
@@ -141,7 +141,7 @@ def _seq(*widths):
 
 
 def test_stages_by_size_balances_parameter_bytes():
-    from roundpipe.schedule import stages_by_size
+    from roundpipe.plan import stages_by_size
 
     seq = _seq(8, 8, 8, 8, 16)  # 256 B x 4, then 1024 B
     plan = stages_by_size(seq, num_stages=2)
@@ -155,7 +155,7 @@ def test_stages_by_size_balances_parameter_bytes():
 
 def test_stages_by_size_counts_a_shared_parameter_once_and_rejects_misuse():
     import torch.nn as nn
-    from roundpipe.schedule import stages_by_size
+    from roundpipe.plan import stages_by_size
 
     first, last = nn.Linear(8, 8, bias=False), nn.Linear(8, 8, bias=False)
     last.weight = first.weight  # tied: its 256 bytes count in the first layer only
@@ -171,7 +171,7 @@ def test_stages_by_size_counts_a_shared_parameter_once_and_rejects_misuse():
 
 def test_stages_by_size_can_balance_measured_costs_instead_of_bytes():
     import torch.nn as nn
-    from roundpipe.schedule import stages_by_size
+    from roundpipe.plan import stages_by_size
 
     seq = nn.Sequential(*[nn.Linear(4, 4) for _ in range(6)])  # equal bytes
     assert stages_by_size(seq, num_stages=3) == [2, 2, 2]
@@ -185,7 +185,7 @@ def test_stages_by_size_can_balance_measured_costs_instead_of_bytes():
 
 
 def test_stages_by_size_balances_costs_under_a_byte_cap():
-    from roundpipe.schedule import stages_by_size
+    from roundpipe.plan import stages_by_size
 
     seq = _seq(8, 8, 8, 8, 16)  # 256 B x 4, then 1024 B; each linear with its ReLU
     costs = [1, 0, 1, 0, 1, 0, 3, 0, 3, 0]  # the ReLUs free

@@ -1,4 +1,4 @@
-"""Streaming on an accelerator (see [Note: streaming] in roundpipe/schedule.py): stage-major
+"""Streaming on an accelerator (see [Note: streaming] in roundpipe/plan/build.py): stage-major
 plans, what they say they move, and what the emulated device sees moved."""
 
 import copy
@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from roundpipe import OptimizerCtx, RoundPipe, RoundPipeRunConfig
-from roundpipe.schedule import ActionKind, TransferKind, build_plan, simulate
+from roundpipe.plan import ActionKind, TransferKind, build_plan, simulate
 from roundpipe.testing import emu
 
 SHAPES = list(itertools.product([1, 2, 3, 5], [1, 2, 4, 16], [1, 2, 3]))
@@ -276,15 +276,15 @@ def test_a_first_upload_waits_for_the_params_of_the_step_before(monkeypatch):
     # The master->model copy that a step launches writes the host params the next call uploads;
     # slowed down, an upload that did not wait for its stage's "params ready" events would read
     # the params from before it, and the run would leave the CPU pool's result.
-    from roundpipe.runtime.params import _Params
+    from roundpipe.runtime.params import Params
 
-    copy_masters = _Params._copy_masters_to_model
+    copy_masters = Params.copy_masters_to_model
 
     def slow(self, ready):
         time.sleep(0.05)
         copy_masters(self, ready)
 
-    monkeypatch.setattr(_Params, "_copy_masters_to_model", slow)
+    monkeypatch.setattr(Params, "copy_masters_to_model", slow)
 
     def run(pool):
         model = RoundPipe(_model(), optim_dtype=torch.float32, devices=pool,
@@ -303,11 +303,11 @@ def test_a_first_upload_waits_for_the_params_of_the_step_before(monkeypatch):
 
 
 def test_one_device_waits_for_the_device_only_at_the_end_of_the_call(monkeypatch):
-    from roundpipe.devices import _AcceleratorBackend
+    from roundpipe.devices import AcceleratorBackend
 
     waits = []
-    finish = _AcceleratorBackend.finish
-    monkeypatch.setattr(_AcceleratorBackend, "finish",
+    finish = AcceleratorBackend.finish
+    monkeypatch.setattr(AcceleratorBackend, "finish",
                         lambda self: (waits.append(1), finish(self))[1])
     model = RoundPipe(_model(), devices="emu",
                       model_run_config=RoundPipeRunConfig(num_microbatch=4))
@@ -319,13 +319,13 @@ def test_one_device_waits_for_the_device_only_at_the_end_of_the_call(monkeypatch
 
 
 def test_two_devices_hand_off_through_device_events(monkeypatch):
-    from roundpipe.devices import _AcceleratorBackend
+    from roundpipe.devices import AcceleratorBackend
 
     waits, events = [], []
-    finish, record = _AcceleratorBackend.finish, _AcceleratorBackend.record_event
-    monkeypatch.setattr(_AcceleratorBackend, "finish",
+    finish, record = AcceleratorBackend.finish, AcceleratorBackend.record_event
+    monkeypatch.setattr(AcceleratorBackend, "finish",
                         lambda self: (waits.append(self.device), finish(self))[1])
-    monkeypatch.setattr(_AcceleratorBackend, "record_event",
+    monkeypatch.setattr(AcceleratorBackend, "record_event",
                         lambda self: (events.append(self.device), record(self))[1])
     model = RoundPipe(_model(), devices="emu:2",
                       model_run_config=RoundPipeRunConfig(num_microbatch=4))

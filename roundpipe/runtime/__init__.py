@@ -4,38 +4,42 @@
   run of consecutive layers (``execute_plan``), placed round-robin on the pool's devices.
 * The wrapped module keeps its (low-precision) parameters; fp32 masters (``optim_dtype``) are
   what the optimizer updates. Gradients of every microbatch accumulate, in ``optim_dtype``, into
-  the masters' ``.grad`` (see [Note: gradient accumulation] in ``grads``).
-* :mod:`roundpipe.schedule` decides the order, this package executes it: each device worker gets
-  its actions, each action is a future that its dependents wait on.
+  the masters' ``.grad`` (see [Note: gradient accumulation] in ``grad_router``).
+* :mod:`roundpipe.plan` decides the order and the moves; this package executes the plan's
+  program, action by action.
 * ``step(step_fn)`` runs ``step_fn`` on the optimizer thread, one step behind
   (see [Note: staleness] in ``model``).
 
-Modules, by concern:
+Modules, by concern (all internal but ``model``'s :class:`RoundPipe`, ``config``'s
+:class:`RoundPipeRunConfig` and ``optimizer_ctx``'s :class:`OptimizerCtx`):
 
-* ``config``: :class:`RoundPipeRunConfig` and how the call's, the model's and the default
-  configs merge.
-* ``optimizer_ctx``: :class:`OptimizerCtx`, the ``step_fn`` wrapper, the optimizer pre-hook.
+* ``model``: :class:`RoundPipe`, the facade that composes the others.
+* ``config``: :class:`RoundPipeRunConfig` and its resolved form, how the call's, the model's
+  and the default configs merge.
 * ``params``: one record per parameter (name, model param, master), the master->model copy and
   its "params ready" events, the state dict helpers.
-* ``plan``: layers, stages and the cached plan a call runs.
-* ``call``: one call's state (``_Call``, ``_Slot``), preparing it, its RNG chain bookkeeping.
-* ``execute``: running a plan's actions on the device workers.
-* ``grads``: gradient buffers, grad moves to the masters, grad hooks.
-* ``model``: :class:`RoundPipe`, which composes them.
+* ``stages``: layers, stages and the cached plans a call runs.
+* ``call``: one call: its immutable spec and its mutable state, and how they are prepared.
+* ``executor``: the dispatch loop that performs a plan's program on the device workers.
+* ``stage_ops``: the stage bodies (forward, recompute, backward, ``loss_fn``).
+* ``grad_router``: the only way a gradient reaches a master.
+* ``rng``: the RNG chains (see [Note: RNG chains]).
+* ``optimizer_ctx``: :class:`OptimizerCtx`, the ``step_fn`` work item, the optimizer pre-hook.
 
 Threads and what they touch (see docs/threads-and-staleness.md, "The threads"):
 
-* main: every public method; the run configs; ``_Params.ready`` (replaced, never mutated);
-  ``_has_grads``; the per-call state before the workers start and after they finish.
-* device workers (CPU device 0: the calling thread, during the call): a call's ``_Call`` slots,
-  each written by one action and read by its dependents after that action's future is done; the
+* main: every public method; the run configs; ``Params.ready`` (replaced, never mutated);
+  ``_has_grads``; the call's state before the workers start and after they finish.
+* device workers (CPU device 0: the calling thread, during the call): a call's slots, each
+  written by one action and read by its dependents after that action's future is done; the
   low-precision parameters (read only, after the stage's "params ready" event).
 * optimizer thread: the masters and their ``.grad`` (grad moves, ``step_fn``, clears), and the
   low-precision parameters (written by the master->model copy, which sets the events).
 """
 
 from roundpipe.runtime.config import RoundPipeRunConfig
-from roundpipe.runtime.model import RoundPipe, _check_main_thread
-from roundpipe.runtime.optimizer_ctx import OptimizerCtx, _check_optimizer_params
+from roundpipe.runtime.model import RoundPipe, check_main_thread
+from roundpipe.runtime.optimizer_ctx import OptimizerCtx, check_optimizer_params
 
-__all__ = ["RoundPipe", "RoundPipeRunConfig", "OptimizerCtx"]
+__all__ = ["RoundPipe", "RoundPipeRunConfig", "OptimizerCtx", "check_main_thread",
+           "check_optimizer_params"]

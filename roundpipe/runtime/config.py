@@ -1,16 +1,19 @@
-"""Run configs: :class:`RoundPipeRunConfig` (how a call runs) and how a call's, the model's and the
-default configs merge, field by field (:func:`resolve_config`)."""
+"""Run configs: :class:`RoundPipeRunConfig`, what a user sets (every field may be left to
+inherit), and :class:`ResolvedRunConfig`, what a call runs with: the call's, the model's and
+the default configs merged field by field (:func:`resolve_config`), every field a concrete
+value."""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional, Sequence, Union
+from collections.abc import Sequence
+from typing import Any, Literal, Union
 
 import torch
 
-from roundpipe.schedule import check_execute_plan
+from roundpipe.plan import check_execute_plan, partition
 
-__all__ = ["RoundPipeRunConfig", "resolve_config"]
+__all__ = ["RoundPipeRunConfig", "ResolvedRunConfig", "resolve_config"]
 
 
 @dataclasses.dataclass
@@ -29,15 +32,16 @@ class RoundPipeRunConfig:
     * ``recompute`` (default True): keep only stage inputs, recompute in backward.
     * ``offload_activations`` (default False): on an accelerator, with recompute, keep those
       stage inputs in pinned host memory between the forward and the backward pass instead of
-      on the device (see [Note: streaming] in :mod:`roundpipe.schedule`); no effect on the CPU.
+      on the device (see [Note: the program] in :mod:`roundpipe.plan.actions`); no effect on
+      the CPU.
     * ``device_memory_budget`` (bytes per device, ``"auto"``, or default None: no budget): on
-      an accelerator, the next stage is prefetched only if it fits beside the current one and
-      the saved stage inputs (a device's first stage of a call only if it fits on its own), and
-      a saved stage input goes to the host once keeping it would leave less than two stages'
-      room (an estimate: weights, buffers and gradient sums; not the activations inside a
-      stage). ``"auto"``: at each call, 90% of the memory the emptiest
-      device of the pool has free (``mem_get_info``, plus what torch's allocator caches), the
-      rest left for the activations inside a stage.
+      an accelerator, the plan prefetches the next stage only where it fits beside the current
+      one and the saved stage inputs (a device's first stage of a call only if it fits on its
+      own), and sends a saved stage input to the host once keeping it would leave less than two
+      stages' room (an estimate: weights, buffers and gradient sums; not the activations inside
+      a stage). ``"auto"``: at each call, 90% of the memory the emptiest device of the pool has
+      free (``mem_get_info``, plus what torch's allocator caches), the rest left for the
+      activations inside a stage.
     * ``device_grad_dtype`` (default None: the masters' dtype, ``optim_dtype``): on an
       accelerator, the dtype each stage's microbatch gradients are summed in on the device
       before their one download. The stage's low-precision dtype (``torch.float16``,
@@ -54,19 +58,19 @@ class RoundPipeRunConfig:
     Plain data; build it on any thread, do not mutate one that a call is using.
     """
 
-    num_microbatch: Optional[int] = None
+    num_microbatch: int | None = None
     autocast: Any = None
-    requires_grad: Optional[bool] = None
-    preserve_rng_state: Optional[bool] = None
-    recompute: Optional[bool] = None
-    offload_activations: Optional[bool] = None
-    device_memory_budget: Optional[Union[int, str]] = None
-    device_grad_dtype: Optional[torch.dtype] = None
+    requires_grad: bool | None = None
+    preserve_rng_state: bool | None = None
+    recompute: bool | None = None
+    offload_activations: bool | None = None
+    device_memory_budget: int | str | None = None
+    device_grad_dtype: torch.dtype | None = None
     split_input: Any = None
     split_label: Any = None
     merge_output: Any = None
     output_device: Any = None
-    execute_plan: Optional[Sequence[int]] = None
+    execute_plan: Sequence[int] | None = None
 
     def __post_init__(self) -> None:
         n = self.num_microbatch
@@ -99,24 +103,69 @@ class RoundPipeRunConfig:
             check_execute_plan(self.execute_plan)
 
 
-_DEFAULTS = RoundPipeRunConfig(num_microbatch=1, recompute=True, output_device="cpu")
+# The resolved settings that keep a mode rather than a value: the caller's autocast state or
+# grad mode (read at the call), a budget read at each call, the masters' dtype.
+AutocastSetting = Union[Literal["caller", "off"], torch.dtype]
+GradSetting = Union[bool, Literal["caller"]]
+RngSetting = Union[bool, Literal["auto"]]
+BudgetSetting = Union[int, Literal["auto", "none"]]
+GradDtypeSetting = Union[torch.dtype, Literal["masters"]]
 
 
-def _merge_configs(*configs: Optional[RoundPipeRunConfig]) -> RoundPipeRunConfig:
-    """Field by field, the first non-None among ``configs`` (highest priority first)."""
-    values = {}
-    for f in dataclasses.fields(RoundPipeRunConfig):
-        for cfg in configs:
-            if cfg is not None and getattr(cfg, f.name) is not None:
-                values[f.name] = getattr(cfg, f.name)
-                break
-    return RoundPipeRunConfig(**values)
+@dataclasses.dataclass(frozen=True)
+class ResolvedRunConfig:
+    """What one call runs with (see :class:`RoundPipeRunConfig` for each field's meaning): the
+    call's, then the model's, then the default settings, each a concrete value or an explicit
+    mode. ``execute_plan`` is the partition itself, ``(first, end)`` layer bounds per stage."""
+
+    num_microbatch: int
+    autocast: AutocastSetting
+    requires_grad: GradSetting
+    preserve_rng_state: RngSetting
+    recompute: bool
+    offload_activations: bool
+    device_memory_budget: BudgetSetting
+    device_grad_dtype: GradDtypeSetting
+    split_input: Any
+    split_label: Any
+    merge_output: Any
+    output_device: torch.device
+    execute_plan: tuple[tuple[int, int], ...]
 
 
-def resolve_config(run_config: Optional[RoundPipeRunConfig],
-                   model_config: RoundPipeRunConfig) -> RoundPipeRunConfig:
+def _first(field: str, *configs: RoundPipeRunConfig | None) -> Any:
+    for cfg in configs:
+        if cfg is not None and getattr(cfg, field) is not None:
+            return getattr(cfg, field)
+    return None
+
+
+def resolve_config(run_config: RoundPipeRunConfig | None, model_config: RoundPipeRunConfig,
+                   num_layers: int) -> ResolvedRunConfig:
     """The config a call runs with: ``run_config`` (checked), then ``model_config``, then the
-    defaults. Any thread."""
+    defaults; ``execute_plan`` partitions ``num_layers`` layers. Any thread."""
     if run_config is not None and not isinstance(run_config, RoundPipeRunConfig):
         raise TypeError("run_config must be a RoundPipeRunConfig")
-    return _merge_configs(run_config, model_config, _DEFAULTS)
+
+    def get(field: str, default: Any) -> Any:
+        value = _first(field, run_config, model_config)
+        return default if value is None else value
+
+    autocast = get("autocast", "caller")
+    budget = get("device_memory_budget", "none")
+    return ResolvedRunConfig(
+        num_microbatch=get("num_microbatch", 1),
+        autocast="off" if autocast is False else autocast,
+        requires_grad=get("requires_grad", "caller"),
+        preserve_rng_state=get("preserve_rng_state", "auto"),
+        recompute=get("recompute", True),
+        offload_activations=get("offload_activations", False),
+        device_memory_budget=budget,
+        device_grad_dtype=get("device_grad_dtype", "masters"),
+        split_input=_first("split_input", run_config, model_config),
+        split_label=_first("split_label", run_config, model_config),
+        merge_output=_first("merge_output", run_config, model_config),
+        output_device=torch.device(get("output_device", "cpu")),
+        execute_plan=tuple(partition(num_layers, _first("execute_plan", run_config,
+                                                        model_config))),
+    )

@@ -1,33 +1,39 @@
-"""The wrapper: :class:`RoundPipe`, which composes the runtime's parts (listed in
+"""The facade: :class:`RoundPipe`, which composes the runtime's parts (listed in
 :mod:`roundpipe.runtime`) into the public calls (``forward_backward``, ``forward``, ``step``,
 ``synchronize``, the state dicts), and the order of what ``step`` launches (see
 [Note: staleness]).
 
-Threads: every public method is for the main thread (checked, :func:`_check_main_thread`); see
+Threads: every public method is for the main thread (checked, :func:`check_main_thread`); see
 the :mod:`roundpipe.runtime` docstring for which thread touches what.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Iterator, Optional, Sequence, Tuple
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 from torch import nn
 from torch.utils import _pytree as pytree
+from torch.utils.hooks import RemovableHandle
 
 from roundpipe import optim_thread
 from roundpipe.devices import DevicePool, on_device_worker
-from roundpipe.microbatch import merge_outputs
-from roundpipe.runtime.call import _learn_rng_use, _prepare_call, _restore_rng
-from roundpipe.runtime.config import RoundPipeRunConfig, resolve_config
-from roundpipe.runtime.execute import _backward_to_inputs, _execute
-from roundpipe.runtime.grads import _clear_grads, _register_grad_hooks, _SinkSlot
-from roundpipe.runtime.optimizer_ctx import _ensure_optimizer_hook, _in_optimizer_ctx, _wrap_step
-from roundpipe.runtime.params import _Params
-from roundpipe.runtime.plan import _model_layers, _Planner
-from roundpipe.schedule import Plan
+from roundpipe.autocast import resolve_autocast
+from roundpipe.microbatch import merge_outputs, split_inputs
+from roundpipe.plan import Plan
+from roundpipe.runtime.call import ModelParts, plan_sizes, prepare_call
+from roundpipe.runtime.config import ResolvedRunConfig, RoundPipeRunConfig, resolve_config
+from roundpipe.runtime.executor import execute
+from roundpipe.runtime.grad_router import GradHooks, clear_grads
+from roundpipe.runtime.optimizer_ctx import ensure_optimizer_hook, in_optimizer_ctx, wrap_step
+from roundpipe.runtime.params import Params
+from roundpipe.runtime.rng import RngMemo, learn_rng_use, restore_after_call
+from roundpipe.runtime.stage_ops import backward_to_inputs
+from roundpipe.runtime.stages import ModelStages, model_layers
 
-__all__ = ["RoundPipe"]
+__all__ = ["RoundPipe", "check_main_thread"]
 
 
 # [Note: staleness]
@@ -44,7 +50,7 @@ __all__ = ["RoundPipe"]
 # step(step_fn, is_async=False) launches step_fn, then the copy, then waits: zero-stale.
 # The low-precision params are never written while a worker reads them: the copy of step k runs
 # after forward_backward k returned, and forward_backward k+1 waits for the events (on an
-# accelerator, before any upload of a stage, the first of each device's included).
+# accelerator, the plan's W action before each stage's first upload).
 
 
 class RoundPipe(nn.Module):
@@ -68,9 +74,9 @@ class RoundPipe(nn.Module):
     :mod:`roundpipe.runtime` docstring.
     """
 
-    def __init__(self, model: nn.Module, optim_dtype: Optional[torch.dtype] = None,
-                 name: Optional[str] = None,
-                 model_run_config: Optional[RoundPipeRunConfig] = None,
+    def __init__(self, model: nn.Module, optim_dtype: torch.dtype | None = None,
+                 name: str | None = None,
+                 model_run_config: RoundPipeRunConfig | None = None,
                  devices: Any = None) -> None:
         super().__init__()
         if not isinstance(model, nn.Module):
@@ -87,35 +93,32 @@ class RoundPipe(nn.Module):
         self.model_run_config = model_run_config or RoundPipeRunConfig()
         self._pool = DevicePool(devices)
         self._pool.backends[0].prepare_host(model)
-        layers = _model_layers(model)
-        self._params = _Params(model, [l.module for l in layers], optim_dtype)
-        self._planner = _Planner(layers, self._params, self._pool)
-        # Set by roundpipe.distributed.DataParallel: averages the masters' gradients over the
-        # ranks, on the optimizer thread, right before each step_fn.
-        self._grad_reducer: Optional[Callable[[], None]] = None
+        layers = model_layers(model)
+        self._params = Params(model, [layer.module for layer in layers], optim_dtype)
+        self._stages = ModelStages(layers, self._params)
+        self._hooks = GradHooks(self._params.records)
         self._has_grads = False
-        self._hooks_registered = False
-        self._grad_sink = _SinkSlot()  # see [Note: fused stages] in execute.py
         # Stages (by their layers and training mode) probed for drawing random numbers; main
         # thread. See [Note: RNG chains].
-        self._rng_use: Dict[Tuple, bool] = {}
-        if self.model_run_config.execute_plan is not None:
-            self._planner.stages(self.model_run_config.execute_plan)  # validate now
-        _ensure_optimizer_hook()
+        self._rng_memo: RngMemo = {}
+        # Run on the optimizer thread before each step_fn (register_step_pre_hook).
+        self._step_pre_hooks: OrderedDict[int, Callable[[], None]] = OrderedDict()
+        self._resolve(None)  # checks the model-level execute_plan now
+        ensure_optimizer_hook()
 
     def optim_parameters(self) -> Iterator[nn.Parameter]:
         """The fp32 master parameters (one per trainable parameter). Any thread; never blocks."""
         return iter(list(self._params.masters.values()))
 
-    def optim_named_parameters(self) -> Iterator[Tuple[str, nn.Parameter]]:
+    def optim_named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         """``(name, master)`` pairs, named like the wrapped module's parameters."""
         return iter(list(self._params.masters.items()))
 
     def named_parameters(self, prefix: str = "", recurse: bool = True,
-                         remove_duplicate: bool = True) -> Iterator[Tuple[str, nn.Parameter]]:
+                         remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
         """The wrapped module's parameters (names without a wrapper prefix); inside
         :class:`OptimizerCtx`, the masters. Decided at the call, not at iteration."""
-        if _in_optimizer_ctx():
+        if in_optimizer_ctx():
             sep = "." if prefix else ""
             return iter([(prefix + sep + n, m) for n, m in self._params.masters.items()])
         return self.module.named_parameters(prefix=prefix, recurse=recurse,
@@ -125,13 +128,23 @@ class RoundPipe(nn.Module):
         """``named_parameters()`` without the names (masters inside :class:`OptimizerCtx`)."""
         return iter([p for _, p in self.named_parameters(recurse=recurse)])
 
+    def register_step_pre_hook(self, hook: Callable[[], None]) -> RemovableHandle:
+        """Run ``hook()`` on the optimizer thread before each later ``step_fn`` (in
+        registration order, inside :class:`OptimizerCtx`), e.g. to average the masters'
+        gradients over data-parallel ranks. A step launched before it or before
+        ``handle.remove()`` keeps the hooks it was launched with. Main thread."""
+        check_main_thread("register_step_pre_hook")
+        handle = RemovableHandle(self._step_pre_hooks)
+        self._step_pre_hooks[handle.id] = hook
+        return handle
+
     # -- state dicts --------------------------------------------------------------------------
-    def state_dict(self, *args: Any, **kwargs: Any) -> Dict[str, Any]:
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
         """The wrapped module's state dict (same keys; the low-precision values the model holds
         now). Main thread; waits for a pending master->model copy, not for the step."""
-        _check_main_thread("state_dict")
+        check_main_thread("state_dict")
         self._params.wait_ready()
-        return self.module.state_dict(*args, **kwargs)
+        return self.module.state_dict(*args, **kwargs)  # type: ignore[no-any-return]
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
         """Load into the wrapped module, then refresh the masters from the loaded params.
@@ -139,7 +152,7 @@ class RoundPipe(nn.Module):
         For an exact resume, call :meth:`load_master_state_dict` afterwards. Main thread; blocks
         until the optimizer thread has run everything launched before.
         """
-        _check_main_thread("load_state_dict")
+        check_main_thread("load_state_dict")
         if assign:
             raise ValueError("load_state_dict(assign=True) would replace the parameter objects "
                              "that RoundPipe's masters shadow; load with assign=False")
@@ -149,33 +162,55 @@ class RoundPipe(nn.Module):
         self._params.refresh_masters()
         return result
 
-    def master_state_dict(self) -> Dict[str, torch.Tensor]:
+    def master_state_dict(self) -> dict[str, torch.Tensor]:
         """``{name: clone of the master}``. Main thread; waits for the optimizer thread."""
         optim_thread.synchronize()
         return {n: m.detach().clone() for n, m in self._params.masters.items()}
 
-    def load_master_state_dict(self, state_dict: Dict[str, torch.Tensor]) -> None:
+    def load_master_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Copy values into the masters in place (the optimizer keeps referencing them). The
         model params are not touched: :meth:`synchronize` or the next step copies them.
         Main thread; blocks until the optimizer thread has applied it."""
-        _check_main_thread("load_master_state_dict")
+        check_main_thread("load_master_state_dict")
         self._params.load_masters(state_dict)
 
-    # -- config, stages, plans ----------------------------------------------------------------
-    def plan(self, run_config: Optional[RoundPipeRunConfig] = None,
-             training: bool = True) -> Plan:
-        """The plan a call with ``run_config`` would execute (``print`` it to see the order and,
-        on an accelerator, each stage's uploads and gradient downloads)."""
-        cfg = resolve_config(run_config, self.model_run_config)
-        return self._planner.plan(self._planner.stages(cfg.execute_plan), cfg.num_microbatch,
-                                  training, bool(cfg.recompute))
+    # -- config and plans ---------------------------------------------------------------------
+    def plan(self, run_config: RoundPipeRunConfig | None = None, training: bool = True, *,
+             inputs: tuple[Sequence[Any], dict[str, Any]] | None = None) -> Plan:
+        """The plan a call with ``run_config`` would execute: ``print`` it to see, per device,
+        the order and, on an accelerator, the program with every upload, prefetch, release,
+        gradient download, hand-off, offload and host wait (see [Note: the program] in
+        :mod:`roundpipe.plan.actions`). Under a ``device_memory_budget`` the offloads depend on
+        the sizes of the stage inputs: give the call's ``inputs`` (``(input_args,
+        input_kwargs)``) to plan with them; without, every stage input counts as 0 bytes.
+        Main thread."""
+        check_main_thread("plan")
+        cfg = self._resolve(run_config)
+        stages = self._stages.stages(cfg.execute_plan)
+        chunks = None
+        if inputs is not None:
+            args, kwargs = inputs
+            chunks, _ = split_inputs(tuple(args), dict(kwargs), cfg.num_microbatch,
+                                     cfg.split_input)
+        sizes = plan_sizes(stages, self._pool, cfg, training, chunks, self._params.cast_dtype,
+                           resolve_autocast(cfg.autocast, self._pool.device_type))
+        return self._stages.plan(stages, cfg.num_microbatch, len(self._pool),
+                                 self._pool.streaming, training, cfg.recompute, sizes)
+
+    def _resolve(self, run_config: RoundPipeRunConfig | None) -> ResolvedRunConfig:
+        return resolve_config(run_config, self.model_run_config, len(self._stages.layers))
+
+    def _parts(self) -> ModelParts:
+        return ModelParts(tag=self._name_tag(), pool=self._pool, stages=self._stages,
+                          ready=self._params.ready, cast_dtype=self._params.cast_dtype,
+                          hooks=self._hooks, rng_memo=self._rng_memo)
 
     # -- public calls -------------------------------------------------------------------------
     def forward_backward(self, input_args: Sequence[Any] = (),
-                         input_kwargs: Optional[Dict[str, Any]] = None, label: Any = None,
-                         loss_fn: Optional[Callable[[Any, Any], torch.Tensor]] = None,
+                         input_kwargs: dict[str, Any] | None = None, label: Any = None,
+                         loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
                          return_outputs: bool = False,
-                         run_config: Optional[RoundPipeRunConfig] = None) -> Any:
+                         run_config: RoundPipeRunConfig | None = None) -> Any:
         """Forward and backward of one batch, in microbatches; returns the sum of the microbatch
         losses (detached), or ``(loss, merged_outputs)`` with ``return_outputs``.
 
@@ -191,46 +226,48 @@ class RoundPipe(nn.Module):
         the gradients accumulated since the last step are discarded, so the next iteration
         starts clean.
         """
-        _check_main_thread("forward_backward")
+        check_main_thread("forward_backward")
         self._report_failures()
         if not callable(loss_fn):
             raise ValueError("forward_backward needs loss_fn(output, label) -> scalar tensor")
-        cfg = resolve_config(run_config, self.model_run_config)
-        call = _prepare_call(self, cfg, tuple(input_args), dict(input_kwargs or {}), label,
-                             loss_fn, training=True, return_outputs=return_outputs)
+        cfg = self._resolve(run_config)
+        spec, state = prepare_call(self._parts(), cfg, tuple(input_args),
+                                   dict(input_kwargs or {}), label, loss_fn, training=True,
+                                   return_outputs=return_outputs)
         self._has_grads = True
         ok = False
         try:
-            _execute(call)
-            _learn_rng_use(self._rng_use, call)
-            for item in call.move_items:
+            execute(spec, state)
+            learn_rng_use(self._rng_memo, spec.rng, state.stage_drew)
+            for item in state.grads.moves:
                 item.wait()
             optim_thread._raise_failures()  # e.g. a step launched before failed
             ok = True
-            out_device = torch.device(cfg.output_device)
+            out_device = cfg.output_device
             # Summed where the losses are when they share a device (one transfer, not M).
-            same = len({loss.device for loss in call.losses}) == 1
-            total = call.losses[0] if same else call.losses[0].to(out_device)
-            for loss in call.losses[1:]:
+            losses = state.losses
+            same = len({loss.device for loss in losses}) == 1
+            total = losses[0] if same else losses[0].to(out_device)
+            for loss in losses[1:]:
                 total = total + (loss if same else loss.to(out_device))
             total = total.to(out_device)
             if return_outputs:
-                merged = _to_device(merge_outputs(call.outputs, call.sizes, cfg.merge_output),
+                merged = _to_device(merge_outputs(state.outputs, spec.sizes, cfg.merge_output),
                                     out_device)
-            if call.input_grad:  # last: a failure before it leaves the inputs' .grad untouched
-                _backward_to_inputs(call)
+            if spec.input_grad:  # last: a failure before it leaves the inputs' .grad untouched
+                backward_to_inputs(state)
         except BaseException:
             # Whatever failed (a stage, loss_fn, an earlier step, the merge), the call's
             # gradients are dropped so that retrying the iteration does not add them twice.
             self._discard_grads()
             raise
         finally:
-            for p, g in call.stashed_grads:
+            for p, g in state.stashed_grads:
                 p.grad = g
-            _restore_rng(call, ok)
+            self._restore_rng(spec, state, ok)
         return (total, merged) if return_outputs else total
 
-    def forward(self, *args: Any, run_config: Optional[RoundPipeRunConfig] = None,
+    def forward(self, *args: Any, run_config: RoundPipeRunConfig | None = None,
                 **kwargs: Any) -> Any:
         """Microbatched inference; differentiable when ``requires_grad`` (default: grad mode at
         the call) is on. Then a ``backward()`` through the output moves the parameter gradients
@@ -241,24 +278,25 @@ class RoundPipe(nn.Module):
 
         The arguments (split into microbatches) reach the first layer only, as in
         :meth:`forward_backward`."""
-        _check_main_thread("forward")
+        check_main_thread("forward")
         self._report_failures()
-        cfg = resolve_config(run_config, self.model_run_config)
-        grad = torch.is_grad_enabled() if cfg.requires_grad is None else cfg.requires_grad
+        cfg = self._resolve(run_config)
+        grad = (torch.is_grad_enabled() if cfg.requires_grad == "caller"
+                else bool(cfg.requires_grad))
         grad = grad and not torch.is_inference_mode_enabled()
-        call = _prepare_call(self, cfg, args, kwargs, None, None, training=False,
-                             return_outputs=True, grad_enabled=grad)
+        spec, state = prepare_call(self._parts(), cfg, args, kwargs, None, None, training=False,
+                                   return_outputs=True, grad_enabled=grad)
         if grad:
-            self._ensure_grad_hooks()
+            self._hooks.ensure()
         ok = False
         try:
-            _execute(call)
-            _learn_rng_use(self._rng_use, call)
+            execute(spec, state)
+            learn_rng_use(self._rng_memo, spec.rng, state.stage_drew)
             ok = True
         finally:
-            _restore_rng(call, ok)
-        merged = _to_device(merge_outputs(call.outputs, call.sizes, cfg.merge_output),
-                            torch.device(cfg.output_device))
+            self._restore_rng(spec, state, ok)
+        merged = _to_device(merge_outputs(state.outputs, spec.sizes, cfg.merge_output),
+                            cfg.output_device)
         if grad and any(isinstance(x, torch.Tensor) and x.requires_grad
                         for x in pytree.tree_leaves(merged)):
             self._has_grads = True
@@ -274,7 +312,7 @@ class RoundPipe(nn.Module):
         the last step; re-raises an earlier failure of the optimizer thread (and then discards
         the accumulated gradients).
         """
-        _check_main_thread("step")
+        check_main_thread("step")
         self._report_failures()
         if not callable(step_fn):
             raise ValueError("step() needs a callable step_fn, e.g. lambda: (opt.step(), "
@@ -285,7 +323,8 @@ class RoundPipe(nn.Module):
                 "a differentiable forward() and backward()) first; each step consumes the "
                 "gradients accumulated since the previous one")
         self._has_grads = False
-        run = _wrap_step(self, step_fn)
+        run = wrap_step(self._params, self._name_tag(), step_fn,
+                        list(self._step_pre_hooks.values()))
         if is_async:
             self._params.launch_copy()
             optim_thread._launch_step(run)
@@ -302,7 +341,7 @@ class RoundPipe(nn.Module):
         """Wait for every launched step, then copy the newest masters into the model's
         parameters (the user's parameter objects hold the newest values afterwards). Main
         thread; blocks; re-raises an optimizer-thread failure."""
-        _check_main_thread("synchronize")
+        check_main_thread("synchronize")
         try:
             optim_thread.synchronize()
         except BaseException:
@@ -311,10 +350,16 @@ class RoundPipe(nn.Module):
         self._params.launch_copy()
         self._params.wait_ready()
 
-    # -- internals: steps, copies, grads ------------------------------------------------------
+    # -- internals ----------------------------------------------------------------------------
+    def _restore_rng(self, spec: Any, state: Any, ok: bool) -> None:
+        end = None
+        if ok and spec.plan.num_microbatch == 1:
+            end = state.slots[(len(spec.stages) - 1, 0)].rng_end
+        restore_after_call(spec.rng, self._pool.backends[0], end)
+
     def _discard_grads(self) -> None:
         self._has_grads = False
-        optim_thread._launch(_clear_grads, list(self._params.masters.values())).wait()
+        optim_thread._launch(clear_grads, list(self._params.masters.values())).wait()
 
     def _report_failures(self) -> None:
         try:
@@ -326,21 +371,17 @@ class RoundPipe(nn.Module):
             # A failed copy leaves the params partly updated; the next call must not read them.
             self._params.launch_copy()
 
-    def _ensure_grad_hooks(self) -> None:
-        if not self._hooks_registered:
-            _register_grad_hooks(self._params.records, self._grad_sink)
-            self._hooks_registered = True
-
     def _name_tag(self) -> str:
         return f" {self.name!r}" if self.name else ""
 
 
-def _check_main_thread(method: str) -> None:
+def check_main_thread(method: str) -> None:
     """RoundPipe's calls wait for the device workers and the optimizer thread; made on one of
-    those threads they would wait for themselves."""
+    those threads they would wait for themselves. Raises ``RuntimeError`` there."""
     if optim_thread.on_optimizer_thread() or on_device_worker():
-        where = "the optimizer thread (inside a step function)" if optim_thread.on_optimizer_thread() \
-            else "a device worker (inside a stage or loss_fn)"
+        where = ("the optimizer thread (inside a step function)"
+                 if optim_thread.on_optimizer_thread()
+                 else "a device worker (inside a stage or loss_fn)")
         raise RuntimeError(
             f"RoundPipe.{method}() was called on {where}, where it would wait for itself; call "
             f"it on the main thread (inside a step function, model.master_state_dict() and "

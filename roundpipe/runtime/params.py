@@ -1,10 +1,12 @@
-"""Parameters and their masters: one :class:`_ParamRecord` per parameter of the wrapped model (its
+"""Parameters and their masters: one :class:`ParamRecord` per parameter of the wrapped model (its
 name, the model's low-precision parameter, its fp32 master), the master->model copy with its
-per-layer "params ready" events (:class:`_ParamsReady`; see [Note: staleness] in
+per-layer "params ready" events (:class:`ParamsReady`; see [Note: staleness] in
 :mod:`roundpipe.runtime.model`), and the state dict helpers.
 
+Threads: see each class.
+
 Threads: the records and ``masters`` are fixed at construction (any thread reads them); the
-masters' values and ``.grad`` belong to the optimizer thread; ``_Params.ready`` is replaced,
+masters' values and ``.grad`` belong to the optimizer thread; ``Params.ready`` is replaced,
 never mutated, by the main thread; the model parameters are written by the copy, on the
 optimizer thread, and read by the workers after the events.
 """
@@ -13,35 +15,36 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import nn
 
 from roundpipe import optim_thread
 
-__all__: list = []  # private to roundpipe.runtime
+__all__ = ["ParamRecord", "ParamsCopyFailed", "ParamsReady", "Params", "raise_copy_failure"]
 
 
 @dataclasses.dataclass(eq=False)
-class _ParamRecord:
+class ParamRecord:
     """One parameter of the wrapped model, each once, named as ``named_parameters()`` names it.
     ``master``: its master copy in ``optim_dtype``, None if it was frozen at wrap time."""
 
     name: str
     param: nn.Parameter
-    master: Optional[nn.Parameter]
+    master: nn.Parameter | None
 
 
-class _ParamsCopyFailed(Exception):
+class ParamsCopyFailed(Exception):
     """A worker found the master->model copy of its stage failed; resolved on the main thread."""
 
-    def __init__(self, ready: "_ParamsReady") -> None:
+    def __init__(self, ready: "ParamsReady") -> None:
         super().__init__("master->model parameter copy failed")
         self.ready = ready
 
 
-class _ParamsReady:
+class ParamsReady:
     """Per-layer "params ready" events of one master->model copy.
 
     Written by the optimizer thread (``error``, ``failed_from``, then the events); read by workers
@@ -50,7 +53,7 @@ class _ParamsReady:
 
     def __init__(self, num_layers: int, done: bool = False) -> None:
         self._events = [threading.Event() for _ in range(num_layers)]
-        self.error: Optional[BaseException] = None
+        self.error: BaseException | None = None
         self.failed_from = num_layers
         self.item: Any = None
         if done:
@@ -69,7 +72,7 @@ class _ParamsReady:
         """Block until ``layer``'s params are ready; raise if their copy failed."""
         self._events[layer].wait()
         if layer >= self.failed_from:
-            raise _ParamsCopyFailed(self)
+            raise ParamsCopyFailed(self)
 
     def is_set(self, layer: int) -> bool:
         """Whether ``layer``'s params are ready (their copy done and not failed). Never
@@ -84,15 +87,14 @@ class _ParamsReady:
         return all(e.is_set() for e in self._events) and self.error is not None
 
 
-
-class _Params:
+class Params:
     """The wrapped model's parameter records, the masters (by name, in ``named_parameters()``
     order), and the master->model copy (``layer_copies``: per layer, the (param, master) pairs
     it copies, each param once, in its first layer)."""
 
     def __init__(self, module: nn.Module, layer_modules: Sequence[nn.Module],
-                 optim_dtype: Optional[torch.dtype]) -> None:
-        self.records: List[_ParamRecord] = []
+                 optim_dtype: torch.dtype | None) -> None:
+        self.records: list[ParamRecord] = []
         for name, p in module.named_parameters():
             master = None
             if p.requires_grad:
@@ -100,13 +102,13 @@ class _Params:
                 if dtype is None:
                     dtype = torch.float32 if p.dtype in (torch.float16, torch.bfloat16) else p.dtype
                 master = nn.Parameter(p.detach().to(device="cpu", dtype=dtype, copy=True))
-            self.records.append(_ParamRecord(name, p, master))
+            self.records.append(ParamRecord(name, p, master))
         self._by_param = {id(r.param): r for r in self.records}
-        self.masters: Dict[str, nn.Parameter] = {r.name: r.master for r in self.records
+        self.masters: dict[str, nn.Parameter] = {r.name: r.master for r in self.records
                                                  if r.master is not None}
-        self.cast_dtype = _low_precision_dtype(module)
+        self.cast_dtype = low_precision_dtype(module)
         seen: set = set()
-        self.layer_copies: List[List[Tuple[nn.Parameter, nn.Parameter]]] = []
+        self.layer_copies: list[list[tuple[nn.Parameter, nn.Parameter]]] = []
         for layer in layer_modules:
             pairs = []
             for rec in self.records_of(layer):
@@ -114,26 +116,26 @@ class _Params:
                     seen.add(rec)
                     pairs.append((rec.param, rec.master))
             self.layer_copies.append(pairs)
-        self.ready = _ParamsReady(len(self.layer_copies), done=True)
+        self.ready = ParamsReady(len(self.layer_copies), done=True)
 
-    def record_of(self, param: Any) -> Optional[_ParamRecord]:
+    def record_of(self, param: Any) -> ParamRecord | None:
         """The record of a model parameter; None for any other tensor. Any thread."""
         rec = self._by_param.get(id(param))
         return rec if rec is not None and rec.param is param else None
 
-    def records_of(self, module: nn.Module) -> List[_ParamRecord]:
+    def records_of(self, module: nn.Module) -> list[ParamRecord]:
         """The records of ``module``'s parameters (a layer of the wrapped model), each once."""
         return [self._by_param[id(p)] for p in module.parameters()]
 
     # -- the master->model copy (see [Note: staleness] in model.py) -------------------------------
-    def launch_copy(self) -> _ParamsReady:
+    def launch_copy(self) -> ParamsReady:
         """Main thread: launch the copy on the optimizer thread; its events become ``ready``."""
-        ready = _ParamsReady(len(self.layer_copies))
-        ready.item = optim_thread._launch(self._copy_masters_to_model, ready)
+        ready = ParamsReady(len(self.layer_copies))
+        ready.item = optim_thread._launch(self.copy_masters_to_model, ready)
         self.ready = ready
         return ready
 
-    def _copy_masters_to_model(self, ready: _ParamsReady) -> None:
+    def copy_masters_to_model(self, ready: ParamsReady) -> None:
         """Optimizer thread: masters -> low-precision params, layer by layer."""
         layer = 0
         try:
@@ -150,16 +152,16 @@ class _Params:
         """Main thread: block until the last copy is done; raise if it failed."""
         try:
             self.ready.wait_all()
-        except _ParamsCopyFailed as exc:
+        except ParamsCopyFailed as exc:
             raise_copy_failure(exc.ready)
 
     # -- state dicts ---------------------------------------------------------------------------
     def refresh_masters(self) -> None:
         """Main thread: the model params' values into the masters; blocks until done."""
         pairs = [(m, p) for layer in self.layer_copies for p, m in layer]
-        optim_thread._launch(_copy_pairs, pairs).wait()
+        optim_thread._launch(copy_pairs, pairs).wait()
 
-    def load_masters(self, state_dict: Dict[str, torch.Tensor]) -> None:
+    def load_masters(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Main thread: copy ``state_dict`` into the masters in place, after everything launched
         before; blocks until done. Raises ``ValueError`` if the names or shapes differ."""
         missing = sorted(set(self.masters) - set(state_dict))
@@ -175,10 +177,10 @@ class _Params:
                                  f"gives {tuple(v.shape)}")
             pairs.append((m, v))
         optim_thread.synchronize()
-        optim_thread._launch(_copy_pairs, pairs).wait()
+        optim_thread._launch(copy_pairs, pairs).wait()
 
 
-def raise_copy_failure(ready: _ParamsReady) -> None:
+def raise_copy_failure(ready: ParamsReady) -> None:
     """Main thread: report a failed master->model copy (its error was reported earlier)."""
     if ready.item is not None and ready.item.wait():
         raise AssertionError("params copy reported failed but succeeded; please report")
@@ -187,14 +189,14 @@ def raise_copy_failure(ready: _ParamsReady) -> None:
         "parameters may be partly updated: call model.synchronize() to copy them again")
 
 
-def _low_precision_dtype(module: nn.Module) -> Optional[torch.dtype]:
+def low_precision_dtype(module: nn.Module) -> torch.dtype | None:
     dtypes = {p.dtype for p in module.parameters() if p.is_floating_point()}
     if len(dtypes) == 1 and next(iter(dtypes)) in (torch.float16, torch.bfloat16):
         return next(iter(dtypes))
     return None
 
 
-def _copy_pairs(pairs: List[Tuple[torch.Tensor, torch.Tensor]]) -> None:
+def copy_pairs(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     with torch.no_grad():
         for dst, src in pairs:
             dst.copy_(src)

@@ -1,0 +1,264 @@
+"""Every accelerator's backend (CUDA, the emulated ``emu``), on torch's device-agnostic APIs
+(``torch.get_device_module``, ``torch.Stream``, ``torch.Event``, ``torch.accelerator``).
+
+What the device does for each action of a plan's program (see [Note: the program] in
+:mod:`roundpipe.plan.actions`) is here, one method per move: the model stays in pinned host
+memory; a stage's parameters and buffers are uploaded once per run of actions
+(:meth:`AcceleratorBackend.upload`, a :class:`Resident`), its layers run on those copies through
+``torch.func.functional_call``, its gradients accumulate on the device and are downloaded once,
+into pinned host memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+if TYPE_CHECKING:
+    from roundpipe.devices.pool import WorkerDevice
+
+__all__ = ["AcceleratorBackend", "Resident"]
+
+
+class Resident:
+    """A stage's parameters and buffers on an accelerator for one run of actions: uploaded once
+    by :meth:`AcceleratorBackend.upload`, read by every action of the run, dropped by
+    :meth:`AcceleratorBackend.release`. Touched by the stage's worker only.
+
+    ``tensors``: per layer module (by id), its parameters and buffers by name, for
+    ``torch.func.functional_call``. ``leaves``: the device copies of the stage's trainable
+    parameters, in the order given to ``upload``, that gradients are taken with respect to
+    (None for a differentiable upload, whose gradients flow back to the host parameters).
+    ``ready``: a prefetch's copies done (an event on the copy stream), until adopted.
+    ``buffers``: (host buffer, device copy, whether its module is in training mode)."""
+
+    __slots__ = ("tensors", "leaves", "buffers", "ready")
+
+    def __init__(self) -> None:
+        self.tensors: dict[int, dict[str, torch.Tensor]] = {}
+        self.leaves: list[torch.Tensor] | None = None
+        self.ready: torch.Event | None = None
+        self.buffers: list[tuple[torch.Tensor, torch.Tensor, bool]] = []
+
+
+class AcceleratorBackend:
+    """One accelerator of the pool (see :class:`roundpipe.devices.backend.StreamingBackend`).
+
+    The model stays in host memory, pinned (:meth:`prepare_host`), so that uploads are
+    asynchronous copies. In training the parameter copies are fresh leaves, so that gradients
+    stay on the device and accumulate there; for a differentiable inference call the upload is a
+    differentiable ``.to(device)`` instead, so a later ``backward()`` reaches the host
+    parameters. Buffers that a training-mode module changed in place (BatchNorm's running stats)
+    are copied back to the host at the end of a forward run (:meth:`release`).
+
+    Three streams: compute (:attr:`stream`, every action), copy (:attr:`copy_stream`, prefetched
+    uploads, adopted by the compute stream through an event) and download
+    (:attr:`download_stream`, gradients and offloaded stage inputs, after the compute).
+
+    Touched by the device's worker thread only, except :meth:`begin_call` and :meth:`drain`
+    (main thread, while no action of a call runs) and :meth:`memory_available` (any thread).
+    """
+
+    def __init__(self, device: WorkerDevice) -> None:
+        self.device = device
+        self.device_type = device.type
+        self.torch_device = device.torch_device
+        self._module = torch.get_device_module(device.type)
+        # Made here, on the main thread, before any thread uses them: the main thread orders
+        # the compute stream after its own (begin_call) while the worker may already upload.
+        self.stream = torch.Stream(device=self.torch_device)  # compute: every action
+        self.copy_stream = torch.Stream(device=self.torch_device)  # prefetched uploads
+        self.download_stream = torch.Stream(device=self.torch_device)  # after the compute
+
+    @contextlib.contextmanager
+    def action_context(self) -> Iterator[None]:
+        with torch.accelerator.device_index(self.torch_device.index), self.stream:
+            yield
+
+    def begin_call(self) -> None:
+        # The caller's stream (where it made the inputs, where the scaler updated the scale)
+        # is not the compute stream: without this wait a kernel could read them half-written.
+        self.stream.wait_stream(torch.accelerator.current_stream(self.torch_device))
+
+    def memory_available(self) -> int | None:
+        index = self.torch_device.index
+        free, _ = self._module.mem_get_info(index)
+        # Blocks torch's caching allocator holds but no tensor uses are free to this process.
+        return int(free + self._module.memory_reserved(index)
+                   - self._module.memory_allocated(index))
+
+    def drain(self) -> None:
+        # Uploads (prefetched ones too) may still be reading host parameters that the next
+        # step writes, and downloads writing pinned buffers.
+        for stream in (self.stream, self.copy_stream, self.download_stream):
+            stream.synchronize()
+
+    def prepare_host(self, module: torch.nn.Module) -> None:
+        """Main thread, at wrap time: move the module's parameters and buffers into pinned host
+        memory (same objects, new storage), so that uploads do not stage through a bounce
+        buffer and can overlap compute."""
+        with torch.no_grad():
+            for t in list(module.parameters()) + list(module.buffers()):
+                if t.device.type == "cpu" and not t.is_pinned():
+                    t.data = t.data.pin_memory()
+
+    def to_device(self, tree: Any, after: torch.Event | None = None) -> Any:
+        def move(x: Any) -> Any:
+            if not isinstance(x, torch.Tensor):
+                return x
+            if x.device == self.torch_device:
+                # Keep the allocator from reusing it while this stream still reads it.
+                x.record_stream(self.stream)
+                return x
+            if after is not None and x.device.type == self.device_type:
+                # From another device of the pool: torch copies it on that device's current
+                # stream (on this thread), which must first wait for the producer's event.
+                source = torch.accelerator.current_stream(x.device)
+                source.wait_event(after)
+                x.record_stream(source)
+            return x.to(self.torch_device, non_blocking=True)
+
+        if isinstance(tree, torch.Tensor):
+            return move(tree)
+        return pytree.tree_map(move, tree)
+
+    def upload(self, modules: Sequence[torch.nn.Module], trainable: Sequence[torch.Tensor],
+               leaves: bool, prefetch: bool = False) -> Resident:
+        """Copy ``modules``' parameters and buffers to the device, each tensor once.
+        ``leaves``: the ``trainable`` parameters become device leaves that require grad
+        (``Resident.leaves``, aligned with ``trainable``); else a differentiable copy.
+        ``prefetch``: the copies run on :attr:`copy_stream`, beside the compute; the upload is
+        usable after :meth:`adopt`. Else they run on the compute stream, in order."""
+        if prefetch:
+            with self.copy_stream:
+                resident = self.upload(modules, trainable, leaves)
+            resident.ready = torch.Event(device=self.torch_device)
+            resident.ready.record(self.copy_stream)
+            return resident
+        device, resident = self.torch_device, Resident()
+        copies: dict[int, torch.Tensor] = {}
+
+        def up(t: torch.Tensor, leaf: bool) -> torch.Tensor:
+            copy = copies.get(id(t))
+            if copy is None:
+                if leaf:
+                    copy = t.detach().to(device, non_blocking=True).requires_grad_(True)
+                else:
+                    copy = t.to(device, non_blocking=True)
+                copies[id(t)] = copy
+            return copy
+
+        trainable_ids = {id(p) for p in trainable}
+        for module in modules:
+            tensors = {n: up(p, leaves and id(p) in trainable_ids)
+                       for n, p in module.named_parameters()}
+            for prefix, sub in module.named_modules():
+                for n, b in sub.named_buffers(prefix=prefix, recurse=False):
+                    tensors[n] = up(b, False)
+                    resident.buffers.append((b, tensors[n], sub.training))
+            resident.tensors[id(module)] = tensors
+        if leaves:
+            resident.leaves = [copies[id(p)] for p in trainable]
+        return resident
+
+    def adopt(self, upload: Any) -> None:
+        """Before the compute stream reads an upload: wait (on the device, not the host) for a
+        prefetch's copies, and tell the allocator the compute stream uses its tensors."""
+        resident: Resident = upload
+        ready, resident.ready = resident.ready, None
+        if ready is None:
+            return
+        self.stream.wait_event(ready)
+        for tensors in resident.tensors.values():
+            for t in tensors.values():
+                t.record_stream(self.stream)
+
+    def release(self, upload: Any, write_back: bool) -> torch.Event:
+        """End of a run: with ``write_back``, buffers of training-mode modules take the values
+        the run left on the device (a forward run; a recompute's updates are dropped)."""
+        resident: Resident = upload
+        if write_back:
+            with torch.no_grad():
+                for host, copy, training in resident.buffers:
+                    if training:
+                        host.copy_(copy)
+        resident.tensors.clear()
+        resident.leaves = None
+        resident.buffers.clear()
+        return self._event()
+
+    def call_layer(self, layer: torch.nn.Module, args: tuple, kwargs: dict,
+                   upload: Any = None) -> Any:
+        if upload is None:
+            raise AssertionError("an accelerator action ran a layer without its stage's upload; "
+                                 "please report")
+        resident: Resident = upload
+        return torch.func.functional_call(layer, resident.tensors[id(layer)], args, kwargs)
+
+    def download(self, tensors: list[torch.Tensor | None]
+                 ) -> tuple[list[torch.Tensor | None], torch.Event]:
+        """Start copying device tensors into fresh pinned host tensors on the download stream,
+        after the compute so far; returns them and the event that completes when they have
+        arrived. The worker goes on computing; whoever reads them waits for the event."""
+        down = self.download_stream
+        down.wait_stream(self.stream)
+        host: list[torch.Tensor | None] = []
+        with down:
+            for t in tensors:
+                if t is None or t.device.type == "cpu":
+                    host.append(t)
+                    continue
+                t.record_stream(down)  # the compute side may drop it before the copy ran
+                dst = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                host.append(dst.copy_(t.detach(), non_blocking=True))
+        done = torch.Event(device=self.torch_device)
+        done.record(down)
+        return host, done
+
+    def record_event(self) -> torch.Event:
+        return self._event()
+
+    def _event(self) -> torch.Event:
+        event = torch.Event(device=self.torch_device)
+        event.record(self.stream)
+        return event
+
+    def offload(self, tree: Any) -> tuple[Any, torch.Event]:
+        leaves, spec = pytree.tree_flatten(tree)
+        on_device = [i for i, x in enumerate(leaves)
+                     if isinstance(x, torch.Tensor) and x.device == self.torch_device]
+        host, arrived = self.download([leaves[i] for i in on_device])
+        for i, h in zip(on_device, host):
+            assert h is not None
+            # The backward cuts its graph at the leaves that require grad: keep the flag.
+            leaves[i] = h.requires_grad_(leaves[i].requires_grad)
+        return pytree.tree_unflatten(leaves, spec), arrived
+
+    def reload(self, tree: Any, arrived: torch.Event) -> Any:
+        self.stream.wait_event(arrived)  # on the device: the host copies have landed
+        return self.to_device(tree)
+
+    def wait_for(self, event: torch.Event) -> None:
+        event.synchronize()
+
+    def finish(self) -> None:
+        # Device event, then the host side: the action's future is set only after this returns.
+        self._event().synchronize()
+
+    def get_rng_state(self) -> torch.Tensor | None:
+        return self._module.get_rng_state(self.torch_device.index)  # type: ignore[no-any-return]
+
+    def set_rng_state(self, state: torch.Tensor | None) -> None:
+        if state is not None:
+            self._module.set_rng_state(state, self.torch_device.index)
+
+    def seeded_rng_state(self, seed: int) -> torch.Tensor | None:
+        index = self.torch_device.index
+        with torch.random.fork_rng(devices=[index], device_type=self.device_type), \
+                torch.accelerator.device_index(index):
+            self._module.manual_seed(seed)
+            return self._module.get_rng_state(index)  # type: ignore[no-any-return]

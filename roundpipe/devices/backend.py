@@ -1,0 +1,127 @@
+"""What the runtime calls on a device: the :class:`Backend` protocol, and for accelerators, whose
+stages stream through the device, :class:`StreamingBackend` and its per-run :class:`Upload`.
+
+Implementations: :mod:`roundpipe.devices.cpu` (the reference; moves are the identity) and
+:mod:`roundpipe.devices.accelerator` (every accelerator: CUDA and the emulated ``emu``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import torch
+
+__all__ = ["Backend", "StreamingBackend", "Upload"]
+
+
+class Upload(Protocol):
+    """A stage's parameters and buffers on a device for one run of actions. ``leaves``: the
+    device copies of the stage's trainable parameters that gradients are taken with respect to
+    (None for a differentiable upload, whose gradients flow back to the host parameters)."""
+
+    leaves: list[torch.Tensor] | None
+
+
+class Backend(Protocol):
+    """A device as the runtime uses it. Every method runs on the device's worker thread (or the
+    calling thread standing in for it), except :meth:`prepare_host`, which the main thread calls
+    once per wrapped model, :meth:`begin_call` and :meth:`drain` (main thread, while no action of
+    a call runs), :meth:`memory_available` (any thread), and the RNG state accessors, which the
+    main thread uses around a call (see [Note: RNG chains])."""
+
+    device_type: str
+    torch_device: torch.device
+
+    def action_context(self) -> contextlib.AbstractContextManager:
+        """Entered around every action (an accelerator's device and stream)."""
+        ...
+
+    def prepare_host(self, module: torch.nn.Module) -> None:
+        """Main thread, once per wrapped model: ready the host copy of ``module``."""
+        ...
+
+    def begin_call(self) -> None:
+        """Main thread, at the start of a call, before any of its actions: the device work the
+        caller enqueued so far (its inputs, the scaler's scale) comes before the call's."""
+        ...
+
+    def memory_available(self) -> int | None:
+        """Any thread: bytes this device could still allocate (None: the host's memory)."""
+        ...
+
+    def drain(self) -> None:
+        """Main thread, after a failed call, once no worker touches it: wait until nothing the
+        call enqueued runs any more (its last actions, which wait for the device, did not run)."""
+        ...
+
+    def to_device(self, tree: Any, after: torch.Event | None = None) -> Any:
+        """A pytree's tensors on this device (the identity on the CPU); tensors from another
+        device are read once ``after`` (their producer's event) has completed."""
+        ...
+
+    def call_layer(self, layer: torch.nn.Module, args: tuple, kwargs: dict,
+                   upload: Upload | None = None) -> Any:
+        """Run one layer; on an accelerator, on its stage's ``upload``."""
+        ...
+
+    def get_rng_state(self) -> torch.Tensor | None:
+        """The device generator's state (None: the CPU generator is the device's)."""
+        ...
+
+    def set_rng_state(self, state: torch.Tensor | None) -> None:
+        ...
+
+    def seeded_rng_state(self, seed: int) -> torch.Tensor | None:
+        """The device generator's state after seeding it with ``seed``, the generator left as
+        it was."""
+        ...
+
+
+class StreamingBackend(Backend, Protocol):
+    """An accelerator: the host keeps the weights and each stage streams through the device (see
+    [Note: streaming] in :mod:`roundpipe.plan.build`). One method per move of a plan's program
+    (see [Note: the program] in :mod:`roundpipe.plan.actions`)."""
+
+    def upload(self, modules: Sequence[torch.nn.Module], trainable: Sequence[torch.Tensor],
+               leaves: bool, prefetch: bool = False) -> Upload:
+        """``U``/``P``: a stage's parameters and buffers on the device for one run (``prefetch``:
+        on a copy stream, beside the compute; usable after :meth:`adopt`)."""
+        ...
+
+    def adopt(self, upload: Upload) -> None:
+        """Before the compute stream first reads an upload: order it after a prefetch's copies."""
+        ...
+
+    def release(self, upload: Upload, write_back: bool) -> torch.Event:
+        """``R``: end of a run: drop the upload (``write_back``: training-mode buffers go home
+        first). Returns an event after the run's work, for a later :meth:`wait_for`."""
+        ...
+
+    def record_event(self) -> torch.Event:
+        """``H``: an event at the current end of the compute stream, for another device."""
+        ...
+
+    def offload(self, tree: Any) -> tuple[Any, torch.Event]:
+        """``O``: start copying a pytree's device tensors to pinned host memory; returns the
+        host pytree and the event of their arrival."""
+        ...
+
+    def reload(self, tree: Any, arrived: torch.Event) -> Any:
+        """``I``: an :meth:`offload`'s pytree back on this device, once ``arrived``."""
+        ...
+
+    def download(self, tensors: list[torch.Tensor | None]
+                 ) -> tuple[list[torch.Tensor | None], torch.Event]:
+        """``D``: start copying device tensors to fresh pinned host tensors, after the compute
+        so far; returns them and the event of their arrival."""
+        ...
+
+    def wait_for(self, event: torch.Event) -> None:
+        """A host wait (``S`` of a stage): block until ``event`` has completed."""
+        ...
+
+    def finish(self) -> None:
+        """``S``: block until everything enqueued on the device so far has run."""
+        ...

@@ -1,0 +1,198 @@
+"""A plan prices itself: given each stage's compute times and a link's bandwidth, its program
+gives a timeline per stream and the iteration time (:func:`price`).
+
+The model (see [Note: pricing]) is what the emulated device cannot show, since its kernels run
+at once: which copies hide behind compute, where the compute stream waits, and how far the host
+runs ahead of the device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from roundpipe.plan.actions import Action, ActionKind, Plan
+
+__all__ = ["Costs", "Span", "Timeline", "price"]
+
+
+# [Note: pricing]
+# Each device has a host thread (its worker) and three streams: compute, copy and download. The
+# worker walks the program: it issues an action at its host time (a compute action costs it
+# ``issue`` seconds, the Python that enqueues the stage's kernels; a move costs nothing) and
+# only blocks at a host wait (S). An action starts on its stream once the stream is free, the
+# action is issued, and what it waits for on the device is done:
+#   F/L/B (compute)   a prefetched upload of its stage (adopted by the run's first action), the
+#                     hand-off events it reads (plus copying that data in, on its stream, at
+#                     ``peer_bandwidth``); it lasts forward, forward + backward (L), or backward
+#                     plus the recompute's forward (B with recompute);
+#   U (compute)       upload bytes / bandwidth, in order with the compute;
+#   P (copy)          the same on the copy stream;
+#   O (download)      after the compute so far (the stream waits for it), input bytes / bandwidth;
+#   I (compute)       after its O, input bytes / bandwidth;
+#   D (download)      after the compute so far, gradient bytes / bandwidth;
+#   H, R              events at the compute stream's current end (an R's is what a later S of
+#                     that stage waits for on the host);
+#   W                 the master->model copy is taken as done (its cost is the optimizer
+#                     thread's, hidden behind the previous iteration).
+# The iteration ends when every device's final S returns. Host wait S of a stage is the bound on
+# how far the worker runs ahead: a prefetch that reuses the memory a run released is issued only
+# once the device has finished that run.
+
+
+@dataclasses.dataclass(frozen=True)
+class Costs:
+    """What a plan is priced with; seconds, bytes and bytes per second.
+
+    ``forward``/``backward``: per stage, one microbatch's forward, and its backward alone (the
+    recompute's forward is added for a backward with recompute). ``upload_bytes``: per stage,
+    its weights and buffers; ``grad_bytes``: its gradient sums. ``bandwidth``: the host link,
+    each way. ``peer_bandwidth``: between devices (None: ``bandwidth``). ``issue``: per stage,
+    the host time to enqueue one of its compute actions (0: the host is never the limit).
+    Stage inputs (offloads, hand-offs) have the sizes the plan was lowered with (none without
+    them)."""
+
+    forward: Sequence[float]
+    backward: Sequence[float]
+    upload_bytes: Sequence[int]
+    grad_bytes: Sequence[int]
+    bandwidth: float
+    peer_bandwidth: float | None = None
+    issue: Sequence[float] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Span:
+    """One action's time on a stream of a device (``stream``: "compute", "copy" or
+    "download")."""
+
+    device: int
+    stream: str
+    action: Action
+    start: float
+    end: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Timeline:
+    """A priced plan: every action with a duration, and when the iteration ends."""
+
+    spans: tuple[Span, ...]
+    iteration_time: float
+
+    def on(self, device: int, stream: str) -> list[Span]:
+        """The spans of one stream, in time order."""
+        return sorted((s for s in self.spans if s.device == device and s.stream == stream),
+                      key=lambda s: s.start)
+
+    def compute_time(self, device: int | None = None) -> float:
+        """The time the stages compute (upload and reload copies on the compute stream not
+        counted), on ``device`` or summed over all."""
+        return sum(s.end - s.start for s in self.spans
+                   if s.action.kind.computes and (device is None or s.device == device))
+
+    def compute_idle(self, device: int) -> float:
+        """How long the compute stream of ``device`` stands idle between its first and its
+        last stage computation (waiting for an upload, a reload or another device)."""
+        busy = self.on(device, "compute")
+        compute = [i for i, s in enumerate(busy) if s.action.kind.computes]
+        if not compute:
+            return 0.0
+        idle, end = 0.0, busy[compute[0]].end
+        for s in busy[compute[0] + 1:compute[-1] + 1]:
+            idle += max(0.0, s.start - end)
+            end = max(end, s.end)
+        return idle
+
+
+def price(plan: Plan, costs: Costs) -> Timeline:
+    """The timeline of ``plan``'s program under ``costs`` (see [Note: pricing]). Any thread."""
+    S = plan.num_stages
+    for name in ("forward", "backward", "upload_bytes", "grad_bytes"):
+        if len(getattr(costs, name)) != S:
+            raise ValueError(f"costs.{name} needs one value per stage ({S}), got "
+                             f"{len(getattr(costs, name))}")
+    if costs.bandwidth <= 0:
+        raise ValueError(f"bandwidth must be positive, got {costs.bandwidth}")
+    assert plan.program is not None
+    peer = costs.peer_bandwidth or costs.bandwidth
+    issue = list(costs.issue) if costs.issue is not None else [0.0] * S
+    inputs = plan.sizes.input_bytes if plan.sizes is not None else None
+
+    def input_bytes(s: int, m: int) -> int:
+        return inputs[s][m] if inputs is not None and 0 <= s < S else 0
+
+    def compute_cost(a: Action) -> float:
+        s = a.stage
+        if a.kind is ActionKind.FORWARD:
+            return costs.forward[s]
+        if a.kind is ActionKind.LAST:
+            return costs.forward[s] + costs.backward[s]
+        if a.kind is ActionKind.BACKWARD:
+            return costs.backward[s] + (costs.forward[s] if plan.recompute else 0.0)
+        # A fused microbatch: every stage's forward and backward, and the recomputes.
+        redo = sum(costs.forward[:-1]) if plan.recompute else 0.0
+        return sum(costs.forward) + sum(costs.backward) + redo
+
+    spans: list[Span] = []
+    events: dict[tuple, float] = {}  # H actions, by key: when their event completes
+    host = [0.0] * plan.num_devices
+    free = [{"compute": 0.0, "copy": 0.0, "download": 0.0} for _ in range(plan.num_devices)]
+    adopt: list[dict[int, float]] = [{} for _ in range(plan.num_devices)]
+    released: list[dict[tuple, float]] = [{} for _ in range(plan.num_devices)]
+    offloaded: list[dict[tuple, float]] = [{} for _ in range(plan.num_devices)]
+    heads = [0] * plan.num_devices
+    remaining = sum(len(p) for p in plan.program)
+
+    def run(d: int, stream: str, a: Action, earliest: float, duration: float) -> float:
+        start = max(free[d][stream], earliest)
+        end = start + duration
+        free[d][stream] = end
+        spans.append(Span(d, stream, a, start, end))
+        return end
+
+    while remaining:
+        progressed = False
+        for d, program in enumerate(plan.program):
+            if heads[d] == len(program):
+                continue
+            a = program[heads[d]]
+            deps = [dep for dep in plan.dependencies(a) if dep.device != d]
+            if any(dep.key not in events for dep in deps):
+                continue
+            heads[d] += 1
+            remaining -= 1
+            progressed = True
+            k, s, m = a.kind, a.stage, a.mb_index
+            if k.computes:
+                host[d] += issue[s] if s >= 0 else sum(issue)
+                earliest = max([host[d], adopt[d].pop(s, 0.0)] + [events[x.key] for x in deps])
+                moved = sum(input_bytes(x.stage + (1 if x.of is ActionKind.FORWARD else 0), m)
+                            for x in deps if x.kind is ActionKind.HANDOFF) / peer
+                events[a.key] = run(d, "compute", a, earliest, compute_cost(a) + moved)
+            elif k is ActionKind.UPLOAD:
+                run(d, "compute", a, host[d], costs.upload_bytes[s] / costs.bandwidth)
+            elif k is ActionKind.PREFETCH:
+                adopt[d][s] = run(d, "copy", a, host[d], costs.upload_bytes[s] / costs.bandwidth)
+            elif k is ActionKind.OFFLOAD:
+                offloaded[d][(s, m)] = run(d, "download", a, max(host[d], free[d]["compute"]),
+                                           input_bytes(s, m) / costs.bandwidth)
+            elif k is ActionKind.RELOAD:
+                run(d, "compute", a, max(host[d], offloaded[d].pop((s, m), 0.0)),
+                    input_bytes(s, m) / costs.bandwidth)
+            elif k is ActionKind.DOWNLOAD:
+                grads = costs.grad_bytes[s] if s >= 0 else sum(costs.grad_bytes)
+                run(d, "download", a, max(host[d], free[d]["compute"]), grads / costs.bandwidth)
+            elif k is ActionKind.HANDOFF:
+                events[a.key] = max(host[d], free[d]["compute"])
+            elif k is ActionKind.RELEASE:
+                released[d][(s, a.of)] = max(host[d], free[d]["compute"])
+            elif k is ActionKind.SYNC:
+                if s >= 0:
+                    host[d] = max(host[d], released[d][(s, a.of)])
+                else:
+                    host[d] = max([host[d]] + list(free[d].values()))
+        if not progressed:
+            raise RuntimeError(f"plan deadlocks; cannot price it\n{plan}")
+    end = max(host + [t for f in free for t in f.values()])
+    return Timeline(tuple(spans), end)
