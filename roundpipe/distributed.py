@@ -262,6 +262,8 @@ class _Group:
 
 def _group_timeout(process_group: Optional[Any]) -> datetime.timedelta:
     group = process_group if process_group is not None else dist.group.WORLD
+    if group is None:
+        return _DEFAULT_TIMEOUT
     for device in ("cpu", "cuda"):
         try:
             backend = group._get_backend(torch.device(device))

@@ -136,6 +136,7 @@ def split_inputs(args: tuple, kwargs: dict, num_microbatch: int,
     n = len(arg_leaves)
     chunks = [(pytree.tree_unflatten(p[:n], arg_tree), pytree.tree_unflatten(p[n:], kw_tree))
               for p in per_mb]
+    assert batch is not None  # some leaf was split
     return chunks, microbatch_sizes(batch, num_microbatch)
 
 

@@ -50,7 +50,7 @@ class Future:
         """Non-blocking: whether the work has run (successfully or not)."""
         return self._done.is_set()
 
-    def run(self, fn: Callable, *args: Any, reraise: Tuple[type, ...] = ()) -> None:
+    def run(self, fn: Callable, *args: Any, reraise: Tuple[type[BaseException], ...] = ()) -> None:
         """Call ``fn(*args)`` on this thread and settle the future with its result or exception;
         an exception of a ``reraise`` type propagates instead and leaves the future unsettled."""
         try:

@@ -102,25 +102,6 @@ def test_each_stage_is_uploaded_at_most_twice_and_its_grads_downloaded_once(devi
 
 
 @pytest.mark.parametrize("devices", ["emu", "emu:2"])
-@pytest.mark.parametrize("recompute", [True, False])
-def test_the_uploads_that_run_are_the_ones_the_plan_prints(devices, recompute):
-    # The executor decides its uploads by its own rules (resident stages, runs); they must stay
-    # the moves Plan.transfers() lists and print(model.plan()) shows.
-    cfg = RoundPipeRunConfig(num_microbatch=4, recompute=recompute)
-    model = RoundPipe(_model(), devices=devices, model_run_config=cfg)
-    params = dict(model.module.named_parameters())
-    ptr = {p.untyped_storage().data_ptr(): n for n, p in params.items()}
-    x, y = _batch()
-    with emu.record_copies() as log:
-        model.forward_backward(input_args=(x,), label=y, loss_fn=_loss)
-    ran = Counter(int(ptr[c.host_ptr].split(".")[0]) for c in log
-                  if c.direction == "h2d" and c.host_ptr in ptr and ptr[c.host_ptr].endswith("weight"))
-    ups, _ = _moves(model.plan(training=True))
-    planned = Counter({s: n for s, n in ups.items() if f"{s}.weight" in params})
-    assert ran == planned, (ran, planned)
-
-
-@pytest.mark.parametrize("devices", ["emu", "emu:2"])
 def test_streamed_training_equals_the_cpu_pool_bit_for_bit(devices):
     # fp16 shards, dropout in the RNG chain, BatchNorm stats, an async step: the streamed run
     # (forward without a graph, recompute on the worker, gradients summed on the device) ends
@@ -313,8 +294,10 @@ def test_one_device_waits_for_the_device_only_at_the_end_of_the_call(monkeypatch
                       model_run_config=RoundPipeRunConfig(num_microbatch=4))
     x, y = _batch()
     model.forward_backward(input_args=(x,), label=y, loss_fn=_loss)
-    # Once, after the device's last action: not once per action (5 stages x 4 microbatches x
-    # forward and backward), nor per gradient download (the optimizer thread waits for those).
+    # The device is drained once, at the program's end: not once per action (5 stages x 4
+    # microbatches x forward and backward), nor per gradient download (the optimizer thread
+    # waits for those). The host's other waits are for a finished run whose memory a prefetch
+    # takes (S s in the program; see tests/test_price.py).
     assert len(waits) == 1
 
 

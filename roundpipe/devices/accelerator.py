@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch.utils import _pytree as pytree
 
-if TYPE_CHECKING:
-    from roundpipe.devices.pool import WorkerDevice
+from roundpipe.devices.backend import WorkerDevice
+
 
 __all__ = ["AcceleratorBackend", "Resident"]
 

@@ -8,12 +8,29 @@ Implementations: :mod:`roundpipe.devices.cpu` (the reference; moves are the iden
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Sequence
 from typing import Any, Protocol
 
 import torch
 
-__all__ = ["Backend", "StreamingBackend", "Upload"]
+__all__ = ["Backend", "StreamingBackend", "Upload", "WorkerDevice"]
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerDevice:
+    """A slot of the pool: ``("cpu", i)`` is the i-th CPU worker, ``("cuda", i)`` is cuda:i,
+    ``("emu", i)`` is emu:i."""
+
+    type: str
+    index: int
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device("cpu") if self.type == "cpu" else torch.device(self.type, self.index)
+
+    def __str__(self) -> str:
+        return f"cpu#{self.index}" if self.type == "cpu" else f"{self.type}:{self.index}"
 
 
 class Upload(Protocol):

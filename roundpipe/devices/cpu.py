@@ -4,14 +4,12 @@ and nothing runs once an action has returned."""
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from roundpipe.devices.backend import Upload
+from roundpipe.devices.backend import Upload, WorkerDevice
 
-if TYPE_CHECKING:
-    from roundpipe.devices.pool import WorkerDevice
 
 __all__ = ["CPUBackend"]
 

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from roundpipe.devices.accelerator import AcceleratorBackend
-from roundpipe.devices.backend import Backend
+from roundpipe.devices.backend import Backend, WorkerDevice
 from roundpipe.devices.cpu import CPUBackend
 from roundpipe.workers import Future, WorkerThread
 
@@ -39,22 +39,6 @@ __all__ = ["ENV_VAR", "WorkerDevice", "DeviceKind", "register_device_kind", "par
 
 ENV_VAR = "ROUNDPIPE_DEVICES"
 ENTRY_POINT_GROUP = "roundpipe.devices"
-
-
-@dataclasses.dataclass(frozen=True)
-class WorkerDevice:
-    """A slot of the pool: ``("cpu", i)`` is the i-th CPU worker, ``("cuda", i)`` is cuda:i,
-    ``("emu", i)`` is emu:i."""
-
-    type: str
-    index: int
-
-    @property
-    def torch_device(self) -> torch.device:
-        return torch.device("cpu") if self.type == "cpu" else torch.device(self.type, self.index)
-
-    def __str__(self) -> str:
-        return f"cpu#{self.index}" if self.type == "cpu" else f"{self.type}:{self.index}"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -80,7 +80,7 @@ class Action:
         k = self.kind.value
         if self.kind is ActionKind.MICROBATCH:
             return f"M.{self.mb_index}"
-        if self.kind is ActionKind.SYNC:
+        if self.kind is ActionKind.SYNC and self.stage < 0:
             return "S"
         if self.stage < 0:
             return f"{k}*"
@@ -108,6 +108,12 @@ class Action:
 #              the optimizer thread;
 #   R s        the upload dropped at the end of its run (``R sw``: training-mode buffers, such as
 #              BatchNorm's running stats, written back first);
+#   S s        the host waits until the device has finished the run that R s ended, before a
+#              prefetch that takes the memory it gave back: the worker enqueues kernels far
+#              faster than a GPU runs them, and without this bound it would run stages ahead,
+#              each prefetch allocating fresh memory while the released blocks are still in use
+#              (the caching allocator reuses a block only once the stream that used it is past
+#              it); with it a device holds at most the running stage and the next one;
 #   S          the host waits for the device, once, at the end.
 # Budget decisions are made here, once, from the plan's sizes (stage bytes and the bytes of each
 # saved stage input): a device ledger walks the program and keeps a saved input only while that

@@ -167,6 +167,7 @@ class _DeviceLowering:
         self.saved = 0  # bytes of kept stage inputs
         self.kept: set[tuple[int, int]] = set()
         self.waited: set[int] = set()  # stages whose params this device has waited for
+        self.unsynced_release: Action | None = None  # the last R the host has not waited for
         self.peak = 0
 
     def stage_bytes(self, s: int) -> int:
@@ -250,6 +251,7 @@ class _DeviceLowering:
                 # Kept from the forward to the backward run when recompute is off.
                 self.emit(ActionKind.RELEASE, s, -1, run[-1],
                           write_back=not (kind is ActionKind.BACKWARD and recompute))
+                self.unsynced_release = self.program[-1]
                 self.resident.pop(s, None)
             self.prefetch_next(runs, uploads, r, prefetched, same_stage=True)
         if actions:
@@ -276,4 +278,11 @@ class _DeviceLowering:
             return
         if self.fits(self.stage_bytes(s)):
             prefetched.add(nxt)
+            release = self.unsynced_release
+            if release is not None:
+                # Host wait: the prefetch takes the memory that release gave back only once the
+                # device has finished the run that used it (see [Note: the program]).
+                self.unsynced_release = None
+                self.program.append(Action(ActionKind.SYNC, release.stage, -1, release.device,
+                                           release.time, of=release.of))
             self.upload(runs[nxt], prefetch=True)

@@ -89,6 +89,7 @@ def stages_by_size(model: "torch.nn.Sequential", num_stages: int | None = None,
                                         or max_stage_bytes < 1):
         raise ValueError(f"max_stage_bytes must be a positive int, got {max_stage_bytes!r}")
     if num_stages is None:
+        assert max_stage_bytes is not None  # checked above
         return _greedy_groups(sizes, max_stage_bytes)
     if not isinstance(num_stages, int) or isinstance(num_stages, bool) or num_stages < 1:
         raise ValueError(f"num_stages must be a positive int, got {num_stages!r}")

@@ -197,7 +197,8 @@ class GradSink:
         self._where = {rec.master: (s, i) for s, records in enumerate(grads.params)
                        for i, rec in enumerate(records)}
         # Every trainable param of the call: what its backward computes gradients for.
-        self.params = [rec.param for records in grads.params for rec in records]
+        self.params: list[torch.Tensor] = [rec.param for records in grads.params
+                                           for rec in records]
         self._adopted: set = set()  # storages that became buffers
 
     def take(self, master: nn.Parameter, grad: torch.Tensor) -> bool:

@@ -139,7 +139,7 @@ class RoundPipe(nn.Module):
         return handle
 
     # -- state dicts --------------------------------------------------------------------------
-    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
         """The wrapped module's state dict (same keys; the low-precision values the model holds
         now). Main thread; waits for a pending master->model copy, not for the step."""
         check_main_thread("state_dict")

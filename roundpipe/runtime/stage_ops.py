@@ -99,10 +99,10 @@ def _stage_input(spec: CallSpec, state: CallState, s: int, m: int,
 
 
 def _context(spec: CallSpec, state: CallState, m: int, backend: Backend) -> Any:
-    """Microbatch ``m``'s context on ``backend``'s device (copied there once per device, after
+    """Microbatch ``m``'s context on ``backend``'s device (moved there once per device, after
     the event of stage 0's forward hand-off; see :mod:`roundpipe.context`)."""
     context = state.contexts[m]
-    if context is None or not spec.pool.streaming or backend is spec.pool.backends[0]:
+    if context is None or not spec.pool.streaming:
         return context
     key = (spec.pool.backends.index(backend), m)
     copy = state.device_contexts.get(key)
@@ -123,13 +123,16 @@ def _run_stage(spec: CallSpec, state: CallState, stage: Stage, inp: tuple[tuple,
     upload = state.uploads.get(stage.index)
     for i, layer in enumerate(stage.layers):
         try:
-            if i == 0:
+            if i == 0 and stage.index == 0:  # the model's first layer: the call's inputs
                 x = backend.call_layer(layer.module, args, kwargs, upload)
                 if isinstance(x, WithContext):
-                    if stage.index == 0 and phase == "forward":
+                    if phase == "forward":
                         state.contexts[m] = _detached(x.context)
                     x = x.output  # a recompute's context is the forward's
-            elif layer.takes_context:
+                continue
+            if i == 0:  # a later stage's input: the stage before's output
+                x = args[0]
+            if layer.takes_context:
                 x = backend.call_layer(layer.module, (x, _context(spec, state, m, backend)), {},
                                        upload)
             else:
@@ -371,9 +374,9 @@ def _grads(spec: CallSpec, state: CallState, s: int, m: int, outputs: list[torch
     upload = state.uploads.get(s)
     # On an accelerator the gradients are taken w.r.t. the stage's device copies and summed on
     # the device (see [Note: streaming]).
-    targets = upload.leaves if upload is not None and upload.leaves is not None \
-        else [rec.param for rec in params]
-    inputs = wrt + list(targets)
+    targets: list[torch.Tensor] = (upload.leaves if upload is not None and upload.leaves is not None
+                                   else [rec.param for rec in params])
+    inputs = wrt + targets
     grads: list[torch.Tensor | None]
     if outputs and inputs:
         try:

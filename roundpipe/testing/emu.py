@@ -420,7 +420,7 @@ class EmuTensor(torch.Tensor):
         out._elem = elem
         return out
 
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
 
     def __repr__(self) -> str:  # type: ignore[override]
         return f"{self._elem!r} (on {self.device})"
@@ -433,7 +433,8 @@ class EmuTensor(torch.Tensor):
         return self._elem.data_ptr()
 
     @classmethod
-    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (),  # type: ignore[override]
+                           kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         if func in _NO_OPS:
             return None
@@ -675,7 +676,8 @@ def _install_autocast(aten_lib: torch.library.Library, any_lib: torch.library.Li
     """``torch.autocast("emu")``: matmul-like ops cast their floating inputs to the autocast
     dtype; every other op passes through untouched."""
     any_lib.fallback(torch.library.fallthrough_kernel, dispatch_key="AutocastPrivateUse1")
-    excluded = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastPrivateUse1)
+    excluded = torch._C.DispatchKeySet(
+        torch._C.DispatchKey.AutocastPrivateUse1)  # type: ignore[attr-defined]
     for name in _AUTOCAST_LOWER:
         packet = getattr(aten, name, None)
         if packet is None:

@@ -1,0 +1,126 @@
+"""The package's shape: no import circle between roundpipe's modules, no private name of one
+module used by another, no private attribute of another object written (read from the source,
+without importing it)."""
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "roundpipe"
+
+
+def _modules():
+    mods = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        mods[name] = ast.parse(path.read_text(), filename=str(path))
+    return mods
+
+
+MODULES = _modules()
+
+
+def _owner(name):
+    """The roundpipe module that defines ``name`` (a dotted import target)."""
+    while name and name not in MODULES:
+        name = name.rpartition(".")[0]
+    return name
+
+
+def _imports(module, tree):
+    """(target module, imported name or None, node) of every roundpipe import in ``tree``,
+    wherever it is (lazy imports and TYPE_CHECKING blocks too)."""
+    base = module if module in MODULES and (PACKAGE / "/".join(module.split(".")[1:])
+                                              / "__init__.py").exists() else \
+        module.rpartition(".")[0]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            source = node.module or ""
+            if node.level:
+                source = ".".join(base.split(".")[:len(base.split(".")) - node.level + 1]
+                                  + ([source] if source else []))
+            if not source.startswith("roundpipe"):
+                continue
+            for alias in node.names:
+                full = f"{source}.{alias.name}"
+                if full in MODULES:
+                    yield full, None, node
+                else:
+                    yield _owner(source), alias.name, node
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith("roundpipe"):
+                    yield _owner(alias.name), None, node
+
+
+def test_no_import_circle():
+    edges = {m: {t for t, _, _ in _imports(m, tree) if t != m and not m.startswith(t + ".")}
+             for m, tree in MODULES.items()}
+    state, path, circles = {}, [], []
+
+    def visit(m):
+        state[m] = "open"
+        path.append(m)
+        for t in sorted(edges[m]):
+            if state.get(t) == "open":
+                circles.append(path[path.index(t):] + [t])
+            elif t not in state:
+                visit(t)
+        path.pop()
+        state[m] = "done"
+
+    for m in sorted(MODULES):
+        if m not in state:
+            visit(m)
+    assert not circles, "\n".join(" -> ".join(c) for c in circles)
+
+
+def test_no_private_name_crosses_a_module_boundary():
+    found = []
+    for m, tree in MODULES.items():
+        module_aliases = {}
+        for target, name, node in _imports(m, tree):
+            if name is not None and name.startswith("_") and target != m:
+                found.append(f"{m}: from {target} import {name}")
+            if name is None and isinstance(node, ast.ImportFrom):
+                for alias in node.names:
+                    module_aliases[alias.asname or alias.name] = target
+            elif name is None:
+                for alias in node.names:
+                    module_aliases[alias.asname or alias.name.split(".")[0]] = target
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) \
+                    and node.value.id in module_aliases and node.attr.startswith("_") \
+                    and not node.attr.startswith("__") and module_aliases[node.value.id] != m:
+                found.append(f"{m}:{node.lineno}: {node.value.id}.{node.attr}")
+    assert not found, "\n".join(found)
+
+
+def test_no_private_attribute_of_another_object_is_written():
+    found = []
+    for m, tree in MODULES.items():
+        if m.startswith("roundpipe.testing"):
+            continue  # the emulated device wraps torch's own objects
+        for node in ast.walk(tree):
+            targets = []
+            if isinstance(node, ast.Assign):
+                targets = node.targets
+            elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+                targets = [node.target]
+            for t in targets:
+                for sub in ast.walk(t):
+                    if isinstance(sub, ast.Attribute) and sub.attr.startswith("_") \
+                            and not sub.attr.startswith("__") \
+                            and not (isinstance(sub.value, ast.Name)
+                                     and sub.value.id in ("self", "cls")):
+                        found.append(f"{m}:{sub.lineno}: {ast.unparse(sub)} = ...")
+    assert not found, "\n".join(found)
+
+
+def test_the_checks_see_the_package():
+    # The scans above would pass vacuously on an empty tree.
+    assert {"roundpipe.plan.build", "roundpipe.runtime.executor",
+            "roundpipe.devices.accelerator"} <= set(MODULES)
+    assert any(t == "roundpipe.plan" for t, _, _ in _imports("roundpipe.runtime.call",
+                                                             MODULES["roundpipe.runtime.call"]))
