@@ -13,9 +13,10 @@ from roundpipe.context import WithContext
 from roundpipe.layer_costs import measure_layer_costs
 from roundpipe.grad_scaler import GradScaler, ScaleCollapseWarning, ScalerSnapshot
 from roundpipe.monitor import TrainingHistory, TrainingMonitor
-from roundpipe.runtime import OptimizerCtx, RoundPipe, RoundPipeRunConfig
+from roundpipe.microbatch import MicrobatchInfo
+from roundpipe.runtime import OptimizerCtx, RoundPipe, RoundPipeRunConfig, UnevenMicrobatchWarning
 from roundpipe.plan import stages_by_size
 
 __version__ = "0.1.0"
 
-__all__ = ["RoundPipe", "RoundPipeRunConfig", "OptimizerCtx", "stages_by_size", "WithContext", "measure_layer_costs", "GradScaler", "ScaleCollapseWarning", "ScalerSnapshot", "TrainingHistory", "TrainingMonitor", "distributed", "optim", "optim_thread", "__version__"]
+__all__ = ["RoundPipe", "RoundPipeRunConfig", "OptimizerCtx", "stages_by_size", "WithContext", "MicrobatchInfo", "UnevenMicrobatchWarning", "measure_layer_costs", "GradScaler", "ScaleCollapseWarning", "ScalerSnapshot", "TrainingHistory", "TrainingMonitor", "distributed", "optim", "optim_thread", "__version__"]

@@ -17,12 +17,13 @@ Any spec can instead be a callable that does the whole job (see each function).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 from torch.utils import _pytree as pytree
 
-__all__ = ["split_inputs", "split_label", "merge_outputs", "microbatch_sizes"]
+__all__ = ["split_inputs", "split_label", "merge_outputs", "microbatch_sizes", "MicrobatchInfo"]
 
 Chunk = Tuple[tuple, dict]
 
@@ -231,3 +232,21 @@ def _equal(a: Any, b: Any) -> bool:
 def _short(v: Any) -> str:
     r = repr(v)
     return r if len(r) < 60 else r[:57] + "..."
+
+
+@dataclasses.dataclass(frozen=True)
+class MicrobatchInfo:
+    """What a ``loss_fn`` that takes a third argument learns about its microbatch: its
+    ``index``, its ``size`` (samples), the whole ``batch_size`` and ``num_microbatch``.
+    ``share`` is ``size / batch_size``: scaling a microbatch's mean loss by it makes the
+    microbatch losses add up to the batch mean, whatever the split (10 samples into 4
+    microbatches are 3, 3, 2 and 2)."""
+
+    index: int
+    size: int
+    batch_size: int
+    num_microbatch: int
+
+    @property
+    def share(self) -> float:
+        return self.size / self.batch_size

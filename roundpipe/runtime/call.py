@@ -10,6 +10,7 @@ action has run (see [Note: the program] in :mod:`roundpipe.plan.actions`).
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -28,7 +29,8 @@ from roundpipe.runtime.params import ParamRecord, ParamsReady
 from roundpipe.runtime.rng import CallRng, RngMemo, RNGState, plan_call_rng
 from roundpipe.runtime.stages import ModelStages, Stage, probe_input_bytes
 
-__all__ = ["Cancelled", "CallSpec", "CallState", "ModelParts", "Slot", "plan_sizes", "prepare_call"]
+__all__ = ["Cancelled", "CallSpec", "CallState", "ModelParts", "Slot", "plan_sizes", "prepare_call",
+           "takes_microbatch"]
 
 
 class Cancelled(Exception):
@@ -88,6 +90,7 @@ class CallSpec:
     sizes: list[int]
     labels: list[Any]
     loss_fn: Callable | None
+    loss_takes_microbatch: bool  # loss_fn(output, label, MicrobatchInfo)
     return_outputs: bool
     stage_params: list[list[ParamRecord]]  # per stage, its trainable params
     rng: CallRng
@@ -101,7 +104,8 @@ class CallSpec:
 class CallState:
     """What one call writes as it runs (see the module doc for which thread touches what).
 
-    ``failures``: (time, stage, mb_index, exception) of each failed action, under ``lock``.
+    ``failures``: (time, stage, mb_index, exception) of each failed action, under ``lock``;
+    ``cancelled``: set when the call is interrupted.
     ``uploads``: per stage, its upload while a run of it holds one (the stage's worker only).
     ``released``: per (stage, pass), the event after its run, for a later host wait.
     ``contexts``: per microbatch, the context its first layer returned; ``device_contexts``: a
@@ -117,6 +121,9 @@ class CallState:
         self.cancelled = threading.Event()
         self.lock = threading.Lock()
         self.failures: list[tuple[int, int, int, BaseException]] = []
+        # The plan time (time, stage, mb_index) of the earliest failure: actions after it are
+        # skipped; read without the lock (a tuple is replaced, never mutated).
+        self.stop_after: tuple[int, int, int] | None = None
         self.losses: list[Any] = [None] * M
         self.outputs: list[Any] = [None] * M
         # Per microbatch, the stage-0 input leaves as the caller's graph has them (None where no
@@ -133,9 +140,24 @@ class CallState:
         self.stashed_grads: list[tuple[nn.Parameter, torch.Tensor]] = []
 
     def fail(self, time: int, stage: int, mb_index: int, exc: BaseException) -> None:
+        """Record a failed action; every action after it in plan time is skipped from now on
+        (see :func:`roundpipe.runtime.executor.execute`)."""
         with self.lock:
             self.failures.append((time, stage, mb_index, exc))
-        self.cancelled.set()
+            key = (time, stage, mb_index)
+            if self.stop_after is None or key < self.stop_after:
+                self.stop_after = key
+
+
+def takes_microbatch(loss_fn: Callable) -> bool:
+    """Whether ``loss_fn`` takes a third positional argument (a :class:`MicrobatchInfo`)."""
+    try:
+        params = inspect.signature(loss_fn).parameters.values()
+    except (TypeError, ValueError):  # a builtin without a signature: the two-argument form
+        return False
+    positional = [p for p in params
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return len(positional) >= 3
 
 
 # "auto" budgets leave this share of a device's free memory to the activations inside a stage
@@ -215,6 +237,7 @@ def prepare_call(model: ModelParts, cfg: ResolvedRunConfig, args: tuple, kwargs:
         recompute=cfg.recompute, grad_enabled=grad_enabled,
         inference_mode=torch.is_inference_mode_enabled(), autocast=autocast,
         chunks=chunks, sizes=sizes, labels=labels, loss_fn=loss_fn,
+        loss_takes_microbatch=loss_fn is not None and takes_microbatch(loss_fn),
         return_outputs=return_outputs, stage_params=stage_params, rng=rng,
         ready=model.ready, cast_dtype=model.cast_dtype,
         input_grad=training and any(isinstance(x, torch.Tensor) and x.requires_grad

@@ -26,8 +26,9 @@ __all__ = ["execute"]
 
 def execute(spec: CallSpec, state: CallState) -> None:
     """Run every device's program and wait for all; re-raise the first real error (the earliest
-    in plan time). The first failure stops the whole call: every device skips what it has not
-    started yet.
+    in plan time). A failure stops the call: its device runs nothing more, and every other
+    device skips every action later in plan time (an earlier one still runs, so which error is
+    reported does not depend on timing).
 
     Interrupted (Ctrl-C) while running or waiting, it cancels what has not started, waits until
     no worker touches the call any more, and then re-raises: the workers are never left waiting
@@ -85,7 +86,9 @@ def _run_program(spec: CallSpec, state: CallState, d: int,
             for i, a in enumerate(program):
                 fut = futures.get(a.key)
                 try:
-                    if state.cancelled.is_set():
+                    stop = state.stop_after
+                    if state.cancelled.is_set() or (
+                            stop is not None and (a.time, a.stage, a.mb_index) > stop):
                         raise Cancelled()
                     for dep in spec.plan.dependencies(a):
                         waited = futures.get(dep.key)

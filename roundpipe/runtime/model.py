@@ -9,6 +9,7 @@ the :mod:`roundpipe.runtime` docstring for which thread touches what.
 
 from __future__ import annotations
 
+import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -33,7 +34,12 @@ from roundpipe.runtime.rng import RngMemo, learn_rng_use, restore_after_call
 from roundpipe.runtime.stage_ops import backward_to_inputs
 from roundpipe.runtime.stages import ModelStages, model_layers
 
-__all__ = ["RoundPipe", "check_main_thread"]
+__all__ = ["RoundPipe", "UnevenMicrobatchWarning", "check_main_thread"]
+
+
+class UnevenMicrobatchWarning(UserWarning):
+    """A batch split into microbatches of different sizes, with a ``loss_fn`` that cannot weight
+    them (it takes no :class:`roundpipe.microbatch.MicrobatchInfo`)."""
 
 
 # [Note: staleness]
@@ -98,6 +104,7 @@ class RoundPipe(nn.Module):
         self._stages = ModelStages(layers, self._params)
         self._hooks = GradHooks(self._params.records)
         self._has_grads = False
+        self._warned_uneven = False  # UnevenMicrobatchWarning given
         # Stages (by their layers and training mode) probed for drawing random numbers; main
         # thread. See [Note: RNG chains].
         self._rng_memo: RngMemo = {}
@@ -218,7 +225,11 @@ class RoundPipe(nn.Module):
         every later layer gets the previous layer's output as its one argument.
 
         ``loss_fn(output, label_mb)`` runs once per microbatch on the worker of the last stage
-        and must return a single-element tensor. Gradients accumulate into the masters' ``.grad``
+        and must return a single-element tensor; ``loss_fn(output, label_mb, mb)`` also gets a
+        :class:`roundpipe.MicrobatchInfo` (``mb.share``: the microbatch's fraction of the
+        batch, to weight a mean loss when the microbatches differ in size; a batch that does
+        not split evenly warns, once per model, for a two-argument ``loss_fn``). The call stops
+        at its first failure: no microbatch runs after one has failed. Gradients accumulate into the masters' ``.grad``
         (``optim_dtype``); inputs that require grad get theirs in ``.grad`` (through whatever
         graph produced them), as ``loss.backward()`` would give them. Main thread; blocks until
         every gradient of the call is accumulated, so nothing of it is in flight afterwards (it
@@ -234,6 +245,17 @@ class RoundPipe(nn.Module):
         spec, state = prepare_call(self._parts(), cfg, tuple(input_args),
                                    dict(input_kwargs or {}), label, loss_fn, training=True,
                                    return_outputs=return_outputs)
+        if len(set(spec.sizes)) > 1 and not spec.loss_takes_microbatch \
+                and not self._warned_uneven:
+            self._warned_uneven = True
+            warnings.warn(
+                f"a batch of {sum(spec.sizes)} samples splits into microbatches of "
+                f"{', '.join(map(str, spec.sizes))}: a loss_fn that divides each microbatch's "
+                f"mean loss by num_microbatch weights their samples unequally, so the gradient "
+                f"is not the batch mean's. Take a third argument, loss_fn(output, label, mb), "
+                f"and scale the microbatch's mean by mb.share (its fraction of the batch), or "
+                f"use a batch size that num_microbatch divides. (Warned once per model.)",
+                UnevenMicrobatchWarning, stacklevel=2)
         self._has_grads = True
         ok = False
         try:

@@ -22,6 +22,7 @@ from torch.utils.checkpoint import checkpoint
 from roundpipe.autocast import autocast_context
 from roundpipe.context import WithContext
 from roundpipe.devices import Backend, StreamingBackend
+from roundpipe.microbatch import MicrobatchInfo
 from roundpipe.optim_thread import add_note
 from roundpipe.plan import Action, ActionKind
 from roundpipe.runtime.call import CallSpec, CallState, Cancelled, Slot
@@ -174,7 +175,12 @@ def _stage_forward(spec: CallSpec, state: CallState, s: int, m: int, inp: tuple[
         if spec.training and s == len(spec.stages) - 1:
             assert spec.loss_fn is not None
             try:
-                loss = spec.loss_fn(out, backend.to_device(spec.labels[m]))
+                label = backend.to_device(spec.labels[m])
+                if spec.loss_takes_microbatch:
+                    info = MicrobatchInfo(m, spec.sizes[m], sum(spec.sizes), len(spec.sizes))
+                    loss = spec.loss_fn(out, label, info)
+                else:
+                    loss = spec.loss_fn(out, label)
             except BaseException as exc:  # noqa: B036 -- annotated, then re-raised
                 add_note(exc, where(spec, s, m, "loss_fn", None))
                 raise
