@@ -173,3 +173,22 @@ def test_the_readme_loop_runs_as_written_on_cpu_and_on_the_emulated_accelerator(
     for devices in ("emu", "emu:2"):
         for a, b in zip(results["cpu"], results[devices]):
             assert torch.equal(a, b), devices
+
+
+def test_every_cited_note_is_written_once():
+    # A long invariant is written once as "# [Note: name]" and cited elsewhere by its name; a
+    # citation must not outlive the note (code moves between files).
+    note = re.compile(r"\[Note: ([^\]]+)\]")
+    header = re.compile(r"^\s*# \[Note: ([^\]]+)\]\s*$", re.MULTILINE)
+    files = [*sorted((ROOT / "roundpipe").rglob("*.py")), *sorted((ROOT / "docs").glob("*.md")),
+             ROOT / "README.md", *sorted((ROOT / "tests").glob("*.py"))]
+    written, cited = {}, set()
+    for path in files:
+        text = path.read_text()
+        for name in header.findall(text):
+            written.setdefault(name, []).append(path.name)
+        if path.name != "test_docs.py":
+            cited.update(" ".join(name.split()) for name in note.findall(text))
+    assert {n: w for n, w in written.items() if len(w) > 1} == {}
+    assert cited - set(written) == set()
+    assert len(written) > 10

@@ -515,3 +515,19 @@ def test_a_parameter_shared_by_first_and_last_stage_is_bitwise_the_same_on_any_w
     for xm in torch.tensor_split(x, 3):
         ref(xm).pow(2).sum().backward()
     torch.testing.assert_close(grads["cpu"][0], ref[0].w.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_a_resolved_run_config_has_no_optional_field():
+    import typing
+
+    from roundpipe.runtime.config import ResolvedRunConfig, resolve_config
+
+    hints = typing.get_type_hints(ResolvedRunConfig)
+    optional = [name for name, hint in hints.items()
+                if type(None) in typing.get_args(hint) or hint is type(None)]
+    assert optional == []
+    cfg = resolve_config(RoundPipeRunConfig(num_microbatch=2), RoundPipeRunConfig(recompute=False),
+                         num_layers=3)
+    assert cfg.num_microbatch == 2 and cfg.recompute is False
+    assert cfg.execute_plan == ((0, 1), (1, 2), (2, 3))
+    assert cfg.autocast == "caller" and cfg.device_memory_budget == "none"
