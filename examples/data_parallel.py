@@ -3,6 +3,8 @@ ranks, each on its shard of every global batch, launched by torchrun.
 
     torchrun --standalone --nproc-per-node 2 examples/data_parallel.py [--steps 300]
 
+Started without torchrun (``python examples/data_parallel.py``) it trains as a single rank.
+
 Every rank builds the same model and runs the same loop. ``DataParallel`` gives every rank rank
 0's parameters, and each step averages the masters' gradients over the ranks on the optimizer
 thread (overlapping the next iteration's compute), so the masters stay identical everywhere.
@@ -14,6 +16,7 @@ On machines with GPUs, give each rank its own: ``--devices cuda:$LOCAL_RANK`` (t
 """
 
 import argparse
+import os
 
 import torch
 import torch.nn.functional as F
@@ -38,20 +41,28 @@ def load_data(seed):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--steps", type=int, default=300, help="training iterations (default 300)")
     parser.add_argument("--global-batch-size", type=int, default=64,
                         help="samples per step over all ranks (a multiple of the world size)")
-    parser.add_argument("--num-microbatch", type=int, default=2)
-    parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--num-microbatch", type=int, default=2,
+                        help="microbatches each rank splits its share into (default 2)")
+    parser.add_argument("--lr", type=float, default=2e-3, help="Adam's learning rate (default 2e-3)")
     parser.add_argument("--devices", default="cpu", help="this rank's device pool, e.g. cuda:0")
     parser.add_argument("--timeout", type=float, default=120.0,
                         help="seconds a collective may wait for the other ranks")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed of the data split and the batch order (the same on every rank)")
     args = parser.parse_args()
 
     # torchrun sets RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT; the timeout turns a failed
     # rank into a DataParallelError on the others instead of a hang.
-    rpd.init_process_group(timeout=args.timeout)
+    if "RANK" in os.environ:
+        rpd.init_process_group(timeout=args.timeout)
+    else:  # started as a plain script: one rank, in this process
+        print("not started by torchrun: training as one rank (world size 1); for two ranks run\n"
+              "    torchrun --standalone --nproc-per-node 2 examples/data_parallel.py", flush=True)
+        rpd.init_process_group(timeout=args.timeout, store=torch.distributed.HashStore(), rank=0,
+                               world_size=1)
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     torch.manual_seed(args.seed + rank)  # ranks may differ: DataParallel broadcasts rank 0's state
     x_train, y_train, x_test, y_test = load_data(args.seed)
@@ -66,7 +77,7 @@ def main():
         opt = roundpipe.optim.Adam(model.parameters(), lr=args.lr)
     scaler = GradScaler(growth_interval=50)
     if rank == 0:
-        print(f"roundpipe {roundpipe.__version__}: {world} ranks, global batch "
+        print(f"roundpipe {roundpipe.__version__}: {world} rank{'s' if world > 1 else ''}, global batch "
               f"{args.global_batch_size} ({args.global_batch_size // world} per rank), "
               f"{num_mb} microbatches per rank, timeout {args.timeout:g} s", flush=True)
 

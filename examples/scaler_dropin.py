@@ -69,7 +69,7 @@ def train(scaler, steps, batch_size=128, desc=""):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--steps", type=int, default=300, help="training steps of each of the two runs (default 300)")
     args = parser.parse_args()
 
     # Deliberately too high a start (2**24): fp16 gradients overflow until the scale backs off.

@@ -165,7 +165,11 @@ def _self_check(iterations: int, dtype: torch.dtype, devices: Optional[str],
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m roundpipe", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m roundpipe",
+        description="Print the versions and the device pool, then run a short self-check "
+                    "training loop and say whether it PASSED (exit code 0) or FAILED (exit code "
+                    "1), and why.")
     parser.add_argument("--quick", action="store_true", help="a short check (a few seconds), for the test suite")
     parser.add_argument("--devices", default=None, help=f"device pool (default: ${ENV_VAR}, else every CUDA device, else one CPU worker)")
     parser.add_argument("--dtype", choices=sorted(_DTYPES), default="fp16", help="the model's low-precision dtype")

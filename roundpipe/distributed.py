@@ -23,6 +23,8 @@ import contextlib
 import dataclasses
 import datetime
 import hashlib
+import os
+import sys
 import threading
 import weakref
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Union
@@ -32,6 +34,7 @@ import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
 from roundpipe import optim_thread
+from roundpipe.main_thread import check_main_thread
 
 __all__ = ["DataParallel", "DataParallelError", "Bucket", "init_process_group", "plan_buckets",
            "shard"]
@@ -102,16 +105,37 @@ def init_process_group(backend: Optional[str] = None,
     ``timeout`` (seconds or a timedelta, default 10 minutes) bounds every collective: a rank
     whose peer failed raises :class:`DataParallelError` after it instead of hanging. Other
     keyword arguments go to torch (``init_method``, ``rank``, ``world_size``, ``store``); under
-    ``torchrun`` none are needed. Main thread; blocks until every rank has joined.
+    ``torchrun`` none are needed, and without torchrun's environment (``RANK``, ``WORLD_SIZE``,
+    ``MASTER_ADDR``, ``MASTER_PORT``) and without ``init_method``/``store`` it raises
+    ``RuntimeError`` naming the torchrun command. Main thread; blocks until every rank has
+    joined.
     """
     _require_distributed()
     if dist.is_initialized():
         raise RuntimeError("torch.distributed is already initialized; call "
                            "roundpipe.distributed.init_process_group() once per process, or skip "
                            "it and pass your own group to DataParallel(process_group=...)")
+    if kwargs.get("init_method") in (None, "env://") and kwargs.get("store") is None:
+        missing = [v for v in _TORCHRUN_VARS if v not in os.environ and v.lower() not in kwargs]
+        if missing:
+            raise RuntimeError(
+                f"roundpipe.distributed.init_process_group() found no torchrun environment "
+                f"({', '.join(missing)} not set): launch the script with torchrun, e.g. "
+                f"`torchrun --standalone --nproc-per-node 2 {_script_name()}`, or pass rank=, "
+                f"world_size= and init_method= (or store=) yourself")
     if backend is None:
         backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
     dist.init_process_group(backend=backend, timeout=_as_timedelta(timeout), **kwargs)
+
+
+# What torch's default env:// rendezvous reads; torchrun sets them for every rank.
+_TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def _script_name() -> str:
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    return os.path.relpath(path) if path else "your_script.py"
 
 
 def shard(batch: Any, process_group: Optional[Any] = None) -> Any:
@@ -278,7 +302,7 @@ def _on_optimizer_thread(fn: Callable[[], Any]) -> Any:
     [Note: data-parallel step]) and return its result; from another thread, launch and wait."""
     if optim_thread.on_optimizer_thread():
         return fn()
-    return _wait_result(optim_thread._launch(fn))
+    return _wait_result(optim_thread.launch_item(fn))
 
 
 def _wait_result(item: Any) -> Any:
@@ -316,7 +340,7 @@ def _deactivate() -> None:
             _ACTIVE = None
 
 
-def _agree_found_inf(found_per_device: Dict[torch.device, torch.Tensor],
+def agree_found_inf(found_per_device: Dict[torch.device, torch.Tensor],
                     like: torch.Tensor) -> Dict[torch.device, torch.Tensor]:
     """GradScaler's hook (see [Note: data-parallel step] (c)): with data parallelism on, the
     per-device inf/NaN flags become one flag, the MAX over devices and ranks, on ``like``'s
@@ -374,10 +398,8 @@ class DataParallel:
     def __init__(self, model: Any, process_group: Optional[Any] = None,
                  bucket_cap_mb: float = 25.0, buckets_in_flight: int = 2,
                  device: Optional[Any] = None) -> None:
-        from roundpipe.runtime import RoundPipe, check_main_thread
-
-        check_main_thread("DataParallel")
-        if not isinstance(model, RoundPipe):
+        check_main_thread("DataParallel", owner="roundpipe.distributed")
+        if not callable(getattr(model, "register_step_pre_hook", None)):
             raise TypeError(f"DataParallel attaches to a roundpipe.RoundPipe, got "
                             f"{type(model).__name__}")
         if model in _ATTACHED:
@@ -390,7 +412,7 @@ class DataParallel:
         # Steps already launched run without data parallelism: let them finish before the
         # optimizer thread can see the group (its scaler check would otherwise issue a
         # collective that the other ranks, already past their steps, do not).
-        optim_thread._wait_all()
+        optim_thread.wait_all()
         self._group = _activate(process_group, device)
         self._model = model
         self._masters = [m for _, m in model.optim_named_parameters()]
@@ -428,7 +450,7 @@ class DataParallel:
         waits for the optimizer thread. Idempotent."""
         if self._closed:
             return
-        optim_thread._wait_all()
+        optim_thread.wait_all()
         self._hook.remove()
         _ATTACHED.discard(self._model)
         self._closed = True

@@ -18,9 +18,11 @@ from typing import Any, Iterable, Optional, Union
 import torch
 
 from roundpipe import distributed, optim_thread
+from roundpipe.step_context import check_optimizer_params
+from roundpipe.host_copy import HostCopy
 from roundpipe.optim_thread import on_optimizer_thread
 
-__all__ = ["GradScaler", "OptState", "ScalerSnapshot", "ScaleCollapseWarning"]
+__all__ = ["GradScaler", "OptState", "ScalerSnapshot", "ScaleCollapseWarning", "note_used_by_steps"]
 
 
 # [Note: the scale double buffer]
@@ -34,8 +36,8 @@ __all__ = ["GradScaler", "OptState", "ScalerSnapshot", "ScaleCollapseWarning"]
 #
 # back, newest, the growth tracker, the hyperparameters U reads and the per-optimizer states form
 # the *back side*. The back side is touched by one thread at a time: the optimizer thread, or the
-# main thread while no launched work can touch it (nothing launched through optim_thread.launch
-# is un-waited, and the scaler's own last launched item has run; see ``_claim_back_side``).
+# main thread while no launched work can touch it (the scaler's own last launched item has run,
+# and, if steps use the scaler, no launched step is still to run; see ``_claim_back_side``).
 #
 # Let s_k be the scale iteration k's losses were multiplied by.
 #   Sync update (every step of iteration k returned before update()): U runs at once on the
@@ -53,7 +55,7 @@ __all__ = ["GradScaler", "OptState", "ScalerSnapshot", "ScaleCollapseWarning"]
 #     stale s_k = s_{k-1}, leaves it there.
 #
 # Each U publishes a ``_Published`` record (a clone of newest, the counters, the hyperparameters,
-# and a _HostCopy of newest, the tracker and the skipped steps): the result of its work item, so
+# and a HostCopy of newest, the tracker and the skipped steps): the result of its work item, so
 # the main thread reads it only after the item's event is set. The getters and snapshot() read
 # those host copies and the front scale's (``_front_copy``), never a device tensor: monitoring
 # never syncs the device, and neither does U (a host copy is started without waiting).
@@ -112,37 +114,11 @@ def _sum_flags(flags: Iterable[torch.Tensor], device: torch.device) -> Optional[
     return total
 
 
-class _HostCopy:
-    """The values of a few 0-d tensors, copied to the host without waiting for the device:
-    :meth:`values` waits only for that copy (its own event), never for the device's other work.
-    Made by one thread; read by another after the hand-off that publishes it."""
-
-    __slots__ = ("_host", "_event", "_values")
-
-    def __init__(self, *tensors: torch.Tensor) -> None:
-        self._values: Optional[list] = None
-        packed = torch.stack([t.detach().reshape(()).to(torch.float64) for t in tensors])
-        self._event: Optional[torch.Event] = None
-        if packed.device.type == "cpu":
-            self._host = packed
-        else:
-            self._host = packed.to("cpu", non_blocking=True)
-            self._event = torch.Event(device=packed.device)
-            self._event.record()
-
-    def values(self) -> list:
-        if self._values is None:
-            if self._event is not None:
-                self._event.synchronize()
-            self._values = self._host.tolist()
-        return self._values
-
-
 @dataclass(frozen=True)
 class _Published:
     setter_seq: int  # the newest main-thread setter already applied on the back side
     scale: torch.Tensor
-    numbers: _HostCopy  # scale, growth tracker, skipped steps
+    numbers: HostCopy  # scale, growth tracker, skipped steps
     steps: int
     collapse_streak: int
     hyper: _Hyper
@@ -186,9 +162,14 @@ def _check_not_on_model_params(optimizer: torch.optim.Optimizer) -> None:
     """In a RoundPipe step function, an optimizer without gradients is most likely one built on
     the model's own parameters (gradients go to the masters): raise the RuntimeError that says so
     and how to fix it. Elsewhere a no-op."""
-    from roundpipe.runtime import check_optimizer_params  # at the call: the scaler stands alone
+    check_optimizer_params(optimizer)
 
-    check_optimizer_params(optimizer, (), {})
+
+def note_used_by_steps(scaler: "GradScaler") -> None:
+    """Record that launched steps use ``scaler`` (``model.step`` or ``optim_thread.launch``
+    found it in the function it launches), so that the main thread may not touch its back side
+    while a step may run. The launching thread (usually the main thread); never blocks."""
+    scaler._mark_used_by_steps()
 
 
 class GradScaler:
@@ -208,7 +189,9 @@ class GradScaler:
     ``_launch_mark``, ``_stepped_on_main``. Attributes of the back side (``_scale``, ``_back``,
     ``_growth_tracker``, ``_hyper``, ``_per_optimizer_states``, counters) are touched by the
     optimizer thread, or by the main thread when no launched work can touch them.
-    Device workers only read ``_front`` (through :meth:`scale`).
+    ``_used_by_steps`` (launched steps use the scaler) is set by the optimizer thread, or by the
+    launching thread when ``model.step`` finds the scaler in a step function; read by the main
+    thread. Device workers only read ``_front`` (through :meth:`scale`).
     """
 
     def __init__(
@@ -267,11 +250,11 @@ class GradScaler:
         # Whether back == newest (always after a sync update): then the overflow rule's
         # min(newest, back) is a no-op and is skipped, keeping sync mode torch's exact kernels.
         self._back_is_newest = True
-        self._failures_seen = optim_thread._failure_total()
+        self._failures_seen = optim_thread.failure_count()
         self._per_optimizer_states: dict[int, _PerOptimizerState] = defaultdict(_PerOptimizerState)
         # Front side (main thread).
         self._front: Optional[torch.Tensor] = None
-        self._front_copy: Optional[_HostCopy] = None  # the front scale's value, with _front
+        self._front_copy: Optional[HostCopy] = None  # the front scale's value, with _front
         self._front_replicas: dict[torch.device, torch.Tensor] = {}
         self._mirror = _Hyper(**vars(self._hyper))
         # Main-thread setters are numbered; the back side records the newest it applied, so a
@@ -279,16 +262,22 @@ class GradScaler:
         self._setter_seq = 0
         self._setter_applied = 0
         self._published: Optional[_Published] = None
-        self._pending: Optional[optim_thread._WorkItem] = None  # the last launched update
+        self._pending: Optional[optim_thread.WorkItem] = None  # the last launched update
         # What a step since the previous update() looks like from the main thread: a launch
         # (model.step) or a step()/unscale_() called on the main thread itself.
-        self._launch_mark = optim_thread._last_launch()
+        self._launch_mark = optim_thread.last_launch()
         self._stepped_on_main = False
-        self._last_item: Optional[optim_thread._WorkItem] = None  # the last launched back work
+        self._last_item: Optional[optim_thread.WorkItem] = None  # the last launched back work
+        self._used_by_steps = False
 
     # ------------------------------------------------------------------------------------------
     # lazy initialisation (as torch: on the device of the first scaled output)
     # ------------------------------------------------------------------------------------------
+
+    def _mark_used_by_steps(self) -> None:
+        """See :func:`note_used_by_steps`."""
+        self._used_by_steps = True
+
     def _lazy_init(self, device: torch.device) -> None:
         with self._init_lock:
             if self._front is not None:
@@ -301,7 +290,7 @@ class GradScaler:
             self._skipped_steps = full(self._init_skipped, torch.int64)
             self._published = self._publish()
             front_tensor = full(front)
-            self._front_copy = _HostCopy(front_tensor)
+            self._front_copy = HostCopy(front_tensor)
             self._front = front_tensor  # last: scale() reads it without the lock
 
     def _check_initialized(self, funcname: str) -> None:
@@ -345,7 +334,7 @@ class GradScaler:
             replica = replicas[device] = self._front.to(device, non_blocking=True)
         return replica
 
-    def _set_front(self, value: torch.Tensor, copy: _HostCopy) -> None:
+    def _set_front(self, value: torch.Tensor, copy: HostCopy) -> None:
         """Main thread, between iterations: the compute side uses ``value`` (whose value
         ``copy`` holds first) from now on."""
         self._front_replicas = {}
@@ -363,13 +352,17 @@ class GradScaler:
         main thread waits for the scaler's own launched work and refuses if a launched step may
         be touching it right now."""
         if on_optimizer_thread():
+            self._used_by_steps = True
             return
-        if optim_thread._has_unwaited_launch():
+        # Only steps can touch it besides its own items, and only if they use this scaler: a
+        # scaler of a plain loop on the main thread is not held up by an unrelated RoundPipe.
+        if self._used_by_steps and optim_thread.has_pending_launch():
             raise RuntimeError(
-                f"GradScaler.{what} was called on the main thread while work launched on the "
-                "optimizer thread (e.g. by model.step) has not been waited for, so both threads "
-                "would touch the scaler at once. Call it inside the step function instead, or "
-                "wait first (model.step(..., is_async=False) or roundpipe.optim_thread.synchronize())."
+                f"GradScaler.{what} was called on the main thread while a step launched on the "
+                "optimizer thread (e.g. by model.step), which uses this scaler, has not finished, "
+                "so both threads would touch the scaler at once. Call it inside the step function "
+                "instead, or wait first (model.step(..., is_async=False) or "
+                "roundpipe.optim_thread.synchronize())."
             )
         self._wait_last_item()
 
@@ -407,7 +400,7 @@ class GradScaler:
                 for same_dtype in per_dtype.values():
                     torch._amp_foreach_non_finite_check_and_unscale_(same_dtype, found, inv)
         # Under data parallelism every rank must skip the same steps: agree on the flag.
-        return distributed._agree_found_inf(found_per_device, found_inf)
+        return distributed.agree_found_inf(found_per_device, found_inf)
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Divide the optimizer's gradients by the back scale and check them for inf/NaN (as torch).
@@ -532,7 +525,9 @@ class GradScaler:
 
         Main thread only (on the optimizer thread it would wait for itself: RuntimeError). Mode:
         asynchronous (lag one) when a step of this iteration was launched on the optimizer thread
-        and not waited for, synchronous (exactly torch) otherwise; ``is_async`` forces one.
+        and not waited for, synchronous (exactly torch) otherwise, and always for a scaler whose
+        ``step()`` ran on the main thread in this iteration and that no launched step uses;
+        ``is_async`` forces one.
         The async mode waits only for the previous iteration's update. ``new_scale`` sets the
         scale; the compute side uses it from the next iteration on. Re-raises a failure of
         earlier launched work. An update with no step since the previous one (e.g. called twice
@@ -547,10 +542,13 @@ class GradScaler:
             )
         self._check_initialized("update")
         new_value = None if new_scale is None else self._check_new_scale(new_scale)
-        launched = optim_thread._has_unwaited_launch()
+        # A scaler that stepped on this thread this iteration and that no launched step uses
+        # belongs to a loop on this thread: a step of another model's loop is no concern of it.
+        launched = optim_thread.has_unwaited_launch() and (
+            self._used_by_steps or not self._stepped_on_main)
         if is_async is None:
             is_async = launched
-        launch_mark = optim_thread._last_launch()
+        launch_mark = optim_thread.last_launch()
         if (is_async and new_value is None and launch_mark == self._launch_mark
                 and not self._stepped_on_main):
             # Left alone, the update launched now would find no step and fail on the optimizer
@@ -569,9 +567,9 @@ class GradScaler:
             self._update_async(new_value)
         else:
             if launched:
-                optim_thread._wait_all()
+                optim_thread.wait_all()
             self._update_sync(new_value)
-        optim_thread._raise_failures()
+        optim_thread.raise_failures()
 
     def _check_new_scale(self, new_scale: Union[float, torch.Tensor]) -> torch.Tensor:
         if isinstance(new_scale, torch.Tensor):
@@ -598,11 +596,11 @@ class GradScaler:
             self._adopt(previous.result())
         # else: nothing pending, or it failed (reported now or before): keep the last published.
         if new_value is not None:
-            hand_out, copy = new_value, _HostCopy(new_value)
+            hand_out, copy = new_value, HostCopy(new_value)
         else:
             hand_out, copy = self._published.scale.clone(), self._published.numbers
         self._set_front(hand_out, copy)
-        self._pending = self._last_item = optim_thread._launch(self._back_update, new_value, hand_out)
+        self._pending = self._last_item = optim_thread.launch_item(self._back_update, new_value, hand_out)
 
     def _adopt(self, published: _Published) -> None:
         self._published = published
@@ -623,7 +621,7 @@ class GradScaler:
         ``next_back`` is the scale the compute side was handed for the next iteration (async), or
         None (sync: it is the new scale itself).
         """
-        failures = optim_thread._failure_total()
+        failures = optim_thread.failure_count()
         try:
             if new_value is not None:
                 self._scale.copy_(new_value)
@@ -693,7 +691,7 @@ class GradScaler:
     def _publish(self) -> _Published:
         scale = self._scale.clone()
         return _Published(self._setter_applied, scale,
-                          _HostCopy(scale, self._growth_tracker, self._skipped_steps), self._steps,
+                          HostCopy(scale, self._growth_tracker, self._skipped_steps), self._steps,
                           self._collapse_streak, _Hyper(**vars(self._hyper)))
 
     # ------------------------------------------------------------------------------------------
@@ -774,8 +772,8 @@ class GradScaler:
             return
         setattr(self._mirror, name, value)
         self._setter_seq += 1
-        if optim_thread._has_unwaited_launch() or (self._last_item is not None and not self._last_item.done()):
-            self._last_item = optim_thread._launch(self._apply_hyper, name, value, self._setter_seq)
+        if optim_thread.has_unwaited_launch() or (self._last_item is not None and not self._last_item.done()):
+            self._last_item = optim_thread.launch_item(self._apply_hyper, name, value, self._setter_seq)
         else:
             self._wait_last_item()
             self._apply_hyper(name, value, self._setter_seq)

@@ -198,6 +198,7 @@ def merge_outputs(outputs: List[Any], sizes: Sequence[int], spec: Any = None) ->
     dims = _leaf_dims(outputs[0], spec, "output")
     total = float(sum(sizes))
     merged = []
+    names = None  # each leaf's key path, worked out only for an error message
     for i, d in enumerate(dims):
         vals = [leaves[i] for leaves, _ in flat]
         v0 = vals[0]
@@ -214,12 +215,50 @@ def merge_outputs(outputs: List[Any], sizes: Sequence[int], spec: Any = None) ->
                 same = (torch.equal(v0, v) if isinstance(v0, torch.Tensor)
                         and isinstance(v, torch.Tensor) else _equal(v0, v))
                 if not same:
+                    names = names or _leaf_names(outputs[0], len(dims))
                     raise ValueError(
-                        f"output leaf {i} differs between microbatch 0 ({_short(v0)}) and "
+                        f"output leaf {names[i]} differs between microbatch 0 ({_short(v0)}) and "
                         f"microbatch {m} ({_short(v)}); non-tensor outputs must be equal across "
-                        f"microbatches (or pass merge_output= to merge them yourself)")
+                        f"microbatches (or pass merge_output= to merge them yourself)"
+                        + (_CACHE_HINT if _is_cache(v0) else ""))
             merged.append(v0)
     return pytree.tree_unflatten(merged, tree0)
+
+
+_CACHE_HINT = (". It is a key/value cache (a model called with use_cache on, as HuggingFace "
+               "models are by default), which cannot be merged across microbatches: call the "
+               "model with use_cache=False (model(x, use_cache=False), or set "
+               "model.config.use_cache = False before wrapping it)")
+
+
+def _is_cache(value: Any) -> bool:
+    """A key/value cache object: a transformers ``Cache`` (without importing transformers), or
+    any class whose name ends with "Cache"."""
+    return any(c.__name__.endswith("Cache") for c in type(value).__mro__)
+
+
+def _leaf_names(output: Any, count: int) -> List[str]:
+    """Each leaf's key path in ``output`` as code would write it (``past_key_values``,
+    ``[1]``, ``hidden_states[2]``); ``leaf i`` where a node type cannot tell its keys."""
+    try:
+        paths = [path for path, _ in pytree.tree_flatten_with_path(output)[0]]
+    except Exception:  # noqa: BLE001 -- a node registered without key functions
+        return [f"{i}" for i in range(count)]
+    names = []
+    for i, path in enumerate(paths):
+        text = ""
+        for key in path:
+            if isinstance(key, pytree.SequenceKey):
+                text += f"[{key.idx}]"
+            elif isinstance(key, pytree.MappingKey) and isinstance(key.key, str) \
+                    and key.key.isidentifier():
+                text += ("." if text else "") + key.key
+            elif isinstance(key, pytree.GetAttrKey):
+                text += ("." if text else "") + key.name
+            else:
+                text += str(key)
+        names.append(f"{text} (leaf {i})" if text else f"{i} (the whole output)")
+    return names
 
 
 def _equal(a: Any, b: Any) -> bool:

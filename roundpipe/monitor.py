@@ -14,6 +14,8 @@ from typing import Optional, Union
 
 import torch
 
+from roundpipe.host_copy import HostCopy
+
 __all__ = ["TrainingMonitor", "TrainingHistory"]
 
 # Losses older than this many records are converted to floats once they are ready (never
@@ -51,48 +53,18 @@ class TrainingHistory:
     skipped_steps: int
 
 
-class _HostValue:
-    """A 0-d loss on its way to the host, converted to a float only when it is read.
-
-    On the CPU the tensor is kept as is. On an accelerator a non-blocking copy to host memory is
-    started and a device event recorded behind it, so storing the loss never syncs the device;
-    reading the value waits for that event only (``history()``, off the hot path).
-    """
-
-    __slots__ = ("_value", "_event")
-
-    def __init__(self, loss: Union[torch.Tensor, float]) -> None:
-        self._event = None
-        if not isinstance(loss, torch.Tensor):
-            self._value: Union[torch.Tensor, float] = float(loss)
-            return
-        if loss.numel() != 1:
-            raise ValueError(f"the loss must be a scalar (one element), got shape {tuple(loss.shape)}")
-        loss = loss.detach()
-        if loss.device.type != "cpu":
-            host = loss.to("cpu", non_blocking=True)
-            self._event = torch.Event(device=loss.device)
-            self._event.record()
-            loss = host
-        self._value = loss
-
-    def ready(self) -> bool:
-        """Non-blocking: whether :meth:`get` would return without waiting for a device."""
-        return self._event is None or self._event.query()
-
-    def get(self) -> float:
-        if self._event is not None:
-            self._event.synchronize()
-            self._event = None
-        if isinstance(self._value, torch.Tensor):
-            self._value = float(self._value.float().item())
-        return self._value
+def _host_loss(loss: Union[torch.Tensor, float]) -> HostCopy:
+    """A 0-d loss on its way to the host (see [Note: host copies] in host_copy.py): storing it
+    never syncs the device, reading it (``history()``, off the hot path) waits for its copy."""
+    if isinstance(loss, torch.Tensor) and loss.numel() != 1:
+        raise ValueError(f"the loss must be a scalar (one element), got shape {tuple(loss.shape)}")
+    return HostCopy(loss)
 
 
 @dataclass(frozen=True, slots=True)
 class _Record:
     iteration: int
-    loss: _HostValue
+    loss: HostCopy
     divide_by: float  # the loss is scaled by this (1.0 when not scaled)
     scale: Optional[float]
     steps: int
@@ -159,7 +131,7 @@ class TrainingMonitor:
                              "TrainingMonitor(scaler)")
         self._records.append(_Record(
             iteration=self._first_iteration + len(self._records),
-            loss=_HostValue(loss),
+            loss=_host_loss(loss),
             divide_by=scale if scaled else 1.0,
             scale=scale,
             steps=steps,
@@ -174,7 +146,7 @@ class TrainingMonitor:
         end = len(self._records) - _KEEP_LAZY
         for record in self._records[self._compacted:end]:
             if record.loss.ready():
-                record.loss.get()
+                record.loss.value()
         self._compacted = end
 
     def history(self) -> TrainingHistory:
@@ -183,7 +155,7 @@ class TrainingMonitor:
         snapshot, so that steps whose update finished after the last :meth:`record` count (call
         ``model.synchronize()`` first to see all of them)."""
         records = self._records
-        loss = [r.loss.get() / r.divide_by for r in records]
+        loss = [r.loss.value() / r.divide_by for r in records]
         scale = [r.scale for r in records] if self._scaler is not None else []
         points = [(r.steps, r.skipped_steps) for r in records]
         total = 0

@@ -10,6 +10,18 @@ Public API (``roundpipe.optim_thread``):
 * :func:`synchronize` waits for everything launched so far and re-raises a captured error.
 * :func:`on_optimizer_thread` tells whether the caller is the optimizer thread.
 
+The client API that roundpipe's own modules (the scaler, the runtime, data parallelism, the
+optimizers) build on, public so that no module reaches into this one's internals:
+
+* :func:`launch_step` / :func:`launch_item`: launch and get the :class:`WorkItem` to wait on; a
+  *step* (what :func:`launch` and ``model.step`` launch) is user work, an *item* is library
+  work (a gradient move, a parameter copy, a scaler update), see [Note: steps and items].
+* :func:`wait_all` (blocks), :func:`raise_failures` (never blocks): the two halves of
+  :func:`synchronize`.
+* :func:`has_pending_work`, :func:`caller_must_wait`, :func:`has_pending_launch`,
+  :func:`has_unwaited_launch`, :func:`last_launch`, :func:`failure_count`: non-blocking
+  questions about what was launched.
+
 Errors never end the process and are never dropped: a launched callable that raises is captured
 with its traceback, and the exception object itself is re-raised on the main thread at the next
 call that depends on it (see [Note: error reporting]). The thread keeps serving afterwards.
@@ -21,17 +33,33 @@ import functools
 import sys
 import threading
 import traceback
+from _thread import get_ident
 from typing import Any, Callable, Optional
 
 from roundpipe.workers import Future, WorkerThread
 
-__all__ = ["launch", "synchronize", "on_optimizer_thread"]
+__all__ = ["launch", "synchronize", "on_optimizer_thread", "WorkItem", "launch_step",
+           "launch_item", "wait_all", "raise_failures", "has_pending_work", "caller_must_wait",
+           "has_pending_launch", "has_unwaited_launch", "last_launch", "failure_count",
+           "register_launch_check"]
+
+
+# [Note: steps and items]
+# Everything launched runs on the one thread, in launch order, but the scaler needs to know
+# whether *user* work (a step: launch(), launch_step(), model.step) was launched and not waited
+# for, which decides its update mode ([Note: the scale double buffer] in grad_scaler.py), and
+# whether such work may still be running (then the main thread must not touch a scaler that
+# steps use). Library work (launch_item: gradient moves, master->model copies, the scaler's own
+# updates) does not count as a step. Four counters describe the queue: ``_seq`` (every launch),
+# ``_tracked_seq`` (the newest step), ``_ran_seq`` (the newest item that finished running,
+# written by the optimizer thread only) and ``_waited_seq`` (the newest launch that a thread
+# other than the optimizer thread waited for, or whose failure it was told).
 
 
 # [Note: error reporting]
 # A work item that raises keeps its exception and joins the list of unreported failures. The
 # first call on another thread that depends on the failed work reports it: either a wait on that
-# very item (``_WorkItem.wait``) or ``synchronize()``, which reports every unreported failure at
+# very item (``WorkItem.wait``) or ``synchronize()``, which reports every unreported failure at
 # once (the first is raised, the others are attached to it as notes). A failure is reported
 # exactly once; afterwards the thread, the scaler and the model are usable again, so the user
 # can always save a checkpoint.
@@ -43,12 +71,15 @@ def add_note(exc: BaseException, note: str) -> None:
         exc.add_note(note)
 
 
-class _WorkItem(Future):
+class WorkItem(Future):
     """One launched callable and its future-like result (a :class:`roundpipe.workers.Future`
-    that also reports its failure, see [Note: error reporting]).
+    that also reports its failure, see [Note: error reporting]); :func:`launch_step` and
+    :func:`launch_item` return it.
 
     Written by the optimizer thread only (the result or exception) before ``_done`` is set; read
-    by other threads only after ``_done`` is set.
+    by other threads only after ``_done`` is set (:meth:`wait`, ``result()``, ``exception()``).
+    ``done()`` never blocks; ``result()`` and ``exception()`` block until the item ran.
+    Made by :func:`launch_step` and :func:`launch_item`, never by hand.
     """
 
     __slots__ = ("fn", "args", "kwargs", "seq", "_owner")
@@ -62,9 +93,15 @@ class _WorkItem(Future):
         """Run on the optimizer thread (the worker's job)."""
         args, kwargs = self.args, self.kwargs
         self.args = self.kwargs = None  # free tensors held by the closure's arguments
-        self.run(functools.partial(self.fn, *args, **kwargs))
+        try:
+            self.run(functools.partial(self.fn, *args, **kwargs))
+        finally:
+            self.fn = None  # the newest item stays referenced (wait_all): free its closure
+            self._owner.note_ran(self.seq)  # see [Note: steps and items]
 
     def set_exception(self, exc: BaseException) -> None:
+        """Optimizer thread, when the callable raised: note where, record the failure for
+        :func:`raise_failures`, then settle the item. Not for callers."""
         add_note(exc, f"[roundpipe optimizer thread] raised while running {_describe(self.fn)}")
         self._exception = exc
         self._owner._record_failure(self)  # before _done: a waiter then finds it to claim
@@ -75,8 +112,9 @@ class _WorkItem(Future):
 
         If the item failed and its failure is not reported yet, raises it (see
         [Note: error reporting]); if it was reported already, or ``report`` is False (the caller
-        reports failures later, oldest first, with ``_raise_failures``), returns False. Called on
-        the optimizer thread for an item that has not run yet, raises instead of deadlocking.
+        reports failures later, oldest first, with :func:`raise_failures`), returns False. Any
+        thread; called on the optimizer thread for an item that has not run yet, raises
+        ``RuntimeError`` instead of deadlocking.
         """
         if not self._done.is_set():
             if on_optimizer_thread():
@@ -108,9 +146,11 @@ class _OptimizerThread:
     bookkeeping of what was launched on it.
 
     Shared state, guarded by ``_lock``: ``_seq`` (launch counter), ``_tracked_seq`` (the last
-    launch made through :func:`launch`), ``_waited_seq`` (the newest launch another thread has
-    waited for), ``_failures`` (unreported failed items, oldest first). The thread's lifecycle
-    is the worker's.
+    step launched), ``_waited_seq`` (the newest launch another thread has waited for),
+    ``_newest`` (the newest item), ``_failures`` (unreported failed items, oldest first).
+    ``_ran_seq`` (the newest item that ran) is written by the optimizer thread only and read
+    without the lock (an int, monotonic). See [Note: steps and items]. The thread's lifecycle is
+    the worker's.
     """
 
     def __init__(self) -> None:
@@ -119,23 +159,35 @@ class _OptimizerThread:
             name="roundpipe-optimizer",
             closed_message="the roundpipe optimizer thread has shut down (the interpreter is "
                            "exiting); no new work can be launched",
+            thread_init=self._note_ident,
             after_exit_drain=self._report_unwaited)
         self._seq = 0
         self._tracked_seq = 0
         self._waited_seq = 0
-        self._failures: list[_WorkItem] = []
+        self._ran_seq = 0
+        self._ident: Optional[int] = None  # the thread's ident, once started (never restarts)
+        self._newest: Optional[WorkItem] = None
+        self._failures: list[WorkItem] = []
         self._failure_total = 0  # failures ever recorded
 
     @property
     def _thread(self) -> Optional[threading.Thread]:
         return self._worker.thread
 
+    def _note_ident(self) -> None:
+        self._ident = threading.get_ident()  # on the thread itself, before its first item
+
     # -- submission ---------------------------------------------------------------------------
-    def submit(self, fn: Callable, args: tuple, kwargs: dict, track: bool) -> _WorkItem:
+    def note_ran(self, seq: int) -> None:
+        """Optimizer thread: item ``seq`` has run (see [Note: steps and items])."""
+        self._ran_seq = seq
+
+    def submit(self, fn: Callable, args: tuple, kwargs: dict, track: bool) -> WorkItem:
         with self._lock:
-            item = _WorkItem(self, fn, args, kwargs, self._seq + 1)
+            item = WorkItem(self, fn, args, kwargs, self._seq + 1)
             self._worker.enqueue(item)  # under _lock: FIFO order is launch order
             self._seq += 1
+            self._newest = item
             if track:
                 self._tracked_seq = self._seq
         return item
@@ -149,9 +201,17 @@ class _OptimizerThread:
         """Wait until everything launched so far has run; report nothing."""
         if on_optimizer_thread():
             return
-        if self._worker.running():
-            # A barrier item: FIFO order means everything launched before it has run.
-            self.submit(_noop, (), {}, track=False).wait()
+        with self._lock:
+            newest = self._newest
+        if newest is not None:
+            # FIFO order: once the newest item ran, everything launched before it has run.
+            newest.wait(report=False)
+
+    def has_pending_work(self) -> bool:
+        return self._ran_seq < self._seq
+
+    def has_pending_launch(self) -> bool:
+        return self._ran_seq < self._tracked_seq
 
     def _note_waited(self, seq: int) -> None:
         if on_optimizer_thread():
@@ -166,12 +226,12 @@ class _OptimizerThread:
             return self._tracked_seq > self._waited_seq
 
     # -- failures -----------------------------------------------------------------------------
-    def _record_failure(self, item: _WorkItem) -> None:
+    def _record_failure(self, item: WorkItem) -> None:
         with self._lock:
             self._failures.append(item)
             self._failure_total += 1
 
-    def _claim_failure(self, item: _WorkItem) -> bool:
+    def _claim_failure(self, item: WorkItem) -> bool:
         with self._lock:
             try:
                 self._failures.remove(item)
@@ -187,6 +247,8 @@ class _OptimizerThread:
             failures, self._failures = self._failures, []
         if not failures:
             return
+        # Told of its failure, the caller has waited for it (and, FIFO, for all before it).
+        self._note_waited(failures[-1].seq)
         first = failures[0]._exception
         for later in failures[1:]:
             exc = later._exception
@@ -207,36 +269,47 @@ class _OptimizerThread:
             traceback.print_exception(type(exc), exc, exc.__traceback__, file=sys.stderr)
 
 
-def _noop() -> None:
-    return None
-
-
 _EXECUTOR = _OptimizerThread()
 
 
 def launch(fn: Callable, *args: Any, **kwargs: Any) -> None:
     """Queue ``fn(*args, **kwargs)`` on the optimizer thread and return at once.
 
-    Any thread may call it. Work runs in launch order. An exception raised by ``fn`` is re-raised
-    on the main thread by the next :func:`synchronize` (or the next scaler/model call that depends
-    on it), as the original exception.
+    Any thread. Work runs in launch order. An exception raised by ``fn`` is re-raised on the main
+    thread by the next :func:`synchronize` (or the next scaler/model call that depends on it), as
+    the original exception. It counts as a step (see :func:`has_unwaited_launch`). Raises
+    ``RuntimeError`` at once if ``fn`` uses a ``torch.amp.GradScaler`` (see
+    :func:`roundpipe.step_check.check_step_fn`, registered with
+    :func:`register_launch_check`).
     """
+    for check in _LAUNCH_CHECKS:
+        check(fn)
     _EXECUTOR.submit(fn, args, kwargs, track=True)
 
 
-def _launch(fn: Callable, *args: Any, **kwargs: Any) -> _WorkItem:
-    """Library-internal launch that returns the work item to wait on.
-
-    Unlike :func:`launch`, it does not count as user work "launched without waiting", which is
-    what makes :meth:`GradScaler.update` choose its asynchronous mode.
-    """
-    return _EXECUTOR.submit(fn, args, kwargs, track=False)
+# Checks a launched function must pass (roundpipe.step_check registers its own); any thread.
+_LAUNCH_CHECKS: list[Callable[[Callable], None]] = []
 
 
-def _launch_step(fn: Callable, *args: Any, **kwargs: Any) -> _WorkItem:
-    """Library-internal launch of a user's step: like :func:`launch` (it counts as user work, so
-    an ``update()`` that follows without waiting is asynchronous) but returns the work item."""
+def register_launch_check(check: Callable[[Callable], None]) -> None:
+    """Run ``check(fn)`` on every function :func:`launch` is given, before it is queued; it
+    raises to refuse ``fn``. For roundpipe's own modules (:mod:`roundpipe.step_check`), which
+    sit above this one. Any thread; call it at import."""
+    _LAUNCH_CHECKS.append(check)
+
+
+def launch_step(fn: Callable, *args: Any, **kwargs: Any) -> WorkItem:
+    """Like :func:`launch` (it counts as a step, so a ``scaler.update()`` that follows without
+    waiting is asynchronous), but returns the :class:`WorkItem` to wait on. Any thread; never
+    blocks."""
     return _EXECUTOR.submit(fn, args, kwargs, track=True)
+
+
+def launch_item(fn: Callable, *args: Any, **kwargs: Any) -> WorkItem:
+    """Queue library work (a gradient move, a parameter copy, a scaler update) and return its
+    :class:`WorkItem`. Unlike :func:`launch` it is not a step: it does not make
+    :func:`has_unwaited_launch` true. Any thread; never blocks."""
+    return _EXECUTOR.submit(fn, args, kwargs, track=False)
 
 
 def synchronize() -> None:
@@ -249,31 +322,60 @@ def synchronize() -> None:
 
 
 def on_optimizer_thread() -> bool:
-    """Whether the calling thread is the optimizer thread. Never blocks."""
-    thread = _EXECUTOR._thread
-    return thread is not None and threading.current_thread() is thread
+    """Whether the calling thread is the optimizer thread. Any thread; never blocks."""
+    return get_ident() == _EXECUTOR._ident
 
 
-def _raise_failures() -> None:
-    """Non-blocking check used by calls that depend on earlier launched work."""
-    _EXECUTOR.raise_failures()
-
-
-def _wait_all() -> None:
-    """Like :func:`synchronize`, but leaves failures for a later ``_raise_failures``."""
+def wait_all() -> None:
+    """Block until everything launched so far has run, like :func:`synchronize`, but raise no
+    failure: failures stay for the next :func:`raise_failures` (or a wait on their item). Any
+    thread; on the optimizer thread it returns at once."""
     _EXECUTOR.wait_all()
 
 
-def _failure_total() -> int:
-    """How many launched calls have failed so far (reported or not)."""
-    return _EXECUTOR._failure_total
+def raise_failures() -> None:
+    """Raise the failures of launched work that no call has reported yet (the oldest, with the
+    others attached as notes); nothing if there are none. Never blocks: work still queued is
+    not waited for. Any thread; a no-op on the optimizer thread."""
+    _EXECUTOR.raise_failures()
 
 
-def _has_unwaited_launch() -> bool:
+def has_pending_work() -> bool:
+    """Whether some launched work (a step or an item) has not finished running yet. Any thread;
+    never blocks, takes no lock (cheap enough for every ``.grad`` access)."""
+    return _EXECUTOR.has_pending_work()
+
+
+def caller_must_wait() -> bool:
+    """Whether launched work is pending and the caller is not the optimizer thread: then
+    whatever that work uses must not be touched before :func:`wait_all`. Any thread; never
+    blocks, takes no lock (about 100 ns: cheap enough for every ``.grad`` access)."""
+    ex = _EXECUTOR
+    return ex._ran_seq < ex._seq and get_ident() != ex._ident
+
+
+def has_pending_launch() -> bool:
+    """Whether a step (:func:`launch`, :func:`launch_step`, ``model.step``) has not finished
+    running yet: then it may be touching whatever it shares with the caller. Any thread;
+    never blocks."""
+    return _EXECUTOR.has_pending_launch()
+
+
+def has_unwaited_launch() -> bool:
+    """Whether a step was launched that no thread but the optimizer thread has waited for since
+    (a wait on it or on later work, or the report of its failure). ``scaler.update()`` is
+    asynchronous then. Any thread; never blocks."""
     return _EXECUTOR.has_unwaited_launch()
 
 
-def _last_launch() -> int:
-    """A number that changes whenever work is launched through :func:`launch` (a user's step)."""
+def last_launch() -> int:
+    """A number that changes whenever a step is launched: compare two readings to tell whether
+    one was launched in between. Any thread; never blocks."""
     with _EXECUTOR._lock:
         return _EXECUTOR._tracked_seq
+
+
+def failure_count() -> int:
+    """How many launched calls have failed so far, reported or not. Any thread; never blocks."""
+    with _EXECUTOR._lock:
+        return _EXECUTOR._failure_total

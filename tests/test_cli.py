@@ -67,3 +67,11 @@ def test_self_check_fails_when_the_optimizer_does_nothing(monkeypatch, capsys):
     last = out.rstrip().splitlines()[-1]
     assert last.startswith("FAILED") and "the loss went down" in last and "changed 0/6" in last
     assert "PASSED" not in out
+
+
+def test_help_is_plain_text():
+    proc = run_cli("--help")
+    assert proc.returncode == 0, proc.stderr
+    assert "``" not in proc.stdout  # reST markup of the module docstring showed through before
+    text = " ".join(proc.stdout.split())  # argparse wraps lines
+    assert "self-check training loop" in text and "PASSED (exit code 0)" in text

@@ -227,6 +227,19 @@ def test_the_example_under_torchrun(tmp_path):
     assert accuracy > 0.5, out  # chance is 0.1
 
 
+def test_the_example_without_torchrun_trains_as_one_rank():
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK",
+                                                            "MASTER_ADDR", "MASTER_PORT")}
+    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "data_parallel.py"), "--steps", "20"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=100)
+    # Before: torch's "environment variable RANK expected, but not set" traceback.
+    assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}"
+    assert "not started by torchrun" in proc.stdout and "torchrun --standalone" in proc.stdout
+    assert "1 rank, global batch 64" in proc.stdout
+    assert "masters identical on every rank: True" in proc.stdout
+
+
 # -- in one process: a group of one, and what needs no group ------------------------------------
 
 
@@ -256,6 +269,16 @@ def test_without_a_process_group_the_calls_say_what_to_do():
         rpd.shard(torch.zeros(4))
     assert not model._step_pre_hooks
     assert rpd._ACTIVE is None
+
+
+def test_init_process_group_without_torchrun_names_the_command(monkeypatch):
+    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    with pytest.raises(RuntimeError, match=r"found no torchrun environment \(RANK, WORLD_SIZE, "
+                                           r"MASTER_ADDR, MASTER_PORT not set\).*`torchrun "
+                                           r"--standalone --nproc-per-node 2 .*`.*store="):
+        rpd.init_process_group(timeout=5)
+    assert not dist.is_initialized()
 
 
 @pytest.fixture

@@ -24,6 +24,18 @@ def run_example(name, *args, timeout=100, env=None, expect_rc=0, devices=None):
     return proc.stdout, proc.stderr
 
 
+def test_every_flag_of_the_examples_and_the_cli_has_help_text():
+    import ast
+
+    missing = []
+    for path in [*sorted((ROOT / "examples").glob("*.py")), ROOT / "roundpipe" / "__main__.py"]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "add_argument":
+                if not any(k.arg == "help" for k in node.keywords):
+                    missing.append(f"{path.name}: {ast.literal_eval(node.args[0])}")
+    assert missing == []
+
+
 def test_scaler_dropin_matches_torch():
     out, err = run_example("scaler_dropin.py", "--steps", 120)
     assert "same scale sequence: True" in out
@@ -56,6 +68,15 @@ def test_digits_classifier_plot_without_matplotlib_stops_before_training(tmp_pat
                            env=env, expect_rc=2)
     assert "--plot needs matplotlib" in err and "pip install matplotlib" in err
     assert "training" not in err and "test accuracy" not in out  # nothing ran before the check
+
+
+def test_digits_classifier_clips_and_schedules_in_the_step_function():
+    out, err = run_example("digits_classifier.py", "--steps", 60, "--clip", 0.5, "--lr-schedule", "cosine")
+    clipped = re.search(r"clipped to 0.5 in (\d+) of (\d+) steps", out)
+    assert clipped and 0 < int(clipped[1]) <= int(clipped[2]) <= 60, out
+    assert float(re.search(r"median ([0-9.]+)", out)[1]) > 0  # real gradients, not the model's None
+    assert "final learning rate: 0" in out  # the cosine schedule ran to its end, once per step
+    assert "Warning" not in err
 
 
 def test_digits_classifier_bf16_on_two_workers():

@@ -88,6 +88,55 @@ def test_merge_non_tensor_must_agree():
         merge_outputs([(torch.ones(1),), (torch.ones(1), 1)], [1, 1])
 
 
+class FakeCache:  # what HuggingFace models return as past_key_values with use_cache on
+    def __init__(self, n):
+        self.n = n
+
+    def __repr__(self):
+        return f"FakeCache({self.n})"
+
+
+def test_a_differing_leaf_is_named_by_its_key_path():
+    outs = [{"logits": torch.ones(1, 2), "extra": {"steps": [1, "a"]}},
+            {"logits": torch.ones(1, 2), "extra": {"steps": [1, "b"]}}]
+    with pytest.raises(ValueError, match=r"output leaf extra\.steps\[1\] \(leaf 2\) differs "
+                                         r"between microbatch 0 \('a'\)") as info:
+        merge_outputs(outs, [1, 1])
+    assert "use_cache" not in str(info.value)
+    with pytest.raises(ValueError, match=r"output leaf \[1\] \(leaf 1\) differs"):
+        merge_outputs([(torch.ones(1), "a"), (torch.ones(1), "b")], [1, 1])
+
+
+def test_a_differing_cache_says_use_cache_false():
+    outs = [{"logits": torch.ones(1, 2), "past_key_values": FakeCache(m)} for m in range(2)]
+    with pytest.raises(ValueError, match=r"output leaf past_key_values \(leaf 1\) differs.*"
+                                         r"key/value cache.*use_cache=False"):
+        merge_outputs(outs, [1, 1])
+
+
+def test_whole_model_inference_on_a_huggingface_model_names_past_key_values():
+    transformers = pytest.importorskip("transformers")
+    import warnings
+
+    from roundpipe import RoundPipe, RoundPipeRunConfig
+
+    cfg = transformers.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
+                                   num_hidden_layers=1, num_attention_heads=2,
+                                   num_key_value_heads=1, max_position_embeddings=16)
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(cfg)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # one stage: not an nn.Sequential
+        model = RoundPipe(hf, model_run_config=RoundPipeRunConfig(num_microbatch=2))
+    ids = torch.randint(0, 32, (4, 6))
+    with torch.no_grad():
+        # Before: "output leaf 1 differs between microbatch 0 (DynamicCache(...))".
+        with pytest.raises(ValueError, match=r"output leaf past_key_values.*use_cache=False"):
+            model(ids)
+        out = model(ids, use_cache=False)
+        assert torch.allclose(out.logits, hf(ids, use_cache=False).logits, atol=1e-5)
+
+
 def test_merge_callable():
     assert merge_outputs([1, 2, 3], [1, 1, 1], sum) == 6
 

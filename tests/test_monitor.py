@@ -190,3 +190,48 @@ def test_a_long_run_does_not_keep_a_tensor_per_iteration(monkeypatch):
     assert all(isinstance(v, float) for v in values[:24])  # compacted without being asked
     assert all(isinstance(v, torch.Tensor) for v in values[-8:])  # the newest stay lazy
     assert monitor.history().loss == [float(i) for i in range(40)]
+
+
+def _pool_run(devices, num_stages, iters=8, overflow_at=(2, 5)):
+    """A RoundPipe loop (fp16 stages, async step) that records with a monitor; returns the
+    history and every snapshot taken. The scaler lives where the loss is: on the last stage's
+    device."""
+    from roundpipe import OptimizerCtx, RoundPipe, RoundPipeRunConfig
+
+    torch.manual_seed(0)
+    seq = nn.Sequential(*[nn.Linear(6, 6) for _ in range(num_stages)]).half()
+    model = RoundPipe(seq, optim_dtype=torch.float32, devices=devices,
+                      model_run_config=RoundPipeRunConfig(num_microbatch=2))
+    with OptimizerCtx():
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = GradScaler(init_scale=2.0**8, growth_interval=2)
+    monitor = TrainingMonitor(scaler)
+    x, y = torch.randn(4, 6).half(), torch.randn(4, 6)
+    factor, snapshots = [1.0], []
+
+    def loss_fn(out, label):
+        loss = nn.functional.mse_loss(out.float(), label.to(out.device)) * factor[0]
+        return scaler.scale(loss) / 2
+
+    for it in range(iters):
+        factor[0] = math.inf if it in overflow_at else 1.0
+        loss = model.forward_backward(input_args=(x,), label=y, loss_fn=loss_fn)
+        monitor.record(loss, scaled=True)
+        snapshots.append(scaler.snapshot())
+        model.step(lambda: (scaler.step(opt), opt.zero_grad()))
+        scaler.update()
+    model.synchronize()
+    snapshots.append(scaler.snapshot())
+    return monitor.history(), snapshots
+
+
+@pytest.mark.parametrize("num_stages", [2, 3])  # the last stage on emu:1, then on emu:0
+def test_history_and_snapshots_wherever_the_last_stage_sits(num_stages):
+    # The scaler's published numbers and the recorded losses are copied from the last stage's
+    # device; reading them must wait for that device's copy, not device 0's.
+    reference, ref_snaps = _pool_run("cpu:2", num_stages)
+    hist, snaps = _pool_run("emu:2", num_stages)
+    assert hist == reference and snaps == ref_snaps
+    assert hist.skipped_iterations == [2, 5] and hist.skipped_steps == 2
+    assert [it for it, v in enumerate(hist.loss) if not math.isfinite(v)] == [2, 5]
+    assert hist.scale == [s.scale_in_use for s in snaps[:-1]]

@@ -124,7 +124,7 @@ def test_internal_wait_on_the_optimizer_thread_raises_instead_of_deadlocking():
     errors = []
 
     def waits_for_later_work():
-        item = optim_thread._launch(lambda: None)
+        item = optim_thread.launch_item(lambda: None)
         try:
             item.wait()
         except RuntimeError as exc:
@@ -196,3 +196,59 @@ def test_import_starts_no_thread():
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err
     assert "roundpipe" not in out
+
+
+def test_client_api_tells_steps_from_items_pending_from_unwaited():
+    optim_thread.synchronize()
+    assert not optim_thread.has_pending_work() and not optim_thread.has_unwaited_launch()
+    release = threading.Event()
+    mark = optim_thread.last_launch()
+    item = optim_thread.launch_item(release.wait)  # library work: not a step
+    assert optim_thread.last_launch() == mark and not optim_thread.has_unwaited_launch()
+    assert optim_thread.has_pending_work() and not optim_thread.has_pending_launch()
+    step = optim_thread.launch_step(lambda: "stepped")
+    assert optim_thread.last_launch() != mark
+    assert optim_thread.has_pending_launch() and optim_thread.has_unwaited_launch()
+    assert not item.done() and not step.done()
+    release.set()
+    assert step.wait() and step.result() == "stepped" and item.done()
+    assert not optim_thread.has_pending_work() and not optim_thread.has_pending_launch()
+    assert not optim_thread.has_unwaited_launch()  # the main thread waited for the step
+
+
+class _Broke(Exception):
+    pass
+
+
+def test_wait_all_leaves_failures_to_raise_failures_which_counts_as_a_wait():
+    def broke():
+        raise _Broke("in step")
+
+    before = optim_thread.failure_count()
+    optim_thread.launch(broke)
+    optim_thread.wait_all()  # reports nothing
+    assert optim_thread.failure_count() == before + 1
+    optim_thread.launch(broke)
+    ran = threading.Event()
+    optim_thread.launch_item(ran.set)
+    assert ran.wait(timeout=30)  # the step ran, and no call waited for it
+    assert optim_thread.has_unwaited_launch()
+    with pytest.raises(_Broke):
+        optim_thread.raise_failures()
+    optim_thread.raise_failures()  # reported once
+    # Told of the failure, the main thread has seen that step end: it is not "unwaited" any more.
+    assert not optim_thread.has_unwaited_launch()
+
+
+def test_no_module_outside_the_runtime_uses_a_private_name_of_optim_thread():
+    from pathlib import Path
+
+    root = Path(optim_thread.__file__).resolve().parent
+    offenders = []
+    for path in sorted(root.rglob("*.py")):
+        if path.parent.name == "runtime" or path.name == "optim_thread.py":
+            continue
+        for lineno, line in enumerate(path.read_text().splitlines(), 1):
+            if "optim_thread._" in line:
+                offenders.append(f"{path.relative_to(root)}:{lineno}: {line.strip()}")
+    assert offenders == []

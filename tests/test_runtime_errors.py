@@ -362,7 +362,7 @@ def test_failed_step_reported_by_the_scaler_does_not_leave_its_gradients_behind(
         raise KeyError("step failed")
 
     fb(); model.step(good); scaler.update()
-    fb(); model.step(bad); optim_thread._wait_all()
+    fb(); model.step(bad); optim_thread.wait_all()
     with pytest.raises(KeyError, match="step failed"):
         scaler.update()
     fb(); model.step(good); scaler.update()

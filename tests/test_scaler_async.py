@@ -297,6 +297,81 @@ def test_unscale_on_main_while_a_launched_step_is_pending_is_refused():
         optim_thread.synchronize()
 
 
+def _plain_loop(scaler, steps=6, overflow_at=2):
+    """A plain PyTorch AMP loop on this thread; returns the scales used and the parameter."""
+    p = nn.Parameter(torch.ones(3))
+    opt = torch.optim.SGD([p], lr=0.1)
+    c = torch.linspace(0.5, 1.5, 3)
+    scales = []
+    for k in range(steps):
+        scales.append(scaler.get_scale())
+        loss = (p * c).sum() * (math.inf if k == overflow_at else 1.0)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+    return scales, p.detach()
+
+
+def _torch_plain_loop():
+    return _plain_loop(torch.amp.GradScaler("cpu", init_scale=2.0**4, growth_interval=2))
+
+
+def test_a_failed_step_does_not_hold_up_an_unrelated_scaler_on_the_main_thread():
+    run = Harness(GradScaler("cpu", init_scale=2.0**4))
+    run.iteration(False)
+    reported = []
+    try:
+        run.iteration(False, step_error=StepBroke("step failed"))
+    except StepBroke as exc:
+        reported.append(exc)
+    ran = threading.Event()
+    optim_thread.launch_item(ran.set)
+    assert ran.wait(timeout=30)  # the failed step ran; no call waited for it
+    try:
+        optim_thread.raise_failures()
+    except StepBroke as exc:
+        reported.append(exc)
+    assert len(reported) == 1
+    # A scaler of a plain loop on the main thread: refused before ("work launched on the
+    # optimizer thread ... has not been waited for"), now exactly torch.amp.GradScaler.
+    ours, theirs = _plain_loop(GradScaler("cpu", init_scale=2.0**4, growth_interval=2)), _torch_plain_loop()
+    assert ours[0] == theirs[0] and torch.equal(ours[1], theirs[1])
+
+
+def test_only_a_scaler_that_launched_steps_use_is_refused_while_one_runs():
+    scaler = GradScaler("cpu")
+    run = Harness(scaler)
+    run.iteration(False)
+    release = threading.Event()
+    optim_thread.launch(release.wait)
+    try:
+        # Another model's loop on this thread, with its own scaler, runs as torch's would, without
+        # waiting for the blocked step.
+        ours, theirs = _plain_loop(GradScaler("cpu", init_scale=2.0**4, growth_interval=2)), _torch_plain_loop()
+        assert ours[0] == theirs[0] and len(set(ours[0])) > 1 and torch.equal(ours[1], theirs[1])
+        assert not release.is_set()
+        with pytest.raises(RuntimeError, match="which uses this scaler, has not finished"):
+            scaler.unscale_(run.opt)
+    finally:
+        release.set()
+        optim_thread.synchronize()
+
+
+def test_a_scaler_named_in_a_launched_step_is_refused_before_that_step_ran():
+    scaler = GradScaler("cpu")
+    run = Harness(scaler)
+    release = threading.Event()
+    optim_thread.launch(release.wait)
+    try:
+        run.iteration(False)  # its step, queued behind the blocked one, has not touched the scaler
+        with pytest.raises(RuntimeError, match="inside the step function"):
+            scaler.unscale_(run.opt)
+    finally:
+        release.set()
+        optim_thread.synchronize()
+
+
 CHECKPOINT_SCRIPT = r"""
 import sys, torch
 sys.path.insert(0, {tests!r})

@@ -150,7 +150,7 @@ def test_workers_wait_for_the_params_copy_of_their_stage():
         model.step(lambda: (opt.step(), opt.zero_grad()), is_async=False)
     model.forward_backward(input_args=(x,), label=y, loss_fn=loss_fn)
     release, entered, seen = threading.Event(), threading.Event(), []
-    optim_thread._launch(release.wait)
+    optim_thread.launch_item(release.wait)
     model.step(lambda: (opt.step(), opt.zero_grad()))  # queues the copy, then the step
     expected = {n: m.detach().clone() for n, m in model.optim_named_parameters()}
 

@@ -22,6 +22,7 @@ from torch import Tensor
 from torch.optim.adam import adam as _torch_adam
 
 from roundpipe import optim_thread
+from roundpipe.grad_access import MasterParameter, WrappedParameter
 
 __all__ = ["Adam", "AdamW"]
 
@@ -59,7 +60,7 @@ __all__ = ["Adam", "AdamW"]
 # memory order (strides of size-1 dimensions do not matter); otherwise that parameter takes
 # torch's path for this step.
 
-_FUSABLE_TYPES = (Tensor, torch.nn.Parameter)
+_FUSABLE_TYPES = (Tensor, torch.nn.Parameter, MasterParameter, WrappedParameter)
 _COMPLEX_FUSABLE = (torch.complex64, torch.complex128)
 _IMPL_KEYS = ("foreach", "fused", "capturable", "differentiable")
 _TORCH_HAS_DECOUPLED = (

@@ -38,8 +38,7 @@ Threads and what they touch (see docs/threads-and-staleness.md, "The threads"):
 """
 
 from roundpipe.runtime.config import RoundPipeRunConfig
-from roundpipe.runtime.model import RoundPipe, UnevenMicrobatchWarning, check_main_thread
-from roundpipe.runtime.optimizer_ctx import OptimizerCtx, check_optimizer_params
+from roundpipe.runtime.model import RoundPipe, UnevenMicrobatchWarning
+from roundpipe.runtime.optimizer_ctx import OptimizerCtx
 
-__all__ = ["RoundPipe", "RoundPipeRunConfig", "OptimizerCtx", "UnevenMicrobatchWarning",
-           "check_main_thread", "check_optimizer_params"]
+__all__ = ["RoundPipe", "RoundPipeRunConfig", "OptimizerCtx", "UnevenMicrobatchWarning"]

@@ -150,14 +150,18 @@ class CallState:
 
 
 def takes_microbatch(loss_fn: Callable) -> bool:
-    """Whether ``loss_fn`` takes a third positional argument (a :class:`MicrobatchInfo`)."""
+    """Whether ``loss_fn`` takes a third positional argument, a
+    :class:`roundpipe.MicrobatchInfo`: a required one, or one named ``mb``."""
     try:
         params = inspect.signature(loss_fn).parameters.values()
     except (TypeError, ValueError):  # a builtin without a signature: the two-argument form
         return False
     positional = [p for p in params
                   if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    return len(positional) >= 3
+    # A third argument with a default is some other option (F.cross_entropy's weight) unless it
+    # is named for the microbatch.
+    return len(positional) >= 3 and (positional[2].default is inspect.Parameter.empty
+                                     or positional[2].name in ("mb", "microbatch"))
 
 
 # "auto" budgets leave this share of a device's free memory to the activations inside a stage

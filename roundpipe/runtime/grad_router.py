@@ -159,7 +159,7 @@ class CallGrads:
         """Stage worker: launch the move of host-side sums (a CPU pool) to the masters."""
         pairs = self.take(stages)
         if pairs:
-            self.moves.append(optim_thread._launch(move_grads, pairs))
+            self.moves.append(optim_thread.launch_item(move_grads, pairs))
 
     def download(self, stages: Sequence[int], backend: StreamingBackend) -> None:
         """Stage worker, the plan's D: download the sums on the accelerator once, then launch
@@ -168,7 +168,7 @@ class CallGrads:
         if pairs:
             host, arrived = backend.download([g for _, g in pairs])
             moved = [(master, g) for (master, _), g in zip(pairs, host) if g is not None]
-            self.moves.append(optim_thread._launch(move_grads, moved, arrived))
+            self.moves.append(optim_thread.launch_item(move_grads, moved, arrived))
 
 
 def stash_grads(params: Sequence[Sequence[ParamRecord]]
@@ -297,6 +297,6 @@ class GradHooks:
             sink = self.sink
             if sink is not None and sink.take(master, grad):  # a fused forward_backward's
                 return
-            self._moves.add(optim_thread._launch(accumulate_grad, master, grad))
+            self._moves.add(optim_thread.launch_item(accumulate_grad, master, grad))
 
         return move_grad_to_master

@@ -3,7 +3,7 @@
 ``synchronize``, the state dicts), and the order of what ``step`` launches (see
 [Note: staleness]).
 
-Threads: every public method is for the main thread (checked, :func:`check_main_thread`); see
+Threads: every public method is for the main thread (checked, ``check_main_thread``); see
 the :mod:`roundpipe.runtime` docstring for which thread touches what.
 """
 
@@ -20,7 +20,8 @@ from torch.utils import _pytree as pytree
 from torch.utils.hooks import RemovableHandle
 
 from roundpipe import optim_thread
-from roundpipe.devices import DevicePool, on_device_worker
+from roundpipe.devices import DevicePool
+from roundpipe.main_thread import check_main_thread
 from roundpipe.autocast import resolve_autocast
 from roundpipe.microbatch import merge_outputs, split_inputs
 from roundpipe.plan import Plan
@@ -33,8 +34,9 @@ from roundpipe.runtime.params import Params
 from roundpipe.runtime.rng import RngMemo, learn_rng_use, restore_after_call
 from roundpipe.runtime.stage_ops import backward_to_inputs
 from roundpipe.runtime.stages import ModelStages, model_layers
+from roundpipe.step_check import check_step_fn
 
-__all__ = ["RoundPipe", "UnevenMicrobatchWarning", "check_main_thread"]
+__all__ = ["RoundPipe", "UnevenMicrobatchWarning"]
 
 
 class UnevenMicrobatchWarning(UserWarning):
@@ -263,7 +265,7 @@ class RoundPipe(nn.Module):
             learn_rng_use(self._rng_memo, spec.rng, state.stage_drew)
             for item in state.grads.moves:
                 item.wait()
-            optim_thread._raise_failures()  # e.g. a step launched before failed
+            optim_thread.raise_failures()  # e.g. a step launched before failed
             ok = True
             out_device = cfg.output_device
             # Summed where the losses are when they share a device (one transfer, not M).
@@ -339,6 +341,7 @@ class RoundPipe(nn.Module):
         if not callable(step_fn):
             raise ValueError("step() needs a callable step_fn, e.g. lambda: (opt.step(), "
                              "opt.zero_grad())")
+        check_step_fn(step_fn)  # before anything changes: a refused step can be retried
         if not self._has_grads:
             raise RuntimeError(
                 "step() called with no gradients since the last step: run forward_backward() (or "
@@ -349,9 +352,9 @@ class RoundPipe(nn.Module):
                         list(self._step_pre_hooks.values()))
         if is_async:
             self._params.launch_copy()
-            optim_thread._launch_step(run)
+            optim_thread.launch_step(run)
             return
-        optim_thread._launch_step(run)
+        optim_thread.launch_step(run)
         self._params.launch_copy()
         try:
             optim_thread.synchronize()
@@ -381,11 +384,11 @@ class RoundPipe(nn.Module):
 
     def _discard_grads(self) -> None:
         self._has_grads = False
-        optim_thread._launch(clear_grads, list(self._params.masters.values())).wait()
+        optim_thread.launch_item(clear_grads, list(self._params.masters.values())).wait()
 
     def _report_failures(self) -> None:
         try:
-            optim_thread._raise_failures()
+            optim_thread.raise_failures()
         except BaseException:
             self._discard_grads()
             raise
@@ -395,19 +398,6 @@ class RoundPipe(nn.Module):
 
     def _name_tag(self) -> str:
         return f" {self.name!r}" if self.name else ""
-
-
-def check_main_thread(method: str) -> None:
-    """RoundPipe's calls wait for the device workers and the optimizer thread; made on one of
-    those threads they would wait for themselves. Raises ``RuntimeError`` there."""
-    if optim_thread.on_optimizer_thread() or on_device_worker():
-        where = ("the optimizer thread (inside a step function)"
-                 if optim_thread.on_optimizer_thread()
-                 else "a device worker (inside a stage or loss_fn)")
-        raise RuntimeError(
-            f"RoundPipe.{method}() was called on {where}, where it would wait for itself; call "
-            f"it on the main thread (inside a step function, model.master_state_dict() and "
-            f"model.optim_parameters() are the masters' state)")
 
 
 def _to_device(tree: Any, device: torch.device) -> Any:

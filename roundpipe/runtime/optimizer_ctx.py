@@ -1,7 +1,7 @@
 """The optimizer context: :class:`OptimizerCtx` (``model.parameters()`` gives the masters inside
 it), the work item that runs a ``step_fn`` on the optimizer thread (:func:`wrap_step`), and the
 global optimizer step pre-hook that rejects an optimizer built on the model's own low-precision
-parameters (:func:`check_optimizer_params`).
+parameters (:func:`check_optimizer_step_hook`).
 
 Threads: ``OptimizerCtx`` is thread-local (any thread); the wrapped step and the hook run on the
 optimizer thread; the hook is registered once per process (any thread, under a lock).
@@ -19,13 +19,14 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from roundpipe.optim_thread import add_note
 from roundpipe.runtime.grad_router import clear_grads
 from roundpipe.runtime.params import Params
+from roundpipe.step_check import check_optimizer_step
+from roundpipe.step_context import check_optimizer_params, in_step, running_step
 
-__all__ = ["OptimizerCtx", "in_optimizer_ctx", "check_optimizer_params", "ensure_optimizer_hook",
+__all__ = ["OptimizerCtx", "in_optimizer_ctx", "check_optimizer_step_hook", "ensure_optimizer_hook",
            "wrap_step"]
 
 
 _OPTIM_TLS = threading.local()
-_STEP_TLS = threading.local()
 
 
 class OptimizerCtx:
@@ -55,22 +56,14 @@ _OPTIMIZER_HOOK: Any = None
 _OPTIMIZER_HOOK_LOCK = threading.Lock()
 
 
-def check_optimizer_params(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+def check_optimizer_step_hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     """Global optimizer step pre-hook; acts only while a RoundPipe step_fn runs on this thread:
-    an optimizer built on the model's own parameters instead of its masters is refused."""
-    params: Params | None = getattr(_STEP_TLS, "params", None)
-    if params is None:
+    an optimizer built on the model's own parameters instead of its masters is refused, and a
+    torch.amp.GradScaler stepping it too (see :mod:`roundpipe.step_check`)."""
+    if not in_step():
         return
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            rec = params.record_of(p)
-            if rec is not None:
-                raise RuntimeError(
-                    f"{type(optimizer).__name__} was built on the model's own (low-precision) "
-                    f"parameters, e.g. {rec.name!r}, instead of the "
-                    f"fp32 masters that RoundPipe accumulates gradients into; build it with "
-                    f"`with OptimizerCtx(): opt = {type(optimizer).__name__}(model.parameters(), "
-                    f"...)` or on `model.optim_parameters()`")
+    check_optimizer_params(optimizer, args, kwargs)
+    check_optimizer_step(optimizer)
 
 
 def ensure_optimizer_hook() -> None:
@@ -78,7 +71,7 @@ def ensure_optimizer_hook() -> None:
     global _OPTIMIZER_HOOK
     with _OPTIMIZER_HOOK_LOCK:
         if _OPTIMIZER_HOOK is None:
-            _OPTIMIZER_HOOK = register_optimizer_step_pre_hook(check_optimizer_params)
+            _OPTIMIZER_HOOK = register_optimizer_step_pre_hook(check_optimizer_step_hook)
 
 
 def wrap_step(params: Params, tag: str, step_fn: Callable[[], Any],
@@ -90,9 +83,8 @@ def wrap_step(params: Params, tag: str, step_fn: Callable[[], Any],
     hooks = tuple(pre_step)
 
     def run() -> None:
-        _STEP_TLS.params = params
         try:
-            with OptimizerCtx():
+            with OptimizerCtx(), running_step(params):
                 for hook in hooks:
                     hook()
                 step_fn()
@@ -103,8 +95,6 @@ def wrap_step(params: Params, tag: str, step_fn: Callable[[], Any],
             clear_grads(list(params.masters.values()))
             add_note(exc, f"[roundpipe{tag} step_fn]")
             raise
-        finally:
-            _STEP_TLS.params = None
 
     run.__qualname__ = run.__name__ = (
         f"RoundPipe.step({getattr(step_fn, '__qualname__', type(step_fn).__name__)})")

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from roundpipe import optim_thread
+from roundpipe.grad_access import MasterParameter, guard_wrapped_params
 
 __all__ = ["ParamRecord", "ParamsCopyFailed", "ParamsReady", "Params", "raise_copy_failure"]
 
@@ -101,7 +102,7 @@ class Params:
                 dtype = optim_dtype
                 if dtype is None:
                     dtype = torch.float32 if p.dtype in (torch.float16, torch.bfloat16) else p.dtype
-                master = nn.Parameter(p.detach().to(device="cpu", dtype=dtype, copy=True))
+                master = MasterParameter(p.detach().to(device="cpu", dtype=dtype, copy=True))
             self.records.append(ParamRecord(name, p, master))
         self._by_param = {id(r.param): r for r in self.records}
         self.masters: dict[str, nn.Parameter] = {r.name: r.master for r in self.records
@@ -117,6 +118,7 @@ class Params:
                     pairs.append((rec.param, rec.master))
             self.layer_copies.append(pairs)
         self.ready = ParamsReady(len(self.layer_copies), done=True)
+        guard_wrapped_params(self, [r.param for r in self.records if r.master is not None])
 
     def record_of(self, param: Any) -> ParamRecord | None:
         """The record of a model parameter; None for any other tensor. Any thread."""
@@ -131,7 +133,7 @@ class Params:
     def launch_copy(self) -> ParamsReady:
         """Main thread: launch the copy on the optimizer thread; its events become ``ready``."""
         ready = ParamsReady(len(self.layer_copies))
-        ready.item = optim_thread._launch(self.copy_masters_to_model, ready)
+        ready.item = optim_thread.launch_item(self.copy_masters_to_model, ready)
         self.ready = ready
         return ready
 
@@ -159,7 +161,7 @@ class Params:
     def refresh_masters(self) -> None:
         """Main thread: the model params' values into the masters; blocks until done."""
         pairs = [(m, p) for layer in self.layer_copies for p, m in layer]
-        optim_thread._launch(copy_pairs, pairs).wait()
+        optim_thread.launch_item(copy_pairs, pairs).wait()
 
     def load_masters(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Main thread: copy ``state_dict`` into the masters in place, after everything launched
@@ -177,7 +179,7 @@ class Params:
                                  f"gives {tuple(v.shape)}")
             pairs.append((m, v))
         optim_thread.synchronize()
-        optim_thread._launch(copy_pairs, pairs).wait()
+        optim_thread.launch_item(copy_pairs, pairs).wait()
 
 
 def raise_copy_failure(ready: ParamsReady) -> None:
