@@ -39,8 +39,12 @@ def worker(cfg):
     layers = []
     for _ in range(cfg["layers"]):
         layers += [nn.Linear(cfg["width"], cfg["width"]), nn.Tanh()]
-    model = RoundPipe(nn.Sequential(*layers), optim_dtype=torch.float32, devices="cpu",
-                      model_run_config=RoundPipeRunConfig(num_microbatch=2))
+    model = RoundPipe(
+        nn.Sequential(*layers),
+        optim_dtype=torch.float32,
+        devices="cpu",
+        model_run_config=RoundPipeRunConfig(num_microbatch=2),
+    )
     reduce_times = []
     if cfg["dp"]:
         rpd.init_process_group("gloo", timeout=120)
@@ -50,7 +54,8 @@ def worker(cfg):
         model.register_step_pre_hook(lambda: started.append(time.perf_counter()))
         dp = rpd.DataParallel(model)
         model.register_step_pre_hook(
-            lambda: reduce_times.append(time.perf_counter() - started.pop()))
+            lambda: reduce_times.append(time.perf_counter() - started.pop())
+        )
     with OptimizerCtx():
         opt = torch.optim.SGD(model.parameters(), lr=1e-6)
     x = torch.randn(cfg["batch"], cfg["width"])
@@ -58,8 +63,9 @@ def worker(cfg):
     times = []
     for it in range(cfg["warmup"] + cfg["iters"]):
         t0 = time.perf_counter()
-        model.forward_backward(input_args=(x,), label=target,
-                               loss_fn=lambda out, y: F.mse_loss(out, y) / 2)
+        model.forward_backward(
+            input_args=(x,), label=target, loss_fn=lambda out, y: F.mse_loss(out, y) / 2
+        )
         model.step(lambda: (opt.step(), opt.zero_grad()), is_async=cfg["async"])
         if it >= cfg["warmup"]:
             times.append(time.perf_counter() - t0)
@@ -69,8 +75,16 @@ def worker(cfg):
         torch.distributed.destroy_process_group()
     if int(os.environ.get("RANK", "0")) == 0:
         skip = cfg["warmup"]
-        print(json.dumps({"iteration_ms": 1e3 * statistics.median(times),
-                          "reduce_ms": 1e3 * statistics.median(reduce_times[skip:]) if reduce_times else None}))
+        print(
+            json.dumps(
+                {
+                    "iteration_ms": 1e3 * statistics.median(times),
+                    "reduce_ms": 1e3 * statistics.median(reduce_times[skip:])
+                    if reduce_times
+                    else None,
+                }
+            )
+        )
 
 
 def launch(world, cfg):
@@ -80,11 +94,24 @@ def launch(world, cfg):
     procs = []
     try:
         for rank in range(world):
-            env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                       MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo", PYTHONPATH=str(ROOT),
-                       OMP_NUM_THREADS=str(cfg["threads"]))
-            procs.append(subprocess.Popen([sys.executable, __file__, "--worker", json.dumps(cfg)],
-                                          env=env, stdout=subprocess.PIPE, text=True))
+            env = dict(
+                os.environ,
+                RANK=str(rank),
+                WORLD_SIZE=str(world),
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(port),
+                GLOO_SOCKET_IFNAME="lo",
+                PYTHONPATH=str(ROOT),
+                OMP_NUM_THREADS=str(cfg["threads"]),
+            )
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, __file__, "--worker", json.dumps(cfg)],
+                    env=env,
+                    stdout=subprocess.PIPE,
+                    text=True,
+                )
+            )
         outs = [p.communicate(timeout=600)[0] for p in procs]
     finally:
         for p in procs:
@@ -112,15 +139,25 @@ def main():
         return
     import torch
 
-    base = {"layers": args.layers, "width": args.width, "batch": args.batch, "iters": args.iters,
-            "warmup": args.warmup, "threads": args.threads}
+    base = {
+        "layers": args.layers,
+        "width": args.width,
+        "batch": args.batch,
+        "iters": args.iters,
+        "warmup": args.warmup,
+        "threads": args.threads,
+    }
     params = args.layers * (args.width * args.width + args.width)
-    print(f"torch {torch.__version__}, {os.cpu_count()} cores, {args.threads} thread(s) per "
-          f"process, {params / 1e6:.1f}M fp32 params ({params * 4 / 2**20:.0f} MiB of gradients), "
-          f"per-rank batch {args.batch}, {args.iters} iterations")
-    rows = [("1 process", 1, {**base, "dp": False, "async": True}),
-            (f"{args.ranks} ranks, sync", args.ranks, {**base, "dp": True, "async": False}),
-            (f"{args.ranks} ranks, async", args.ranks, {**base, "dp": True, "async": True})]
+    print(
+        f"torch {torch.__version__}, {os.cpu_count()} cores, {args.threads} thread(s) per "
+        f"process, {params / 1e6:.1f}M fp32 params ({params * 4 / 2**20:.0f} MiB of gradients), "
+        f"per-rank batch {args.batch}, {args.iters} iterations"
+    )
+    rows = [
+        ("1 process", 1, {**base, "dp": False, "async": True}),
+        (f"{args.ranks} ranks, sync", args.ranks, {**base, "dp": True, "async": False}),
+        (f"{args.ranks} ranks, async", args.ranks, {**base, "dp": True, "async": True}),
+    ]
     print("| configuration | iteration (ms) | ratio to 1 process | all-reduce per step (ms) |")
     print("|---|---|---|---|")
     baseline = None
@@ -128,8 +165,11 @@ def main():
         result = launch(world, cfg)
         baseline = baseline or result["iteration_ms"]
         reduce = "-" if result["reduce_ms"] is None else f"{result['reduce_ms']:.1f}"
-        print(f"| {name} | {result['iteration_ms']:.1f} | {result['iteration_ms'] / baseline:.2f} "
-              f"| {reduce} |", flush=True)
+        print(
+            f"| {name} | {result['iteration_ms']:.1f} | {result['iteration_ms'] / baseline:.2f} "
+            f"| {reduce} |",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

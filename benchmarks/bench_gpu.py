@@ -89,11 +89,21 @@ DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 # Sizes when a GPU runs the script: about 0.7B parameters, so that plain PyTorch still fits on
 # one 80 GB GPU (its resident state is about 18 bytes per parameter) and can be compared.
-GPU_SIZES = dict(layers=12, dim=2048, heads=16, seq=1024, vocab=32000, batch=16,
-                 microbatches=[4, 8, 16], iters=5, warmup=2)
+GPU_SIZES = dict(
+    layers=12,
+    dim=2048,
+    heads=16,
+    seq=1024,
+    vocab=32000,
+    batch=16,
+    microbatches=[4, 8, 16],
+    iters=5,
+    warmup=2,
+)
 # Sizes of the script test on a CPU or the emulated device.
-TINY_SIZES = dict(layers=2, dim=32, heads=2, seq=16, vocab=64, batch=4, microbatches=[1, 2],
-                  iters=2, warmup=1)
+TINY_SIZES = dict(
+    layers=2, dim=32, heads=2, seq=16, vocab=64, batch=4, microbatches=[1, 2], iters=2, warmup=1
+)
 
 TARGET_VS_CKPT = 0.85
 TARGET_TREND = 0.95  # "not falling": within 5% of the smallest count's tokens/s, or above
@@ -174,12 +184,14 @@ def _rss_reader():
         proc = psutil.Process()
         return (lambda: proc.memory_info().rss), "psutil memory_info().rss"
     if os.path.exists("/proc/self/status"):
+
         def read():
             with open("/proc/self/status") as f:
                 for line in f:
                     if line.startswith("VmRSS:"):
                         return int(line.split()[1]) * 1024
             return 0
+
         return read, "VmRSS of /proc/self/status"
     return None, "not available on this system"
 
@@ -250,8 +262,11 @@ class Bench:
             finish()
             self.sync()
             elapsed = time.perf_counter() - t0
-        gpu_peak = (max(self.devmod.max_memory_allocated(d) for d in devices)
-                    if self.measures_memory else None)
+        gpu_peak = (
+            max(self.devmod.max_memory_allocated(d) for d in devices)
+            if self.measures_memory
+            else None
+        )
         return dict(tps=args.iters * args.batch * args.seq / elapsed, gpu=gpu_peak, rss=rss.peak)
 
     def free(self):
@@ -271,13 +286,19 @@ def run_roundpipe(bench, spec):
     scaler = GradScaler()
     devices = [d.torch_device for d in bench.pool]
     for M in args.microbatches:
-        cfg = RoundPipeRunConfig(num_microbatch=M, device_grad_dtype=bench.grad_dtype,
-                                 offload_activations=bench.args.offload_activations)
+        cfg = RoundPipeRunConfig(
+            num_microbatch=M,
+            device_grad_dtype=bench.grad_dtype,
+            offload_activations=bench.args.offload_activations,
+        )
 
         def iteration(M=M, cfg=cfg):
             model.forward_backward(
-                input_args=(bench.x,), label=bench.y, run_config=cfg,
-                loss_fn=lambda out, lbl: scaler.scale(loss_of(out, lbl)) / M)
+                input_args=(bench.x,),
+                label=bench.y,
+                run_config=cfg,
+                loss_fn=lambda out, lbl: scaler.scale(loss_of(out, lbl)) / M,
+            )
             model.step(lambda: (scaler.step(opt), opt.zero_grad()))
             scaler.update()
 
@@ -286,7 +307,7 @@ def run_roundpipe(bench, spec):
         except torch.OutOfMemoryError:  # re-raised on this thread as its own type
             results[M] = "OOM"
             model.synchronize()
-    del model, opt, scaler
+    model = opt = scaler = None  # noqa: F841 -- frees the model before the next run
     bench.free()
     return results
 
@@ -343,7 +364,11 @@ class Plain:
         for xm, ym in zip(self.x.tensor_split(M), self.y.tensor_split(M)):
             h = xm
             for i, layer in enumerate(self.layers):
-                h = checkpoint(layer, h, use_reentrant=False) if self.ckpt and i < last else layer(h)
+                h = (
+                    checkpoint(layer, h, use_reentrant=False)
+                    if self.ckpt and i < last
+                    else layer(h)
+                )
             (scale(loss_of(h, ym)) / M).backward()
 
     def iteration(self, M):
@@ -371,7 +396,9 @@ def run_plain(bench, ckpt):
     plain, failed = None, False
     try:
         plain = Plain(bench, ckpt)
-        if ckpt and bench.measures_memory:  # before the masters exist, so nothing else is in the peak
+        if (
+            ckpt and bench.measures_memory
+        ):  # before the masters exist, so nothing else is in the peak
             for M in args.microbatches:
                 try:
                     activations[M] = plain.activation_bytes(M)
@@ -388,8 +415,7 @@ def run_plain(bench, ckpt):
         return {M: "OOM" for M in args.microbatches}, activations
     for M in args.microbatches:
         try:
-            results[M] = bench.measure(lambda M=M: plain.iteration(M), lambda: None,
-                                       [bench.device])
+            results[M] = bench.measure(lambda M=M: plain.iteration(M), lambda: None, [bench.device])
         except torch.OutOfMemoryError:
             results[M] = "OOM"
             # The next count starts clean: no partial gradient sums, and a scaler that may have
@@ -397,7 +423,7 @@ def run_plain(bench, ckpt):
             plain.opt.zero_grad(set_to_none=True)
             plain.scaler = torch.amp.GradScaler(bench.device.type)
     plain.close()
-    del plain
+    plain = None
     bench.free()
     return results, activations
 
@@ -424,8 +450,10 @@ def _met(ok):
 def report(bench, results, activations, stage_bytes):
     args = bench.args
     print()
-    print("| variant | microbatches | tokens/s | vs plain PyTorch | vs plain PyTorch + checkpoint "
-          "| GPU peak GiB | host RSS peak GiB |")
+    print(
+        "| variant | microbatches | tokens/s | vs plain PyTorch | vs plain PyTorch + checkpoint "
+        "| GPU peak GiB | host RSS peak GiB |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|")
     for M in args.microbatches:
         plain, ckpt = results["plain PyTorch"][M], results["plain PyTorch + checkpoint"][M]
@@ -434,8 +462,10 @@ def report(bench, results, activations, stage_bytes):
             if not isinstance(r, dict):
                 print(f"| {name} | {M} | {r} | | | | |")
                 continue
-            print(f"| {name} | {M} | {r['tps']:,.0f} | {_ratio(r, plain)} | {_ratio(r, ckpt)} "
-                  f"| {_gib(r['gpu'])} | {_gib(r['rss'])} |")
+            print(
+                f"| {name} | {M} | {r['tps']:,.0f} | {_ratio(r, plain)} | {_ratio(r, ckpt)} "
+                f"| {_gib(r['gpu'])} | {_gib(r['rss'])} |"
+            )
 
     print()
     note = "" if bench.on_gpu else "   [no GPU: not a measurement of the target]"
@@ -445,43 +475,58 @@ def report(bench, results, activations, stage_bytes):
         if isinstance(rp[M], dict) and isinstance(ck[M], dict):
             ratio = rp[M]["tps"] / ck[M]["tps"]
             verdict = _met(ratio >= TARGET_VS_CKPT)
-            print(f"  roundpipe / plain PyTorch + checkpoint, {M:3d} microbatches: {ratio:.3f}  "
-                  f"(target >= {TARGET_VS_CKPT})  {verdict}")
+            print(
+                f"  roundpipe / plain PyTorch + checkpoint, {M:3d} microbatches: {ratio:.3f}  "
+                f"(target >= {TARGET_VS_CKPT})  {verdict}"
+            )
         else:
-            print(f"  roundpipe / plain PyTorch + checkpoint, {M:3d} microbatches: n/a "
-                  f"(roundpipe {rp[M] if not isinstance(rp[M], dict) else 'ran'}, plain "
-                  f"{ck[M] if not isinstance(ck[M], dict) else 'ran'})")
+            print(
+                f"  roundpipe / plain PyTorch + checkpoint, {M:3d} microbatches: n/a "
+                f"(roundpipe {rp[M] if not isinstance(rp[M], dict) else 'ran'}, plain "
+                f"{ck[M] if not isinstance(ck[M], dict) else 'ran'})"
+            )
     measured = [M for M in args.microbatches if isinstance(rp[M], dict)]
     if len(measured) >= 2:
         first = min(measured)
         rel = {M: rp[M]["tps"] / rp[first]["tps"] for M in sorted(measured)}
-        shown = ", ".join(f"{M}: {rel[M]:.3f}" if M in rel else f"{M}: {rp[M]}"
-                          for M in args.microbatches)
+        shown = ", ".join(
+            f"{M}: {rel[M]:.3f}" if M in rel else f"{M}: {rp[M]}" for M in args.microbatches
+        )
         ok = min(rel.values()) >= TARGET_TREND and len(rel) == len(args.microbatches)
-        print(f"  roundpipe tokens/s against {first} microbatches: {shown}  (target: none "
-              f"below {TARGET_TREND})  {_met(ok)}")
+        print(
+            f"  roundpipe tokens/s against {first} microbatches: {shown}  (target: none "
+            f"below {TARGET_TREND})  {_met(ok)}"
+        )
         # With a fixed batch, more microbatches are smaller ones, which a GPU runs less
         # efficiently whatever the runtime: the baseline's own trend separates the two.
         if all(isinstance(ck[M], dict) for M in measured):
-            base = ", ".join(f"{M}: {ck[M]['tps'] / ck[first]['tps']:.3f}" for M in sorted(measured))
+            base = ", ".join(
+                f"{M}: {ck[M]['tps'] / ck[first]['tps']:.3f}" for M in sorted(measured)
+            )
             print(f"    (plain PyTorch + checkpoint, the same way: {base})")
     else:
-        print("  roundpipe tokens/s as microbatches grow: n/a (needs two or more --microbatches "
-              "that ran)")
+        print(
+            "  roundpipe tokens/s as microbatches grow: n/a (needs two or more --microbatches "
+            "that ran)"
+        )
     if bench.measures_memory:
         where = "GPU" if bench.on_gpu else f"{bench.device.type} (emulated, exact counts)"
-        print(f"  device memory on {where}; gradient sums in "
-              f"{args.device_grad_dtype or 'fp32 (the masters dtype)'}; stage inputs "
-              f"{'offloaded to the host' if args.offload_activations else 'kept on the device'}")
+        print(
+            f"  device memory on {where}; gradient sums in "
+            f"{args.device_grad_dtype or 'fp32 (the masters dtype)'}; stage inputs "
+            f"{'offloaded to the host' if args.offload_activations else 'kept on the device'}"
+        )
         for M in args.microbatches:
             act = activations.get(M)
             if not isinstance(rp[M], dict) or act is None:
                 print(f"  roundpipe GPU peak, {M:3d} microbatches: n/a (a run did not complete)")
                 continue
             bound = 2 * stage_bytes + act
-            print(f"  roundpipe GPU peak, {M:3d} microbatches: {_gib(rp[M]['gpu'])} GiB  "
-                  f"(target <= 2 stages {_gib(2 * stage_bytes)} + activations {_gib(act)} = "
-                  f"{_gib(bound)} GiB)  {_met(rp[M]['gpu'] <= bound)}")
+            print(
+                f"  roundpipe GPU peak, {M:3d} microbatches: {_gib(rp[M]['gpu'])} GiB  "
+                f"(target <= 2 stages {_gib(2 * stage_bytes)} + activations {_gib(act)} = "
+                f"{_gib(bound)} GiB)  {_met(rp[M]['gpu'] <= bound)}"
+            )
     else:
         print("  roundpipe GPU peak <= 2 stages + activations: n/a (no GPU memory to measure)")
 
@@ -490,9 +535,11 @@ def report(bench, results, activations, stage_bytes):
 
 
 def _no_gpu(why):
-    print(f"No GPU: {why}. This benchmark measures roundpipe on a GPU, so there is nothing to "
-          f"measure here. `--allow-cpu`, `--devices cpu` or `--devices emu` runs a tiny "
-          f"configuration that tests the script (its numbers say nothing about a GPU).")
+    print(
+        f"No GPU: {why}. This benchmark measures roundpipe on a GPU, so there is nothing to "
+        f"measure here. `--allow-cpu`, `--devices cpu` or `--devices emu` runs a tiny "
+        f"configuration that tests the script (its numbers say nothing about a GPU)."
+    )
     return 0
 
 
@@ -529,15 +576,22 @@ def main():
     parser.add_argument("--iters", type=int, help="timed iterations per variant and count")
     parser.add_argument("--warmup", type=int, help="untimed iterations before them")
     parser.add_argument("--devices", help="roundpipe's pool: cuda, cuda:0, cuda:0,1, cpu, emu")
-    parser.add_argument("--device-grad-dtype", choices=sorted(DTYPES),
-                        help="roundpipe's RoundPipeRunConfig(device_grad_dtype=...): the dtype "
-                             "gradients are summed in on the device (default: fp32, the "
-                             "masters')")
-    parser.add_argument("--offload-activations", action="store_true",
-                        help="roundpipe's RoundPipeRunConfig(offload_activations=True): the "
-                             "stage inputs of every microbatch wait in pinned host memory")
-    parser.add_argument("--allow-cpu", action="store_true",
-                        help="without CUDA, run a tiny configuration on the CPU")
+    parser.add_argument(
+        "--device-grad-dtype",
+        choices=sorted(DTYPES),
+        help="roundpipe's RoundPipeRunConfig(device_grad_dtype=...): the dtype "
+        "gradients are summed in on the device (default: fp32, the "
+        "masters')",
+    )
+    parser.add_argument(
+        "--offload-activations",
+        action="store_true",
+        help="roundpipe's RoundPipeRunConfig(offload_activations=True): the "
+        "stage inputs of every microbatch wait in pinned host memory",
+    )
+    parser.add_argument(
+        "--allow-cpu", action="store_true", help="without CUDA, run a tiny configuration on the CPU"
+    )
     args = parser.parse_args()
 
     resolved, why = resolve_pool(parser, args)
@@ -565,10 +619,14 @@ def main():
         # Tiny tensors: on a busy machine, each parallel region of several intra-op threads
         # would wait for a descheduled one (milliseconds per op), which only slows the test down.
         torch.set_num_threads(1)
-        print(f"torch {torch.__version__}, {torch.get_num_threads()} intra-op thread; pool "
-              f"{', '.join(map(str, pool))}")
-        print("NOT A GPU RUN: a tiny configuration on "
-              f"{pool[0].type}, to test the script. These numbers say nothing about a GPU.")
+        print(
+            f"torch {torch.__version__}, {torch.get_num_threads()} intra-op thread; pool "
+            f"{', '.join(map(str, pool))}"
+        )
+        print(
+            "NOT A GPU RUN: a tiny configuration on "
+            f"{pool[0].type}, to test the script. These numbers say nothing about a GPU."
+        )
 
     bench = Bench(args, pool, dtype)
     bench.grad_dtype = DTYPES[args.device_grad_dtype] if args.device_grad_dtype else None
@@ -577,16 +635,20 @@ def main():
     n_params = sum(sizes)
     elem = torch.finfo(dtype).bits // 8
     stage_bytes = max(sizes) * elem * 2  # its low-precision parameters and their gradients
-    print(f"GPT: {args.layers} blocks, dim {args.dim}, {args.heads} heads, seq {args.seq}, vocab "
-          f"{args.vocab}: {n_params / 1e6:.2f}M params ({args.dtype}), largest stage "
-          f"{max(sizes) / 1e6:.2f}M; batch {args.batch} x {args.seq} = "
-          f"{args.batch * args.seq} tokens per iteration; microbatches "
-          f"{' '.join(map(str, args.microbatches))}; {args.warmup} warm-up + {args.iters} timed "
-          f"iterations per variant and count")
-    print(f"roundpipe on {', '.join(map(str, pool))}; plain PyTorch on {bench.device} "
-          f"(low-precision model, fp32 masters and fused Adam on the device); host RSS: "
-          f"{bench.rss_what}, sampled every 10 ms in the timed window; "
-          f"{_gib(bench.read_rss() if bench.read_rss else None)} GiB before the variants")
+    print(
+        f"GPT: {args.layers} blocks, dim {args.dim}, {args.heads} heads, seq {args.seq}, vocab "
+        f"{args.vocab}: {n_params / 1e6:.2f}M params ({args.dtype}), largest stage "
+        f"{max(sizes) / 1e6:.2f}M; batch {args.batch} x {args.seq} = "
+        f"{args.batch * args.seq} tokens per iteration; microbatches "
+        f"{' '.join(map(str, args.microbatches))}; {args.warmup} warm-up + {args.iters} timed "
+        f"iterations per variant and count"
+    )
+    print(
+        f"roundpipe on {', '.join(map(str, pool))}; plain PyTorch on {bench.device} "
+        f"(low-precision model, fp32 masters and fused Adam on the device); host RSS: "
+        f"{bench.rss_what}, sampled every 10 ms in the timed window; "
+        f"{_gib(bench.read_rss() if bench.read_rss else None)} GiB before the variants"
+    )
     if len(pool) > 1:
         print(f"NOTE: roundpipe uses {len(pool)} devices, plain PyTorch one")
 

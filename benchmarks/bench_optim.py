@@ -60,7 +60,7 @@ def _reference_times(numel: int, repeat: int) -> tuple[list[float], list[float]]
     b = torch.randn(numel)
     copy_times = _time(lambda: a.copy_(b), repeat, warmup=2)
     add_times = _time(lambda: a.add_(b), repeat, warmup=2)
-    del a, b
+    a = b = torch.empty(0)  # the closures above keep no large buffer alive
     gc.collect()
     return copy_times, add_times
 
@@ -78,29 +78,54 @@ def _cpu_name() -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--numel", type=int, default=100_000_000, help="total params (default 100M)")
+    parser.add_argument(
+        "--numel", type=int, default=100_000_000, help="total params (default 100M)"
+    )
     parser.add_argument("--repeat", type=int, default=5, help="timed steps per optimizer per round")
-    parser.add_argument("--rounds", type=int, default=3,
-                        help="rounds over all optimizers; the median is over rounds x repeat steps")
-    parser.add_argument("--tensors", type=int, default=8, help="how many tensors the params are split into")
-    parser.add_argument("--threads", type=int, default=torch.get_num_threads(),
-                        help="torch.set_num_threads (default: torch's default)")
-    parser.add_argument("--complex", action="store_true",
-                        help="complex64 params (numel/2 complex = numel fp32 numbers)")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (the first allocates state)")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="rounds over all optimizers; the median is over rounds x repeat steps",
+    )
+    parser.add_argument(
+        "--tensors", type=int, default=8, help="how many tensors the params are split into"
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=torch.get_num_threads(),
+        help="torch.set_num_threads (default: torch's default)",
+    )
+    parser.add_argument(
+        "--complex",
+        action="store_true",
+        help="complex64 params (numel/2 complex = numel fp32 numbers)",
+    )
+    parser.add_argument(
+        "--warmup", type=int, default=2, help="untimed steps first (the first allocates state)"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    print(f"# torch {torch.__version__}, {torch.get_num_threads()} threads, {_cpu_name()}, "
-          f"os.cpu_count()={os.cpu_count()}")
-    print(f"# {args.numel:,} {'fp32 numbers as complex64' if args.complex else 'fp32'} params in "
-          f"{args.tensors} tensors; median of {args.rounds} rounds x {args.repeat} steps, "
-          f"each round after {args.warmup} warm-up steps")
+    print(
+        f"# torch {torch.__version__}, {torch.get_num_threads()} threads, {_cpu_name()}, "
+        f"os.cpu_count()={os.cpu_count()}"
+    )
+    print(
+        f"# {args.numel:,} {'fp32 numbers as complex64' if args.complex else 'fp32'} params in "
+        f"{args.tensors} tensors; median of {args.rounds} rounds x {args.repeat} steps, "
+        f"each round after {args.warmup} warm-up steps"
+    )
 
     gen = torch.Generator().manual_seed(0)
     dtype = torch.complex64 if args.complex else torch.float32
     # --numel counts fp32 numbers, so a complex run moves as many bytes as a real one.
-    sizes = [n // 2 for n in _split(args.numel, args.tensors)] if args.complex else _split(args.numel, args.tensors)
+    sizes = (
+        [n // 2 for n in _split(args.numel, args.tensors)]
+        if args.complex
+        else _split(args.numel, args.tensors)
+    )
     params = [torch.nn.Parameter(torch.randn(n, generator=gen, dtype=dtype)) for n in sizes]
     for p in params:
         p.grad = torch.randn(p.shape, generator=gen, dtype=dtype) * 1e-3
@@ -133,25 +158,37 @@ def main() -> None:
             finally:
                 del opt  # free exp_avg/exp_avg_sq before the next optimizer allocates its own
                 gc.collect()
-    rows = [(name, None, None, refused[name]) if name in refused
-            else (name, statistics.median(times[name]), min(times[name]), "") for name, _ in candidates]
+    rows = [
+        (name, None, None, refused[name])
+        if name in refused
+        else (name, statistics.median(times[name]), min(times[name]), "")
+        for name, _ in candidates
+    ]
 
     copy_gbps = 8 * args.numel / statistics.median(copy_times) / 1e9
     add_gbps = 12 * args.numel / statistics.median(add_times) / 1e9
-    print(f"# dst.copy_(src) on {args.numel:,} fp32 (8 B/elem): {copy_gbps:.2f} GB/s; "
-          f"a.add_(b) (12 B/elem, no write-allocate): {add_gbps:.2f} GB/s (medians, same rounds)")
-    baseline_name, baseline = next((name, median) for name, median, _, _ in rows if median is not None)
+    print(
+        f"# dst.copy_(src) on {args.numel:,} fp32 (8 B/elem): {copy_gbps:.2f} GB/s; "
+        f"a.add_(b) (12 B/elem, no write-allocate): {add_gbps:.2f} GB/s (medians, same rounds)"
+    )
+    baseline_name, baseline = next(
+        (name, median) for name, median, _, _ in rows if median is not None
+    )
     print()
-    print(f"| optimizer | median ms/step | min ms/step | time vs {baseline_name} | "
-          f"effective GB/s (28 B/param) | of copy GB/s | of add_ GB/s |")
+    print(
+        f"| optimizer | median ms/step | min ms/step | time vs {baseline_name} | "
+        f"effective GB/s (28 B/param) | of copy GB/s | of add_ GB/s |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|")
     for name, median, best, why in rows:
         if median is None:
             print(f"| {name} | n/a: {why} | | | | | |")
             continue
         gbps = BYTES_PER_PARAM * args.numel / median / 1e9
-        print(f"| {name} | {median * 1e3:.1f} | {best * 1e3:.1f} | {median / baseline:.3f} | "
-              f"{gbps:.2f} | {gbps / copy_gbps:.0%} | {gbps / add_gbps:.0%} |")
+        print(
+            f"| {name} | {median * 1e3:.1f} | {best * 1e3:.1f} | {median / baseline:.3f} | "
+            f"{gbps:.2f} | {gbps / copy_gbps:.0%} | {gbps / add_gbps:.0%} |"
+        )
 
 
 if __name__ == "__main__":

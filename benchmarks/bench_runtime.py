@@ -67,10 +67,11 @@ def part_a(args):
     # Measure forward_backward alone (with its gradient moves), after a warm-up.
     model, opt, scaler = build()
     fb = []
-    for i in range(args.iters // 2 + 3):
+    for _ in range(args.iters // 2 + 3):
         t0 = time.perf_counter()
-        model.forward_backward(input_args=(x,), label=y,
-                               loss_fn=lambda o, l: scaler.scale(loss_of(o, l)) / M)
+        model.forward_backward(
+            input_args=(x,), label=y, loss_fn=lambda o, l: scaler.scale(loss_of(o, l)) / M
+        )
         fb.append(time.perf_counter() - t0)
         model.step(lambda: opt.zero_grad(), is_async=False)
     t_fb = statistics.median(fb[3:])
@@ -93,8 +94,9 @@ def part_a(args):
         for is_async in (False, True):
             for i in range(5):
                 t0 = time.perf_counter()
-                model.forward_backward(input_args=(x,), label=y,
-                                       loss_fn=lambda o, l: scaler.scale(loss_of(o, l)) / M)
+                model.forward_backward(
+                    input_args=(x,), label=y, loss_fn=lambda o, l: scaler.scale(loss_of(o, l)) / M
+                )
                 model.step(step_fn, is_async=is_async)
                 t1 = time.perf_counter()
                 scaler.update()
@@ -109,15 +111,21 @@ def part_a(args):
     best = min(times[True]) / min(times[False])
     update_share = in_update / async_total
     n_params = sum(p.numel() for p in model.optim_parameters())
-    print(f"(a) bf16 MLP {n_params / 1e6:.1f}M params, batch {batch}, {M} microbatches, 1 CPU "
-          f"worker, roundpipe.optim.Adam + GradScaler, step padded to forward_backward time")
+    print(
+        f"(a) bf16 MLP {n_params / 1e6:.1f}M params, batch {batch}, {M} microbatches, 1 CPU "
+        f"worker, roundpipe.optim.Adam + GradScaler, step padded to forward_backward time"
+    )
     print(f"    forward_backward alone      {t_fb * 1e3:8.1f} ms")
     print(f"    sync iteration              {t_sync * 1e3:8.1f} ms")
     print(f"    async iteration             {t_async * 1e3:8.1f} ms")
-    print(f"    async / sync                {t_async / t_sync:8.3f}   (target <= 0.55; medians; "
-          f"ratio of minima {best:.3f})")
-    print(f"    main thread in update()     {update_share * 100:8.3f} % of the async iteration "
-          f"(target <= 1%)")
+    print(
+        f"    async / sync                {t_async / t_sync:8.3f}   (target <= 0.55; medians; "
+        f"ratio of minima {best:.3f})"
+    )
+    print(
+        f"    main thread in update()     {update_share * 100:8.3f} % of the async iteration "
+        f"(target <= 1%)"
+    )
 
 
 # -- (b) ----------------------------------------------------------------------------------------
@@ -146,8 +154,9 @@ def _b_iterations(devices="cpu", **shape):
         for p in plain.parameters():
             p.grad = None
 
-    model = RoundPipe(mlp(width, depth), devices=devices,
-                      model_run_config=RoundPipeRunConfig(num_microbatch=M))
+    model = RoundPipe(
+        mlp(width, depth), devices=devices, model_run_config=RoundPipeRunConfig(num_microbatch=M)
+    )
 
     def rp_iteration():
         model.forward_backward(input_args=(x,), label=y, loss_fn=lambda o, l: loss_of(o, l) / M)
@@ -190,16 +199,21 @@ def part_b(args):
     paired = statistics.median(r / p for r, p in zip(tr, tp))
     q = statistics.quantiles([r / p for r, p in zip(tr, tp)], n=4)
     cpu = statistics.median(cr) / statistics.median(cp)
-    print(f"(b) fp32 MLP {n_params / 1e6:.1f}M params, {n_stages} stages, batch {batch}, "
-          f"{M} microbatches, one CPU worker")
+    print(
+        f"(b) fp32 MLP {n_params / 1e6:.1f}M params, {n_stages} stages, batch {batch}, "
+        f"{M} microbatches, one CPU worker"
+    )
     print(f"    plain PyTorch + checkpoint  {t_plain * 1e3:8.1f} ms")
-    print(f"    RoundPipe forward_backward  {t_rp * 1e3:8.1f} ms   (grads into the "
-          f"masters)")
-    print(f"    RoundPipe / plain           {paired:8.3f}   (target <= 1.05; median of {args.iters} "
-          f"paired runs, quartiles {q[0]:.3f}-{q[2]:.3f}; ratio of minima {t_rp / t_plain:.3f}, "
-          f"of medians {med:.3f})")
-    print(f"    CPU time (all threads)      {statistics.median(cp) * 1e3:8.1f} ms plain, "
-          f"{statistics.median(cr) * 1e3:.1f} ms RoundPipe: ratio {cpu:.3f} (medians)")
+    print(f"    RoundPipe forward_backward  {t_rp * 1e3:8.1f} ms   (grads into the masters)")
+    print(
+        f"    RoundPipe / plain           {paired:8.3f}   (target <= 1.05; median of {args.iters} "
+        f"paired runs, quartiles {q[0]:.3f}-{q[2]:.3f}; ratio of minima {t_rp / t_plain:.3f}, "
+        f"of medians {med:.3f})"
+    )
+    print(
+        f"    CPU time (all threads)      {statistics.median(cp) * 1e3:8.1f} ms plain, "
+        f"{statistics.median(cr) * 1e3:.1f} ms RoundPipe: ratio {cpu:.3f} (medians)"
+    )
 
 
 # -- (d) ----------------------------------------------------------------------------------------
@@ -228,21 +242,39 @@ def part_d(args):
     runs = {"plain": [], "roundpipe": []}
     for _ in range(rounds):
         for which in runs:
-            out = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", which,
-                                  "--iters", str(iters)], check=True, capture_output=True,
-                                 text=True).stdout.split()
+            out = subprocess.run(
+                [
+                    sys.executable,
+                    os.path.abspath(__file__),
+                    "--child",
+                    which,
+                    "--iters",
+                    str(iters),
+                ],
+                check=True,
+                capture_output=True,
+                text=True,
+            ).stdout.split()
             runs[which].append([float(v) for v in out])
     wall = [r[0] / p[0] for p, r in zip(runs["plain"], runs["roundpipe"])]
     cpu = [r[1] / p[1] for p, r in zip(runs["plain"], runs["roundpipe"])]
-    print(f"(d) as (b), each variant alone in its own process, {rounds} alternating pairs of "
-          f"processes, {iters} iterations each")
-    for which, name in (("plain", "plain PyTorch + checkpoint"),
-                        ("roundpipe", "RoundPipe forward_backward")):
-        print(f"    {name:27s} {statistics.median(r[0] for r in runs[which]) * 1e3:8.1f} ms   "
-              f"({statistics.median(r[2] for r in runs[which]):.0f} page faults/iteration)")
-    print(f"    RoundPipe / plain           {statistics.median(wall):8.3f}   (target <= 1.05; "
-          f"median of the pairs' medians, range {min(wall):.3f}-{max(wall):.3f}); CPU time "
-          f"{statistics.median(cpu):.3f}")
+    print(
+        f"(d) as (b), each variant alone in its own process, {rounds} alternating pairs of "
+        f"processes, {iters} iterations each"
+    )
+    for which, name in (
+        ("plain", "plain PyTorch + checkpoint"),
+        ("roundpipe", "RoundPipe forward_backward"),
+    ):
+        print(
+            f"    {name:27s} {statistics.median(r[0] for r in runs[which]) * 1e3:8.1f} ms   "
+            f"({statistics.median(r[2] for r in runs[which]):.0f} page faults/iteration)"
+        )
+    print(
+        f"    RoundPipe / plain           {statistics.median(wall):8.3f}   (target <= 1.05; "
+        f"median of the pairs' medians, range {min(wall):.3f}-{max(wall):.3f}); CPU time "
+        f"{statistics.median(cpu):.3f}"
+    )
 
 
 # -- (e) ----------------------------------------------------------------------------------------
@@ -258,8 +290,10 @@ def part_e(args):
         (tp, _), (tr, _) = _alternate(plain_iteration, rp_iteration, iters, warmup=5)
         p, r = statistics.median(tp), statistics.median(tr)
         per = (r - p) / (n_stages * _B_SHAPE["M"])
-        print(f"    {what:24s} plain {p * 1e3:6.2f} ms, RoundPipe {r * 1e3:6.2f} ms: "
-              f"{per * 1e6:+6.1f} us per stage and microbatch")
+        print(
+            f"    {what:24s} plain {p * 1e3:6.2f} ms, RoundPipe {r * 1e3:6.2f} ms: "
+            f"{per * 1e6:+6.1f} us per stage and microbatch"
+        )
 
 
 # -- (c) ----------------------------------------------------------------------------------------
@@ -303,15 +337,24 @@ print(n, base, d["VmHWM"])
 
 
 def part_c(args):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-         os.environ.get("PYTHONPATH", "")]))
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join(
+            [
+                os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                os.environ.get("PYTHONPATH", ""),
+            ]
+        ),
+    )
     t0 = time.perf_counter()
-    out = subprocess.run([sys.executable, "-c", _MEM_CHILD, "3"], check=True, env=env,
-                         capture_output=True, text=True).stdout.split()
+    out = subprocess.run(
+        [sys.executable, "-c", _MEM_CHILD, "3"], check=True, env=env, capture_output=True, text=True
+    ).stdout.split()
     n, base, peak = int(out[0]), int(out[1]), int(out[2])
-    print(f"(c) fp16 model of {n / 1e6:.1f}M params, fp32 masters, roundpipe.optim.Adam, 3 async "
-          f"iterations, batch 2 ({time.perf_counter() - t0:.0f} s)")
+    print(
+        f"(c) fp16 model of {n / 1e6:.1f}M params, fp32 masters, roundpipe.optim.Adam, 3 async "
+        f"iterations, batch 2 ({time.perf_counter() - t0:.0f} s)"
+    )
     print(f"    peak RSS (VmHWM)            {peak / 2**30:8.2f} GiB")
     print(f"    RSS before the model        {base / 2**30:8.2f} GiB (torch + python)")
     print(f"    (peak - before) / param     {(peak - base) / n:8.2f} bytes   (state needs 18)")
@@ -326,8 +369,10 @@ def main():
     args = parser.parse_args()
     if args.child:
         return _d_child(args.child, args.iters)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} intra-op threads, "
-          f"{os.cpu_count()} CPUs")
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} intra-op threads, "
+        f"{os.cpu_count()} CPUs"
+    )
     for part in args.part.split(","):
         {"a": part_a, "b": part_b, "c": part_c, "d": part_d, "e": part_e}[part.strip()](args)
 

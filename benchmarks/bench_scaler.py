@@ -100,7 +100,9 @@ def _plot(path, step_ms, async_times, waiting_times):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--numel", type=int, default=16_000_000)
     parser.add_argument("--repeat", type=int, default=30)
     parser.add_argument("--step-ms", type=float, default=100.0)
@@ -108,11 +110,15 @@ def main():
     parser.add_argument("--plot", help="write a PNG of the main thread's time in update()")
     args = parser.parse_args()
 
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.numel / 1e6:.0f}M params, fused Adam")
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.numel / 1e6:.0f}M params, fused Adam"
+    )
     # Interleave the two so drifting machine load affects both alike.
     ours, theirs = [], []
     for _ in range(3):
-        theirs.append(bench_step_update(lambda: torch.amp.GradScaler("cpu"), args.numel, args.repeat // 3))
+        theirs.append(
+            bench_step_update(lambda: torch.amp.GradScaler("cpu"), args.numel, args.repeat // 3)
+        )
         ours.append(bench_step_update(lambda: GradScaler("cpu"), args.numel, args.repeat // 3))
     t_torch, t_ours = min(theirs), min(ours)
     print("| scaler | step+update (ms) | ratio |")
@@ -124,12 +130,16 @@ def main():
     in_update, iteration = statistics.median(in_updates), statistics.median(iterations)
     print()
     print(f"async update() while a {args.step_ms:.0f} ms step runs on the optimizer thread:")
-    print(f"  main thread in update(): median {in_update * 1e6:.0f} us "
-          f"= {in_update / iteration * 100:.3f}% of a {iteration * 1e3:.0f} ms iteration "
-          f"(a waiting update would take ~{args.step_ms:.0f} ms)")
+    print(
+        f"  main thread in update(): median {in_update * 1e6:.0f} us "
+        f"= {in_update / iteration * 100:.3f}% of a {iteration * 1e3:.0f} ms iteration "
+        f"(a waiting update would take ~{args.step_ms:.0f} ms)"
+    )
     if args.plot:
         waiting, _ = bench_update_while_stepping(args.step_ms / 1e3, args.iters, wait_for_step=True)
-        print(f"  waiting for the step first: median {statistics.median(waiting) * 1e3:.1f} ms in update()")
+        print(
+            f"  waiting for the step first: median {statistics.median(waiting) * 1e3:.1f} ms in update()"
+        )
         _plot(args.plot, args.step_ms, in_updates, waiting)
         print(f"  plot: {args.plot}")
 

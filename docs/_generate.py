@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 
 def main(path: Path, render: Callable[[], str], description: str) -> int:
     parser = argparse.ArgumentParser(description=description)
-    parser.add_argument("--check", action="store_true", help=f"only check that {path.name} is current")
+    parser.add_argument(
+        "--check", action="store_true", help=f"only check that {path.name} is current"
+    )
     args = parser.parse_args()
     text = render()
     if args.check:

@@ -145,4 +145,4 @@ if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from _generate import main
 
-    raise SystemExit(main(API_PATH, render, 'Generate docs/api.md from the docstrings.'))
+    raise SystemExit(main(API_PATH, render, "Generate docs/api.md from the docstrings."))

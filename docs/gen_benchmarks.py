@@ -20,28 +20,48 @@ OUT = ROOT / "docs" / "benchmarks.md"
 
 # (section title, result file stem, script, what it measures)
 SECTIONS = [
-    ("GradScaler", "scaler", "benchmarks/bench_scaler.py",
-     "`scaler.step` + `scaler.update` against `torch.amp.GradScaler` on the same fused-Adam work "
-     "(target ratio <= 1.05), and the main thread's time in an async `update()` while a step runs "
-     "on the optimizer thread (target: about zero)."),
-    ("roundpipe.optim", "optim", "benchmarks/bench_optim.py",
-     "`roundpipe.optim.Adam` against `torch.optim.Adam` (fused and foreach) on 100M fp32 "
-     "parameters, with the share of memory bandwidth reached (Adam moves 28 bytes per parameter)."),
-    ("Runtime", "runtime", "benchmarks/bench_runtime.py",
-     "async against sync iteration time when the step costs as much as `forward_backward` "
-     "(target <= 0.55) and the main thread's share in `scaler.update()` (target <= 1%); overhead "
-     "against plain PyTorch with `torch.utils.checkpoint` per stage (target <= 1.05), in one "
-     "process and with each variant alone in its own, and the fixed cost behind it; peak memory per parameter against the 18 "
-     "bytes the state itself needs."),
-    ("Data parallelism", "distributed", "benchmarks/bench_distributed.py",
-     "iteration time of 2 gloo ranks (sync and async step) against one process doing one rank's "
-     "work, and the gradient all-reduce's time per step on the optimizer thread."),
-    ("GPU", "gpu", "benchmarks/bench_gpu.py",
-     "a GPT-style decoder-only transformer trained with roundpipe against plain PyTorch on the "
-     "same GPU, with the model resident there, with and without per-block checkpoint: tokens/s "
-     "for each microbatch count, peak GPU memory and peak host RSS, in one run, with the "
-     "issue's targets (roundpipe >= 0.85x plain PyTorch with the same recompute, tokens/s not "
-     "falling as microbatches grow, GPU peak <= 2 stages + activations)."),
+    (
+        "GradScaler",
+        "scaler",
+        "benchmarks/bench_scaler.py",
+        "`scaler.step` + `scaler.update` against `torch.amp.GradScaler` on the same fused-Adam work "
+        "(target ratio <= 1.05), and the main thread's time in an async `update()` while a step runs "
+        "on the optimizer thread (target: about zero).",
+    ),
+    (
+        "roundpipe.optim",
+        "optim",
+        "benchmarks/bench_optim.py",
+        "`roundpipe.optim.Adam` against `torch.optim.Adam` (fused and foreach) on 100M fp32 "
+        "parameters, with the share of memory bandwidth reached (Adam moves 28 bytes per parameter).",
+    ),
+    (
+        "Runtime",
+        "runtime",
+        "benchmarks/bench_runtime.py",
+        "async against sync iteration time when the step costs as much as `forward_backward` "
+        "(target <= 0.55) and the main thread's share in `scaler.update()` (target <= 1%); overhead "
+        "against plain PyTorch with `torch.utils.checkpoint` per stage (target <= 1.05), in one "
+        "process and with each variant alone in its own, and the fixed cost behind it; peak memory per parameter against the 18 "
+        "bytes the state itself needs.",
+    ),
+    (
+        "Data parallelism",
+        "distributed",
+        "benchmarks/bench_distributed.py",
+        "iteration time of 2 gloo ranks (sync and async step) against one process doing one rank's "
+        "work, and the gradient all-reduce's time per step on the optimizer thread.",
+    ),
+    (
+        "GPU",
+        "gpu",
+        "benchmarks/bench_gpu.py",
+        "a GPT-style decoder-only transformer trained with roundpipe against plain PyTorch on the "
+        "same GPU, with the model resident there, with and without per-block checkpoint: tokens/s "
+        "for each microbatch count, peak GPU memory and peak host RSS, in one run, with the "
+        "issue's targets (roundpipe >= 0.85x plain PyTorch with the same recompute, tokens/s not "
+        "falling as microbatches grow, GPU peak <= 2 stages + activations).",
+    ),
 ]
 
 HEADER = """\
@@ -77,9 +97,13 @@ def render() -> str:
         if path.exists():
             parts.append(_demote(path.read_text()) + "\n")
         else:
-            parts.append(f"No results yet: run `python {script}` and write its output, the "
-                         f"command and the machine into `benchmarks/results/{stem}.md`.\n")
-    others = sorted(p for p in RESULTS.glob("*.md") if p.stem not in known) if RESULTS.exists() else []
+            parts.append(
+                f"No results yet: run `python {script}` and write its output, the "
+                f"command and the machine into `benchmarks/results/{stem}.md`.\n"
+            )
+    others = (
+        sorted(p for p in RESULTS.glob("*.md") if p.stem not in known) if RESULTS.exists() else []
+    )
     if others:
         parts.append("## Other\n")
         for path in others:
@@ -91,4 +115,4 @@ if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from _generate import main
 
-    raise SystemExit(main(OUT, render, 'Assemble docs/benchmarks.md from benchmarks/results/.'))
+    raise SystemExit(main(OUT, render, "Assemble docs/benchmarks.md from benchmarks/results/."))

@@ -36,7 +36,9 @@ def make_spiral(n_per_class, seed):
 
 
 def make_model():
-    return nn.Sequential(nn.Linear(2, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 3))
+    return nn.Sequential(
+        nn.Linear(2, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 3)
+    )
 
 
 def train(scaler, steps, batch_size=128, desc=""):
@@ -54,9 +56,9 @@ def train(scaler, steps, batch_size=128, desc=""):
             logits = model(x_all[idx])
         loss = F.cross_entropy(logits.float(), y_all[idx])
         scaler.scale(loss).backward()
-        scaler.unscale_(opt)                     # gradients are now in true units ...
+        scaler.unscale_(opt)  # gradients are now in true units ...
         nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # ... so clipping sees them
-        scaler.step(opt)                         # skipped if any gradient is inf/NaN
+        scaler.step(opt)  # skipped if any gradient is inf/NaN
         before = scaler.get_scale()
         scaler.update()
         opt.zero_grad()
@@ -69,19 +71,28 @@ def train(scaler, steps, batch_size=128, desc=""):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=300, help="training steps of each of the two runs (default 300)")
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=300,
+        help="training steps of each of the two runs (default 300)",
+    )
     args = parser.parse_args()
 
     # Deliberately too high a start (2**24): fp16 gradients overflow until the scale backs off.
     kwargs = dict(init_scale=2.0**24, growth_interval=50)
-    t_scales, t_skipped, t_model, t_acc = train(torch.amp.GradScaler("cpu", **kwargs), args.steps, desc="torch.amp")
+    t_scales, t_skipped, t_model, t_acc = train(
+        torch.amp.GradScaler("cpu", **kwargs), args.steps, desc="torch.amp"
+    )
     r_scaler = roundpipe.GradScaler("cpu", **kwargs)
     r_scales, r_skipped, r_model, r_acc = train(r_scaler, args.steps, desc="roundpipe")
 
     same_params = all(torch.equal(a, b) for a, b in zip(t_model.parameters(), r_model.parameters()))
     snap = r_scaler.snapshot()
-    print(f"steps: {args.steps}, skipped steps: torch {sum(t_skipped)}, roundpipe {sum(r_skipped)} "
-          f"(roundpipe's own count: {snap.skipped_steps})")
+    print(
+        f"steps: {args.steps}, skipped steps: torch {sum(t_skipped)}, roundpipe {sum(r_skipped)} "
+        f"(roundpipe's own count: {snap.skipped_steps})"
+    )
     print(f"final scale: torch {t_scales[-1]:g}, roundpipe {r_scales[-1]:g}")
     print(f"train accuracy: torch {t_acc:.3f}, roundpipe {r_acc:.3f}")
     print(f"same scale sequence: {t_scales == r_scales}")

@@ -44,6 +44,7 @@ VOCAB = 256  # bytes
 
 # -- data -------------------------------------------------------------------------------------
 
+
 def load_corpus(max_bytes):
     """The first ``max_bytes`` bytes of the standard library's top-level ``*.py`` files, in
     sorted order, so every machine with the same Python reads the same text."""
@@ -68,6 +69,7 @@ def sample_batch(tokens, batch_size, context, generator):
 
 
 # -- model: an nn.Sequential of stages --------------------------------------------------------
+
 
 class Embedding(nn.Module):
     def __init__(self, dim, context, dropout):
@@ -123,8 +125,19 @@ def build_model(args):
 # -- checkpoints ------------------------------------------------------------------------------
 
 # Settings that must match between a checkpoint and the run that resumes it.
-MODEL_KEYS = ("dim", "heads", "layers", "context", "dropout", "dtype", "batch_size",
-              "num_microbatch", "lr", "corpus_bytes", "seed")
+MODEL_KEYS = (
+    "dim",
+    "heads",
+    "layers",
+    "context",
+    "dropout",
+    "dtype",
+    "batch_size",
+    "num_microbatch",
+    "lr",
+    "corpus_bytes",
+    "seed",
+)
 
 
 def save_checkpoint(path, iteration, args, model, opt, scaler, data_gen):
@@ -132,8 +145,8 @@ def save_checkpoint(path, iteration, args, model, opt, scaler, data_gen):
     state = {
         "iteration": iteration,
         "config": {k: getattr(args, k) for k in MODEL_KEYS},
-        "model": model.state_dict(),                # low-precision params the next iteration uses
-        "masters": model.master_state_dict(),       # fp32 masters after the newest step (waits)
+        "model": model.state_dict(),  # low-precision params the next iteration uses
+        "masters": model.master_state_dict(),  # fp32 masters after the newest step (waits)
         "optimizer": opt.state_dict(),
         "scaler": scaler.state_dict(),
         "rng": {"torch": torch.get_rng_state(), "data": data_gen.get_state()},
@@ -145,9 +158,11 @@ def load_checkpoint(path, args, model, opt, scaler, data_gen):
     state = torch.load(path, weights_only=True)
     config = {k: getattr(args, k) for k in MODEL_KEYS}
     if state["config"] != config:
-        diff = {k: (state["config"].get(k), v) for k, v in config.items() if state["config"].get(k) != v}
+        diff = {
+            k: (state["config"].get(k), v) for k, v in config.items() if state["config"].get(k) != v
+        }
         raise SystemExit(f"{path} was saved with other settings (checkpoint, now): {diff}")
-    model.load_state_dict(state["model"])          # the model's params, then ...
+    model.load_state_dict(state["model"])  # the model's params, then ...
     model.load_master_state_dict(state["masters"])  # ... the masters, which differ from them
     opt.load_state_dict(state["optimizer"])
     scaler.load_state_dict(state["scaler"])
@@ -166,6 +181,7 @@ def params_digest(model):
 
 
 # -- evaluation and sampling ------------------------------------------------------------------
+
 
 @torch.no_grad()
 def evaluate(model, tokens, args, dtype):
@@ -188,7 +204,7 @@ def sample(seq_model, prompt, length, args):
     seq_model.eval()
     try:
         for _ in range(length):
-            logits = seq_model(idx[:, -args.context:])[0, -1].float()
+            logits = seq_model(idx[:, -args.context :])[0, -1].float()
             probs = torch.softmax(logits / 0.8, dim=-1)
             nxt = torch.multinomial(probs, 1, generator=gen)
             idx = torch.cat([idx, nxt[None]], dim=1)
@@ -199,25 +215,71 @@ def sample(seq_model, prompt, length, args):
 
 # -- main -------------------------------------------------------------------------------------
 
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=300, help="train until this iteration (total, counting a resumed run's earlier steps)")
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=300,
+        help="train until this iteration (total, counting a resumed run's earlier steps)",
+    )
     parser.add_argument("--save", metavar="PATH", help="save a checkpoint after the last step")
     parser.add_argument("--resume", metavar="PATH", help="continue from a checkpoint")
     parser.add_argument("--dim", type=int, default=64, help="model width (default 64)")
-    parser.add_argument("--heads", type=int, default=4, help="attention heads per block (default 4)")
-    parser.add_argument("--layers", type=int, default=2, help="transformer blocks, one stage each (default 2)")
-    parser.add_argument("--context", type=int, default=64, help="tokens (bytes) per training sequence (default 64)")
-    parser.add_argument("--dropout", type=float, default=0.1, help="dropout probability (default 0.1)")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp16", help="the stages' low-precision dtype (default fp16)")
-    parser.add_argument("--batch-size", type=int, default=16, help="sequences per iteration (default 16)")
-    parser.add_argument("--num-microbatch", type=int, default=2, help="microbatches each batch is split into (default 2)")
-    parser.add_argument("--lr", type=float, default=3e-3, help="AdamW's learning rate (default 3e-3)")
-    parser.add_argument("--corpus-bytes", type=int, default=2_000_000, help="bytes of standard-library source to train on (default 2000000)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the model, the data order and dropout")
-    parser.add_argument("--devices", default=None, help="device pool, e.g. cpu:2 (default: ROUNDPIPE_DEVICES, else all CUDA devices, else one CPU worker)")
-    parser.add_argument("--print-every", type=int, default=25, help="print the loss every N iterations (1: every iteration, exactly)")
-    parser.add_argument("--sample", type=int, default=120, help="bytes of text to sample at the end (0: none)")
+    parser.add_argument(
+        "--heads", type=int, default=4, help="attention heads per block (default 4)"
+    )
+    parser.add_argument(
+        "--layers", type=int, default=2, help="transformer blocks, one stage each (default 2)"
+    )
+    parser.add_argument(
+        "--context", type=int, default=64, help="tokens (bytes) per training sequence (default 64)"
+    )
+    parser.add_argument(
+        "--dropout", type=float, default=0.1, help="dropout probability (default 0.1)"
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=sorted(DTYPES),
+        default="fp16",
+        help="the stages' low-precision dtype (default fp16)",
+    )
+    parser.add_argument(
+        "--batch-size", type=int, default=16, help="sequences per iteration (default 16)"
+    )
+    parser.add_argument(
+        "--num-microbatch",
+        type=int,
+        default=2,
+        help="microbatches each batch is split into (default 2)",
+    )
+    parser.add_argument(
+        "--lr", type=float, default=3e-3, help="AdamW's learning rate (default 3e-3)"
+    )
+    parser.add_argument(
+        "--corpus-bytes",
+        type=int,
+        default=2_000_000,
+        help="bytes of standard-library source to train on (default 2000000)",
+    )
+    parser.add_argument(
+        "--seed", type=int, default=0, help="seed of the model, the data order and dropout"
+    )
+    parser.add_argument(
+        "--devices",
+        default=None,
+        help="device pool, e.g. cpu:2 (default: ROUNDPIPE_DEVICES, else all CUDA devices, else one CPU worker)",
+    )
+    parser.add_argument(
+        "--print-every",
+        type=int,
+        default=25,
+        help="print the loss every N iterations (1: every iteration, exactly)",
+    )
+    parser.add_argument(
+        "--sample", type=int, default=120, help="bytes of text to sample at the end (0: none)"
+    )
     args = parser.parse_args()
 
     dtype = DTYPES[args.dtype]
@@ -228,8 +290,12 @@ def main():
     torch.manual_seed(args.seed)
     seq_model = build_model(args).to(dtype)
     num_mb = args.num_microbatch
-    model = RoundPipe(seq_model, optim_dtype=torch.float32, devices=args.devices,
-                      model_run_config=RoundPipeRunConfig(num_microbatch=num_mb))
+    model = RoundPipe(
+        seq_model,
+        optim_dtype=torch.float32,
+        devices=args.devices,
+        model_run_config=RoundPipeRunConfig(num_microbatch=num_mb),
+    )
     with OptimizerCtx():
         opt = roundpipe.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     scaler = GradScaler()
@@ -238,25 +304,35 @@ def main():
     if args.resume:
         start = load_checkpoint(args.resume, args, model, opt, scaler, data_gen)
         if args.steps < start:
-            parser.error(f"--steps {args.steps} is below the iteration {start} of {args.resume}: "
-                         f"--steps is the iteration to train until, counting the checkpoint's "
-                         f"(--steps {start + args.steps} trains {args.steps} more)")
+            parser.error(
+                f"--steps {args.steps} is below the iteration {start} of {args.resume}: "
+                f"--steps is the iteration to train until, counting the checkpoint's "
+                f"(--steps {start + args.steps} trains {args.steps} more)"
+            )
         if args.steps == start:
-            print(f"{args.resume} is already at iteration {start} = --steps: nothing to train "
-                  f"(a larger --steps continues)")
+            print(
+                f"{args.resume} is already at iteration {start} = --steps: nothing to train "
+                f"(a larger --steps continues)"
+            )
     n_params = sum(p.numel() for p in model.optim_parameters())
-    print(f"roundpipe {roundpipe.__version__}: {n_params / 1e6:.2f}M params ({args.dtype} shards, fp32 "
-          f"masters), {len(tokens) / 1e6:.1f} MB of {stdlib}, iterations {start}..{args.steps}")
+    print(
+        f"roundpipe {roundpipe.__version__}: {n_params / 1e6:.2f}M params ({args.dtype} shards, fp32 "
+        f"masters), {len(tokens) / 1e6:.1f} MB of {stdlib}, iterations {start}..{args.steps}"
+    )
 
     def loss_fn(logits, target):  # per microbatch, on a device worker
         loss = F.cross_entropy(logits.float().reshape(-1, VOCAB), target.reshape(-1))
         return scaler.scale(loss) / num_mb
 
-    bar = tqdm(range(start, args.steps), desc="training", unit="step", initial=start, total=args.steps)
+    bar = tqdm(
+        range(start, args.steps), desc="training", unit="step", initial=start, total=args.steps
+    )
     for it in bar:
         x, y = sample_batch(train_tokens, args.batch_size, args.context, data_gen)
         loss = model.forward_backward(input_args=(x,), label=y, loss_fn=loss_fn)
-        value = loss.item() / scaler.get_scale()  # the loss is on the CPU; get_scale(): this iteration's
+        value = (
+            loss.item() / scaler.get_scale()
+        )  # the loss is on the CPU; get_scale(): this iteration's
         if (it + 1) % args.print_every == 0 or it == args.steps - 1:
             # float.hex: the exact value, so two runs can be compared bit for bit.
             tqdm.write(f"iteration {it} loss {value:.4f} {value.hex()}")

@@ -6,17 +6,33 @@ the optimizer updates live in host memory; microbatches flow through the stages 
 thread. See README.md and docs/.
 """
 
-from roundpipe import distributed
-from roundpipe import optim_thread
-from roundpipe import optim
+from roundpipe import distributed, optim, optim_thread
 from roundpipe.context import WithContext
-from roundpipe.layer_costs import measure_layer_costs
 from roundpipe.grad_scaler import GradScaler, ScaleCollapseWarning, ScalerSnapshot
-from roundpipe.monitor import TrainingHistory, TrainingMonitor
+from roundpipe.layer_costs import measure_layer_costs
 from roundpipe.microbatch import MicrobatchInfo
-from roundpipe.runtime import OptimizerCtx, RoundPipe, RoundPipeRunConfig, UnevenMicrobatchWarning
+from roundpipe.monitor import TrainingHistory, TrainingMonitor
 from roundpipe.plan import stages_by_size
+from roundpipe.runtime import OptimizerCtx, RoundPipe, RoundPipeRunConfig, UnevenMicrobatchWarning
 
 __version__ = "0.1.0"
 
-__all__ = ["RoundPipe", "RoundPipeRunConfig", "OptimizerCtx", "stages_by_size", "WithContext", "MicrobatchInfo", "UnevenMicrobatchWarning", "measure_layer_costs", "GradScaler", "ScaleCollapseWarning", "ScalerSnapshot", "TrainingHistory", "TrainingMonitor", "distributed", "optim", "optim_thread", "__version__"]
+__all__ = [
+    "RoundPipe",
+    "RoundPipeRunConfig",
+    "OptimizerCtx",
+    "stages_by_size",
+    "WithContext",
+    "MicrobatchInfo",
+    "UnevenMicrobatchWarning",
+    "measure_layer_costs",
+    "GradScaler",
+    "ScaleCollapseWarning",
+    "ScalerSnapshot",
+    "TrainingHistory",
+    "TrainingMonitor",
+    "distributed",
+    "optim",
+    "optim_thread",
+    "__version__",
+]

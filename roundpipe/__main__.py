@@ -20,7 +20,7 @@ import platform
 import sys
 import time
 import traceback
-from typing import Callable, List, Optional, Tuple
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -30,7 +30,7 @@ import roundpipe
 from roundpipe import GradScaler, OptimizerCtx, RoundPipe, RoundPipeRunConfig, optim_thread
 from roundpipe.devices import ENV_VAR, resolve_devices
 
-__all__: List[str] = []
+__all__: list[str] = []
 
 _DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -39,7 +39,7 @@ class _SelfCheckError(Exception):
     """Raised on purpose inside a step, to check that it reaches the main thread."""
 
 
-def _make_data(n: int, seed: int) -> Tuple[torch.Tensor, torch.Tensor]:
+def _make_data(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Four overlapping Gaussian blobs in 16 dimensions: quick to learn, not trivially."""
     gen = torch.Generator().manual_seed(seed)
     centers = torch.randn(4, 16, generator=gen) * 0.7
@@ -48,7 +48,7 @@ def _make_data(n: int, seed: int) -> Tuple[torch.Tensor, torch.Tensor]:
     return x, y
 
 
-def _describe_environment(devices: Optional[str]) -> List[str]:
+def _describe_environment(devices: str | None) -> list[str]:
     lines = [
         f"roundpipe {roundpipe.__version__} ({os.path.dirname(roundpipe.__file__)})",
         f"torch {torch.__version__}, Python {platform.python_version()}, {platform.system()} "
@@ -59,8 +59,13 @@ def _describe_environment(devices: Optional[str]) -> List[str]:
         lines.append(f"CUDA {torch.version.cuda}: {names}")
     else:
         lines.append("CUDA: not available")
-    source = ("--devices" if devices is not None else
-              f"${ENV_VAR}" if os.environ.get(ENV_VAR, "").strip() else "default")
+    source = (
+        "--devices"
+        if devices is not None
+        else f"${ENV_VAR}"
+        if os.environ.get(ENV_VAR, "").strip()
+        else "default"
+    )
     pool = resolve_devices(devices)
     lines.append(f"device pool ({source}): {', '.join(str(d) for d in pool)}")
     return lines
@@ -68,33 +73,39 @@ def _describe_environment(devices: Optional[str]) -> List[str]:
 
 class _Checks:
     def __init__(self) -> None:
-        self.results: List[Tuple[bool, str]] = []
+        self.results: list[tuple[bool, str]] = []
 
     def check(self, ok: bool, what: str) -> None:
         self.results.append((bool(ok), what))
         print(f"  [{'ok' if ok else 'FAIL'}] {what}", flush=True)
 
     @property
-    def failures(self) -> List[str]:
+    def failures(self) -> list[str]:
         return [what for ok, what in self.results if not ok]
 
 
-def _self_check(iterations: int, dtype: torch.dtype, devices: Optional[str],
-                progress: Callable[[int], None]) -> _Checks:
+def _self_check(
+    iterations: int, dtype: torch.dtype, devices: str | None, progress: Callable[[int], None]
+) -> _Checks:
     checks = _Checks()
     torch.manual_seed(0)
     x_all, y_all = _make_data(4096, seed=1)
     num_mb, batch = 4, 64
-    seq_model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(),
-                              nn.Linear(64, 4)).to(dtype)
+    seq_model = nn.Sequential(
+        nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4)
+    ).to(dtype)
     user_params = list(seq_model.parameters())
-    model = RoundPipe(seq_model, optim_dtype=torch.float32, devices=devices,
-                      model_run_config=RoundPipeRunConfig(num_microbatch=num_mb))
+    model = RoundPipe(
+        seq_model,
+        optim_dtype=torch.float32,
+        devices=devices,
+        model_run_config=RoundPipeRunConfig(num_microbatch=num_mb),
+    )
     with OptimizerCtx():
         opt = roundpipe.optim.Adam(model.parameters(), lr=1e-2)
     scaler = GradScaler()
     initial = [m.detach().clone() for m in model.optim_parameters()]
-    where_steps_ran: List[bool] = []
+    where_steps_ran: list[bool] = []
 
     def loss_fn(out: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
         return scaler.scale(F.cross_entropy(out.float(), label)) / num_mb
@@ -105,11 +116,12 @@ def _self_check(iterations: int, dtype: torch.dtype, devices: Optional[str],
         opt.zero_grad()
 
     gen = torch.Generator().manual_seed(2)
-    losses: List[float] = []
+    losses: list[float] = []
     for it in range(iterations):
         idx = torch.randint(0, len(x_all), (batch,), generator=gen)
-        loss = model.forward_backward(input_args=(x_all[idx].to(dtype),), label=y_all[idx],
-                                      loss_fn=loss_fn)
+        loss = model.forward_backward(
+            input_args=(x_all[idx].to(dtype),), label=y_all[idx], loss_fn=loss_fn
+        )
         losses.append(loss.item() / scaler.get_scale())
         model.step(step_fn)
         scaler.update()
@@ -118,25 +130,38 @@ def _self_check(iterations: int, dtype: torch.dtype, devices: Optional[str],
 
     k = max(iterations // 10, 3)
     first, last = sum(losses[:k]) / k, sum(losses[-k:]) / k
-    checks.check(all(math.isfinite(v) for v in losses[:k] + losses[-k:]),
-                 "the loss is finite")
-    checks.check(last < 0.5 * first,
-                 f"the loss went down: {first:.3f} (first {k} iterations) -> {last:.3f} (last {k})")
-    checks.check(len(where_steps_ran) == iterations and all(where_steps_ran),
-                 f"all {iterations} steps ran on the optimizer thread")
+    checks.check(all(math.isfinite(v) for v in losses[:k] + losses[-k:]), "the loss is finite")
+    checks.check(
+        last < 0.5 * first,
+        f"the loss went down: {first:.3f} (first {k} iterations) -> {last:.3f} (last {k})",
+    )
+    checks.check(
+        len(where_steps_ran) == iterations and all(where_steps_ran),
+        f"all {iterations} steps ran on the optimizer thread",
+    )
     masters = list(model.optim_parameters())
-    checks.check(all(m.dtype == torch.float32 for m in masters)
-                 and all(p.dtype == dtype for p in user_params),
-                 f"masters are fp32, the model's parameters {str(dtype).replace('torch.', '')}")
+    checks.check(
+        all(m.dtype == torch.float32 for m in masters)
+        and all(p.dtype == dtype for p in user_params),
+        f"masters are fp32, the model's parameters {str(dtype).replace('torch.', '')}",
+    )
     changed = sum(not torch.equal(a, b) for a, b in zip(initial, masters))
-    checks.check(changed == len(masters), f"the optimizer changed {changed}/{len(masters)} master tensors")
-    checks.check(all(torch.equal(p, m.to(dtype)) for p, m in zip(user_params, masters)),
-                 "after synchronize() the model's own parameters hold the newest masters")
+    checks.check(
+        changed == len(masters), f"the optimizer changed {changed}/{len(masters)} master tensors"
+    )
+    checks.check(
+        all(torch.equal(p, m.to(dtype)) for p, m in zip(user_params, masters)),
+        "after synchronize() the model's own parameters hold the newest masters",
+    )
     snap = scaler.snapshot()
     scale = scaler.get_scale(up_to_date=True)
-    checks.check(math.isfinite(scale) and 1.0 <= scale <= 2.0**24 and snap.steps == iterations
-                 and snap.skipped_steps <= max(2, iterations // 10),
-                 f"the loss scale is sane: {scale:g}, {snap.skipped_steps} of {snap.steps} steps skipped")
+    checks.check(
+        math.isfinite(scale)
+        and 1.0 <= scale <= 2.0**24
+        and snap.steps == iterations
+        and snap.skipped_steps <= max(2, iterations // 10),
+        f"the loss scale is sane: {scale:g}, {snap.skipped_steps} of {snap.steps} steps skipped",
+    )
 
     # An exception inside a step must come back to the main thread, as its own type, and leave
     # the model usable.
@@ -147,16 +172,19 @@ def _self_check(iterations: int, dtype: torch.dtype, devices: Optional[str],
         raise _SelfCheckError("raised on purpose by the self-check")
 
     model.step(failing_step)
-    reported: Optional[BaseException] = None
+    reported: BaseException | None = None
     try:
         scaler.update()
         model.synchronize()
     except _SelfCheckError as exc:
         reported = exc
-    checks.check(reported is not None, "an exception raised inside a step is re-raised on the main "
-                 "thread as its own type")
-    loss = model.forward_backward(input_args=(x_all[idx].to(dtype),), label=y_all[idx],
-                                  loss_fn=loss_fn)
+    checks.check(
+        reported is not None,
+        "an exception raised inside a step is re-raised on the main thread as its own type",
+    )
+    loss = model.forward_backward(
+        input_args=(x_all[idx].to(dtype),), label=y_all[idx], loss_fn=loss_fn
+    )
     model.step(step_fn)
     scaler.update()
     model.synchronize()
@@ -164,15 +192,24 @@ def _self_check(iterations: int, dtype: torch.dtype, devices: Optional[str],
     return checks
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m roundpipe",
         description="Print the versions and the device pool, then run a short self-check "
-                    "training loop and say whether it PASSED (exit code 0) or FAILED (exit code "
-                    "1), and why.")
-    parser.add_argument("--quick", action="store_true", help="a short check (a few seconds), for the test suite")
-    parser.add_argument("--devices", default=None, help=f"device pool (default: ${ENV_VAR}, else every CUDA device, else one CPU worker)")
-    parser.add_argument("--dtype", choices=sorted(_DTYPES), default="fp16", help="the model's low-precision dtype")
+        "training loop and say whether it PASSED (exit code 0) or FAILED (exit code "
+        "1), and why.",
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="a short check (a few seconds), for the test suite"
+    )
+    parser.add_argument(
+        "--devices",
+        default=None,
+        help=f"device pool (default: ${ENV_VAR}, else every CUDA device, else one CPU worker)",
+    )
+    parser.add_argument(
+        "--dtype", choices=sorted(_DTYPES), default="fp16", help="the model's low-precision dtype"
+    )
     args = parser.parse_args(argv)
 
     try:
@@ -183,8 +220,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 1
 
     iterations = 40 if args.quick else 400
-    print(f"self-check: {iterations} iterations, {args.dtype} shards, fp32 Adam masters, GradScaler, async step",
-          flush=True)
+    print(
+        f"self-check: {iterations} iterations, {args.dtype} shards, fp32 Adam masters, GradScaler, async step",
+        flush=True,
+    )
     start = time.perf_counter()
     step_every = max(iterations // 20, 1)
 

@@ -30,8 +30,12 @@ class AutocastState:
 
 def capture_autocast(device_type: str) -> AutocastState:
     """The calling thread's autocast state for ``device_type``. Never blocks."""
-    return AutocastState(device_type, torch.is_autocast_enabled(device_type),
-                         torch.get_autocast_dtype(device_type), torch.is_autocast_cache_enabled())
+    return AutocastState(
+        device_type,
+        torch.is_autocast_enabled(device_type),
+        torch.get_autocast_dtype(device_type),
+        torch.is_autocast_cache_enabled(),
+    )
 
 
 def resolve_autocast(setting: Any, device_type: str) -> AutocastState:
@@ -44,8 +48,9 @@ def resolve_autocast(setting: Any, device_type: str) -> AutocastState:
         return dataclasses.replace(caller, enabled=False)
     if isinstance(setting, torch.dtype):
         return dataclasses.replace(caller, enabled=True, dtype=setting)
-    raise ValueError(f"autocast must be None (the caller's state), False or a torch.dtype, "
-                     f"got {setting!r}")
+    raise ValueError(
+        f"autocast must be None (the caller's state), False or a torch.dtype, got {setting!r}"
+    )
 
 
 def autocast_context(state: AutocastState) -> contextlib.AbstractContextManager:
@@ -55,5 +60,6 @@ def autocast_context(state: AutocastState) -> contextlib.AbstractContextManager:
         if not torch.is_autocast_enabled(state.device_type):
             return contextlib.nullcontext()
         return torch.autocast(state.device_type, enabled=False)
-    return torch.autocast(state.device_type, dtype=state.dtype, enabled=True,
-                          cache_enabled=state.cache_enabled)
+    return torch.autocast(
+        state.device_type, dtype=state.dtype, enabled=True, cache_enabled=state.cache_enabled
+    )

@@ -27,7 +27,8 @@ import os
 import sys
 import threading
 import weakref
-from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Union
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -36,8 +37,14 @@ from torch.utils import _pytree as pytree
 from roundpipe import optim_thread
 from roundpipe.main_thread import check_main_thread
 
-__all__ = ["DataParallel", "DataParallelError", "Bucket", "init_process_group", "plan_buckets",
-           "shard"]
+__all__ = [
+    "DataParallel",
+    "DataParallelError",
+    "Bucket",
+    "init_process_group",
+    "plan_buckets",
+    "shard",
+]
 
 
 # [Note: data-parallel step]
@@ -65,7 +72,7 @@ __all__ = ["DataParallel", "DataParallelError", "Bucket", "init_process_group", 
 
 
 # The models a DataParallel is attached to (main thread).
-_ATTACHED: "weakref.WeakSet[Any]" = weakref.WeakSet()
+_ATTACHED: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
 class DataParallelError(RuntimeError):
@@ -77,28 +84,36 @@ class DataParallelError(RuntimeError):
 _DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
 
 
-def _as_timedelta(timeout: Union[float, datetime.timedelta]) -> datetime.timedelta:
+def _as_timedelta(timeout: float | datetime.timedelta) -> datetime.timedelta:
     if isinstance(timeout, datetime.timedelta):
         seconds = timeout.total_seconds()
     elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
         seconds = float(timeout)
     else:
-        raise ValueError(f"timeout must be seconds (a number) or a datetime.timedelta, got {timeout!r}")
+        raise ValueError(
+            f"timeout must be seconds (a number) or a datetime.timedelta, got {timeout!r}"
+        )
     if not seconds > 0:
-        raise ValueError(f"timeout must be > 0 seconds (a collective that waits forever turns a "
-                         f"failed rank into a hang), got {seconds}")
+        raise ValueError(
+            f"timeout must be > 0 seconds (a collective that waits forever turns a "
+            f"failed rank into a hang), got {seconds}"
+        )
     return datetime.timedelta(seconds=seconds)
 
 
 def _require_distributed() -> None:
     if not dist.is_available():
-        raise RuntimeError("this build of torch has no torch.distributed; install a torch build "
-                           "with distributed support to use roundpipe.distributed")
+        raise RuntimeError(
+            "this build of torch has no torch.distributed; install a torch build "
+            "with distributed support to use roundpipe.distributed"
+        )
 
 
-def init_process_group(backend: Optional[str] = None,
-                       timeout: Union[float, datetime.timedelta] = _DEFAULT_TIMEOUT,
-                       **kwargs: Any) -> None:
+def init_process_group(
+    backend: str | None = None,
+    timeout: float | datetime.timedelta = _DEFAULT_TIMEOUT,
+    **kwargs: Any,
+) -> None:
     """``torch.distributed.init_process_group`` with roundpipe's defaults.
 
     ``backend`` None: ``"cpu:gloo,cuda:nccl"`` when CUDA is available, else ``"gloo"``.
@@ -112,9 +127,11 @@ def init_process_group(backend: Optional[str] = None,
     """
     _require_distributed()
     if dist.is_initialized():
-        raise RuntimeError("torch.distributed is already initialized; call "
-                           "roundpipe.distributed.init_process_group() once per process, or skip "
-                           "it and pass your own group to DataParallel(process_group=...)")
+        raise RuntimeError(
+            "torch.distributed is already initialized; call "
+            "roundpipe.distributed.init_process_group() once per process, or skip "
+            "it and pass your own group to DataParallel(process_group=...)"
+        )
     if kwargs.get("init_method") in (None, "env://") and kwargs.get("store") is None:
         missing = [v for v in _TORCHRUN_VARS if v not in os.environ and v.lower() not in kwargs]
         if missing:
@@ -122,7 +139,8 @@ def init_process_group(backend: Optional[str] = None,
                 f"roundpipe.distributed.init_process_group() found no torchrun environment "
                 f"({', '.join(missing)} not set): launch the script with torchrun, e.g. "
                 f"`torchrun --standalone --nproc-per-node 2 {_script_name()}`, or pass rank=, "
-                f"world_size= and init_method= (or store=) yourself")
+                f"world_size= and init_method= (or store=) yourself"
+            )
     if backend is None:
         backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
     dist.init_process_group(backend=backend, timeout=_as_timedelta(timeout), **kwargs)
@@ -138,7 +156,7 @@ def _script_name() -> str:
     return os.path.relpath(path) if path else "your_script.py"
 
 
-def shard(batch: Any, process_group: Optional[Any] = None) -> Any:
+def shard(batch: Any, process_group: Any | None = None) -> Any:
     """This rank's part of a global batch: every tensor in ``batch`` (a tensor or a pytree of
     them) is split along dim 0 into world-size equal parts, and the part of this rank's index is
     returned (a view). The sizes must divide evenly, so that every rank's mean loss weighs its
@@ -153,19 +171,21 @@ def shard(batch: Any, process_group: Optional[Any] = None) -> Any:
             raise ValueError(
                 f"shard(): a global batch of {tuple(x.shape)} does not split evenly over "
                 f"{world} ranks along dim 0; use a global batch size that is a multiple of the "
-                f"world size (or a DistributedSampler with drop_last=True)")
+                f"world size (or a DistributedSampler with drop_last=True)"
+            )
         n = x.shape[0] // world
-        return x[rank * n:(rank + 1) * n]
+        return x[rank * n : (rank + 1) * n]
 
     return pytree.tree_map(part, batch)
 
 
-def _rank_and_world(process_group: Optional[Any]) -> Tuple[int, int]:
+def _rank_and_world(process_group: Any | None) -> tuple[int, int]:
     _require_distributed()
     if not dist.is_initialized():
         raise RuntimeError(
             "torch.distributed is not initialized: call roundpipe.distributed."
-            "init_process_group() first (and launch one process per rank, e.g. with torchrun)")
+            "init_process_group() first (and launch one process per rank, e.g. with torchrun)"
+        )
     return dist.get_rank(process_group), dist.get_world_size(process_group)
 
 
@@ -178,10 +198,10 @@ class Bucket:
     ``offsets[i] : offsets[i] + numels[i]``; ``index[i]`` is its position in the planned list."""
 
     dtype: torch.dtype
-    names: Tuple[str, ...]
-    index: Tuple[int, ...]
-    offsets: Tuple[int, ...]
-    numels: Tuple[int, ...]
+    names: tuple[str, ...]
+    index: tuple[int, ...]
+    offsets: tuple[int, ...]
+    numels: tuple[int, ...]
 
     @property
     def numel(self) -> int:
@@ -193,15 +213,14 @@ class Bucket:
         return f"Bucket({str(self.dtype).replace('torch.', '')}, {size} bytes: {', '.join(self.names)})"
 
 
-def plan_buckets(named_tensors: Iterable[Tuple[str, torch.Tensor]],
-                 cap_bytes: int) -> List[Bucket]:
+def plan_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], cap_bytes: int) -> list[Bucket]:
     """Group tensors into buckets of one dtype and at most ``cap_bytes`` each, in the given
     order (a tensor larger than the cap gets a bucket of its own). Pure function: any thread.
     """
     if not isinstance(cap_bytes, int) or isinstance(cap_bytes, bool) or cap_bytes < 1:
         raise ValueError(f"bucket cap must be a positive number of bytes, got {cap_bytes!r}")
-    done: List[Bucket] = []
-    open_: Dict[torch.dtype, List[Tuple[str, int, int]]] = {}
+    done: list[Bucket] = []
+    open_: dict[torch.dtype, list[tuple[str, int, int]]] = {}
 
     def close(dtype: torch.dtype) -> None:
         entries = open_.pop(dtype)
@@ -209,12 +228,22 @@ def plan_buckets(named_tensors: Iterable[Tuple[str, torch.Tensor]],
         for _, _, n in entries:
             offsets.append(offset)
             offset += n
-        done.append(Bucket(dtype, tuple(e[0] for e in entries), tuple(e[1] for e in entries),
-                           tuple(offsets), tuple(e[2] for e in entries)))
+        done.append(
+            Bucket(
+                dtype,
+                tuple(e[0] for e in entries),
+                tuple(e[1] for e in entries),
+                tuple(offsets),
+                tuple(e[2] for e in entries),
+            )
+        )
 
     for i, (name, t) in enumerate(named_tensors):
         entries = open_.get(t.dtype)
-        if entries is not None and (sum(e[2] for e in entries) + t.numel()) * t.element_size() > cap_bytes:
+        if (
+            entries is not None
+            and (sum(e[2] for e in entries) + t.numel()) * t.element_size() > cap_bytes
+        ):
             close(t.dtype)
         open_.setdefault(t.dtype, []).append((name, i, t.numel()))
     for dtype in list(open_):
@@ -230,17 +259,22 @@ class _Group:
     timeout, and whether a collective failed. ``broken`` is written and read on the optimizer
     thread only."""
 
-    def __init__(self, process_group: Optional[Any], device: Optional[Any]) -> None:
+    def __init__(self, process_group: Any | None, device: Any | None) -> None:
         self.pg = process_group
         self.rank, self.world = _rank_and_world(process_group)
         self.timeout = _group_timeout(process_group)
         if device is None:
-            nccl = "cuda:nccl" in dist.get_backend_config(process_group) or \
-                dist.get_backend(process_group) == "nccl"
-            device = (torch.device("cuda", torch.cuda.current_device())
-                      if nccl and torch.cuda.is_available() else torch.device("cpu"))
+            nccl = (
+                "cuda:nccl" in dist.get_backend_config(process_group)
+                or dist.get_backend(process_group) == "nccl"
+            )
+            device = (
+                torch.device("cuda", torch.cuda.current_device())
+                if nccl and torch.cuda.is_available()
+                else torch.device("cpu")
+            )
         self.device = torch.device(device)
-        self.broken: Optional[str] = None
+        self.broken: str | None = None
 
     def where(self) -> str:
         return f"[roundpipe data parallel, rank {self.rank} of {self.world}]"
@@ -256,7 +290,8 @@ class _Group:
             raise DataParallelError(
                 f"{self.where()} {what} was not attempted: an earlier collective failed "
                 f"({self.broken}), so the ranks are no longer in step. Restart every rank from "
-                f"the last checkpoint (torchrun restarts them with --max-restarts)")
+                f"the last checkpoint (torchrun restarts them with --max-restarts)"
+            )
 
     def failed(self, what: str, exc: BaseException) -> DataParallelError:
         first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
@@ -266,7 +301,8 @@ class _Group:
             f"exception, a killed process) or did not reach the same collective within the "
             f"process group's timeout of {self.timeout.total_seconds():g} s; every rank must run "
             f"the same loop (the same forward_backward/step calls). The process group cannot be "
-            f"used any more: save a checkpoint if you need one, then restart every rank")
+            f"used any more: save a checkpoint if you need one, then restart every rank"
+        )
 
     def all_reduce(self, t: torch.Tensor, op: Any = None) -> Any:
         return dist.all_reduce(t, op=op or dist.ReduceOp.SUM, group=self.pg, async_op=True)
@@ -284,7 +320,7 @@ class _Group:
         return hi == -neg_lo
 
 
-def _group_timeout(process_group: Optional[Any]) -> datetime.timedelta:
+def _group_timeout(process_group: Any | None) -> datetime.timedelta:
     group = process_group if process_group is not None else dist.group.WORLD
     if group is None:
         return _DEFAULT_TIMEOUT
@@ -313,11 +349,11 @@ def _wait_result(item: Any) -> Any:
 # The data-parallel group of this process, shared by every DataParallel and GradScaler in it.
 # Written on the main thread (DataParallel construction and close), read on the optimizer thread.
 _ACTIVE_LOCK = threading.Lock()
-_ACTIVE: Optional[_Group] = None
+_ACTIVE: _Group | None = None
 _ACTIVE_USERS = 0
 
 
-def _activate(process_group: Optional[Any], device: Optional[Any]) -> _Group:
+def _activate(process_group: Any | None, device: Any | None) -> _Group:
     global _ACTIVE, _ACTIVE_USERS
     with _ACTIVE_LOCK:
         if _ACTIVE is not None:
@@ -325,7 +361,8 @@ def _activate(process_group: Optional[Any], device: Optional[Any]) -> _Group:
                 raise RuntimeError(
                     "another DataParallel in this process uses a different process group; one "
                     "data-parallel group per process (GradScaler agrees over it): pass the same "
-                    "process_group, or close() the other DataParallel first")
+                    "process_group, or close() the other DataParallel first"
+                )
         else:
             _ACTIVE = _Group(process_group, device)
         _ACTIVE_USERS += 1
@@ -340,8 +377,9 @@ def _deactivate() -> None:
             _ACTIVE = None
 
 
-def agree_found_inf(found_per_device: Dict[torch.device, torch.Tensor],
-                    like: torch.Tensor) -> Dict[torch.device, torch.Tensor]:
+def agree_found_inf(
+    found_per_device: dict[torch.device, torch.Tensor], like: torch.Tensor
+) -> dict[torch.device, torch.Tensor]:
     """GradScaler's hook (see [Note: data-parallel step] (c)): with data parallelism on, the
     per-device inf/NaN flags become one flag, the MAX over devices and ranks, on ``like``'s
     device; without it they are returned unchanged. Thread that runs the scaler's back side;
@@ -395,19 +433,28 @@ class DataParallel:
     set in ``__init__``; the optimizer thread touches the buffers and step counter.
     """
 
-    def __init__(self, model: Any, process_group: Optional[Any] = None,
-                 bucket_cap_mb: float = 25.0, buckets_in_flight: int = 2,
-                 device: Optional[Any] = None) -> None:
+    def __init__(
+        self,
+        model: Any,
+        process_group: Any | None = None,
+        bucket_cap_mb: float = 25.0,
+        buckets_in_flight: int = 2,
+        device: Any | None = None,
+    ) -> None:
         check_main_thread("DataParallel", owner="roundpipe.distributed")
         if not callable(getattr(model, "register_step_pre_hook", None)):
-            raise TypeError(f"DataParallel attaches to a roundpipe.RoundPipe, got "
-                            f"{type(model).__name__}")
+            raise TypeError(
+                f"DataParallel attaches to a roundpipe.RoundPipe, got {type(model).__name__}"
+            )
         if model in _ATTACHED:
             raise RuntimeError("this RoundPipe already has a DataParallel; close() it first")
         if not (isinstance(bucket_cap_mb, (int, float)) and bucket_cap_mb > 0):
             raise ValueError(f"bucket_cap_mb must be a number > 0, got {bucket_cap_mb!r}")
-        if not isinstance(buckets_in_flight, int) or isinstance(buckets_in_flight, bool) \
-                or buckets_in_flight < 1:
+        if (
+            not isinstance(buckets_in_flight, int)
+            or isinstance(buckets_in_flight, bool)
+            or buckets_in_flight < 1
+        ):
             raise ValueError(f"buckets_in_flight must be an int >= 1, got {buckets_in_flight!r}")
         # Steps already launched run without data parallelism: let them finish before the
         # optimizer thread can see the group (its scaler check would otherwise issue a
@@ -419,7 +466,7 @@ class DataParallel:
         self._cap = max(1, int(bucket_cap_mb * 2**20))
         self._buckets = plan_buckets(model.optim_named_parameters(), self._cap)
         self._in_flight = buckets_in_flight
-        self._rings: Dict[torch.dtype, List[torch.Tensor]] = {}
+        self._rings: dict[torch.dtype, list[torch.Tensor]] = {}
         self._steps = 0
         self._closed = False
         try:
@@ -441,7 +488,7 @@ class DataParallel:
         return self._group.world
 
     @property
-    def buckets(self) -> List[Bucket]:
+    def buckets(self) -> list[Bucket]:
         """The gradient buckets, in all-reduce order. Any thread; never blocks."""
         return list(self._buckets)
 
@@ -482,12 +529,15 @@ class DataParallel:
         """Construction, on the optimizer thread: check that every rank built the same model,
         then broadcast rank 0's state (see [Note: data-parallel step] (a))."""
         group, model = self._group, self._model
-        named = ([("master." + n, m) for n, m in model.optim_named_parameters()]
-                 + [("param." + n, p) for n, p in model.module.named_parameters()]
-                 + [("buffer." + n, b) for n, b in model.module.named_buffers()])
+        named = (
+            [("master." + n, m) for n, m in model.optim_named_parameters()]
+            + [("param." + n, p) for n, p in model.module.named_parameters()]
+            + [("buffer." + n, b) for n, b in model.module.named_buffers()]
+        )
         layout = repr([(n, tuple(t.shape), str(t.dtype)) for n, t in named] + [self._cap])
-        fingerprint = int.from_bytes(hashlib.sha256(layout.encode()).digest()[:8], "little",
-                                     signed=True) >> 1
+        fingerprint = (
+            int.from_bytes(hashlib.sha256(layout.encode()).digest()[:8], "little", signed=True) >> 1
+        )
         group.check_usable("DataParallel()")
         try:
             with group.device_scope(), torch.no_grad():
@@ -497,9 +547,12 @@ class DataParallel:
                     for bucket in plan_buckets(named, self._cap):
                         tensors = [named[i][1] for i in bucket.index]
                         flat = torch._utils._flatten_dense_tensors(
-                            [t.detach() for t in tensors]).to(group.device)
+                            [t.detach() for t in tensors]
+                        ).to(group.device)
                         group.wait(dist.broadcast(flat, src=src, group=group.pg, async_op=True))
-                        for t, v in zip(tensors, torch._utils._unflatten_dense_tensors(flat, tensors)):
+                        for t, v in zip(
+                            tensors, torch._utils._unflatten_dense_tensors(flat, tensors)
+                        ):
                             t.copy_(v)
         except Exception as exc:
             raise group.failed("DataParallel's start (model check and broadcast)", exc) from exc
@@ -507,14 +560,17 @@ class DataParallel:
             raise ValueError(
                 f"{group.where()} the ranks built different models (parameter or buffer names, "
                 f"shapes or dtypes, or bucket_cap_mb differ); every rank must build the same "
-                f"model and DataParallel")
+                f"model and DataParallel"
+            )
 
     def _ring(self, dtype: torch.dtype, slot: int) -> torch.Tensor:
         ring = self._rings.get(dtype)
         if ring is None:
             size = max(b.numel for b in self._buckets if b.dtype == dtype)
-            ring = self._rings[dtype] = [torch.empty(size, dtype=dtype, device=self._group.device)
-                                         for _ in range(self._in_flight)]
+            ring = self._rings[dtype] = [
+                torch.empty(size, dtype=dtype, device=self._group.device)
+                for _ in range(self._in_flight)
+            ]
         return ring[slot % len(ring)]
 
     def _reduce_gradients(self) -> None:
@@ -527,8 +583,10 @@ class DataParallel:
         for m in self._masters:
             # Before any collective: every rank (same model) raises here alike, still in step.
             if m.grad is not None and m.grad.layout is not torch.strided:
-                raise ValueError(f"DataParallel averages dense gradients only; a master has a "
-                                 f"{m.grad.layout} gradient")
+                raise ValueError(
+                    f"DataParallel averages dense gradients only; a master has a "
+                    f"{m.grad.layout} gradient"
+                )
         if not self._masters:
             return
         try:
@@ -539,12 +597,13 @@ class DataParallel:
 
     def _reduce(self, group: _Group) -> None:
         masters = self._masters
-        present = torch.tensor([m.grad is not None for m in masters], dtype=torch.float32,
-                               device=group.device)
+        present = torch.tensor(
+            [m.grad is not None for m in masters], dtype=torch.float32, device=group.device
+        )
         present_work = group.all_reduce(present)
-        counts: Optional[List[float]] = None
+        counts: list[float] | None = None
         in_flight: collections.deque = collections.deque()
-        used: Dict[torch.dtype, int] = collections.defaultdict(int)
+        used: dict[torch.dtype, int] = collections.defaultdict(int)
 
         def finish() -> None:
             nonlocal counts
@@ -558,7 +617,7 @@ class DataParallel:
                 master = masters[i]
                 if counts[i] == 0:
                     continue  # no rank has a gradient: it stays None, as in one process
-                value = flat[offset:offset + n].view(master.shape)
+                value = flat[offset : offset + n].view(master.shape)
                 if master.grad is None:
                     master.grad = value.to(master.device, copy=True)
                 else:
@@ -567,11 +626,11 @@ class DataParallel:
         for bucket in self._buckets:
             if len(in_flight) == self._in_flight:
                 finish()
-            flat = self._ring(bucket.dtype, used[bucket.dtype])[:bucket.numel]
+            flat = self._ring(bucket.dtype, used[bucket.dtype])[: bucket.numel]
             used[bucket.dtype] += 1
             for i, offset, n in zip(bucket.index, bucket.offsets, bucket.numels):
                 grad = masters[i].grad
-                piece = flat[offset:offset + n]
+                piece = flat[offset : offset + n]
                 if grad is None:
                     piece.zero_()
                 else:

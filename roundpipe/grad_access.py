@@ -13,7 +13,7 @@ import sys
 import threading
 import warnings
 import weakref
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 import torch
 from torch import nn
@@ -58,19 +58,22 @@ def _wait_for_launched_work(what: str) -> None:
         "step no longer overlaps the next forward_backward. Zero, clip or read the masters' "
         "gradients inside the step function instead, e.g. model.step(lambda: (opt.step(), "
         "opt.zero_grad())); see docs/threads-and-staleness.md",
-        UserWarning, stacklevel=_caller_stacklevel())
+        UserWarning,
+        stacklevel=_caller_stacklevel(),
+    )
 
 
 # Frames in these directories are skipped when a warning names where it happened: the user's
 # line is the one that called torch (opt.zero_grad(), clip_grad_norm_) or roundpipe.
-_LIBRARY_DIRS = tuple(os.path.dirname(os.path.abspath(path)) + os.sep
-                      for path in (torch.__file__, __file__))
+_LIBRARY_DIRS = tuple(
+    os.path.dirname(os.path.abspath(path)) + os.sep for path in (torch.__file__, __file__)
+)
 
 
 def _caller_stacklevel() -> int:
     """The ``stacklevel`` (for a ``warnings.warn`` in this module's helpers) that points at the
     first frame outside torch and roundpipe: the user's code that led to the ``.grad`` access."""
-    frame: Optional[Any] = sys._getframe(1)
+    frame: Any | None = sys._getframe(1)
     level = 1
     while frame is not None and frame.f_code.co_filename.startswith(_LIBRARY_DIRS):
         if frame.f_back is None:
@@ -92,13 +95,13 @@ class MasterParameter(nn.Parameter):
     """
 
     @property
-    def grad(self) -> Optional[torch.Tensor]:  # type: ignore[override]
+    def grad(self) -> torch.Tensor | None:  # type: ignore[override]
         if caller_must_wait():
             _wait_for_launched_work("read")
         return _get_grad(self)
 
     @grad.setter
-    def grad(self, value: Optional[torch.Tensor]) -> None:
+    def grad(self, value: torch.Tensor | None) -> None:
         if caller_must_wait():
             _wait_for_launched_work("set")
         _set_grad(self, value)
@@ -127,7 +130,7 @@ class MasterParameter(nn.Parameter):
 _ROUNDPIPE_PREFIX = __name__.partition(".")[0] + "."
 # id(param) -> how many live RoundPipes wrap it (a module may be wrapped again); guarded by the
 # lock. Written at wrap time and when a RoundPipe is collected.
-_WRAP_COUNTS: Dict[int, int] = {}
+_WRAP_COUNTS: dict[int, int] = {}
 _WRAP_LOCK = threading.Lock()
 
 
@@ -139,7 +142,10 @@ def _warn_none_grad() -> None:
         "does nothing. Do it inside the step function, where model.parameters() gives the "
         "masters: model.step(lambda: (scaler.unscale_(opt), torch.nn.utils.clip_grad_norm_("
         "model.parameters(), 1.0), scaler.step(opt), opt.zero_grad())); see README.md, "
-        "'Clipping and schedulers'", UserWarning, stacklevel=_caller_stacklevel())
+        "'Clipping and schedulers'",
+        UserWarning,
+        stacklevel=_caller_stacklevel(),
+    )
 
 
 class WrappedParameter(nn.Parameter):
@@ -149,29 +155,31 @@ class WrappedParameter(nn.Parameter):
     blocks. Setting and deleting ``.grad`` are torch's own."""
 
     @property
-    def grad(self) -> Optional[torch.Tensor]:  # type: ignore[override]
+    def grad(self) -> torch.Tensor | None:  # type: ignore[override]
         value = _get_grad(self)
         if value is None and not sys._getframe(1).f_globals.get("__name__", "").startswith(
-                _ROUNDPIPE_PREFIX):
+            _ROUNDPIPE_PREFIX
+        ):
             _warn_none_grad()
         return value
 
     @grad.setter
-    def grad(self, value: Optional[torch.Tensor]) -> None:
+    def grad(self, value: torch.Tensor | None) -> None:
         _set_grad(self, value)
 
     @grad.deleter
     def grad(self) -> None:
         _del_grad(self)
 
-    def __deepcopy__(self, memo: Dict[int, Any]) -> nn.Parameter:
+    def __deepcopy__(self, memo: dict[int, Any]) -> nn.Parameter:
         if id(self) not in memo:
-            memo[id(self)] = nn.Parameter(self.data.clone(memory_format=torch.preserve_format),
-                                          self.requires_grad)
+            memo[id(self)] = nn.Parameter(
+                self.data.clone(memory_format=torch.preserve_format), self.requires_grad
+            )
         return memo[id(self)]
 
 
-def guard_wrapped_params(owner: Any, params: List[nn.Parameter]) -> None:
+def guard_wrapped_params(owner: Any, params: list[nn.Parameter]) -> None:
     """Make ``params`` (the trainable parameters a RoundPipe made masters for) WrappedParameters
     while ``owner`` (what the RoundPipe keeps them in) lives; parameters of another class (a
     subclass of the user's) are left alone. Main thread, at wrap time; never blocks."""
@@ -186,7 +194,7 @@ def guard_wrapped_params(owner: Any, params: List[nn.Parameter]) -> None:
         weakref.finalize(owner, _unwrap, swapped)
 
 
-def _unwrap(params: List[nn.Parameter]) -> None:
+def _unwrap(params: list[nn.Parameter]) -> None:
     with _WRAP_LOCK:
         for p in params:
             left = _WRAP_COUNTS.pop(id(p), 1) - 1

@@ -12,15 +12,16 @@ import math
 import threading
 import warnings
 from collections import defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Iterable, Optional, Union
+from typing import Any
 
 import torch
 
 from roundpipe import distributed, optim_thread
-from roundpipe.step_context import check_optimizer_params
 from roundpipe.host_copy import HostCopy
 from roundpipe.optim_thread import on_optimizer_thread
+from roundpipe.step_context import check_optimizer_params
 
 __all__ = ["GradScaler", "OptState", "ScalerSnapshot", "ScaleCollapseWarning", "note_used_by_steps"]
 
@@ -100,11 +101,11 @@ class _Hyper:
     backoff_factor: float
     growth_interval: int
     hysteresis: int
-    min_scale: Optional[float]
-    max_scale: Optional[float]
+    min_scale: float | None
+    max_scale: float | None
 
 
-def _sum_flags(flags: Iterable[torch.Tensor], device: torch.device) -> Optional[torch.Tensor]:
+def _sum_flags(flags: Iterable[torch.Tensor], device: torch.device) -> torch.Tensor | None:
     """The sum of inf/NaN flags from several devices, on ``device`` (None: no flags), added in
     order as torch's GradScaler does."""
     total = None
@@ -142,16 +143,16 @@ class _PerOptimizerState:
     def __init__(self) -> None:
         self.stage = OptState.READY
         self.found_inf_per_device: dict[torch.device, torch.Tensor] = {}
-        self.found_inf: Optional[torch.Tensor] = None  # summed over devices, set by step()
+        self.found_inf: torch.Tensor | None = None  # summed over devices, set by step()
 
 
-def _resolve_device(device: Union[str, torch.device, None]) -> str:
+def _resolve_device(device: str | torch.device | None) -> str:
     if device is None:
         return "cuda" if torch.cuda.is_available() else "cpu"
     return torch.device(device).type
 
 
-def _check_positive_finite(name: str, value: Optional[float]) -> None:
+def _check_positive_finite(name: str, value: float | None) -> None:
     if value is None:
         return
     if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
@@ -165,7 +166,7 @@ def _check_not_on_model_params(optimizer: torch.optim.Optimizer) -> None:
     check_optimizer_params(optimizer)
 
 
-def note_used_by_steps(scaler: "GradScaler") -> None:
+def note_used_by_steps(scaler: GradScaler) -> None:
     """Record that launched steps use ``scaler`` (``model.step`` or ``optim_thread.launch``
     found it in the function it launches), so that the main thread may not touch its back side
     while a step may run. The launching thread (usually the main thread); never blocks."""
@@ -196,7 +197,7 @@ class GradScaler:
 
     def __init__(
         self,
-        device: Union[str, torch.device, None] = None,
+        device: str | torch.device | None = None,
         init_scale: float = 2.0**16,
         growth_factor: float = 2.0,
         backoff_factor: float = 0.5,
@@ -204,8 +205,8 @@ class GradScaler:
         enabled: bool = True,
         *,
         hysteresis: int = 1,
-        min_scale: Optional[float] = None,
-        max_scale: Optional[float] = None,
+        min_scale: float | None = None,
+        max_scale: float | None = None,
     ) -> None:
         self._device = _resolve_device(device)
         self._enabled = bool(enabled)
@@ -219,31 +220,45 @@ class GradScaler:
         if not self._enabled:
             return
         _check_positive_finite("init_scale", init_scale)
-        if not (isinstance(growth_factor, (int, float)) and growth_factor > 1.0 and math.isfinite(growth_factor)):
+        if not (
+            isinstance(growth_factor, (int, float))
+            and growth_factor > 1.0
+            and math.isfinite(growth_factor)
+        ):
             raise ValueError(f"growth_factor must be a finite number > 1.0, got {growth_factor!r}")
         if not (isinstance(backoff_factor, (int, float)) and 0.0 < backoff_factor < 1.0):
             raise ValueError(f"backoff_factor must be in (0, 1), got {backoff_factor!r}")
         self._check_interval(growth_interval)
         if not isinstance(hysteresis, int) or isinstance(hysteresis, bool) or hysteresis < 1:
-            raise ValueError(f"hysteresis must be an int >= 1 (1 backs off on every overflow, as torch), got {hysteresis!r}")
+            raise ValueError(
+                f"hysteresis must be an int >= 1 (1 backs off on every overflow, as torch), got {hysteresis!r}"
+            )
         _check_positive_finite("min_scale", min_scale)
         _check_positive_finite("max_scale", max_scale)
         lo, hi = min_scale or 0.0, max_scale or math.inf
         if not lo <= init_scale <= hi:
-            raise ValueError(f"init_scale={init_scale} must lie within [min_scale, max_scale] = [{lo}, {hi}]")
+            raise ValueError(
+                f"init_scale={init_scale} must lie within [min_scale, max_scale] = [{lo}, {hi}]"
+            )
 
         self._init_scale = float(init_scale)
         self._init_growth_tracker = 0
-        self._init_front: Optional[float] = None  # set by load_state_dict before lazy init
+        self._init_front: float | None = None  # set by load_state_dict before lazy init
         self._init_skipped = 0
         self._init_lock = threading.Lock()
         # Back side.
-        self._hyper = _Hyper(float(growth_factor), float(backoff_factor), int(growth_interval),
-                             hysteresis, min_scale, max_scale)
-        self._scale: Optional[torch.Tensor] = None
-        self._back: Optional[torch.Tensor] = None
-        self._growth_tracker: Optional[torch.Tensor] = None
-        self._skipped_steps: Optional[torch.Tensor] = None
+        self._hyper = _Hyper(
+            float(growth_factor),
+            float(backoff_factor),
+            int(growth_interval),
+            hysteresis,
+            min_scale,
+            max_scale,
+        )
+        self._scale: torch.Tensor | None = None
+        self._back: torch.Tensor | None = None
+        self._growth_tracker: torch.Tensor | None = None
+        self._skipped_steps: torch.Tensor | None = None
         self._steps = 0
         self._hysteresis_left = hysteresis
         self._collapse_streak = 0
@@ -253,21 +268,21 @@ class GradScaler:
         self._failures_seen = optim_thread.failure_count()
         self._per_optimizer_states: dict[int, _PerOptimizerState] = defaultdict(_PerOptimizerState)
         # Front side (main thread).
-        self._front: Optional[torch.Tensor] = None
-        self._front_copy: Optional[HostCopy] = None  # the front scale's value, with _front
+        self._front: torch.Tensor | None = None
+        self._front_copy: HostCopy | None = None  # the front scale's value, with _front
         self._front_replicas: dict[torch.device, torch.Tensor] = {}
         self._mirror = _Hyper(**vars(self._hyper))
         # Main-thread setters are numbered; the back side records the newest it applied, so a
         # record published before a setter ran does not overwrite the mirror with an old value.
         self._setter_seq = 0
         self._setter_applied = 0
-        self._published: Optional[_Published] = None
-        self._pending: Optional[optim_thread.WorkItem] = None  # the last launched update
+        self._published: _Published | None = None
+        self._pending: optim_thread.WorkItem | None = None  # the last launched update
         # What a step since the previous update() looks like from the main thread: a launch
         # (model.step) or a step()/unscale_() called on the main thread itself.
         self._launch_mark = optim_thread.last_launch()
         self._stepped_on_main = False
-        self._last_item: Optional[optim_thread.WorkItem] = None  # the last launched back work
+        self._last_item: optim_thread.WorkItem | None = None  # the last launched back work
         self._used_by_steps = False
 
     # ------------------------------------------------------------------------------------------
@@ -303,7 +318,7 @@ class GradScaler:
     # ------------------------------------------------------------------------------------------
     # compute side
     # ------------------------------------------------------------------------------------------
-    def scale(self, outputs: Union[torch.Tensor, Iterable[torch.Tensor]]):
+    def scale(self, outputs: torch.Tensor | Iterable[torch.Tensor]):
         """Multiply a tensor, or an iterable of tensors, by the scale (as torch).
 
         Any thread; never blocks. The compute threads multiply by the front scale, the optimizer
@@ -376,9 +391,16 @@ class GradScaler:
             self._last_item = None
             item.wait()  # raises its failure if nobody reported it yet
 
-    def _unscale_grads_(self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor,
-                        found_inf: torch.Tensor, allow_fp16: bool) -> dict[torch.device, torch.Tensor]:
-        grads: dict[torch.device, dict[torch.dtype, list[torch.Tensor]]] = defaultdict(lambda: defaultdict(list))
+    def _unscale_grads_(
+        self,
+        optimizer: torch.optim.Optimizer,
+        inv_scale: torch.Tensor,
+        found_inf: torch.Tensor,
+        allow_fp16: bool,
+    ) -> dict[torch.device, torch.Tensor]:
+        grads: dict[torch.device, dict[torch.dtype, list[torch.Tensor]]] = defaultdict(
+            lambda: defaultdict(list)
+        )
         with torch.no_grad():
             for group in optimizer.param_groups:
                 for param in group["params"]:
@@ -415,7 +437,9 @@ class GradScaler:
         self._note_main_thread_step()
         state = self._per_optimizer_states[id(optimizer)]
         if state.stage is OptState.UNSCALED:
-            raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")
+            raise RuntimeError(
+                "unscale_() has already been called on this optimizer since the last update()."
+            )
         if state.stage is OptState.STEPPED:
             raise RuntimeError("unscale_() is being called after step().")
         inv_scale = self._back.double().reciprocal().float()
@@ -457,10 +481,12 @@ class GradScaler:
             if not state.found_inf_per_device:
                 _check_not_on_model_params(optimizer)
                 # torch's exception type and words, plus the cause.
-                raise AssertionError("No inf checks were recorded for this optimizer: none of its "
-                                     "parameters has a gradient. Run backward() on a scaled loss "
-                                     "before step(), or step only optimizers whose parameters "
-                                     "got gradients.")
+                raise AssertionError(
+                    "No inf checks were recorded for this optimizer: none of its "
+                    "parameters has a gradient. Run backward() on a scaled loss "
+                    "before step(), or step only optimizers whose parameters "
+                    "got gradients."
+                )
             state.found_inf = self._found_inf_sum(state)
             retval = None
             if not state.found_inf.item():
@@ -468,13 +494,15 @@ class GradScaler:
         state.stage = OptState.STEPPED
         return retval
 
-    def _fused_step(self, optimizer: torch.optim.Optimizer, state: _PerOptimizerState,
-                    args: tuple, kwargs: dict) -> Any:
+    def _fused_step(
+        self, optimizer: torch.optim.Optimizer, state: _PerOptimizerState, args: tuple, kwargs: dict
+    ) -> Any:
         if "grad_scaler" in inspect.signature(optimizer.step).parameters:
             warnings.warn(
                 "GradScaler is going to stop passing itself as a keyword argument to the passed "
                 "optimizer; optimizers should read `grad_scale` and `found_inf` instead.",
-                FutureWarning, stacklevel=3,
+                FutureWarning,
+                stacklevel=3,
             )
             kwargs = dict(kwargs, grad_scaler=self)
             retval = optimizer.step(*args, **kwargs)
@@ -492,7 +520,11 @@ class GradScaler:
             optimizer.grad_scale = getattr(optimizer, "grad_scale", None)
         state.found_inf = self._found_inf_sum(state)
         # A sum over several devices can be 2.0, and torch's CPU fused kernels skip only on 1.0.
-        optimizer.found_inf = state.found_inf if len(state.found_inf_per_device) == 1 else state.found_inf.clamp(max=1.0)
+        optimizer.found_inf = (
+            state.found_inf
+            if len(state.found_inf_per_device) == 1
+            else state.found_inf.clamp(max=1.0)
+        )
         try:
             return optimizer.step(*args, **kwargs)
         finally:
@@ -518,8 +550,9 @@ class GradScaler:
     # ------------------------------------------------------------------------------------------
     # update
     # ------------------------------------------------------------------------------------------
-    def update(self, new_scale: Union[float, torch.Tensor, None] = None, *,
-               is_async: Optional[bool] = None) -> None:
+    def update(
+        self, new_scale: float | torch.Tensor | None = None, *, is_async: bool | None = None
+    ) -> None:
         """Update the scale after every step of the iteration (as torch), without waiting for a
         running step.
 
@@ -545,12 +578,17 @@ class GradScaler:
         # A scaler that stepped on this thread this iteration and that no launched step uses
         # belongs to a loop on this thread: a step of another model's loop is no concern of it.
         launched = optim_thread.has_unwaited_launch() and (
-            self._used_by_steps or not self._stepped_on_main)
+            self._used_by_steps or not self._stepped_on_main
+        )
         if is_async is None:
             is_async = launched
         launch_mark = optim_thread.last_launch()
-        if (is_async and new_value is None and launch_mark == self._launch_mark
-                and not self._stepped_on_main):
+        if (
+            is_async
+            and new_value is None
+            and launch_mark == self._launch_mark
+            and not self._stepped_on_main
+        ):
             # Left alone, the update launched now would find no step and fail on the optimizer
             # thread, reported one iteration later; the call that is wrong is this one.
             raise RuntimeError(
@@ -571,17 +609,19 @@ class GradScaler:
             self._update_sync(new_value)
         optim_thread.raise_failures()
 
-    def _check_new_scale(self, new_scale: Union[float, torch.Tensor]) -> torch.Tensor:
+    def _check_new_scale(self, new_scale: float | torch.Tensor) -> torch.Tensor:
         if isinstance(new_scale, torch.Tensor):
             if new_scale.numel() != 1 or new_scale.requires_grad:
-                raise ValueError("new_scale should be a float or a 1-element tensor with requires_grad=False.")
+                raise ValueError(
+                    "new_scale should be a float or a 1-element tensor with requires_grad=False."
+                )
             value = new_scale.detach().reshape(()).to(self._front.device, torch.float32, copy=True)
         else:
             _check_positive_finite("new_scale", new_scale)
             value = torch.full((), float(new_scale), dtype=torch.float32, device=self._front.device)
         return value
 
-    def _update_sync(self, new_value: Optional[torch.Tensor]) -> None:
+    def _update_sync(self, new_value: torch.Tensor | None) -> None:
         if self._last_item is not None:
             self._last_item.wait(report=False)
             self._last_item = None
@@ -590,7 +630,7 @@ class GradScaler:
         self._adopt(published)
         self._set_front(published.scale, published.numbers)
 
-    def _update_async(self, new_value: Optional[torch.Tensor]) -> None:
+    def _update_async(self, new_value: torch.Tensor | None) -> None:
         previous = self._pending
         if previous is not None and previous.wait(report=False):
             self._adopt(previous.result())
@@ -600,7 +640,9 @@ class GradScaler:
         else:
             hand_out, copy = self._published.scale.clone(), self._published.numbers
         self._set_front(hand_out, copy)
-        self._pending = self._last_item = optim_thread.launch_item(self._back_update, new_value, hand_out)
+        self._pending = self._last_item = optim_thread.launch_item(
+            self._back_update, new_value, hand_out
+        )
 
     def _adopt(self, published: _Published) -> None:
         self._published = published
@@ -611,11 +653,13 @@ class GradScaler:
                 f"GradScaler: gradients overflowed {published.collapse_streak} times in a row with "
                 f"the scale at min_scale={published.hyper.min_scale}: the run is diverging. Check "
                 "the learning rate and the data, or train in bf16.",
-                ScaleCollapseWarning, stacklevel=4,
+                ScaleCollapseWarning,
+                stacklevel=4,
             )
 
-    def _back_update(self, new_value: Optional[torch.Tensor],
-                     next_back: Optional[torch.Tensor]) -> _Published:
+    def _back_update(
+        self, new_value: torch.Tensor | None, next_back: torch.Tensor | None
+    ) -> _Published:
         """U on the back side (optimizer thread in async mode, main thread in sync mode).
 
         ``next_back`` is the scale the compute side was handed for the next iteration (async), or
@@ -633,7 +677,8 @@ class GradScaler:
                     raise AssertionError(
                         "No inf checks were recorded prior to update: no scaler.step(optimizer) "
                         "ran since the previous update(). Call update() once per iteration, "
-                        "after the step.")
+                        "after the step."
+                    )
                 # else: launched work (the step) failed since the last update and that failure
                 # is reported on the main thread; this iteration simply had no step.
         finally:
@@ -644,9 +689,15 @@ class GradScaler:
             self._back_is_newest = next_back is None or new_value is not None
         return self._publish()
 
-    def _combined_found_inf(self) -> Optional[torch.Tensor]:
-        return _sum_flags((t for state in self._per_optimizer_states.values()
-                           for t in state.found_inf_per_device.values()), self._scale.device)
+    def _combined_found_inf(self) -> torch.Tensor | None:
+        return _sum_flags(
+            (
+                t
+                for state in self._per_optimizer_states.values()
+                for t in state.found_inf_per_device.values()
+            ),
+            self._scale.device,
+        )
 
     def _apply_rule(self, found_inf: torch.Tensor, stale: bool) -> None:
         scale, tracker, hyper = self._scale, self._growth_tracker, self._hyper
@@ -656,8 +707,14 @@ class GradScaler:
         plain = hyper.hysteresis == 1 and hyper.min_scale is None and hyper.max_scale is None
         if plain:
             before = scale.clone() if stale else None
-            torch._amp_update_scale_(scale, tracker, found_inf, hyper.growth_factor,
-                                     hyper.backoff_factor, hyper.growth_interval)
+            torch._amp_update_scale_(
+                scale,
+                tracker,
+                found_inf,
+                hyper.growth_factor,
+                hyper.backoff_factor,
+                hyper.growth_interval,
+            )
             if stale:
                 self._cap_stale_backoff(scale, before, overflow)
             return
@@ -673,15 +730,22 @@ class GradScaler:
             self._hysteresis_left = hyper.hysteresis
             self._collapse_streak = 0
         before = scale.clone() if stale else None
-        torch._amp_update_scale_(scale, tracker, found_inf, hyper.growth_factor,
-                                 hyper.backoff_factor, hyper.growth_interval)
+        torch._amp_update_scale_(
+            scale,
+            tracker,
+            found_inf,
+            hyper.growth_factor,
+            hyper.backoff_factor,
+            hyper.growth_interval,
+        )
         if stale:
             self._cap_stale_backoff(scale, before, overflow)
         if hyper.min_scale is not None or hyper.max_scale is not None:
             scale.clamp_(min=hyper.min_scale, max=hyper.max_scale)
 
-    def _cap_stale_backoff(self, scale: torch.Tensor, before: torch.Tensor,
-                           overflow: torch.Tensor) -> None:
+    def _cap_stale_backoff(
+        self, scale: torch.Tensor, before: torch.Tensor, overflow: torch.Tensor
+    ) -> None:
         # [Note: the scale double buffer], overflow rule: after an overflow, the new scale is
         # min(newest before U, s_k * backoff), where s_k (the scale that produced the
         # overflowing gradients) is the back scale.
@@ -690,9 +754,14 @@ class GradScaler:
 
     def _publish(self) -> _Published:
         scale = self._scale.clone()
-        return _Published(self._setter_applied, scale,
-                          HostCopy(scale, self._growth_tracker, self._skipped_steps), self._steps,
-                          self._collapse_streak, _Hyper(**vars(self._hyper)))
+        return _Published(
+            self._setter_applied,
+            scale,
+            HostCopy(scale, self._growth_tracker, self._skipped_steps),
+            self._steps,
+            self._collapse_streak,
+            _Hyper(**vars(self._hyper)),
+        )
 
     # ------------------------------------------------------------------------------------------
     # getters and setters
@@ -754,7 +823,11 @@ class GradScaler:
             return 0
         if up_to_date:
             self._sync_back_side()
-            return self._init_growth_tracker if self._growth_tracker is None else int(self._growth_tracker.item())
+            return (
+                self._init_growth_tracker
+                if self._growth_tracker is None
+                else int(self._growth_tracker.item())
+            )
         published = self._published
         return self._init_growth_tracker if published is None else published.growth_tracker
 
@@ -772,8 +845,12 @@ class GradScaler:
             return
         setattr(self._mirror, name, value)
         self._setter_seq += 1
-        if optim_thread.has_unwaited_launch() or (self._last_item is not None and not self._last_item.done()):
-            self._last_item = optim_thread.launch_item(self._apply_hyper, name, value, self._setter_seq)
+        if optim_thread.has_unwaited_launch() or (
+            self._last_item is not None and not self._last_item.done()
+        ):
+            self._last_item = optim_thread.launch_item(
+                self._apply_hyper, name, value, self._setter_seq
+            )
         else:
             self._wait_last_item()
             self._apply_hyper(name, value, self._setter_seq)
@@ -849,7 +926,12 @@ class GradScaler:
         self._sync_back_side()
         hyper = self._hyper
         if self._front is None:
-            scale, front, tracker, skipped = self._init_scale, self.get_scale(), self._init_growth_tracker, self._init_skipped
+            scale, front, tracker, skipped = (
+                self._init_scale,
+                self.get_scale(),
+                self._init_growth_tracker,
+                self._init_skipped,
+            )
         else:
             scale, front = self._scale.item(), self._front_value()
             tracker, skipped = int(self._growth_tracker.item()), int(self._skipped_steps.item())
@@ -885,9 +967,12 @@ class GradScaler:
         extra = state_dict.get("roundpipe", {})
         scale = float(state_dict["scale"])
         self._hyper = _Hyper(
-            float(state_dict["growth_factor"]), float(state_dict["backoff_factor"]),
-            int(state_dict["growth_interval"]), int(extra.get("hysteresis", self._hyper.hysteresis)),
-            extra.get("min_scale", self._hyper.min_scale), extra.get("max_scale", self._hyper.max_scale),
+            float(state_dict["growth_factor"]),
+            float(state_dict["backoff_factor"]),
+            int(state_dict["growth_interval"]),
+            int(extra.get("hysteresis", self._hyper.hysteresis)),
+            extra.get("min_scale", self._hyper.min_scale),
+            extra.get("max_scale", self._hyper.max_scale),
         )
         self._mirror = _Hyper(**vars(self._hyper))
         self._setter_applied = self._setter_seq

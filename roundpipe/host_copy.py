@@ -17,8 +17,6 @@ pinned buffer held before the copy landed (the emulated device fills it with NaN
 
 from __future__ import annotations
 
-from typing import List, Optional, Union
-
 import torch
 
 __all__ = ["HostCopy"]
@@ -39,24 +37,30 @@ class HostCopy:
 
     __slots__ = ("_value", "_event", "_count")
 
-    def __init__(self, *values: Union[torch.Tensor, float, int]) -> None:
+    def __init__(self, *values: torch.Tensor | float | int) -> None:
         if not values:
             raise ValueError("HostCopy needs at least one value")
         self._count = len(values)
-        self._event: Optional[torch.Event] = None
+        self._event: torch.Event | None = None
         if not any(isinstance(v, torch.Tensor) for v in values):
-            self._value: Union[torch.Tensor, float, List[float]] = self._unpack(
-                [float(v) for v in values])
+            self._value: torch.Tensor | float | list[float] = self._unpack(
+                [float(v) for v in values]
+            )
             return
         devices = {v.device for v in values if isinstance(v, torch.Tensor)}
         if len(devices) != 1:
-            raise AssertionError(f"HostCopy of tensors on several devices {sorted(map(str, devices))}; "
-                                 f"please report")
+            raise AssertionError(
+                f"HostCopy of tensors on several devices {sorted(map(str, devices))}; please report"
+            )
         (device,) = devices
-        packed = torch.stack([
-            v.detach().reshape(()).to(torch.float64) if isinstance(v, torch.Tensor)
-            else torch.tensor(float(v), dtype=torch.float64, device=device)
-            for v in values])
+        packed = torch.stack(
+            [
+                v.detach().reshape(()).to(torch.float64)
+                if isinstance(v, torch.Tensor)
+                else torch.tensor(float(v), dtype=torch.float64, device=device)
+                for v in values
+            ]
+        )
         if device.type == "cpu":
             self._value = packed
             return
@@ -65,7 +69,7 @@ class HostCopy:
         self._event = torch.Event(device=device)
         self._event.record(stream)
 
-    def _unpack(self, numbers: List[float]) -> Union[float, List[float]]:
+    def _unpack(self, numbers: list[float]) -> float | list[float]:
         return numbers[0] if self._count == 1 else numbers
 
     def ready(self) -> bool:
@@ -73,7 +77,7 @@ class HostCopy:
         never blocks."""
         return self._event is None or self._event.query()
 
-    def values(self) -> List[float]:
+    def values(self) -> list[float]:
         """The values as floats, in the order given. Waits for the copy the first time."""
         value = self._value
         if isinstance(value, torch.Tensor):

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -29,9 +30,15 @@ __all__ = ["measure_layer_costs"]
 _MIN_COST = 1e-9
 
 
-def measure_layer_costs(model: nn.Sequential, sample_input: Any, *, device: Any = None,
-                        dtype: Optional[torch.dtype] = None, repeats: int = 5,
-                        backward: bool = True) -> List[float]:
+def measure_layer_costs(
+    model: nn.Sequential,
+    sample_input: Any,
+    *,
+    device: Any = None,
+    dtype: torch.dtype | None = None,
+    repeats: int = 5,
+    backward: bool = True,
+) -> list[float]:
     """Seconds that each layer (child) of ``model`` takes on one microbatch, a list to pass as
     ``stages_by_size(model, num_stages=..., costs=...)``.
 
@@ -89,7 +96,7 @@ def measure_layer_costs(model: nn.Sequential, sample_input: Any, *, device: Any 
             torch.accelerator.synchronize(target)
 
     x = _to_device(sample_input, target, dtype)
-    costs: List[float] = []
+    costs: list[float] = []
     rng_devices = [target.index or 0] if accelerator else []
     with torch.random.fork_rng(devices=rng_devices, device_type=target.type):
         for i, layer in enumerate(layers):
@@ -104,31 +111,43 @@ def measure_layer_costs(model: nn.Sequential, sample_input: Any, *, device: Any 
     return costs
 
 
-def _layers(model: Any) -> List[nn.Module]:
+def _layers(model: Any) -> list[nn.Module]:
     if not isinstance(model, nn.Sequential):
         from roundpipe.runtime.model import RoundPipe
 
         if isinstance(model, RoundPipe):
-            raise ValueError("measure_layer_costs takes the nn.Sequential, not the RoundPipe: "
-                             "pass model.module, after model.synchronize()")
-        raise ValueError(f"measure_layer_costs times the children of a non-empty "
-                         f"nn.Sequential, got {type(model).__name__}")
+            raise ValueError(
+                "measure_layer_costs takes the nn.Sequential, not the RoundPipe: "
+                "pass model.module, after model.synchronize()"
+            )
+        raise ValueError(
+            f"measure_layer_costs times the children of a non-empty "
+            f"nn.Sequential, got {type(model).__name__}"
+        )
     layers = list(model.children())
     if not layers:
-        raise ValueError("measure_layer_costs times the children of a non-empty nn.Sequential, "
-                         "got an empty one")
+        raise ValueError(
+            "measure_layer_costs times the children of a non-empty nn.Sequential, got an empty one"
+        )
     return layers
 
 
-def _time_layer(layer: nn.Module, tensors: Dict[str, torch.Tensor], x: Any,
-                grad_in: Optional[bool], backward: bool, repeats: int,
-                sync: Callable[[], None], where: str) -> Tuple[float, Any]:
+def _time_layer(
+    layer: nn.Module,
+    tensors: dict[str, torch.Tensor],
+    x: Any,
+    grad_in: bool | None,
+    backward: bool,
+    repeats: int,
+    sync: Callable[[], None],
+    where: str,
+) -> tuple[float, Any]:
     """The median seconds of ``repeats`` timed runs of ``layer`` on ``x`` (after one warm-up),
     and its output, without autograd, for the next layer. Each run gets fresh copies of ``x``,
     made before its clock starts, so that a layer that writes its input in place (``ReLU(
     inplace=True)``) neither fails on a leaf nor changes ``x``. A failure gets a note naming
     ``where`` and the pass."""
-    times: List[float] = []
+    times: list[float] = []
     out: Any = None
     phase = "forward"
     try:
@@ -150,30 +169,40 @@ def _time_layer(layer: nn.Module, tensors: Dict[str, torch.Tensor], x: Any,
                     phase = "forward with autograd"
                     with torch.enable_grad():
                         graph_out = layer(inp)
-                        outputs = [t for t in pytree.tree_leaves(graph_out)
-                                   if isinstance(t, torch.Tensor) and t.requires_grad]
+                        outputs = [
+                            t
+                            for t in pytree.tree_leaves(graph_out)
+                            if isinstance(t, torch.Tensor) and t.requires_grad
+                        ]
                         phase = "backward"
                         if outputs and wrt:
-                            torch.autograd.grad(outputs, wrt,
-                                                [torch.ones_like(t) for t in outputs],
-                                                allow_unused=True)
+                            torch.autograd.grad(
+                                outputs,
+                                wrt,
+                                [torch.ones_like(t) for t in outputs],
+                                allow_unused=True,
+                            )
                     del graph_out, outputs
                 sync()
                 if run:
                     times.append(time.perf_counter() - start)
     except BaseException as exc:  # noqa: B036 -- annotated, then re-raised
-        add_note(exc, f"[{where}, {phase}; layer 0 gets the sample input, each later layer "
-                      f"the output of the one before, as in model(sample_input)]")
+        add_note(
+            exc,
+            f"[{where}, {phase}; layer 0 gets the sample input, each later layer "
+            f"the output of the one before, as in model(sample_input)]",
+        )
         raise
     return statistics.median(times), out
 
 
-def _layer_copies(layer: nn.Module, device: torch.device,
-                  dtype: Optional[torch.dtype]) -> Dict[str, torch.Tensor]:
+def _layer_copies(
+    layer: nn.Module, device: torch.device, dtype: torch.dtype | None
+) -> dict[str, torch.Tensor]:
     """``layer``'s parameters and buffers by name (for ``_reparametrize_module``), copied to
     ``device``: a parameter as a new leaf that requires grad as it does, a tensor the layer
     holds twice copied once."""
-    copies: Dict[int, torch.Tensor] = {}
+    copies: dict[int, torch.Tensor] = {}
 
     def copy(t: torch.Tensor, requires_grad: bool) -> torch.Tensor:
         if id(t) not in copies:
@@ -187,7 +216,7 @@ def _layer_copies(layer: nn.Module, device: torch.device,
     return tensors
 
 
-def _to_device(tree: Any, device: torch.device, dtype: Optional[torch.dtype]) -> Any:
+def _to_device(tree: Any, device: torch.device, dtype: torch.dtype | None) -> Any:
     """``tree`` with its tensors detached and copied to ``device``, floating ones cast to
     ``dtype`` when given; a tensor keeps its ``requires_grad``."""
 
@@ -195,17 +224,20 @@ def _to_device(tree: Any, device: torch.device, dtype: Optional[torch.dtype]) ->
         if not isinstance(t, torch.Tensor):
             return t
         cast = dtype if dtype is not None and t.is_floating_point() else t.dtype
-        return t.detach().to(device=device, dtype=cast, copy=True).requires_grad_(
-            t.requires_grad and _is_float(t))
+        return (
+            t.detach()
+            .to(device=device, dtype=cast, copy=True)
+            .requires_grad_(t.requires_grad and _is_float(t))
+        )
 
     return pytree.tree_map(one, tree)
 
 
-def _fresh_input(x: Any, grad_in: Optional[bool]) -> Tuple[List[torch.Tensor], Any]:
+def _fresh_input(x: Any, grad_in: bool | None) -> tuple[list[torch.Tensor], Any]:
     """A layer input of new tensors with the values of ``x``: the floating tensors that take a
     gradient (all of them with ``grad_in`` True; those of ``x`` that require grad with None) as
     a clone of a new leaf, the others as a detached clone. Returns (the leaves, the input)."""
-    leaves: List[torch.Tensor] = []
+    leaves: list[torch.Tensor] = []
 
     def one(t: Any) -> Any:
         if not isinstance(t, torch.Tensor):

@@ -10,7 +10,6 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
-from typing import Optional, Union
 
 import torch
 
@@ -53,7 +52,7 @@ class TrainingHistory:
     skipped_steps: int
 
 
-def _host_loss(loss: Union[torch.Tensor, float]) -> HostCopy:
+def _host_loss(loss: torch.Tensor | float) -> HostCopy:
     """A 0-d loss on its way to the host (see [Note: host copies] in host_copy.py): storing it
     never syncs the device, reading it (``history()``, off the hot path) waits for its copy."""
     if isinstance(loss, torch.Tensor) and loss.numel() != 1:
@@ -66,7 +65,7 @@ class _Record:
     iteration: int
     loss: HostCopy
     divide_by: float  # the loss is scaled by this (1.0 when not scaled)
-    scale: Optional[float]
+    scale: float | None
     steps: int
     skipped_steps: int
 
@@ -111,7 +110,7 @@ class TrainingMonitor:
     def __len__(self) -> int:
         return len(self._records)
 
-    def record(self, loss: Union[torch.Tensor, float], *, scaled: bool = False) -> None:
+    def record(self, loss: torch.Tensor | float, *, scaled: bool = False) -> None:
         """Record one iteration. Main thread; never waits for the optimizer thread, never syncs
         on the loss (see the class docstring for the scaler's snapshot).
 
@@ -121,22 +120,26 @@ class TrainingMonitor:
         by the scale in use when it converts it, so the history shows the unscaled loss. Call it
         before ``scaler.update()``, so the scale in use is the one this iteration's loss used.
         """
-        scale: Optional[float] = None
+        scale: float | None = None
         steps = skipped = 0
         if self._scaler is not None:
             snap = self._scaler.snapshot()
             scale, steps, skipped = snap.scale_in_use, snap.steps, snap.skipped_steps
         if scaled and scale is None:
-            raise ValueError("record(loss, scaled=True) needs the monitor to know the scaler: "
-                             "TrainingMonitor(scaler)")
-        self._records.append(_Record(
-            iteration=self._first_iteration + len(self._records),
-            loss=_host_loss(loss),
-            divide_by=scale if scaled else 1.0,
-            scale=scale,
-            steps=steps,
-            skipped_steps=skipped,
-        ))
+            raise ValueError(
+                "record(loss, scaled=True) needs the monitor to know the scaler: "
+                "TrainingMonitor(scaler)"
+            )
+        self._records.append(
+            _Record(
+                iteration=self._first_iteration + len(self._records),
+                loss=_host_loss(loss),
+                divide_by=scale if scaled else 1.0,
+                scale=scale,
+                steps=steps,
+                skipped_steps=skipped,
+            )
+        )
         if len(self._records) - self._compacted >= 2 * _KEEP_LAZY:
             self._compact()
 
@@ -144,7 +147,7 @@ class TrainingMonitor:
         """Convert the losses of all but the newest ``_KEEP_LAZY`` records whose values are
         ready; never waits (a value still on its way stays a tensor until read)."""
         end = len(self._records) - _KEEP_LAZY
-        for record in self._records[self._compacted:end]:
+        for record in self._records[self._compacted : end]:
             if record.loss.ready():
                 record.loss.value()
         self._compacted = end
@@ -184,7 +187,7 @@ class TrainingMonitor:
             prev_skipped = max(prev_skipped, count)
         return sorted(set(skipped))
 
-    def save_plot(self, path: Union[str, os.PathLike], title: Optional[str] = None) -> None:
+    def save_plot(self, path: str | os.PathLike, title: str | None = None) -> None:
         """Write a PNG with the loss and, with a scaler, the scale in use (log axis); skipped
         steps are marked on both. Main thread; converts the history (see :meth:`history`).
 
@@ -216,14 +219,26 @@ class TrainingMonitor:
         ax.grid(True, alpha=0.3)
         if with_scale:
             ax = axes[1]
-            ax.plot(hist.iterations, hist.scale, color="tab:green", linewidth=1.2,
-                    drawstyle="steps-post", label="scale in use")
+            ax.plot(
+                hist.iterations,
+                hist.scale,
+                color="tab:green",
+                linewidth=1.2,
+                drawstyle="steps-post",
+                label="scale in use",
+            )
             ax.set_yscale("log", base=2)
             ax.set_ylabel("loss scale")
             ax.grid(True, alpha=0.3)
             if skipped:
-                ax.scatter(skipped, [hist.scale[index[it]] for it in skipped], marker="x",
-                           color="tab:red", zorder=3, label="skipped step")
+                ax.scatter(
+                    skipped,
+                    [hist.scale[index[it]] for it in skipped],
+                    marker="x",
+                    color="tab:red",
+                    zorder=3,
+                    label="skipped step",
+                )
         for ax in axes:
             for it in skipped:
                 ax.axvline(it, color="tab:red", alpha=0.25, linewidth=0.8)

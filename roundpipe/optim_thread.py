@@ -34,14 +34,28 @@ import sys
 import threading
 import traceback
 from _thread import get_ident
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 from roundpipe.workers import Future, WorkerThread
 
-__all__ = ["launch", "synchronize", "on_optimizer_thread", "WorkItem", "launch_step",
-           "launch_item", "wait_all", "raise_failures", "has_pending_work", "caller_must_wait",
-           "has_pending_launch", "has_unwaited_launch", "last_launch", "failure_count",
-           "register_launch_check"]
+__all__ = [
+    "launch",
+    "synchronize",
+    "on_optimizer_thread",
+    "WorkItem",
+    "launch_step",
+    "launch_item",
+    "wait_all",
+    "raise_failures",
+    "has_pending_work",
+    "caller_must_wait",
+    "has_pending_launch",
+    "has_unwaited_launch",
+    "last_launch",
+    "failure_count",
+    "register_launch_check",
+]
 
 
 # [Note: steps and items]
@@ -84,7 +98,7 @@ class WorkItem(Future):
 
     __slots__ = ("fn", "args", "kwargs", "seq", "_owner")
 
-    def __init__(self, owner: "_OptimizerThread", fn: Callable, args: tuple, kwargs: dict, seq: int):
+    def __init__(self, owner: _OptimizerThread, fn: Callable, args: tuple, kwargs: dict, seq: int):
         super().__init__()
         self.fn, self.args, self.kwargs, self.seq = fn, args, kwargs, seq
         self._owner = owner
@@ -158,20 +172,21 @@ class _OptimizerThread:
         self._worker = WorkerThread(
             name="roundpipe-optimizer",
             closed_message="the roundpipe optimizer thread has shut down (the interpreter is "
-                           "exiting); no new work can be launched",
+            "exiting); no new work can be launched",
             thread_init=self._note_ident,
-            after_exit_drain=self._report_unwaited)
+            after_exit_drain=self._report_unwaited,
+        )
         self._seq = 0
         self._tracked_seq = 0
         self._waited_seq = 0
         self._ran_seq = 0
-        self._ident: Optional[int] = None  # the thread's ident, once started (never restarts)
-        self._newest: Optional[WorkItem] = None
+        self._ident: int | None = None  # the thread's ident, once started (never restarts)
+        self._newest: WorkItem | None = None
         self._failures: list[WorkItem] = []
         self._failure_total = 0  # failures ever recorded
 
     @property
-    def _thread(self) -> Optional[threading.Thread]:
+    def _thread(self) -> threading.Thread | None:
         return self._worker.thread
 
     def _note_ident(self) -> None:
@@ -252,8 +267,11 @@ class _OptimizerThread:
         first = failures[0]._exception
         for later in failures[1:]:
             exc = later._exception
-            add_note(first, "[roundpipe optimizer thread] a later launched call also failed:\n"
-                     + "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)))
+            add_note(
+                first,
+                "[roundpipe optimizer thread] a later launched call also failed:\n"
+                + "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
+            )
         raise first
 
     # -- shutdown -----------------------------------------------------------------------------
@@ -264,8 +282,10 @@ class _OptimizerThread:
         for item in failures:
             # Nothing on the main thread can depend on this work any more: say so, loudly.
             exc = item._exception
-            print("roundpipe: work launched on the optimizer thread failed and was never waited for:",
-                  file=sys.stderr)
+            print(
+                "roundpipe: work launched on the optimizer thread failed and was never waited for:",
+                file=sys.stderr,
+            )
             traceback.print_exception(type(exc), exc, exc.__traceback__, file=sys.stderr)
 
 

@@ -13,7 +13,8 @@ import threading
 import types
 import warnings
 import weakref
-from typing import Any, Callable, Iterator, List, Optional, Tuple
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
@@ -51,8 +52,11 @@ _MAX_CHILDREN = 64
 
 def _foreign_scaler(obj: Any) -> bool:
     """A torch.amp.GradScaler (or a subclass, e.g. torch.cuda.amp's) that scales."""
-    return (issubclass(type(obj), torch.amp.GradScaler)
-            and not issubclass(type(obj), grad_scaler.GradScaler) and obj.is_enabled())
+    return (
+        issubclass(type(obj), torch.amp.GradScaler)
+        and not issubclass(type(obj), grad_scaler.GradScaler)
+        and obj.is_enabled()
+    )
 
 
 def _foreign_scaler_error(where: str) -> RuntimeError:
@@ -61,7 +65,8 @@ def _foreign_scaler_error(where: str) -> RuntimeError:
         "thread: its update() on the main thread runs before or while the step records its inf "
         "checks, so torch raises 'No inf checks were recorded prior to update' or the scale goes "
         "silently wrong. Use roundpipe.GradScaler, a drop-in with the same constructor and "
-        "methods: scaler = roundpipe.GradScaler(...) (docs/scaler.md)")
+        "methods: scaler = roundpipe.GradScaler(...) (docs/scaler.md)"
+    )
 
 
 def _code_names(code: types.CodeType) -> Iterator[str]:
@@ -71,7 +76,7 @@ def _code_names(code: types.CodeType) -> Iterator[str]:
             yield from _code_names(const)
 
 
-def _references(obj: Any) -> Iterator[Tuple[str, Any]]:
+def _references(obj: Any) -> Iterator[tuple[str, Any]]:
     """(where, object) for what a callable refers to; nothing for anything else."""
     if type(obj) is types.MethodType:
         yield "the object", obj.__self__
@@ -99,16 +104,16 @@ def _references(obj: Any) -> Iterator[Tuple[str, Any]]:
     for name in dict.fromkeys(_code_names(code)):
         if name in module_globals:
             yield f"global {name!r}", module_globals[name]
-    for value in (obj.__defaults__ or ()):
+    for value in obj.__defaults__ or ():
         yield "a default argument", value
     for name, value in (obj.__kwdefaults__ or {}).items():
         yield f"default argument {name!r}", value
 
 
-def _referenced_objects(step_fn: Callable) -> List[Tuple[str, Any]]:
+def _referenced_objects(step_fn: Callable) -> list[tuple[str, Any]]:
     """What ``step_fn`` refers to, and what the callables among those refer to (one level);
     elements of lists, tuples and dicts found there count as referenced too."""
-    found: List[Tuple[str, Any]] = []
+    found: list[tuple[str, Any]] = []
     seen = {id(step_fn)}
 
     def add(where: str, value: Any) -> None:
@@ -135,7 +140,7 @@ def _referenced_objects(step_fn: Callable) -> List[Tuple[str, Any]]:
     return found
 
 
-def _guarded(references: Iterator[Tuple[str, Any]]) -> Iterator[Tuple[str, Any]]:
+def _guarded(references: Iterator[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
     """``references`` until one cannot be read (an attribute that raises, say): the search
     is a courtesy at launch and must never fail a launch that would work."""
     try:
@@ -178,14 +183,15 @@ def check_step_fn(step_fn: Callable) -> None:
             guard_optimizer(obj)
 
 
-_TORCH_SCALER_STEP_CODES = frozenset({torch.amp.GradScaler.step.__code__,
-                                      torch.amp.GradScaler._maybe_opt_step.__code__})
+_TORCH_SCALER_STEP_CODES = frozenset(
+    {torch.amp.GradScaler.step.__code__, torch.amp.GradScaler._maybe_opt_step.__code__}
+)
 # Frames between the step pre-hook and torch's GradScaler.step: torch's hook runner, the
 # optimizer's step wrapper, _maybe_opt_step, a subclass's step or two.
 _MAX_FRAMES = 12
 
 
-def _calling_foreign_scaler() -> Optional[Any]:
+def _calling_foreign_scaler() -> Any | None:
     frame = sys._getframe(2)
     for _ in range(_MAX_FRAMES):
         if frame is None:
@@ -204,18 +210,23 @@ def check_optimizer_step(optimizer: torch.optim.Optimizer) -> None:
     [Note: what a step shares]). Never blocks."""
     scaler = _calling_foreign_scaler()
     if scaler is not None:
-        raise _foreign_scaler_error(f"{type(scaler).__module__}.{type(scaler).__qualname__} "
-                                    f"stepping {type(optimizer).__name__}")
+        raise _foreign_scaler_error(
+            f"{type(scaler).__module__}.{type(scaler).__qualname__} "
+            f"stepping {type(optimizer).__name__}"
+        )
     if not any(p.grad is not None for group in optimizer.param_groups for p in group["params"]):
         warnings.warn(
             f"{type(optimizer).__name__}.step() runs in a RoundPipe step with no gradient on any "
             "of its parameters, so it changes nothing: were the gradients cleared between "
             "forward_backward and model.step (opt.zero_grad() on the main thread there)? Clear "
-            "them inside the step function, after opt.step()", UserWarning, stacklevel=2)
+            "them inside the step function, after opt.step()",
+            UserWarning,
+            stacklevel=2,
+        )
     guard_optimizer(optimizer)
 
 
-_GUARDED: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
+_GUARDED: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
 _GUARD_LOCK = threading.Lock()
 
 

@@ -43,8 +43,9 @@ def in_step() -> bool:
     return getattr(_STEP_TLS, "params", None) is not None
 
 
-def check_optimizer_params(optimizer: torch.optim.Optimizer, args: Any = (),
-                           kwargs: Any = None) -> None:
+def check_optimizer_params(
+    optimizer: torch.optim.Optimizer, args: Any = (), kwargs: Any = None
+) -> None:
     """Raise ``RuntimeError`` if ``optimizer`` runs in a RoundPipe step on this thread and was
     built on the model's own parameters; a no-op elsewhere. Never blocks."""
     params: ParamLookup | None = getattr(_STEP_TLS, "params", None)
@@ -59,4 +60,5 @@ def check_optimizer_params(optimizer: torch.optim.Optimizer, args: Any = (),
                     f"parameters, e.g. {rec.name!r}, instead of the "
                     f"fp32 masters that RoundPipe accumulates gradients into; build it with "
                     f"`with OptimizerCtx(): opt = {type(optimizer).__name__}(model.parameters(), "
-                    f"...)` or on `model.optim_parameters()`")
+                    f"...)` or on `model.optim_parameters()`"
+                )

@@ -19,7 +19,8 @@ import atexit
 import enum
 import queue
 import threading
-from typing import Any, Callable, Optional, Tuple
+from collections.abc import Callable
+from typing import Any
 
 __all__ = ["Future", "WorkerThread"]
 
@@ -36,7 +37,7 @@ class Future:
     def __init__(self) -> None:
         self._done = threading.Event()
         self._result: Any = None
-        self._exception: Optional[BaseException] = None
+        self._exception: BaseException | None = None
 
     def set_result(self, value: Any) -> None:
         self._result = value
@@ -50,7 +51,7 @@ class Future:
         """Non-blocking: whether the work has run (successfully or not)."""
         return self._done.is_set()
 
-    def run(self, fn: Callable, *args: Any, reraise: Tuple[type[BaseException], ...] = ()) -> None:
+    def run(self, fn: Callable, *args: Any, reraise: tuple[type[BaseException], ...] = ()) -> None:
         """Call ``fn(*args)`` on this thread and settle the future with its result or exception;
         an exception of a ``reraise`` type propagates instead and leaves the future unsettled."""
         try:
@@ -66,7 +67,7 @@ class Future:
         else:
             self.set_result(result)
 
-    def exception(self) -> Optional[BaseException]:
+    def exception(self) -> BaseException | None:
         """Block until done; return the stored exception (None on success)."""
         self._done.wait()
         return self._exception
@@ -98,20 +99,24 @@ class WorkerThread:
     ``_state`` and ``_thread`` are guarded by ``_lock``; jobs only travel through ``_queue``.
     """
 
-    def __init__(self, name: str, closed_message: str,
-                 thread_init: Optional[Callable[[], None]] = None,
-                 after_exit_drain: Optional[Callable[[], None]] = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        closed_message: str,
+        thread_init: Callable[[], None] | None = None,
+        after_exit_drain: Callable[[], None] | None = None,
+    ) -> None:
         self.name = name
         self._closed_message = closed_message
         self._thread_init = thread_init
         self._after_exit_drain = after_exit_drain
-        self._queue: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._state = _State.NOT_STARTED
-        self._thread: Optional[threading.Thread] = None
+        self._thread: threading.Thread | None = None
 
     @property
-    def thread(self) -> Optional[threading.Thread]:
+    def thread(self) -> threading.Thread | None:
         """The thread, once started. Any thread; never blocks."""
         return self._thread
 

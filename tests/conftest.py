@@ -17,26 +17,37 @@ from roundpipe.testing import emu
 
 emu.install()
 
-_BOTH_POOLS = {"test_runtime", "test_runtime_errors", "test_staleness", "test_autocast_rng",
-               "test_concurrency", "test_devices"}
+_BOTH_POOLS = {
+    "test_runtime",
+    "test_runtime_errors",
+    "test_staleness",
+    "test_autocast_rng",
+    "test_concurrency",
+    "test_devices",
+}
 
 
 def pytest_configure(config):
     config.addinivalue_line(
-        "markers", "cpu_pool_only: a test about the CPU pool itself; not repeated on the "
-                   "emulated accelerator")
+        "markers",
+        "cpu_pool_only: a test about the CPU pool itself; not repeated on the emulated accelerator",
+    )
 
 
 def pytest_generate_tests(metafunc):
     module = metafunc.module.__name__.rpartition(".")[2]
-    if "pool_kind" in metafunc.fixturenames and module in _BOTH_POOLS \
-            and metafunc.definition.get_closest_marker("cpu_pool_only") is None:
+    if (
+        "pool_kind" in metafunc.fixturenames
+        and module in _BOTH_POOLS
+        and metafunc.definition.get_closest_marker("cpu_pool_only") is None
+    ):
         metafunc.parametrize("pool_kind", ["cpu", "emu"], indirect=True)
 
 
 def _on_emu(devices):
-    return tuple(roundpipe.devices.WorkerDevice("emu", d.index) if d.type == "cpu" else d
-                 for d in devices)
+    return tuple(
+        roundpipe.devices.WorkerDevice("emu", d.index) if d.type == "cpu" else d for d in devices
+    )
 
 
 @pytest.fixture(autouse=True)
@@ -45,6 +56,9 @@ def pool_kind(request, monkeypatch):
     kind = getattr(request, "param", "cpu")
     if kind == "emu":
         resolve = roundpipe.devices.pool.resolve_devices
-        monkeypatch.setattr(roundpipe.devices.pool, "resolve_devices",
-                            lambda devices=None: _on_emu(resolve(devices)))
+        monkeypatch.setattr(
+            roundpipe.devices.pool,
+            "resolve_devices",
+            lambda devices=None: _on_emu(resolve(devices)),
+        )
     return kind

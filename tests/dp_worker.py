@@ -26,9 +26,21 @@ from roundpipe import GradScaler, OptimizerCtx, RoundPipe, RoundPipeRunConfig
 from roundpipe import distributed as rpd
 
 DEFAULTS = {
-    "steps": 6, "global_batch": 12, "num_microbatch": 2, "mode": "async", "optimizer": "adam",
-    "dtype": "fp32", "inf_step": None, "inf_rank": None, "fail": None, "save_after": None,
-    "resume": None, "pg_timeout": 20.0, "out": None, "seed": 0, "hidden": 16,
+    "steps": 6,
+    "global_batch": 12,
+    "num_microbatch": 2,
+    "mode": "async",
+    "optimizer": "adam",
+    "dtype": "fp32",
+    "inf_step": None,
+    "inf_rank": None,
+    "fail": None,
+    "save_after": None,
+    "resume": None,
+    "pg_timeout": 20.0,
+    "out": None,
+    "seed": 0,
+    "hidden": 16,
 }
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -44,10 +56,19 @@ def global_batch(it, cfg):
 
 def build(cfg):
     torch.manual_seed(cfg["seed"])
-    seq = nn.Sequential(nn.Linear(8, cfg["hidden"]), nn.Tanh(),
-                        nn.Linear(cfg["hidden"], 16), nn.Tanh(), nn.Linear(16, 4))
-    model = RoundPipe(seq.to(DTYPES[cfg["dtype"]]), optim_dtype=torch.float32, devices="cpu",
-                      model_run_config=RoundPipeRunConfig(num_microbatch=cfg["num_microbatch"]))
+    seq = nn.Sequential(
+        nn.Linear(8, cfg["hidden"]),
+        nn.Tanh(),
+        nn.Linear(cfg["hidden"], 16),
+        nn.Tanh(),
+        nn.Linear(16, 4),
+    )
+    model = RoundPipe(
+        seq.to(DTYPES[cfg["dtype"]]),
+        optim_dtype=torch.float32,
+        devices="cpu",
+        model_run_config=RoundPipeRunConfig(num_microbatch=cfg["num_microbatch"]),
+    )
     with OptimizerCtx():
         if cfg["optimizer"] == "adam":  # unscales in its own kernel (grad_scale/found_inf)
             opt = roundpipe.optim.Adam(model.parameters(), lr=1e-2)
@@ -114,23 +135,37 @@ def train(cfg, rank=0, world=1, dp=None):
             call = "scaler.update"
             scaler.update()
             if cfg["save_after"] == it and rank == 0:
-                torch.save({"iteration": it, "model": model.state_dict(),
-                            "masters": model.master_state_dict(), "optimizer": opt.state_dict(),
-                            "scaler": scaler.state_dict()}, os.path.join(cfg["out"], "ckpt.pt"))
+                torch.save(
+                    {
+                        "iteration": it,
+                        "model": model.state_dict(),
+                        "masters": model.master_state_dict(),
+                        "optimizer": opt.state_dict(),
+                        "scaler": scaler.state_dict(),
+                    },
+                    os.path.join(cfg["out"], "ckpt.pt"),
+                )
         call = "synchronize"
         model.synchronize()
     except rpd.DataParallelError as exc:
-        record["error"] = {"type": type(exc).__name__, "message": str(exc), "call": call,
-                           "iteration": it,
-                           "seconds": time.monotonic() - (failing_since or time.monotonic())}
+        record["error"] = {
+            "type": type(exc).__name__,
+            "message": str(exc),
+            "call": call,
+            "iteration": it,
+            "seconds": time.monotonic() - (failing_since or time.monotonic()),
+        }
         # The library stays usable: a checkpoint can still be taken, and a later step fails at
         # once instead of waiting for another timeout.
         record["masters_after_error"] = model.master_state_dict()
         record["scaler_after_error"] = scaler.state_dict()
         t0 = time.monotonic()
         try:
-            model.forward_backward(input_args=(rpd.shard(global_batch(it, cfg))[0],),
-                                   label=rpd.shard(global_batch(it, cfg))[1], loss_fn=loss_fn)
+            model.forward_backward(
+                input_args=(rpd.shard(global_batch(it, cfg))[0],),
+                label=rpd.shard(global_batch(it, cfg))[1],
+                loss_fn=loss_fn,
+            )
             model.step(lambda: (scaler.step(opt), opt.zero_grad()), is_async=False)
         except rpd.DataParallelError as again:
             record["error"]["again"] = str(again)

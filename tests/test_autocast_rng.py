@@ -33,22 +33,35 @@ class Probe(nn.Module):
         self.log, self.name, self.device_type = log, name, device_type
 
     def forward(self, x):
-        self.log.append((self.name, torch.is_autocast_enabled(self.device_type),
-                         torch.get_autocast_dtype(self.device_type),
-                         threading.current_thread().name))
+        self.log.append(
+            (
+                self.name,
+                torch.is_autocast_enabled(self.device_type),
+                torch.get_autocast_dtype(self.device_type),
+                threading.current_thread().name,
+            )
+        )
         return _RecordBackward.apply(self.lin(x), self.log, self.device_type)
 
 
 def _run(device_type, run_config=None, caller_autocast=None):
     log = []
     torch.manual_seed(0)
-    model = RoundPipe(nn.Sequential(Probe(log, "stage0", device_type),
-                                    Probe(log, "stage1", device_type)), devices="cpu:2",
-                      model_run_config=RoundPipeRunConfig(num_microbatch=2))
+    model = RoundPipe(
+        nn.Sequential(Probe(log, "stage0", device_type), Probe(log, "stage1", device_type)),
+        devices="cpu:2",
+        model_run_config=RoundPipeRunConfig(num_microbatch=2),
+    )
 
     def loss_fn(out, y):
-        log.append(("loss_fn", torch.is_autocast_enabled(device_type),
-                    torch.get_autocast_dtype(device_type), threading.current_thread().name))
+        log.append(
+            (
+                "loss_fn",
+                torch.is_autocast_enabled(device_type),
+                torch.get_autocast_dtype(device_type),
+                threading.current_thread().name,
+            )
+        )
         return out.float().pow(2).mean()
 
     x = torch.randn(4, 4)
@@ -81,8 +94,9 @@ def test_caller_autocast_in_forward_recompute_and_loss_fn_never_in_backward(pool
         if e[0] == "stage0":
             stage0_threads.add(e[3])
         else:
-            assert e[3] == ("roundpipe-worker-cpu#1" if pool_kind == "cpu"
-                            else "roundpipe-worker-emu:1"), e
+            assert e[3] == (
+                "roundpipe-worker-cpu#1" if pool_kind == "cpu" else "roundpipe-worker-emu:1"
+            ), e
     if pool_kind == "cpu":
         assert stage0_threads == {main}
     else:
@@ -99,8 +113,15 @@ def test_autocast_false_disables_and_dtype_enables(pool_kind):
 
 def dropout_net(seed=0):
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(6, 16), nn.Dropout(0.5), nn.Tanh(), nn.Linear(16, 16),
-                         nn.ReLU(), nn.Dropout(0.3), nn.Linear(16, 2))
+    return nn.Sequential(
+        nn.Linear(6, 16),
+        nn.Dropout(0.5),
+        nn.Tanh(),
+        nn.Linear(16, 16),
+        nn.ReLU(),
+        nn.Dropout(0.3),
+        nn.Linear(16, 2),
+    )
 
 
 def data():
@@ -111,9 +132,11 @@ def data():
 @pytest.mark.parametrize("recompute", [True, False])
 def test_one_microbatch_one_worker_matches_plain_pytorch_with_dropout(recompute):
     x, y = data()
-    model = RoundPipe(dropout_net(), devices="cpu",
-                      model_run_config=RoundPipeRunConfig(recompute=recompute,
-                                                          execute_plan=[2, 3, 2]))
+    model = RoundPipe(
+        dropout_net(),
+        devices="cpu",
+        model_run_config=RoundPipeRunConfig(recompute=recompute, execute_plan=[2, 3, 2]),
+    )
     torch.manual_seed(123)
     loss = model.forward_backward(input_args=(x,), label=y, loss_fn=F.cross_entropy)
     state_after = torch.get_rng_state()
@@ -132,9 +155,11 @@ def test_recompute_reproduces_masks_with_several_microbatches():
     x, y = data()
     grads = []
     for recompute in (True, False):
-        model = RoundPipe(dropout_net(), devices="cpu:2",
-                          model_run_config=RoundPipeRunConfig(num_microbatch=3,
-                                                              recompute=recompute))
+        model = RoundPipe(
+            dropout_net(),
+            devices="cpu:2",
+            model_run_config=RoundPipeRunConfig(num_microbatch=3, recompute=recompute),
+        )
         torch.manual_seed(5)
         model.forward_backward(input_args=(x,), label=y, loss_fn=F.cross_entropy)
         grads.append([m.grad for m in model.optim_parameters()])
@@ -143,8 +168,9 @@ def test_recompute_reproduces_masks_with_several_microbatches():
 
 
 def _train(devices, steps=3):
-    model = RoundPipe(dropout_net(), devices=devices,
-                      model_run_config=RoundPipeRunConfig(num_microbatch=3))
+    model = RoundPipe(
+        dropout_net(), devices=devices, model_run_config=RoundPipeRunConfig(num_microbatch=3)
+    )
     with OptimizerCtx():
         opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     torch.manual_seed(11)
@@ -186,9 +212,11 @@ def test_preserve_rng_state_covers_custom_random_layers():
     outs = []
     for devices in ("cpu", "cpu:3"):
         torch.manual_seed(0)
-        model = RoundPipe(nn.Sequential(Noise(), Noise(), Noise()), devices=devices,
-                          model_run_config=RoundPipeRunConfig(num_microbatch=3,
-                                                              preserve_rng_state=True))
+        model = RoundPipe(
+            nn.Sequential(Noise(), Noise(), Noise()),
+            devices=devices,
+            model_run_config=RoundPipeRunConfig(num_microbatch=3, preserve_rng_state=True),
+        )
         torch.manual_seed(3)
         with torch.no_grad():
             outs.append(model(torch.zeros(6, 2)))
@@ -231,8 +259,9 @@ def test_functional_randomness_is_identical_across_workers():
     x, y = data()
     grads = []
     for devices in ("cpu", "cpu:2", "cpu:3"):
-        model = RoundPipe(functional_net(), devices=devices,
-                          model_run_config=RoundPipeRunConfig(num_microbatch=3))
+        model = RoundPipe(
+            functional_net(), devices=devices, model_run_config=RoundPipeRunConfig(num_microbatch=3)
+        )
         for seed in (4, 5):  # the second call runs after the probe has classified the stages
             torch.manual_seed(seed)
             model.forward_backward(input_args=(x,), label=y, loss_fn=F.cross_entropy)
@@ -246,8 +275,8 @@ def test_an_rng_scope_can_be_entered_again_after_an_error():
     # checkpoint enters a stage's recompute scope once per recompute; if a recompute fails, a
     # later one enters the same object again and must start from the same state (a one-use
     # context manager reported that as AttributeError instead of the first error).
-    from roundpipe.runtime.rng import RNGState, rng_scope
     from roundpipe.devices import CPUBackend, WorkerDevice
+    from roundpipe.runtime.rng import RNGState, rng_scope
 
     torch.manual_seed(3)
     start = RNGState(torch.get_rng_state())
@@ -261,4 +290,3 @@ def test_an_rng_scope_can_be_entered_again_after_an_error():
     torch.set_rng_state(start.cpu)
     assert torch.equal(again, torch.rand(3))
     assert result.drew and torch.equal(result.end.cpu, torch.get_rng_state())
-

@@ -14,18 +14,43 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "bench_gpu.py"
-TIGHT = ["--layers", "1", "--dim", "16", "--heads", "2", "--seq", "8", "--vocab", "32",
-         "--batch", "4", "--iters", "1", "--warmup", "1"]
+TIGHT = [
+    "--layers",
+    "1",
+    "--dim",
+    "16",
+    "--heads",
+    "2",
+    "--seq",
+    "8",
+    "--vocab",
+    "32",
+    "--batch",
+    "4",
+    "--iters",
+    "1",
+    "--warmup",
+    "1",
+]
 VARIANTS = ("roundpipe", "plain PyTorch", "plain PyTorch + checkpoint")
-ROW = re.compile(r"^\| (roundpipe|plain PyTorch|plain PyTorch \+ checkpoint) \| (\d+) \| "
-                 r"([\d,]+) \| ([\d.]+) \| ([\d.]+) \| (\S+) \| (\S+) \|$", re.M)
+ROW = re.compile(
+    r"^\| (roundpipe|plain PyTorch|plain PyTorch \+ checkpoint) \| (\d+) \| "
+    r"([\d,]+) \| ([\d.]+) \| ([\d.]+) \| (\S+) \| (\S+) \|$",
+    re.M,
+)
 
 
 def run_bench(*args):
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env.pop("ROUNDPIPE_DEVICES", None)
-    proc = subprocess.run([sys.executable, str(SCRIPT), *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 0, f"bench_gpu.py failed:\n{proc.stdout}\n{proc.stderr}"
     return proc.stdout
 
@@ -34,11 +59,15 @@ def run_bench(*args):
 def test_tiny_mode_prints_the_three_variants_with_ratios(devices):
     out = run_bench("--devices", devices, "--microbatches", "1", "2", *TIGHT)
     assert f"NOT A GPU RUN: a tiny configuration on {devices}" in out
-    assert ("| variant | microbatches | tokens/s | vs plain PyTorch | vs plain PyTorch + checkpoint "
-            "| GPU peak GiB | host RSS peak GiB |") in out
+    assert (
+        "| variant | microbatches | tokens/s | vs plain PyTorch | vs plain PyTorch + checkpoint "
+        "| GPU peak GiB | host RSS peak GiB |"
+    ) in out
 
-    rows = {(name, int(m)): (float(tps.replace(",", "")), float(vs_plain), float(vs_ckpt), gpu, rss)
-            for name, m, tps, vs_plain, vs_ckpt, gpu, rss in ROW.findall(out)}
+    rows = {
+        (name, int(m)): (float(tps.replace(",", "")), float(vs_plain), float(vs_ckpt), gpu, rss)
+        for name, m, tps, vs_plain, vs_ckpt, gpu, rss in ROW.findall(out)
+    }
     assert set(rows) == {(name, m) for name in VARIANTS for m in (1, 2)}, out
     for m in (1, 2):
         rp, plain, ckpt = (rows[(name, m)] for name in VARIANTS)
@@ -62,18 +91,27 @@ def test_tiny_mode_prints_the_three_variants_with_ratios(devices):
     # The targets beside the measured values, the ratio the same as in the table.
     assert "[no GPU: not a measurement of the target]" in out
     for m in (1, 2):
-        line = re.search(rf"roundpipe / plain PyTorch \+ checkpoint, +{m} microbatches: "
-                         rf"([\d.]+)  \(target >= 0.85\)  (met|NOT met)", out)
+        line = re.search(
+            rf"roundpipe / plain PyTorch \+ checkpoint, +{m} microbatches: "
+            rf"([\d.]+)  \(target >= 0.85\)  (met|NOT met)",
+            out,
+        )
         assert line and float(line[1]) == rows[("roundpipe", m)][2], out
-    assert re.search(r"roundpipe tokens/s against 1 microbatches: 1: 1.000, 2: [\d.]+  "
-                     r"\(target: none below 0.95\)  (met|NOT met)", out), out
+    assert re.search(
+        r"roundpipe tokens/s against 1 microbatches: 1: 1.000, 2: [\d.]+  "
+        r"\(target: none below 0.95\)  (met|NOT met)",
+        out,
+    ), out
     if devices == "cpu":
         assert "GPU peak <= 2 stages + activations: n/a (no GPU memory to measure)" in out
     else:
         for m in (1, 2):
-            line = re.search(rf"roundpipe GPU peak, +{m} microbatches: ([\d.]+) GiB  \(target "
-                             rf"<= 2 stages [\d.]+ \+ activations [\d.]+ = [\d.]+ GiB\)  "
-                             rf"(met|NOT met)", out)
+            line = re.search(
+                rf"roundpipe GPU peak, +{m} microbatches: ([\d.]+) GiB  \(target "
+                rf"<= 2 stages [\d.]+ \+ activations [\d.]+ = [\d.]+ GiB\)  "
+                rf"(met|NOT met)",
+                out,
+            )
             assert line and line[1] == rows[("roundpipe", m)][3], out
 
 

@@ -45,8 +45,10 @@ def test_a_loss_fn_that_takes_the_microbatch_weights_uneven_splits_to_the_batch_
     for master, p in zip(model.optim_parameters(), ref.parameters()):
         assert torch.allclose(master.grad, p.grad, rtol=1e-5, atol=1e-7)
     assert sorted((mb.index, mb.size) for mb in seen) == [(0, 3), (1, 3), (2, 2), (3, 2)]
-    assert all(isinstance(mb, MicrobatchInfo) and mb.batch_size == 10 and mb.num_microbatch == 4
-               for mb in seen)
+    assert all(
+        isinstance(mb, MicrobatchInfo) and mb.batch_size == 10 and mb.num_microbatch == 4
+        for mb in seen
+    )
 
 
 def test_an_uneven_split_with_a_two_argument_loss_fn_warns_once_per_model():
@@ -57,18 +59,20 @@ def test_an_uneven_split_with_a_two_argument_loss_fn_warns_once_per_model():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         model.forward_backward(input_args=(x,), label=y, loss_fn=lambda o, t: F.mse_loss(o, t) / 4)
-        even = RoundPipe(_seq(), devices="cpu",
-                         model_run_config=RoundPipeRunConfig(num_microbatch=4))
+        even = RoundPipe(
+            _seq(), devices="cpu", model_run_config=RoundPipeRunConfig(num_microbatch=4)
+        )
         x8, y8 = _batch(8)
-        even.forward_backward(input_args=(x8,), label=y8,
-                              loss_fn=lambda o, t: F.mse_loss(o, t) / 4)
+        even.forward_backward(input_args=(x8,), label=y8, loss_fn=lambda o, t: F.mse_loss(o, t) / 4)
 
 
 @pytest.mark.parametrize("devices", POOLS)
 def test_a_call_stops_at_its_first_failure(devices):
     # loss_fn fails on microbatch 1 of 4: no loss_fn of a later microbatch runs, and the model
     # trains again afterwards.
-    model = RoundPipe(_seq(), devices=devices, model_run_config=RoundPipeRunConfig(num_microbatch=4))
+    model = RoundPipe(
+        _seq(), devices=devices, model_run_config=RoundPipeRunConfig(num_microbatch=4)
+    )
     x, y = _batch(8)
     calls = []
 
@@ -83,6 +87,7 @@ def test_a_call_stops_at_its_first_failure(devices):
     assert calls == [0, 1]
     assert all(m.grad is None for m in model.optim_parameters())
     calls.clear()
-    model.forward_backward(input_args=(x,), label=y,
-                           loss_fn=lambda o, t, mb: F.mse_loss(o, t) * mb.share)
+    model.forward_backward(
+        input_args=(x,), label=y, loss_fn=lambda o, t, mb: F.mse_loss(o, t) * mb.share
+    )
     assert all(m.grad is not None for m in model.optim_parameters())

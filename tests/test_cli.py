@@ -14,8 +14,13 @@ def run_cli(*args, env_extra=None, timeout=100):
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env.pop("ROUNDPIPE_DEVICES", None)
     env.update(env_extra or {})
-    return subprocess.run([sys.executable, "-m", "roundpipe", *args], capture_output=True, text=True,
-                          env=env, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "roundpipe", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout,
+    )
 
 
 def test_quick_self_check_passes_and_reports_the_environment():
@@ -27,8 +32,13 @@ def test_quick_self_check_passes_and_reports_the_environment():
     assert "device pool (default): " in out
     assert out.rstrip().splitlines()[-1].startswith("PASSED")
     assert "[FAIL]" not in out
-    for what in ("the loss went down", "ran on the optimizer thread", "hold the newest masters",
-                 "re-raised on the main thread", "usable after that error"):
+    for what in (
+        "the loss went down",
+        "ran on the optimizer thread",
+        "hold the newest masters",
+        "re-raised on the main thread",
+        "usable after that error",
+    ):
         assert what in out
 
 

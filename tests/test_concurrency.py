@@ -29,8 +29,11 @@ def _model(devices, parties, timeout):
     barrier = threading.Barrier(parties, timeout=timeout)
     # Stage s meets microbatch (parties-1-s): all at clock tick parties-1, on different workers.
     layers = [Meet(barrier, mark=float(parties - 1 - s)) for s in range(parties)]
-    return RoundPipe(nn.Sequential(*layers), devices=devices,
-                     model_run_config=RoundPipeRunConfig(num_microbatch=parties))
+    return RoundPipe(
+        nn.Sequential(*layers),
+        devices=devices,
+        model_run_config=RoundPipeRunConfig(num_microbatch=parties),
+    )
 
 
 def _batch(parties, offset=0.0):

@@ -20,8 +20,9 @@ class Embed(nn.Module):
 
     def forward(self, x, scale):
         h = self.proj(x)
-        return WithContext(h, {"scale": scale.unsqueeze(-1),
-                               "bias": torch.full((8,), 0.5, device=h.device)})
+        return WithContext(
+            h, {"scale": scale.unsqueeze(-1), "bias": torch.full((8,), 0.5, device=h.device)}
+        )
 
 
 class Block(nn.Module):
@@ -61,8 +62,9 @@ def test_context_reaches_later_layers_and_gradients_equal_plain_pytorch(devices,
     ref = copy.deepcopy(seq)
     x = torch.randn(8, 4, generator=torch.Generator().manual_seed(1))
     scale = torch.linspace(0.5, 2.0, 8)
-    model = RoundPipe(seq, devices=devices,
-                      model_run_config=RoundPipeRunConfig(num_microbatch=num_microbatch))
+    model = RoundPipe(
+        seq, devices=devices, model_run_config=RoundPipeRunConfig(num_microbatch=num_microbatch)
+    )
     loss = model.forward_backward(input_args=(x, scale), loss_fn=_loss)
     expected = _reference(ref, x, scale).square().sum()
     expected.backward()
@@ -77,8 +79,11 @@ def test_context_reaches_later_layers_and_gradients_equal_plain_pytorch(devices,
 @pytest.mark.parametrize("devices", ["cpu", "emu", "emu:2"])
 def test_the_recompute_sees_the_forwards_context_tensors(devices):
     Block.seen.clear()
-    model = RoundPipe(_seq(), devices=devices, model_run_config=RoundPipeRunConfig(
-        num_microbatch=2, execute_plan=[1, 1, 1, 2]))
+    model = RoundPipe(
+        _seq(),
+        devices=devices,
+        model_run_config=RoundPipeRunConfig(num_microbatch=2, execute_plan=[1, 1, 1, 2]),
+    )
     x = torch.randn(4, 4)
     model.forward_backward(input_args=(x, torch.ones(4)), loss_fn=_loss)
     # Stage 1's Block runs in the forward and again in its recompute, stage 3's (the last
@@ -103,8 +108,9 @@ def test_context_is_moved_once_per_device_and_microbatch(monkeypatch):
         return to_device(self, tree, after)
 
     monkeypatch.setattr(AcceleratorBackend, "to_device", recording)
-    model = RoundPipe(_seq(), devices="emu:2",
-                      model_run_config=RoundPipeRunConfig(num_microbatch=4))
+    model = RoundPipe(
+        _seq(), devices="emu:2", model_run_config=RoundPipeRunConfig(num_microbatch=4)
+    )
     model.forward_backward(input_args=(torch.randn(8, 4), torch.ones(8)), loss_fn=_loss)
     # The Blocks are stages 1 and 3, both on emu:1: each microbatch's context goes there once,
     # for the forward and the recompute of both.
@@ -115,8 +121,9 @@ def test_context_carries_no_gradient():
     class LeakyEmbed(Embed):
         def forward(self, x, scale):
             h = self.proj(x)
-            return WithContext(h, {"scale": (h[:, :1] * 0 + 1),
-                                   "bias": torch.zeros(8, device=h.device)})
+            return WithContext(
+                h, {"scale": (h[:, :1] * 0 + 1), "bias": torch.zeros(8, device=h.device)}
+            )
 
     seq = nn.Sequential(LeakyEmbed(), Block(), nn.Linear(8, 1))
     model = RoundPipe(seq, devices="cpu:2", model_run_config=RoundPipeRunConfig(num_microbatch=2))

@@ -33,8 +33,12 @@ def _peak(num_stages, num_microbatch, iterations=2, devices="emu", dtype=torch.f
     gc.collect()  # earlier models' device tensors
     torch.manual_seed(0)
     seq = nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(num_stages)]).to(dtype)
-    model = RoundPipe(seq, optim_dtype=torch.float32, devices=devices,
-                      model_run_config=RoundPipeRunConfig(num_microbatch=num_microbatch, **cfg))
+    model = RoundPipe(
+        seq,
+        optim_dtype=torch.float32,
+        devices=devices,
+        model_run_config=RoundPipeRunConfig(num_microbatch=num_microbatch, **cfg),
+    )
     with OptimizerCtx():
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
     x = torch.randn(ROWS * num_microbatch, WIDTH, generator=torch.Generator().manual_seed(1))
@@ -42,12 +46,15 @@ def _peak(num_stages, num_microbatch, iterations=2, devices="emu", dtype=torch.f
         model.synchronize()
         base = memory.memory_allocated(0)
         memory.reset_peak_memory_stats(0)
-        model.forward_backward(input_args=(x.to(dtype),),
-                               loss_fn=lambda out, _: out.float().square().mean())
+        model.forward_backward(
+            input_args=(x.to(dtype),), loss_fn=lambda out, _: out.float().square().mean()
+        )
         model.step(lambda: (opt.step(), opt.zero_grad()))
     model.synchronize()
-    return (memory.max_memory_allocated(0) - base,
-            [p.detach().clone() for p in model.optim_parameters()])
+    return (
+        memory.max_memory_allocated(0) - base,
+        [p.detach().clone() for p in model.optim_parameters()],
+    )
 
 
 def test_device_memory_is_counted_per_storage_until_torch_frees_it(capacity):
@@ -64,8 +71,11 @@ def test_device_memory_is_counted_per_storage_until_torch_frees_it(capacity):
     capacity(base + 6000)
     assert memory.mem_get_info(1) == (6000, base + 6000)
     kept = torch.ones(1000, device="emu:1")
-    with pytest.raises(torch.OutOfMemoryError, match=r"emu:1 out of memory: tried to allocate "
-                                                     r"4000 bytes"):
+    with pytest.raises(
+        torch.OutOfMemoryError,
+        match=r"emu:1 out of memory: tried to allocate "
+        r"4000 bytes",
+    ):
         torch.ones(1000, device="emu:1")
     assert memory.memory_allocated(1) == base + 4000
     del kept

@@ -5,7 +5,14 @@ import threading
 import pytest
 import torch
 
-from roundpipe.devices import DevicePool, Future, WorkerDevice, get_worker, parse_devices, resolve_devices
+from roundpipe.devices import (
+    DevicePool,
+    Future,
+    WorkerDevice,
+    get_worker,
+    parse_devices,
+    resolve_devices,
+)
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -52,6 +59,7 @@ def test_worker_runs_in_order_and_reraises():
 
     def fail():
         raise err
+
     bad = worker.submit(fail)
     after = worker.submit(lambda: threading.current_thread().name)
     assert after.result() == "roundpipe-worker-cpu#7"
@@ -114,7 +122,7 @@ def test_accelerator_backend_writes_back_batchnorm_stats(kind):
 
     run(write_back=False)  # a recompute: its update is dropped
     assert bn.num_batches_tracked.item() == 0
-    run(write_back=True)   # a forward run
+    run(write_back=True)  # a forward run
     assert bn.num_batches_tracked.item() == 1
     torch.testing.assert_close(bn.running_mean, 0.1 * x.mean(0))
     bn.eval()
@@ -127,12 +135,14 @@ def test_accelerator_backend_writes_back_batchnorm_stats(kind):
 @pytest.mark.parametrize("kind", ACCELERATORS)
 def test_accelerator_forward_backward_matches_cpu(kind):
     from roundpipe import RoundPipe, RoundPipeRunConfig
+
     grads = []
     for devices in ("cpu", kind):
         torch.manual_seed(0)
         seq = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
-        model = RoundPipe(seq, devices=devices,
-                          model_run_config=RoundPipeRunConfig(num_microbatch=2))
+        model = RoundPipe(
+            seq, devices=devices, model_run_config=RoundPipeRunConfig(num_microbatch=2)
+        )
         x = torch.randn(4, 4, generator=torch.Generator().manual_seed(1))
         loss = model.forward_backward(input_args=(x,), loss_fn=lambda o, _: o.pow(2).sum())
         assert loss.device.type == "cpu"
@@ -146,13 +156,16 @@ def test_emu_installed_after_a_backward_says_how_to_install_it_first():
     import subprocess
     import sys
 
-    code = ("import torch\n"
-            "w = torch.ones(2, requires_grad=True); (w * 2).sum().backward()\n"
-            "from roundpipe import RoundPipe\n"
-            "RoundPipe(torch.nn.Sequential(torch.nn.Linear(2, 2)), devices='emu')\n")
+    code = (
+        "import torch\n"
+        "w = torch.ones(2, requires_grad=True); (w * 2).sum().backward()\n"
+        "from roundpipe import RoundPipe\n"
+        "RoundPipe(torch.nn.Sequential(torch.nn.Linear(2, 2)), devices='emu')\n"
+    )
     env = {k: v for k, v in __import__("os").environ.items() if k != "ROUNDPIPE_DEVICES"}
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=120, env=env)
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env
+    )
     assert proc.returncode == 1
     assert "installed after this process's first backward()" in proc.stderr
     assert "ROUNDPIPE_DEVICES=emu" in proc.stderr

@@ -21,8 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-import roundpipe
-from roundpipe import GradScaler, OptimizerCtx, RoundPipe
+from roundpipe import RoundPipe
 from roundpipe import distributed as rpd
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -31,8 +30,10 @@ import dp_worker  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).resolve().parent / "dp_worker.py"
 
-pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
-                                reason="torch.distributed with gloo is needed")
+pytestmark = pytest.mark.skipif(
+    not dist.is_available() or not dist.is_gloo_available(),
+    reason="torch.distributed with gloo is needed",
+)
 
 
 def free_port():
@@ -42,9 +43,18 @@ def free_port():
 
 
 def rank_env(rank, world, port):
-    return dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo",
-                PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    return dict(
+        os.environ,
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        GLOO_SOCKET_IFNAME="lo",
+        PYTHONPATH=str(ROOT),
+        OMP_NUM_THREADS="1",
+        PYTHONUNBUFFERED="1",
+    )
 
 
 def run_ranks(world, cfg, tmp_path, deadline=90.0, expect_exit=None):
@@ -54,10 +64,16 @@ def run_ranks(world, cfg, tmp_path, deadline=90.0, expect_exit=None):
     procs = []
     try:
         for rank in range(world):
-            procs.append(subprocess.Popen(
-                [sys.executable, str(WORKER), json.dumps(cfg)], cwd=ROOT,
-                env=rank_env(rank, world, port), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                text=True))
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, str(WORKER), json.dumps(cfg)],
+                    cwd=ROOT,
+                    env=rank_env(rank, world, port),
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                )
+            )
         end = time.monotonic() + deadline
         outcome = {}
         for rank, p in enumerate(procs):
@@ -134,7 +150,9 @@ def test_an_overflow_on_one_rank_skips_the_step_on_every_rank(tmp_path, optimize
     reference = dp_worker.train({**cfg, "inf_rank": None})  # one process, the same overflow
     assert reference["skipped"][2] is True
     for rec in records.values():
-        assert rec["skipped"] == reference["skipped"]  # rank 0 skipped step 2 although its grads were finite
+        assert (
+            rec["skipped"] == reference["skipped"]
+        )  # rank 0 skipped step 2 although its grads were finite
         assert rec["scaler"] == reference["scaler"]
         assert rec["scales"] == reference["scales"]
         assert_close_to(reference, rec)
@@ -152,8 +170,9 @@ def test_a_checkpoint_of_two_ranks_resumes_on_three(tmp_path):
     run_ranks(2, cfg, first_dir)
     ckpt = first_dir / "ckpt.pt"
     assert ckpt.exists()
-    records, _ = run_ranks(3, {**cfg, "steps": 2 * n, "save_after": None, "resume": str(ckpt)},
-                           second_dir)
+    records, _ = run_ranks(
+        3, {**cfg, "steps": 2 * n, "save_after": None, "resume": str(ckpt)}, second_dir
+    )
     reference = dp_worker.train({**cfg, "steps": 2 * n, "save_after": None})
     assert_bitwise_equal_across_ranks(records)
     for rec in records.values():
@@ -161,7 +180,8 @@ def test_a_checkpoint_of_two_ranks_resumes_on_three(tmp_path):
         assert_close_to(reference, rec)
         assert rec["scaler"] == reference["scaler"]
         assert {k: v for k, v in rec["scales"].items()} == {
-            k: v for k, v in reference["scales"].items() if k >= n}
+            k: v for k, v in reference["scales"].items() if k >= n
+        }
 
 
 @pytest.mark.timeout(180)
@@ -198,9 +218,11 @@ def test_a_failed_rank_ends_the_others_with_a_clear_error(tmp_path, how, world):
 @pytest.mark.timeout(120)
 def test_ranks_that_built_different_models_are_told_so(tmp_path):
     cfg = {"steps": 2, "by_rank": {"1": {"hidden": 24}}}
-    records, outcome = run_ranks(2, cfg, tmp_path, deadline=60.0, expect_exit={0: "fail", 1: "fail"})
+    records, outcome = run_ranks(
+        2, cfg, tmp_path, deadline=60.0, expect_exit={0: "fail", 1: "fail"}
+    )
     assert records == {}
-    for rank, (code, err) in outcome.items():
+    for _rank, (code, err) in outcome.items():
         assert code != 0
         assert "ValueError" in err and "the ranks built different models" in err, err
 
@@ -208,13 +230,38 @@ def test_ranks_that_built_different_models_are_told_so(tmp_path):
 @pytest.mark.timeout(120)
 def test_the_example_under_torchrun(tmp_path):
     port = free_port()
-    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1",
-               PYTHONUNBUFFERED="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
-           "--master-addr", "127.0.0.1", "--master-port", str(port),
-           str(ROOT / "examples" / "data_parallel.py"), "--steps", "40"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    env = dict(
+        os.environ,
+        GLOO_SOCKET_IFNAME="lo",
+        PYTHONPATH=str(ROOT),
+        OMP_NUM_THREADS="1",
+        PYTHONUNBUFFERED="1",
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "1",
+        "--nproc-per-node",
+        "2",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(port),
+        str(ROOT / "examples" / "data_parallel.py"),
+        "--steps",
+        "40",
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         out, err = proc.communicate(timeout=100)
     finally:
@@ -228,11 +275,20 @@ def test_the_example_under_torchrun(tmp_path):
 
 
 def test_the_example_without_torchrun_trains_as_one_rank():
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK",
-                                                            "MASTER_ADDR", "MASTER_PORT")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    }
     env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "data_parallel.py"), "--steps", "20"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=100)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "data_parallel.py"), "--steps", "20"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
     # Before: torch's "environment variable RANK expected, but not set" traceback.
     assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}"
     assert "not started by torchrun" in proc.stdout and "torchrun --standalone" in proc.stdout
@@ -244,17 +300,24 @@ def test_the_example_without_torchrun_trains_as_one_rank():
 
 
 def test_plan_buckets_caps_bytes_per_dtype_and_keeps_order():
-    tensors = [("a", torch.zeros(10)), ("b", torch.zeros(10)), ("h", torch.zeros(4, dtype=torch.float16)),
-               ("c", torch.zeros(30)), ("d", torch.zeros(5))]
+    tensors = [
+        ("a", torch.zeros(10)),
+        ("b", torch.zeros(10)),
+        ("h", torch.zeros(4, dtype=torch.float16)),
+        ("c", torch.zeros(30)),
+        ("d", torch.zeros(5)),
+    ]
     buckets = rpd.plan_buckets(tensors, cap_bytes=80)
     assert [(b.dtype, b.names) for b in buckets] == [
-        (torch.float32, ("a", "b")),     # 80 bytes: full
-        (torch.float32, ("c",)),         # 120 bytes: larger than the cap, alone
+        (torch.float32, ("a", "b")),  # 80 bytes: full
+        (torch.float32, ("c",)),  # 120 bytes: larger than the cap, alone
         (torch.float16, ("h",)),
         (torch.float32, ("d",)),
     ]
     assert buckets[0].offsets == (0, 10) and buckets[0].numel == 20
-    assert [tensors[i][0] for b in buckets for i in b.index] == [n for b in buckets for n in b.names]
+    assert [tensors[i][0] for b in buckets for i in b.index] == [
+        n for b in buckets for n in b.names
+    ]
     assert "float32, 80 bytes: a, b" in str(buckets[0])
     with pytest.raises(ValueError, match="positive number of bytes"):
         rpd.plan_buckets(tensors, cap_bytes=0)
@@ -274,9 +337,12 @@ def test_without_a_process_group_the_calls_say_what_to_do():
 def test_init_process_group_without_torchrun_names_the_command(monkeypatch):
     for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(var, raising=False)
-    with pytest.raises(RuntimeError, match=r"found no torchrun environment \(RANK, WORLD_SIZE, "
-                                           r"MASTER_ADDR, MASTER_PORT not set\).*`torchrun "
-                                           r"--standalone --nproc-per-node 2 .*`.*store="):
+    with pytest.raises(
+        RuntimeError,
+        match=r"found no torchrun environment \(RANK, WORLD_SIZE, "
+        r"MASTER_ADDR, MASTER_PORT not set\).*`torchrun "
+        r"--standalone --nproc-per-node 2 .*`.*store=",
+    ):
         rpd.init_process_group(timeout=5)
     assert not dist.is_initialized()
 
@@ -284,8 +350,13 @@ def test_init_process_group_without_torchrun_names_the_command(monkeypatch):
 @pytest.fixture
 def group_of_one(tmp_path):
     assert not dist.is_initialized(), "a process group leaked from an earlier test"
-    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0,
-                            world_size=1, timeout=rpd._as_timedelta(10))
+    dist.init_process_group(
+        "gloo",
+        store=dist.FileStore(str(tmp_path / "store"), 1),
+        rank=0,
+        world_size=1,
+        timeout=rpd._as_timedelta(10),
+    )
     try:
         yield
     finally:
@@ -335,8 +406,11 @@ def test_a_parameter_no_rank_used_keeps_no_gradient(group_of_one):
     dp = rpd.DataParallel(model)
     try:
         masters = dict(model.optim_named_parameters())
-        model.forward_backward(input_args=(torch.randn(2, 4),), label=torch.tensor([0, 1]),
-                               loss_fn=lambda out, y: torch.nn.functional.cross_entropy(out, y))
+        model.forward_backward(
+            input_args=(torch.randn(2, 4),),
+            label=torch.tensor([0, 1]),
+            loss_fn=lambda out, y: torch.nn.functional.cross_entropy(out, y),
+        )
         masters["0.bias"].grad = None  # as if no rank had used it
         before = masters["1.weight"].grad.clone()
         seen = {}

@@ -94,9 +94,11 @@ def test_no_text_sends_a_user_to_the_package_index_for_roundpipe():
     """A different project has the name roundpipe on the package index: installs are from the
     checkout (``pip install -e ".[extra]"``), in the README, the docs, messages and docstrings."""
     index_install = re.compile(r"pip3? install\s+(?:-U\s+|--upgrade\s+)?[\"']?roundpipe\b")
-    offenders = [f"{path.relative_to(ROOT)}: {m.group(0)}"
-                 for path, text in _project_text_files(with_tests=False)
-                 for m in index_install.finditer(text)]
+    offenders = [
+        f"{path.relative_to(ROOT)}: {m.group(0)}"
+        for path, text in _project_text_files(with_tests=False)
+        for m in index_install.finditer(text)
+    ]
     assert not offenders, "\n".join(offenders)
 
 
@@ -111,11 +113,15 @@ def test_links_to_a_section_name_a_heading_of_that_page():
 
 
 def test_benchmarks_page_is_assembled_from_the_current_results():
-    spec = importlib.util.spec_from_file_location("gen_benchmarks", ROOT / "docs" / "gen_benchmarks.py")
+    spec = importlib.util.spec_from_file_location(
+        "gen_benchmarks", ROOT / "docs" / "gen_benchmarks.py"
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     page = (ROOT / "docs" / "benchmarks.md").read_text()
-    assert page == module.render(), "docs/benchmarks.md is out of date: run `python docs/gen_benchmarks.py`"
+    assert page == module.render(), (
+        "docs/benchmarks.md is out of date: run `python docs/gen_benchmarks.py`"
+    )
     for section in ("## GradScaler", "## roundpipe.optim", "## Runtime"):
         assert section in page
 
@@ -135,11 +141,16 @@ def _run_readme_loop(monkeypatch, devices):
     code = code.replace(placeholder, "seq_model = make_model()")
     torch.manual_seed(0)
     gen = torch.Generator().manual_seed(1)
-    loader = [(torch.randn(8, 4, generator=gen), torch.randint(0, 3, (8,), generator=gen)) for _ in range(6)]
+    loader = [
+        (torch.randn(8, 4, generator=gen), torch.randint(0, 3, (8,), generator=gen))
+        for _ in range(6)
+    ]
     holder = {}
 
     def make_model():
-        holder["model"] = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+        holder["model"] = torch.nn.Sequential(
+            torch.nn.Linear(4, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3)
+        )
         holder["before"] = [p.detach().clone() for p in holder["model"].parameters()]
         return holder["model"]
 
@@ -169,7 +180,9 @@ def test_the_readme_loop_runs_as_written_on_cpu_and_on_the_emulated_accelerator(
     # The same loop, unchanged, on one CPU worker and on one and two emulated devices (which
     # reject host tensors and run backward off the calling thread, as CUDA does): the trained
     # parameters are the same bit for bit.
-    results = {devices: _run_readme_loop(monkeypatch, devices) for devices in ("cpu", "emu", "emu:2")}
+    results = {
+        devices: _run_readme_loop(monkeypatch, devices) for devices in ("cpu", "emu", "emu:2")
+    }
     for devices in ("emu", "emu:2"):
         for a, b in zip(results["cpu"], results[devices]):
             assert torch.equal(a, b), devices
@@ -181,8 +194,12 @@ def test_every_cited_note_is_written_once():
     # moves between files).
     note = re.compile(r"\[Note: ([^\]]+)\]")
     header = re.compile(r"^\s*(?:# )?\[Note: ([^\]]+)\]\s*$", re.MULTILINE)
-    files = [*sorted((ROOT / "roundpipe").rglob("*.py")), *sorted((ROOT / "docs").glob("*.md")),
-             ROOT / "README.md", *sorted((ROOT / "tests").glob("*.py"))]
+    files = [
+        *sorted((ROOT / "roundpipe").rglob("*.py")),
+        *sorted((ROOT / "docs").glob("*.md")),
+        ROOT / "README.md",
+        *sorted((ROOT / "tests").glob("*.py")),
+    ]
     written, cited = {}, set()
     for path in files:
         text = path.read_text()

@@ -12,7 +12,6 @@ from torch import nn
 from roundpipe import OptimizerCtx, RoundPipe, RoundPipeRunConfig
 from roundpipe.devices import AcceleratorBackend
 from roundpipe.runtime import grad_router
-from roundpipe.testing import emu
 from roundpipe.testing.emu import StreamOrderError
 
 EMU = torch.device("emu:0")
@@ -37,8 +36,11 @@ def test_a_read_of_another_streams_write_needs_an_event():
     side = _side_stream()
     with side:
         y = x * 2
-    with pytest.raises(StreamOrderError, match=r"aten.add.Tensor on stream 0 uses memory "
-                                               r"written by aten.mul.Tensor on stream \d+"):
+    with pytest.raises(
+        StreamOrderError,
+        match=r"aten.add.Tensor on stream 0 uses memory "
+        r"written by aten.mul.Tensor on stream \d+",
+    ):
         y + 1
     _current_waits_for(side)
     assert (y + 1).sum().item() == 24
@@ -160,11 +162,15 @@ def test_a_copy_between_devices_orders_both_current_streams():
 
 def _train(devices, offload=False, steps=2, inputs_on=None):
     torch.manual_seed(0)
-    seq = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 8),
-                        nn.Tanh(), nn.Linear(8, 3))
-    model = RoundPipe(copy.deepcopy(seq), optim_dtype=torch.float32, devices=devices,
-                      model_run_config=RoundPipeRunConfig(num_microbatch=4,
-                                                          offload_activations=offload))
+    seq = nn.Sequential(
+        nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3)
+    )
+    model = RoundPipe(
+        copy.deepcopy(seq),
+        optim_dtype=torch.float32,
+        devices=devices,
+        model_run_config=RoundPipeRunConfig(num_microbatch=4, offload_activations=offload),
+    )
     with OptimizerCtx():
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
     gen = torch.Generator().manual_seed(1)
@@ -173,8 +179,9 @@ def _train(devices, offload=False, steps=2, inputs_on=None):
         x, y = torch.randn(16, 4, generator=gen), torch.randint(0, 3, (16,), generator=gen)
         if inputs_on is not None:  # made by the caller on its own stream
             x = x.to(inputs_on)
-        loss = model.forward_backward(input_args=(x,), label=y,
-                                      loss_fn=lambda out, lbl: nn.functional.cross_entropy(out, lbl))
+        loss = model.forward_backward(
+            input_args=(x,), label=y, loss_fn=lambda out, lbl: nn.functional.cross_entropy(out, lbl)
+        )
         losses.append(float(loss))
         model.step(lambda: (opt.step(), opt.zero_grad()))
     model.synchronize()
@@ -216,12 +223,16 @@ def _moves_without_host_wait(pairs, arrived=None):
         master.grad = grad.to(master.dtype)
 
 
-@pytest.mark.parametrize("devices, offload, method, broken", [
-    ("emu", False, "begin_call", lambda self: None),  # inputs made on the caller's stream
-    ("emu", False, "adopt", _without_prefetch_wait),
-    ("emu", True, "reload", _without_reload_wait),
-    ("emu:2", False, "to_device", _without_producer_wait),
-], ids=["caller-stream", "prefetch", "offload-reload", "device-hand-off"])
+@pytest.mark.parametrize(
+    "devices, offload, method, broken",
+    [
+        ("emu", False, "begin_call", lambda self: None),  # inputs made on the caller's stream
+        ("emu", False, "adopt", _without_prefetch_wait),
+        ("emu", True, "reload", _without_reload_wait),
+        ("emu:2", False, "to_device", _without_producer_wait),
+    ],
+    ids=["caller-stream", "prefetch", "offload-reload", "device-hand-off"],
+)
 def test_each_runtime_ordering_is_needed(monkeypatch, devices, offload, method, broken):
     # The check would catch the runtime losing any of its waits: drop one, and the run races.
     monkeypatch.setattr(AcceleratorBackend, method, broken)

@@ -7,7 +7,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -18,9 +17,15 @@ def run_example(name, *args, timeout=100, env=None, expect_rc=0, devices=None):
         env["ROUNDPIPE_DEVICES"] = devices
     proc = subprocess.run(
         [sys.executable, str(ROOT / "examples" / name), *map(str, args)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout,
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
-    assert proc.returncode == expect_rc, f"{name} exited with {proc.returncode}:\n{proc.stdout}\n{proc.stderr}"
+    assert proc.returncode == expect_rc, (
+        f"{name} exited with {proc.returncode}:\n{proc.stdout}\n{proc.stderr}"
+    )
     return proc.stdout, proc.stderr
 
 
@@ -41,8 +46,12 @@ def test_scaler_dropin_matches_torch():
     assert "same scale sequence: True" in out
     assert "same skipped steps: True" in out
     assert "bitwise identical parameters: True" in out
-    skipped = re.search(r"skipped steps: torch (\d+), roundpipe (\d+) \(roundpipe's own count: (\d+)\)", out)
-    assert skipped and int(skipped[1]) == int(skipped[2]) == int(skipped[3]) > 0  # overflows happened
+    skipped = re.search(
+        r"skipped steps: torch (\d+), roundpipe (\d+) \(roundpipe's own count: (\d+)\)", out
+    )
+    assert (
+        skipped and int(skipped[1]) == int(skipped[2]) == int(skipped[3]) > 0
+    )  # overflows happened
     assert "DROP-IN OK" in out
     assert "it/s" in err or "s/it" in err  # the tqdm progress bar
 
@@ -61,17 +70,22 @@ def test_digits_classifier_learns_and_plots(tmp_path):
 def test_digits_classifier_plot_without_matplotlib_stops_before_training(tmp_path):
     # A matplotlib package that cannot be imported, ahead of the real one on the path.
     (tmp_path / "matplotlib").mkdir()
-    (tmp_path / "matplotlib" / "__init__.py").write_text("raise ImportError('no matplotlib here')\n")
+    (tmp_path / "matplotlib" / "__init__.py").write_text(
+        "raise ImportError('no matplotlib here')\n"
+    )
     path = os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))
     env = dict(os.environ, PYTHONPATH=path)
-    out, err = run_example("digits_classifier.py", "--steps", 5, "--plot", tmp_path / "x.png",
-                           env=env, expect_rc=2)
+    out, err = run_example(
+        "digits_classifier.py", "--steps", 5, "--plot", tmp_path / "x.png", env=env, expect_rc=2
+    )
     assert "--plot needs matplotlib" in err and "pip install matplotlib" in err
     assert "training" not in err and "test accuracy" not in out  # nothing ran before the check
 
 
 def test_digits_classifier_clips_and_schedules_in_the_step_function():
-    out, err = run_example("digits_classifier.py", "--steps", 60, "--clip", 0.5, "--lr-schedule", "cosine")
+    out, err = run_example(
+        "digits_classifier.py", "--steps", 60, "--clip", 0.5, "--lr-schedule", "cosine"
+    )
     clipped = re.search(r"clipped to 0.5 in (\d+) of (\d+) steps", out)
     assert clipped and 0 < int(clipped[1]) <= int(clipped[2]) <= 60, out
     assert float(re.search(r"median ([0-9.]+)", out)[1]) > 0  # real gradients, not the model's None
@@ -80,7 +94,9 @@ def test_digits_classifier_clips_and_schedules_in_the_step_function():
 
 
 def test_digits_classifier_bf16_on_two_workers():
-    out, _ = run_example("digits_classifier.py", "--steps", 100, "--dtype", "bf16", "--devices", "cpu:2")
+    out, _ = run_example(
+        "digits_classifier.py", "--steps", 100, "--dtype", "bf16", "--devices", "cpu:2"
+    )
     assert "cpu#0, cpu#1" in out
     assert float(re.search(r"test accuracy: ([0-9.]+)", out)[1]) > 0.5
 
@@ -97,8 +113,20 @@ def _iteration_losses(out):
     return dict(re.findall(r"^iteration (\d+) loss \S+ (\S+)$", out, flags=re.M))
 
 
-TINY = ["--print-every", 1, "--sample", 0, "--corpus-bytes", 200_000,
-        "--dim", 32, "--context", 32, "--batch-size", 8]
+TINY = [
+    "--print-every",
+    1,
+    "--sample",
+    0,
+    "--corpus-bytes",
+    200_000,
+    "--dim",
+    32,
+    "--context",
+    32,
+    "--batch-size",
+    8,
+]
 
 
 def test_tiny_lm_resume_with_steps_not_past_the_checkpoint_says_so(tmp_path):
@@ -133,14 +161,27 @@ def test_tiny_lm_resume_continues_exactly_as_the_uninterrupted_run(tmp_path):
 
 
 def test_tiny_lm_on_two_emulated_devices_resumes_exactly(tmp_path):
-    small = ["--print-every", 1, "--sample", 0, "--corpus-bytes", 100_000,
-             "--dim", 16, "--context", 16, "--batch-size", 4]
+    small = [
+        "--print-every",
+        1,
+        "--sample",
+        0,
+        "--corpus-bytes",
+        100_000,
+        "--dim",
+        16,
+        "--context",
+        16,
+        "--batch-size",
+        4,
+    ]
     n = 2
     full, _ = run_example("tiny_lm.py", "--steps", 2 * n, *small, devices="emu:2")
     ckpt = tmp_path / "ckpt.pt"
     run_example("tiny_lm.py", "--steps", n, "--save", ckpt, *small, devices="emu:2")
-    second, _ = run_example("tiny_lm.py", "--steps", 2 * n, "--resume", ckpt, *small,
-                            devices="emu:2")
+    second, _ = run_example(
+        "tiny_lm.py", "--steps", 2 * n, "--resume", ckpt, *small, devices="emu:2"
+    )
     digest = lambda out: re.search(r"params sha256: (\w+)", out)[1]  # noqa: E731
     assert digest(second) == digest(full)
     assert sorted(map(int, _iteration_losses(second))) == list(range(n, 2 * n))

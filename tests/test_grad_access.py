@@ -20,8 +20,9 @@ from roundpipe.grad_access import MasterParameter
 
 def _batches(n):
     g = torch.Generator().manual_seed(7)
-    data = [(torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g))
-            for _ in range(4)]
+    data = [
+        (torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g)) for _ in range(4)
+    ]
     return [data[k % 4] for k in range(n)]  # epochs of four batches: the loss must fall
 
 
@@ -34,8 +35,11 @@ def _train(devices, position, batches):
     the losses and the masters as every step left them (recorded by the step itself, on the
     optimizer thread, so the record adds no wait on the main thread)."""
     torch.manual_seed(0)
-    model = RoundPipe(nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3)),
-                      devices=devices, model_run_config=RoundPipeRunConfig(num_microbatch=2))
+    model = RoundPipe(
+        nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3)),
+        devices=devices,
+        model_run_config=RoundPipeRunConfig(num_microbatch=2),
+    )
     with OptimizerCtx():
         opt = torch.optim.AdamW(model.parameters(), lr=0.05)
     stepped, losses = [], []
@@ -80,7 +84,10 @@ def test_zero_grad_anywhere_in_the_loop_trains_as_the_documented_loop(devices):
                 losses, stepped = _train(devices, position, batches)
                 assert losses == reference_losses, (position, repeat)
                 assert len(stepped) == iterations, (position, repeat)  # every step ran
-                assert all(torch.equal(a, b) for a, b in zip(stepped, reference)), (position, repeat)
+                assert all(torch.equal(a, b) for a, b in zip(stepped, reference)), (
+                    position,
+                    repeat,
+                )
             # Cleared between forward_backward and the step, as in plain PyTorch: nothing trains.
             losses, stepped = _train(devices, "between", batches)
             assert all(torch.equal(s, stepped[0]) for s in stepped) and len(stepped) == iterations
@@ -115,8 +122,11 @@ def test_main_thread_access_waits_for_pending_work_then_warns(opens_the_queue_wh
         master.grad = torch.full((3,), 2.0)
 
     optim_thread.launch(step)
-    with pytest.warns(UserWarning, match=r"master parameter was read on thread 'MainThread' "
-                                         r"while work launched.*inside the step function") as rec:
+    with pytest.warns(
+        UserWarning,
+        match=r"master parameter was read on thread 'MainThread' "
+        r"while work launched.*inside the step function",
+    ) as rec:
         grad = master.grad
     assert torch.equal(grad, torch.full((3,), 2.0))  # what the step wrote: it waited
     assert waits == ["MainThread"]
@@ -161,10 +171,12 @@ def test_no_wait_and_no_warning_on_the_optimizer_thread_or_with_nothing_pending(
 
 @pytest.mark.parametrize("kind", ["default", "foreach", "fused", "roundpipe"])
 def test_masters_step_like_plain_parameters_with_every_optimizer_path(kind):
-    make = {"default": lambda ps: torch.optim.AdamW(ps, lr=0.1),
-            "foreach": lambda ps: torch.optim.AdamW(ps, lr=0.1, foreach=True),
-            "fused": lambda ps: torch.optim.AdamW(ps, lr=0.1, fused=True),
-            "roundpipe": lambda ps: roundpipe.optim.AdamW(ps, lr=0.1)}[kind]
+    make = {
+        "default": lambda ps: torch.optim.AdamW(ps, lr=0.1),
+        "foreach": lambda ps: torch.optim.AdamW(ps, lr=0.1, foreach=True),
+        "fused": lambda ps: torch.optim.AdamW(ps, lr=0.1, fused=True),
+        "roundpipe": lambda ps: roundpipe.optim.AdamW(ps, lr=0.1),
+    }[kind]
     g = torch.Generator().manual_seed(3)
     values = [torch.randn(5, 4, generator=g), torch.randn(4, generator=g)]
     grads = [[torch.randn_like(v) for v in values] for _ in range(3)]
@@ -208,7 +220,9 @@ def test_the_model_masters_are_guarded_and_the_model_param_are_not_replaced():
     assert model.module is seq
 
 
-def test_optimizer_state_dict_on_the_main_thread_waits_for_a_running_step(opens_the_queue_when_waited):
+def test_optimizer_state_dict_on_the_main_thread_waits_for_a_running_step(
+    opens_the_queue_when_waited,
+):
     release, waits = opens_the_queue_when_waited
     model = RoundPipe(nn.Sequential(nn.Linear(3, 2)))
     with OptimizerCtx():
@@ -241,8 +255,10 @@ def test_a_step_with_no_gradient_warns_that_it_changes_nothing():
 
 def _clip_data():
     g = torch.Generator().manual_seed(11)
-    return [(torch.randn(8, 6, generator=g) * 4, torch.randint(0, 3, (8,), generator=g))
-            for _ in range(6)]
+    return [
+        (torch.randn(8, 6, generator=g) * 4, torch.randint(0, 3, (8,), generator=g))
+        for _ in range(6)
+    ]
 
 
 def _clip_net():
@@ -286,8 +302,9 @@ def test_clipping_and_a_scheduler_in_the_step_function_match_plain_pytorch():
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the documented place: nothing to warn about
         for x, y in data:
-            model.forward_backward(input_args=(x,), label=y,
-                                   loss_fn=lambda o, l: scaler.scale(_loss_fn(o, l)))
+            model.forward_backward(
+                input_args=(x,), label=y, loss_fn=lambda o, l: scaler.scale(_loss_fn(o, l))
+            )
             model.step(step_fn, is_async=False)  # zero-stale: comparable with plain PyTorch
             scaler.update()
         model.synchronize()
@@ -299,8 +316,9 @@ def test_clipping_and_a_scheduler_in_the_step_function_match_plain_pytorch():
     # The same step function with the asynchronous step trains, clipping real gradients.
     norms.clear()
     for x, y in data * 3:
-        model.forward_backward(input_args=(x,), label=y,
-                               loss_fn=lambda o, l: scaler.scale(_loss_fn(o, l)))
+        model.forward_backward(
+            input_args=(x,), label=y, loss_fn=lambda o, l: scaler.scale(_loss_fn(o, l))
+        )
         model.step(step_fn)
         scaler.update()
     model.synchronize()
@@ -314,8 +332,10 @@ def test_reading_the_wrapped_models_gradients_warns_where_they_are_none():
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
     x, y = _clip_data()[0]
     model.forward_backward(input_args=(x,), label=y, loss_fn=_loss_fn)
-    match = r"the \.grad of a parameter of a module wrapped by RoundPipe was read, and it is None.*" \
-            r"inside the step function, where model\.parameters\(\) gives the masters"
+    match = (
+        r"the \.grad of a parameter of a module wrapped by RoundPipe was read, and it is None.*"
+        r"inside the step function, where model\.parameters\(\) gives the masters"
+    )
     with pytest.warns(UserWarning, match=match) as rec:
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # clips nothing
     assert norm.item() == 0.0
@@ -347,8 +367,9 @@ def test_the_wrapped_parameters_stay_parameters_everywhere_else():
     torch.save(seq.state_dict(), buffer)
     copied = copy.deepcopy(seq)  # e.g. an EMA or a teacher: not wrapped, so plain parameters
     assert type(copied[0].weight) is nn.Parameter and torch.equal(copied[0].weight, weight)
-    out = torch.func.functional_call(seq, {n: p.detach() * 0 for n, p in seq.named_parameters()},
-                                     (torch.ones(2, 6),))
+    out = torch.func.functional_call(
+        seq, {n: p.detach() * 0 for n, p in seq.named_parameters()}, (torch.ones(2, 6),)
+    )
     assert torch.equal(out, torch.zeros(2, 3))
     del model
     import gc

@@ -21,7 +21,10 @@ def _make_model(seed=0):
 
 def _batches(n, seed=1):
     gen = torch.Generator().manual_seed(seed)
-    return [(torch.randn(6, 8, generator=gen), torch.randint(0, 4, (6,), generator=gen)) for _ in range(n)]
+    return [
+        (torch.randn(6, 8, generator=gen), torch.randint(0, 4, (6,), generator=gen))
+        for _ in range(n)
+    ]
 
 
 def _loss(model, x, y, it):
@@ -69,7 +72,10 @@ def _fused_adam(model):
 
 def _two_optimizers(model):
     params = list(model.parameters())
-    return [torch.optim.SGD(params[:2], lr=0.1, momentum=0.5), torch.optim.Adam(params[2:], lr=1e-2)]
+    return [
+        torch.optim.SGD(params[:2], lr=0.1, momentum=0.5),
+        torch.optim.Adam(params[2:], lr=1e-2),
+    ]
 
 
 def _torch_scaler():
@@ -80,8 +86,11 @@ def _our_scaler():
     return GradScaler("cpu", init_scale=2.0**10, growth_interval=4)
 
 
-@pytest.mark.parametrize("make_opts", [_sgd, _adam, _fused_adam, _two_optimizers],
-                         ids=["sgd-momentum", "adam", "fused-adam", "two-optimizers"])
+@pytest.mark.parametrize(
+    "make_opts",
+    [_sgd, _adam, _fused_adam, _two_optimizers],
+    ids=["sgd-momentum", "adam", "fused-adam", "two-optimizers"],
+)
 @pytest.mark.parametrize("clip", [False, True], ids=["", "clip-after-unscale"])
 @pytest.mark.parametrize("step_on_thread", [False, True], ids=["main", "optimizer-thread-waited"])
 def test_sync_mode_reproduces_torch_bit_for_bit(make_opts, clip, step_on_thread):
@@ -179,6 +188,7 @@ def test_leading_device_string_and_default_device():
 
 # -- misuse ---------------------------------------------------------------------------------------
 
+
 def _one_backward(scaler):
     model = _make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -191,7 +201,9 @@ def test_unscale_twice_raises_torch_error():
     scaler = GradScaler("cpu")
     _, opt = _one_backward(scaler)
     scaler.unscale_(opt)
-    with pytest.raises(RuntimeError, match=r"unscale_\(\) has already been called on this optimizer"):
+    with pytest.raises(
+        RuntimeError, match=r"unscale_\(\) has already been called on this optimizer"
+    ):
         scaler.unscale_(opt)
     scaler.step(opt)
     with pytest.raises(RuntimeError, match=r"unscale_\(\) is being called after step\(\)"):
@@ -213,10 +225,14 @@ def test_step_without_scale_raises_torch_message():
         scaler.update()
 
 
-@pytest.mark.parametrize("make_fused", [
-    lambda params: torch.optim.Adam(params, lr=0.1, fused=True),
-    lambda params: roundpipe.optim.Adam(params, lr=0.1),
-], ids=["torch-fused-adam", "roundpipe-adam"])
+@pytest.mark.parametrize(
+    "make_fused",
+    [
+        lambda params: torch.optim.Adam(params, lr=0.1, fused=True),
+        lambda params: roundpipe.optim.Adam(params, lr=0.1),
+    ],
+    ids=["torch-fused-adam", "roundpipe-adam"],
+)
 def test_fused_step_without_grads_returns_like_torch(make_fused):
     """An optimizer that unscales in its own kernel, whose params got no gradient this iteration
     (here: a frozen head), next to one that did: torch's step returns and steps nothing."""
@@ -266,20 +282,23 @@ def test_fp16_gradients_are_refused_like_torch():
         scaler.unscale_(opt)
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(init_scale=math.inf), "init_scale"),
-    (dict(init_scale=float("nan")), "init_scale"),
-    (dict(init_scale=0.0), "init_scale"),
-    (dict(init_scale=-1.0), "init_scale"),
-    (dict(growth_factor=1.0), "growth_factor"),
-    (dict(backoff_factor=1.0), "backoff_factor"),
-    (dict(backoff_factor=0.0), "backoff_factor"),
-    (dict(growth_interval=0), "growth_interval"),
-    (dict(growth_interval=1.5), "growth_interval"),
-    (dict(hysteresis=0), "hysteresis"),
-    (dict(min_scale=-1.0), "min_scale"),
-    (dict(init_scale=1.0, min_scale=2.0), "within"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(init_scale=math.inf), "init_scale"),
+        (dict(init_scale=float("nan")), "init_scale"),
+        (dict(init_scale=0.0), "init_scale"),
+        (dict(init_scale=-1.0), "init_scale"),
+        (dict(growth_factor=1.0), "growth_factor"),
+        (dict(backoff_factor=1.0), "backoff_factor"),
+        (dict(backoff_factor=0.0), "backoff_factor"),
+        (dict(growth_interval=0), "growth_interval"),
+        (dict(growth_interval=1.5), "growth_interval"),
+        (dict(hysteresis=0), "hysteresis"),
+        (dict(min_scale=-1.0), "min_scale"),
+        (dict(init_scale=1.0, min_scale=2.0), "within"),
+    ],
+)
 def test_bad_constructor_input_is_a_clear_value_error(kwargs, match):
     with pytest.raises(ValueError, match=match):
         GradScaler("cpu", **kwargs)
@@ -304,6 +323,7 @@ def test_not_picklable_with_a_pointer_to_state_dict():
 
 # -- extras ---------------------------------------------------------------------------------------
 
+
 def _drive(scaler, overflows):
     """One parameter, one optimizer; returns (scale before each iteration, skipped per step)."""
     w = nn.Parameter(torch.ones(3))
@@ -321,7 +341,9 @@ def _drive(scaler, overflows):
 
 def test_hysteresis_tolerates_consecutive_overflows_before_backing_off():
     flags = [True, False, True, True, True, False, False]
-    scales, skipped = _drive(GradScaler("cpu", init_scale=64.0, growth_interval=100, hysteresis=2), flags)
+    scales, skipped = _drive(
+        GradScaler("cpu", init_scale=64.0, growth_interval=100, hysteresis=2), flags
+    )
     # 1st overflow tolerated; a success resets; then the 2nd consecutive backs off, and so does
     # every consecutive one after it.
     assert scales == [64, 64, 64, 64, 32, 16, 16]
@@ -381,9 +403,21 @@ def test_new_scale_in_sync_mode_as_torch():
 
 def test_public_names():
     assert roundpipe.GradScaler is GradScaler
-    for name in ("scale", "unscale_", "step", "update", "get_scale", "get_growth_factor",
-                 "set_growth_factor", "get_backoff_factor", "set_backoff_factor",
-                 "get_growth_interval", "set_growth_interval", "is_enabled", "state_dict",
-                 "load_state_dict"):
+    for name in (
+        "scale",
+        "unscale_",
+        "step",
+        "update",
+        "get_scale",
+        "get_growth_factor",
+        "set_growth_factor",
+        "get_backoff_factor",
+        "set_backoff_factor",
+        "get_growth_interval",
+        "set_growth_interval",
+        "is_enabled",
+        "state_dict",
+        "load_state_dict",
+    ):
         assert callable(getattr(torch.amp.GradScaler, name))
         assert callable(getattr(GradScaler, name))

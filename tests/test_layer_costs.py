@@ -25,7 +25,7 @@ class Repeated(nn.Module):
 
     def __init__(self, width: int, times: int) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.randn(width, width) / width ** 0.5)
+        self.weight = nn.Parameter(torch.randn(width, width) / width**0.5)
         self.times = times
 
     def forward(self, x):
@@ -41,9 +41,11 @@ class Fails(nn.Module):
 
 def _state(seq):
     """Everything measure_layer_costs must leave alone."""
-    return ([(p, p.detach().clone(), p.requires_grad, p.grad) for p in seq.parameters()],
-            [(b, b.clone()) for b in seq.buffers()],
-            [(m, m.training) for m in seq.modules()])
+    return (
+        [(p, p.detach().clone(), p.requires_grad, p.grad) for p in seq.parameters()],
+        [(b, b.clone()) for b in seq.buffers()],
+        [(m, m.training) for m in seq.modules()],
+    )
 
 
 def _assert_same(seq, before):
@@ -65,8 +67,14 @@ def test_one_positive_cost_per_layer_and_the_model_is_left_as_it_was(device):
     frozen = nn.Linear(16, 16)
     frozen.bias.requires_grad_(False)
     quiet = nn.Dropout(0.5).eval()  # one module in eval mode, the rest in training mode
-    seq = nn.Sequential(nn.Linear(16, 16), nn.ReLU(inplace=True), nn.Dropout(0.5),
-                        nn.BatchNorm1d(16), frozen, nn.Sequential(quiet, nn.Tanh()))
+    seq = nn.Sequential(
+        nn.Linear(16, 16),
+        nn.ReLU(inplace=True),
+        nn.Dropout(0.5),
+        nn.BatchNorm1d(16),
+        frozen,
+        nn.Sequential(quiet, nn.Tanh()),
+    )
     x = torch.randn(8, 16)
     before, rng = _state(seq), torch.get_rng_state()
     costs = measure_layer_costs(seq, x, device=device, repeats=2)
@@ -83,9 +91,14 @@ def test_one_positive_cost_per_layer_and_the_model_is_left_as_it_was(device):
 def test_an_expensive_layer_costs_more_and_gets_a_stage_of_its_own(device):
     torch.manual_seed(0)
     width = 64
-    seq = nn.Sequential(nn.Linear(width, width), nn.Linear(width, width),
-                        Repeated(width, times=200),
-                        nn.Linear(width, width), nn.Linear(width, width), nn.Linear(width, width))
+    seq = nn.Sequential(
+        nn.Linear(width, width),
+        nn.Linear(width, width),
+        Repeated(width, times=200),
+        nn.Linear(width, width),
+        nn.Linear(width, width),
+        nn.Linear(width, width),
+    )
     costs = measure_layer_costs(seq, torch.randn(16, width), device=device, repeats=7)
     heavy, cheap = costs[2], costs[:2] + costs[3:]
     assert heavy > 5 * max(cheap), costs
@@ -141,5 +154,6 @@ def test_misuse_is_rejected_with_the_fix():
     with pytest.raises(ValueError, match="dtype"):
         measure_layer_costs(seq, torch.randn(1, 2), dtype=torch.int8)
     with pytest.raises(ValueError, match=r"model\.module"):
-        measure_layer_costs(RoundPipe(nn.Sequential(nn.Linear(2, 2)), devices="cpu"),
-                            torch.randn(1, 2))
+        measure_layer_costs(
+            RoundPipe(nn.Sequential(nn.Linear(2, 2)), devices="cpu"), torch.randn(1, 2)
+        )

@@ -31,15 +31,20 @@ def _owner(name):
 def _imports(module, tree):
     """(target module, imported name or None, node) of every roundpipe import in ``tree``,
     wherever it is (lazy imports and TYPE_CHECKING blocks too)."""
-    base = module if module in MODULES and (PACKAGE / "/".join(module.split(".")[1:])
-                                              / "__init__.py").exists() else \
-        module.rpartition(".")[0]
+    base = (
+        module
+        if module in MODULES
+        and (PACKAGE / "/".join(module.split(".")[1:]) / "__init__.py").exists()
+        else module.rpartition(".")[0]
+    )
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom):
             source = node.module or ""
             if node.level:
-                source = ".".join(base.split(".")[:len(base.split(".")) - node.level + 1]
-                                  + ([source] if source else []))
+                source = ".".join(
+                    base.split(".")[: len(base.split(".")) - node.level + 1]
+                    + ([source] if source else [])
+                )
             if not source.startswith("roundpipe"):
                 continue
             for alias in node.names:
@@ -55,8 +60,10 @@ def _imports(module, tree):
 
 
 def test_no_import_circle():
-    edges = {m: {t for t, _, _ in _imports(m, tree) if t != m and not m.startswith(t + ".")}
-             for m, tree in MODULES.items()}
+    edges = {
+        m: {t for t, _, _ in _imports(m, tree) if t != m and not m.startswith(t + ".")}
+        for m, tree in MODULES.items()
+    }
     state, path, circles = {}, [], []
 
     def visit(m):
@@ -64,7 +71,7 @@ def test_no_import_circle():
         path.append(m)
         for t in sorted(edges[m]):
             if state.get(t) == "open":
-                circles.append(path[path.index(t):] + [t])
+                circles.append(path[path.index(t) :] + [t])
             elif t not in state:
                 visit(t)
         path.pop()
@@ -90,9 +97,14 @@ def test_no_private_name_crosses_a_module_boundary():
                 for alias in node.names:
                     module_aliases[alias.asname or alias.name.split(".")[0]] = target
         for node in ast.walk(tree):
-            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) \
-                    and node.value.id in module_aliases and node.attr.startswith("_") \
-                    and not node.attr.startswith("__") and module_aliases[node.value.id] != m:
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Name)
+                and node.value.id in module_aliases
+                and node.attr.startswith("_")
+                and not node.attr.startswith("__")
+                and module_aliases[node.value.id] != m
+            ):
                 found.append(f"{m}:{node.lineno}: {node.value.id}.{node.attr}")
     assert not found, "\n".join(found)
 
@@ -110,17 +122,26 @@ def test_no_private_attribute_of_another_object_is_written():
                 targets = [node.target]
             for t in targets:
                 for sub in ast.walk(t):
-                    if isinstance(sub, ast.Attribute) and sub.attr.startswith("_") \
-                            and not sub.attr.startswith("__") \
-                            and not (isinstance(sub.value, ast.Name)
-                                     and sub.value.id in ("self", "cls")):
+                    if (
+                        isinstance(sub, ast.Attribute)
+                        and sub.attr.startswith("_")
+                        and not sub.attr.startswith("__")
+                        and not (
+                            isinstance(sub.value, ast.Name) and sub.value.id in ("self", "cls")
+                        )
+                    ):
                         found.append(f"{m}:{sub.lineno}: {ast.unparse(sub)} = ...")
     assert not found, "\n".join(found)
 
 
 def test_the_checks_see_the_package():
     # The scans above would pass vacuously on an empty tree.
-    assert {"roundpipe.plan.build", "roundpipe.runtime.executor",
-            "roundpipe.devices.accelerator"} <= set(MODULES)
-    assert any(t == "roundpipe.plan" for t, _, _ in _imports("roundpipe.runtime.call",
-                                                             MODULES["roundpipe.runtime.call"]))
+    assert {
+        "roundpipe.plan.build",
+        "roundpipe.runtime.executor",
+        "roundpipe.devices.accelerator",
+    } <= set(MODULES)
+    assert any(
+        t == "roundpipe.plan"
+        for t, _, _ in _imports("roundpipe.runtime.call", MODULES["roundpipe.runtime.call"])
+    )

@@ -39,6 +39,7 @@ def test_split_per_leaf_none_replicates():
 def test_callable_split():
     def split(args, kwargs, n):
         return [((args[0][i::n],), kwargs) for i in range(n)]
+
     chunks, sizes = split_inputs((torch.arange(6),), {}, 2, split)
     assert torch.equal(chunks[1][0][0], torch.tensor([1, 3, 5]))
     assert sizes == [3, 3]
@@ -97,10 +98,15 @@ class FakeCache:  # what HuggingFace models return as past_key_values with use_c
 
 
 def test_a_differing_leaf_is_named_by_its_key_path():
-    outs = [{"logits": torch.ones(1, 2), "extra": {"steps": [1, "a"]}},
-            {"logits": torch.ones(1, 2), "extra": {"steps": [1, "b"]}}]
-    with pytest.raises(ValueError, match=r"output leaf extra\.steps\[1\] \(leaf 2\) differs "
-                                         r"between microbatch 0 \('a'\)") as info:
+    outs = [
+        {"logits": torch.ones(1, 2), "extra": {"steps": [1, "a"]}},
+        {"logits": torch.ones(1, 2), "extra": {"steps": [1, "b"]}},
+    ]
+    with pytest.raises(
+        ValueError,
+        match=r"output leaf extra\.steps\[1\] \(leaf 2\) differs "
+        r"between microbatch 0 \('a'\)",
+    ) as info:
         merge_outputs(outs, [1, 1])
     assert "use_cache" not in str(info.value)
     with pytest.raises(ValueError, match=r"output leaf \[1\] \(leaf 1\) differs"):
@@ -109,8 +115,11 @@ def test_a_differing_leaf_is_named_by_its_key_path():
 
 def test_a_differing_cache_says_use_cache_false():
     outs = [{"logits": torch.ones(1, 2), "past_key_values": FakeCache(m)} for m in range(2)]
-    with pytest.raises(ValueError, match=r"output leaf past_key_values \(leaf 1\) differs.*"
-                                         r"key/value cache.*use_cache=False"):
+    with pytest.raises(
+        ValueError,
+        match=r"output leaf past_key_values \(leaf 1\) differs.*"
+        r"key/value cache.*use_cache=False",
+    ):
         merge_outputs(outs, [1, 1])
 
 
@@ -120,9 +129,15 @@ def test_whole_model_inference_on_a_huggingface_model_names_past_key_values():
 
     from roundpipe import RoundPipe, RoundPipeRunConfig
 
-    cfg = transformers.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
-                                   num_hidden_layers=1, num_attention_heads=2,
-                                   num_key_value_heads=1, max_position_embeddings=16)
+    cfg = transformers.LlamaConfig(
+        vocab_size=32,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=16,
+    )
     torch.manual_seed(0)
     hf = transformers.LlamaForCausalLM(cfg)
     with warnings.catch_warnings():

@@ -52,7 +52,9 @@ class Loop:
 
 
 def _run(on_thread, iters=20, barrier=False, **scaler_kwargs):
-    loop = Loop(GradScaler("cpu", init_scale=2.0**10, growth_interval=3, **scaler_kwargs), on_thread)
+    loop = Loop(
+        GradScaler("cpu", init_scale=2.0**10, growth_interval=3, **scaler_kwargs), on_thread
+    )
     for it in range(iters):
         loop.iteration(it, barrier=barrier)
     optim_thread.synchronize()
@@ -200,8 +202,12 @@ def _pool_run(devices, num_stages, iters=8, overflow_at=(2, 5)):
 
     torch.manual_seed(0)
     seq = nn.Sequential(*[nn.Linear(6, 6) for _ in range(num_stages)]).half()
-    model = RoundPipe(seq, optim_dtype=torch.float32, devices=devices,
-                      model_run_config=RoundPipeRunConfig(num_microbatch=2))
+    model = RoundPipe(
+        seq,
+        optim_dtype=torch.float32,
+        devices=devices,
+        model_run_config=RoundPipeRunConfig(num_microbatch=2),
+    )
     with OptimizerCtx():
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
     scaler = GradScaler(init_scale=2.0**8, growth_interval=2)

@@ -16,10 +16,18 @@ STEPS = 4
 
 # (shape, dtype): empty, 0-d, odd sizes, a float64 and complex tensors (also 0-d and empty).
 SHAPES = [
-    ((), torch.float32), ((0,), torch.float32), ((0, 3), torch.float32), ((7,), torch.float32),
-    ((3, 5), torch.float32), ((2, 3, 4), torch.float32), ((1, 1, 33), torch.float32),
-    ((6,), torch.float64), ((), torch.complex64), ((0,), torch.complex64),
-    ((4,), torch.complex64), ((2, 3), torch.complex128),
+    ((), torch.float32),
+    ((0,), torch.float32),
+    ((0, 3), torch.float32),
+    ((7,), torch.float32),
+    ((3, 5), torch.float32),
+    ((2, 3, 4), torch.float32),
+    ((1, 1, 33), torch.float32),
+    ((6,), torch.float64),
+    ((), torch.complex64),
+    ((0,), torch.complex64),
+    ((4,), torch.complex64),
+    ((2, 3), torch.complex128),
 ]
 
 OPTIONS = {
@@ -39,7 +47,10 @@ PAIRS = {"Adam": (rp_optim.Adam, torch.optim.Adam), "AdamW": (rp_optim.AdamW, to
 
 def _make_params(seed, shapes=SHAPES):
     gen = torch.Generator().manual_seed(seed)
-    return [torch.nn.Parameter(torch.randn(shape, generator=gen, dtype=dtype)) for shape, dtype in shapes]
+    return [
+        torch.nn.Parameter(torch.randn(shape, generator=gen, dtype=dtype))
+        for shape, dtype in shapes
+    ]
 
 
 def _clone(params):
@@ -127,7 +138,9 @@ def test_auto_runs_the_fused_kernel_for_complex_too(monkeypatch):
     assert sum(len(call) for call in calls) == len(params)
 
 
-@pytest.mark.parametrize("case", ["transposed_param", "expanded_grad", "sliced_param", "size1_strides"])
+@pytest.mark.parametrize(
+    "case", ["transposed_param", "expanded_grad", "sliced_param", "size1_strides"]
+)
 def test_mismatched_layouts_match_reference(case):
     # [Note: fused layout rule]: torch's CPU fused kernel would walk these tensors linearly.
     gen = torch.Generator().manual_seed(3)
@@ -142,7 +155,9 @@ def test_mismatched_layouts_match_reference(case):
         make_g = lambda: torch.randn(6, 8, generator=gen)[:, :3]
     else:  # dense, same memory order, different strides only on a size-1 dim: still fusable
         make_p = lambda: torch.randn(2, 1, 10, generator=gen)
-        make_g = lambda: torch.randn(2, 10, generator=gen).unsqueeze(1).as_strided((2, 1, 10), (10, 1, 1))
+        make_g = lambda: (
+            torch.randn(2, 10, generator=gen).unsqueeze(1).as_strided((2, 1, 10), (10, 1, 1))
+        )
     p = torch.nn.Parameter(make_p())
     ref_p = torch.nn.Parameter(p.detach().clone())
     opt = rp_optim.Adam([p], lr=0.1, amsgrad=True)
@@ -193,7 +208,9 @@ def test_state_dict_round_trip(name):
 
 def _two_routes(route):
     """A parameter list and optimizer where every parameter takes the given path."""
-    params = _make_params(0, [((3, 5), torch.float32), ((4,), torch.complex64), ((2, 2), torch.float64)])
+    params = _make_params(
+        0, [((3, 5), torch.float32), ((4,), torch.complex64), ((2, 2), torch.float64)]
+    )
     if route == "fused":
         return params, rp_optim.Adam(params, lr=0.05, amsgrad=True)
     return params, rp_optim.Adam(params, lr=0.05, amsgrad=True, fused=False)
@@ -217,7 +234,9 @@ def test_grad_scale_and_found_inf(route):
 
     # An overflow (also the 2.0 a scaler sums over two devices) leaves everything untouched.
     before = [p.detach().clone() for p in params]
-    state_before = {i: {k: v.clone() for k, v in opt.state[p].items()} for i, p in enumerate(params)}
+    state_before = {
+        i: {k: v.clone() for k, v in opt.state[p].items()} for i, p in enumerate(params)
+    }
     for flag in (1.0, 2.0):
         for p in params:
             p.grad = torch.full_like(p, float("inf"))
@@ -236,7 +255,10 @@ def test_torch_grad_scaler_protocol_end_to_end():
     ref_model.load_state_dict(model.state_dict())
     opt = rp_optim.AdamW(model.parameters(), lr=0.01)
     ref = torch.optim.AdamW(ref_model.parameters(), lr=0.01, foreach=False)
-    scaler, ref_scaler = torch.amp.GradScaler("cpu", init_scale=256.0), torch.amp.GradScaler("cpu", init_scale=256.0)
+    scaler, ref_scaler = (
+        torch.amp.GradScaler("cpu", init_scale=256.0),
+        torch.amp.GradScaler("cpu", init_scale=256.0),
+    )
     seen = []
     opt.register_step_pre_hook(lambda o, a, k: seen.append(getattr(o, "grad_scale", None)))
     for it in range(4):
@@ -306,8 +328,11 @@ def test_add_param_group_later_falls_back_or_fuses():
 
     everything = params + complex_params + loop_params
     ref_all = _clone(everything)
-    ref = torch.optim.Adam([{"params": ref_all[:1]}, {"params": ref_all[1:2]}, {"params": ref_all[2:]}],
-                           lr=0.01, foreach=False)
+    ref = torch.optim.Adam(
+        [{"params": ref_all[:1]}, {"params": ref_all[1:2]}, {"params": ref_all[2:]}],
+        lr=0.01,
+        foreach=False,
+    )
     _run(opt, everything, seed=4)
     _run(ref, ref_all, seed=4)
     _assert_same(everything, ref_all, opt, ref)
@@ -318,7 +343,10 @@ def test_fused_true_rejects_what_cannot_be_fused():
     with pytest.raises(RuntimeError, match="fused=None"):
         rp_optim.Adam([meta], fused=True)
     opt = rp_optim.Adam(_make_params(0, [((3,), torch.float32)]), fused=True)
-    with pytest.raises(RuntimeError, match=r"param_groups\[1\]\['params'\]\[0\] is a Parameter of torch.float32 on meta"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"param_groups\[1\]\['params'\]\[0\] is a Parameter of torch.float32 on meta",
+    ):
         opt.add_param_group({"params": [meta]})
     assert len(opt.param_groups) == 1  # left unchanged
     with pytest.raises(RuntimeError, match="differentiable"):
@@ -333,7 +361,9 @@ def test_adamw_defaults_and_decoupling_survive_loading_an_adam_checkpoint():
     assert opt.defaults["weight_decay"] == 1e-2 and opt.defaults["decoupled_weight_decay"]
     adam_sd = torch.optim.Adam(_clone(p), weight_decay=0.1).state_dict()
     opt.load_state_dict(adam_sd)
-    assert opt.param_groups[0]["decoupled_weight_decay"] and opt.param_groups[0]["weight_decay"] == 0.1
+    assert (
+        opt.param_groups[0]["decoupled_weight_decay"] and opt.param_groups[0]["weight_decay"] == 0.1
+    )
     assert isinstance(opt, torch.optim.Adam)
 
 

@@ -137,8 +137,14 @@ def test_internal_wait_on_the_optimizer_thread_raises_instead_of_deadlocking():
 
 def _run_script(code: str, **kwargs):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    return subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs)
+    return subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        **kwargs,
+    )
 
 
 def test_pending_work_drains_at_interpreter_exit(tmp_path):

@@ -11,11 +11,17 @@ from roundpipe.plan import ActionKind, Costs, PlanSizes, build_plan, price
 MB = 2**20
 
 
-def _costs(S, forward, backward=None, upload=100 * MB, grads=None, bandwidth=10_000 * MB,
-           issue=None):
-    return Costs(forward=[forward] * S, backward=[backward or 2 * forward] * S,
-                 upload_bytes=[upload] * S, grad_bytes=[grads or upload] * S,
-                 bandwidth=bandwidth, issue=issue)
+def _costs(
+    S, forward, backward=None, upload=100 * MB, grads=None, bandwidth=10_000 * MB, issue=None
+):
+    return Costs(
+        forward=[forward] * S,
+        backward=[backward or 2 * forward] * S,
+        upload_bytes=[upload] * S,
+        grad_bytes=[grads or upload] * S,
+        bandwidth=bandwidth,
+        issue=issue,
+    )
 
 
 @pytest.mark.parametrize("S,M", [(4, 1), (4, 4), (8, 2), (8, 16)])
@@ -73,7 +79,7 @@ def test_a_prefetch_waits_on_the_host_for_the_run_whose_memory_it_takes():
     syncs = [a for a in program if a.kind is ActionKind.SYNC and a.stage >= 0]
     assert syncs
     for sync in syncs:
-        nxt = program[program.index(sync) + 1:]
+        nxt = program[program.index(sync) + 1 :]
         prefetch = next(a for a in nxt if a.kind is ActionKind.PREFETCH)
         span = next(s for s in timeline.on(0, "copy") if s.action == prefetch)
         assert span.start >= ends[(sync.stage, sync.of)] - 1e-12

@@ -16,8 +16,9 @@ from roundpipe.testing import emu
 
 def _model():
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 5), nn.Dropout(0.2),
-                         nn.Linear(5, 3))
+    return nn.Sequential(
+        nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 5), nn.Dropout(0.2), nn.Linear(5, 3)
+    )
 
 
 def _batch(n=32):
@@ -42,6 +43,7 @@ def performed(monkeypatch):
             def run(spec, state, a, backend):
                 log[a.device].append(str(a))
                 return fn(spec, state, a, backend)
+
             return run
 
         return {kind: wrap(fn) for kind, fn in table.items()}
@@ -87,10 +89,15 @@ def test_the_copies_the_device_sees_are_the_programs_uploads_and_downloads(devic
     with emu.record_copies() as log:
         model.forward_backward(input_args=(x,), label=y, loss_fn=_loss)
     plan = model.plan(inputs=((x,), {}))
-    uploads = Counter(stage_of[c.host_ptr] for c in log
-                      if c.direction == "h2d" and c.host_ptr in stage_of)
-    moves = Counter(a.stage for p in plan.program for a in p
-                    if a.kind in (ActionKind.UPLOAD, ActionKind.PREFETCH))
+    uploads = Counter(
+        stage_of[c.host_ptr] for c in log if c.direction == "h2d" and c.host_ptr in stage_of
+    )
+    moves = Counter(
+        a.stage
+        for p in plan.program
+        for a in p
+        if a.kind in (ActionKind.UPLOAD, ActionKind.PREFETCH)
+    )
     per_stage = Counter({s: sum(1 for n in params if n.startswith(f"{s}.")) for s in moves})
     assert uploads == Counter({s: n * per_stage[s] for s, n in moves.items() if per_stage[s]})
     offloads = sum(a.kind is ActionKind.OFFLOAD for p in plan.program for a in p)
@@ -107,8 +114,18 @@ def test_a_budget_plan_needs_the_inputs_for_its_offloads():
     unknown = model.plan()
     known = model.plan(inputs=((x,), {}))
     offloads = [str(a) for a in known.program[0] if a.kind is ActionKind.OFFLOAD]
-    assert offloads == ["O1.2", "O1.3", "O2.0", "O2.1", "O2.2", "O2.3", "O3.0", "O3.1", "O3.2",
-                        "O3.3"]
+    assert offloads == [
+        "O1.2",
+        "O1.3",
+        "O2.0",
+        "O2.1",
+        "O2.2",
+        "O2.3",
+        "O3.0",
+        "O3.1",
+        "O3.2",
+        "O3.3",
+    ]
     assert not any(a.kind is ActionKind.OFFLOAD for a in unknown.program[0])
     assert "ledger peak 0:" in str(known)
 
@@ -123,6 +140,7 @@ def test_the_ledger_keeps_each_device_within_its_budget():
             assert all(peak <= budget for peak in plan.peak_bytes), (budget, D, plan.peak_bytes)
     # Without a budget nothing limits it: every stage input before the last one's kept, and the
     # running stage beside the prefetched one.
-    free = build_plan(S, M, 1, training=True, stage_major=True,
-                      sizes=PlanSizes((400,) * S, ((300,) * M,) * S))
+    free = build_plan(
+        S, M, 1, training=True, stage_major=True, sizes=PlanSizes((400,) * S, ((300,) * M,) * S)
+    )
     assert free.peak_bytes[0] == (S - 1) * M * 300 + 2 * 400

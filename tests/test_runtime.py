@@ -13,8 +13,9 @@ from roundpipe import GradScaler, OptimizerCtx, RoundPipe, RoundPipeRunConfig, o
 
 def mlp(seed=0, dtype=torch.float32):
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 12), nn.GELU(),
-                         nn.Linear(12, 3)).to(dtype)
+    return nn.Sequential(
+        nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 12), nn.GELU(), nn.Linear(12, 3)
+    ).to(dtype)
 
 
 def data(seed=1, n=8):
@@ -38,8 +39,11 @@ def plain_accumulate(model, x, y, M):
 @pytest.mark.parametrize("devices,recompute", [("cpu", True), ("cpu:2", True), ("cpu:3", False)])
 def test_sync_step_equals_plain_gradient_accumulation(devices, recompute):
     ref = mlp()
-    model = RoundPipe(mlp(), devices=devices,
-                      model_run_config=RoundPipeRunConfig(num_microbatch=4, recompute=recompute))
+    model = RoundPipe(
+        mlp(),
+        devices=devices,
+        model_run_config=RoundPipeRunConfig(num_microbatch=4, recompute=recompute),
+    )
     with OptimizerCtx():
         opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
@@ -54,13 +58,17 @@ def test_sync_step_equals_plain_gradient_accumulation(devices, recompute):
     for (n, p), (rn, rp) in zip(model.named_parameters(), ref.named_parameters()):
         assert n == rn
         torch.testing.assert_close(p, rp, rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(dict(model.optim_named_parameters())[n], rp, rtol=1e-5,
-                                   atol=1e-6)
+        torch.testing.assert_close(
+            dict(model.optim_named_parameters())[n], rp, rtol=1e-5, atol=1e-6
+        )
 
 
 def test_grads_accumulate_in_optim_dtype_on_masters():
-    model = RoundPipe(mlp(dtype=torch.bfloat16), devices="cpu:2",
-                      model_run_config=RoundPipeRunConfig(num_microbatch=4))
+    model = RoundPipe(
+        mlp(dtype=torch.bfloat16),
+        devices="cpu:2",
+        model_run_config=RoundPipeRunConfig(num_microbatch=4),
+    )
     ref = mlp(dtype=torch.bfloat16)
     x, y = data()
     model.forward_backward(input_args=(x,), label=y, loss_fn=loss_fn)
@@ -106,8 +114,7 @@ def test_frozen_params_get_no_master_and_optim_dtype_is_honoured():
 
 def test_forward_is_microbatched_inference():
     ref = mlp()
-    model = RoundPipe(mlp(), devices="cpu:2",
-                      model_run_config=RoundPipeRunConfig(num_microbatch=3))
+    model = RoundPipe(mlp(), devices="cpu:2", model_run_config=RoundPipeRunConfig(num_microbatch=3))
     x, _ = data(n=7)
     with torch.no_grad():
         out = model(x)
@@ -136,15 +143,14 @@ def test_fp32_input_is_cast_to_the_low_precision_model():
 
 def test_differentiable_forward_moves_grads_into_masters():
     ref = mlp()
-    model = RoundPipe(mlp(), devices="cpu:2",
-                      model_run_config=RoundPipeRunConfig(num_microbatch=2))
+    model = RoundPipe(mlp(), devices="cpu:2", model_run_config=RoundPipeRunConfig(num_microbatch=2))
     x, y = data()
     out = model(x)
     assert out.requires_grad
     loss_fn(out, y).backward()
     loss_fn(ref(x), y).backward()
     optim_thread.synchronize()
-    for (n, master), (_, rp) in zip(model.optim_named_parameters(), ref.named_parameters()):
+    for (_n, master), (_, rp) in zip(model.optim_named_parameters(), ref.named_parameters()):
         torch.testing.assert_close(master.grad, rp.grad, rtol=1e-5, atol=1e-6)
     assert all(p.grad is None for p in model.module.parameters())
     with OptimizerCtx():
@@ -162,9 +168,13 @@ def test_return_outputs_and_call_config_beats_model_config():
         calls.append(out.shape[0])
         return loss_fn(out, lbl)
 
-    loss, out = model.forward_backward(input_args=(x,), label=y, loss_fn=counting_loss,
-                                       return_outputs=True,
-                                       run_config=RoundPipeRunConfig(num_microbatch=4))
+    loss, out = model.forward_backward(
+        input_args=(x,),
+        label=y,
+        loss_fn=counting_loss,
+        return_outputs=True,
+        run_config=RoundPipeRunConfig(num_microbatch=4),
+    )
     assert calls == [2, 2, 2, 2]  # loss_fn once per microbatch
     assert not out.requires_grad and out.shape == (8, 3)
     torch.testing.assert_close(out, ref(x), rtol=1e-6, atol=1e-6)
@@ -178,8 +188,11 @@ def test_execute_plan_partition_gives_same_result():
     x, y = data()
     grads = []
     for plan in (None, [2, 3], [5]):
-        model = RoundPipe(mlp(), devices="cpu:2",
-                          model_run_config=RoundPipeRunConfig(num_microbatch=2, execute_plan=plan))
+        model = RoundPipe(
+            mlp(),
+            devices="cpu:2",
+            model_run_config=RoundPipeRunConfig(num_microbatch=2, execute_plan=plan),
+        )
         model.forward_backward(input_args=(x,), label=y, loss_fn=loss_fn)
         grads.append([m.grad for m in model.optim_parameters()])
         assert len(model.plan().per_device[0]) > 0
@@ -205,8 +218,12 @@ def test_non_sequential_module_is_one_layer_and_kwargs_pass_through():
     x, y = data()
     model.forward_backward(input_args=(x,), input_kwargs={"scale": 2.0}, label=y, loss_fn=loss_fn)
     loss_fn(ref(x, scale=2.0), y).backward()
-    torch.testing.assert_close(dict(model.optim_named_parameters())["lin.weight"].grad,
-                               ref.lin.weight.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(
+        dict(model.optim_named_parameters())["lin.weight"].grad,
+        ref.lin.weight.grad,
+        rtol=1e-5,
+        atol=1e-6,
+    )
 
 
 class Scaled(nn.Linear):
@@ -229,8 +246,9 @@ def test_call_arguments_reach_the_first_layer_only(devices):
     torch.testing.assert_close(out, first_only)
     assert not torch.allclose(out, everywhere)
     # forward_backward: the same routing, so the same loss as the first-only reference.
-    loss = model.forward_backward(input_args=(x,), input_kwargs={"scale": 3.0}, label=y,
-                                  loss_fn=loss_fn)
+    loss = model.forward_backward(
+        input_args=(x,), input_kwargs={"scale": 3.0}, label=y, loss_fn=loss_fn
+    )
     torch.testing.assert_close(loss, loss_fn(first_only, y))
 
 
@@ -254,21 +272,27 @@ def test_synchronize_copies_newest_masters_and_state_dict_keys():
 def test_design_loop_runs_with_roundpipe_scaler_and_adam():
     torch.manual_seed(0)
     seq_model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
-    model = RoundPipe(seq_model.half(), optim_dtype=torch.float32,
-                      model_run_config=RoundPipeRunConfig(num_microbatch=4), devices="cpu:2")
+    model = RoundPipe(
+        seq_model.half(),
+        optim_dtype=torch.float32,
+        model_run_config=RoundPipeRunConfig(num_microbatch=4),
+        devices="cpu:2",
+    )
     with OptimizerCtx():
         opt = roundpipe.optim.Adam(model.parameters(), lr=1e-2)
     scaler = GradScaler()
     g = torch.Generator().manual_seed(0)
     X = torch.randn(64, 8, generator=g)
     Y = (X[:, 0] > 0).long() + 2 * (X[:, 1] > 0).long()
-    loader = [(X[i:i + 16], Y[i:i + 16]) for i in range(0, 64, 16)] * 8
+    loader = [(X[i : i + 16], Y[i : i + 16]) for i in range(0, 64, 16)] * 8
     losses = []
     for x, y in loader:
         scale = scaler.get_scale()
         loss = model.forward_backward(
-            input_args=(x,), label=y,
-            loss_fn=lambda out, lbl: scaler.scale(F.cross_entropy(out.float(), lbl)) / 4)
+            input_args=(x,),
+            label=y,
+            loss_fn=lambda out, lbl: scaler.scale(F.cross_entropy(out.float(), lbl)) / 4,
+        )
         losses.append(loss.item() / scale)
         model.step(lambda: (scaler.step(opt), opt.zero_grad()))
         scaler.update()
@@ -290,7 +314,7 @@ def test_two_calls_before_a_step_accumulate():
         plain_accumulate(ref, x, y, 2)
     model.step(lambda: opt.step(), is_async=False)
     ref_opt.step()
-    for (n, master), (_, rp) in zip(model.optim_named_parameters(), ref.named_parameters()):
+    for (_n, master), (_, rp) in zip(model.optim_named_parameters(), ref.named_parameters()):
         torch.testing.assert_close(master.grad, rp.grad, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(master, rp, rtol=1e-5, atol=1e-6)
 
@@ -350,16 +374,16 @@ def test_gradients_given_as_views_of_one_storage_stay_separate_and_equal_on_any_
     for devices in ("cpu", "cpu:2"):
         torch.manual_seed(0)
         seq = nn.Sequential(nn.Linear(3, 3), _OneStorageParams(), nn.Linear(3, 1))
-        model = RoundPipe(seq, devices=devices,
-                          model_run_config=RoundPipeRunConfig(num_microbatch=3))
+        model = RoundPipe(
+            seq, devices=devices, model_run_config=RoundPipeRunConfig(num_microbatch=3)
+        )
         model.forward_backward(input_args=(x,), loss_fn=lambda out, _: out.pow(2).sum())
         grads[devices] = {n: m.grad.clone() for n, m in model.optim_named_parameters()}
     torch.manual_seed(0)
     ref = nn.Sequential(nn.Linear(3, 3), _OneStorageParams(), nn.Linear(3, 1))
     names, params = zip(*ref.named_parameters())
     # Summed by hand: .backward() itself would let p.grad and q.grad share the storage.
-    per_mb = [torch.autograd.grad(ref(xm).pow(2).sum(), params)
-              for xm in torch.tensor_split(x, 3)]
+    per_mb = [torch.autograd.grad(ref(xm).pow(2).sum(), params) for xm in torch.tensor_split(x, 3)]
     for n, *gs in zip(names, *per_mb):
         assert torch.equal(grads["cpu"][n], grads["cpu:2"][n]), n
         torch.testing.assert_close(grads["cpu"][n], sum(gs), rtol=1e-6, atol=1e-6)
@@ -387,8 +411,9 @@ def test_a_grad_left_on_a_model_parameter_is_not_added_and_is_left_in_place():
         seq = mlp()
         seq(x).sum().backward()  # a plain backward before wrapping leaves .grad behind
         left = [p.grad.clone() for p in seq.parameters()]
-        model = RoundPipe(seq, devices=devices,
-                          model_run_config=RoundPipeRunConfig(num_microbatch=2))
+        model = RoundPipe(
+            seq, devices=devices, model_run_config=RoundPipeRunConfig(num_microbatch=2)
+        )
         model.forward_backward(input_args=(x,), label=y, loss_fn=loss_fn)
         grads[devices] = [m.grad for m in model.optim_parameters()]
         assert all(torch.equal(p.grad, g) for p, g in zip(seq.parameters(), left))
@@ -399,8 +424,9 @@ def test_a_grad_left_on_a_model_parameter_is_not_added_and_is_left_in_place():
 def test_batchnorm_running_stats_are_updated_once_per_microbatch_with_recompute(devices):
     torch.manual_seed(0)
     ref = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
-    model = RoundPipe(copy.deepcopy(ref), devices=devices,
-                      model_run_config=RoundPipeRunConfig(num_microbatch=2))
+    model = RoundPipe(
+        copy.deepcopy(ref), devices=devices, model_run_config=RoundPipeRunConfig(num_microbatch=2)
+    )
     x = torch.randn(8, 4)
     model.forward_backward(input_args=(x,), loss_fn=lambda out, _: out.sum())
     for xm in torch.tensor_split(x, 2):
@@ -436,16 +462,18 @@ def test_a_module_wrapped_again_sends_its_gradients_to_the_new_masters():
 
 
 @pytest.mark.parametrize("devices,recompute", [("cpu", True), ("cpu:2", True), ("cpu:3", False)])
-def test_inputs_that_require_grad_get_their_gradients_through_the_callers_graph(devices,
-                                                                                recompute):
+def test_inputs_that_require_grad_get_their_gradients_through_the_callers_graph(devices, recompute):
     # An embedding outside the RoundPipe feeds it: forward_backward must reach the embedding's
     # weight through the input, as loss.backward() over the whole graph would.
     torch.manual_seed(0)
     emb = nn.Embedding(10, 6)
     ref_emb = copy.deepcopy(emb)
     ref = mlp()
-    model = RoundPipe(mlp(), devices=devices,
-                      model_run_config=RoundPipeRunConfig(num_microbatch=4, recompute=recompute))
+    model = RoundPipe(
+        mlp(),
+        devices=devices,
+        model_run_config=RoundPipeRunConfig(num_microbatch=4, recompute=recompute),
+    )
     tokens = torch.randint(0, 10, (8,))
     x, _ = data()
     x.requires_grad_()
@@ -457,13 +485,16 @@ def test_inputs_that_require_grad_get_their_gradients_through_the_callers_graph(
         loss_fn(ref(hm), ym).backward(retain_graph=True)
     torch.testing.assert_close(x.grad, ref_x.grad, rtol=1e-5, atol=1e-7)
     torch.testing.assert_close(emb.weight.grad, ref_emb.weight.grad, rtol=1e-5, atol=1e-7)
-    for (n, master), (_, p) in zip(model.optim_named_parameters(), ref.named_parameters()):
+    for (_n, master), (_, p) in zip(model.optim_named_parameters(), ref.named_parameters()):
         torch.testing.assert_close(master.grad, p.grad, rtol=1e-5, atol=1e-7)
 
 
 def test_input_gradients_of_a_low_precision_model_arrive_in_the_inputs_dtype():
-    model = RoundPipe(mlp(dtype=torch.bfloat16), devices="cpu:2",
-                      model_run_config=RoundPipeRunConfig(num_microbatch=2))
+    model = RoundPipe(
+        mlp(dtype=torch.bfloat16),
+        devices="cpu:2",
+        model_run_config=RoundPipeRunConfig(num_microbatch=2),
+    )
     x, y = data()
     x.requires_grad_()
     model.forward_backward(input_args=(x,), label=y, loss_fn=loss_fn)
@@ -504,8 +535,9 @@ def test_a_parameter_shared_by_first_and_last_stage_is_bitwise_the_same_on_any_w
     x, _ = data(n=12)
     grads = {}
     for devices in ("cpu", "cpu:2", "cpu:3"):
-        model = RoundPipe(_tied(), devices=devices,
-                          model_run_config=RoundPipeRunConfig(num_microbatch=3))
+        model = RoundPipe(
+            _tied(), devices=devices, model_run_config=RoundPipeRunConfig(num_microbatch=3)
+        )
         model.forward_backward(input_args=(x,), loss_fn=lambda out, _: out.pow(2).sum())
         grads[devices] = [m.grad.clone() for m in model.optim_parameters()]
     assert len(grads["cpu"]) == 5  # the shared weight has one master
@@ -523,11 +555,15 @@ def test_a_resolved_run_config_has_no_optional_field():
     from roundpipe.runtime.config import ResolvedRunConfig, resolve_config
 
     hints = typing.get_type_hints(ResolvedRunConfig)
-    optional = [name for name, hint in hints.items()
-                if type(None) in typing.get_args(hint) or hint is type(None)]
+    optional = [
+        name
+        for name, hint in hints.items()
+        if type(None) in typing.get_args(hint) or hint is type(None)
+    ]
     assert optional == []
-    cfg = resolve_config(RoundPipeRunConfig(num_microbatch=2), RoundPipeRunConfig(recompute=False),
-                         num_layers=3)
+    cfg = resolve_config(
+        RoundPipeRunConfig(num_microbatch=2), RoundPipeRunConfig(recompute=False), num_layers=3
+    )
     assert cfg.num_microbatch == 2 and cfg.recompute is False
     assert cfg.execute_plan == ((0, 1), (1, 2), (2, 3))
     assert cfg.autocast == "caller" and cfg.device_memory_budget == "none"

@@ -56,8 +56,9 @@ def make(exc=None, on_mb=None, when="forward", devices="cpu:2", **cfg):
     boom = Boom(exc, on_mb, when)
     boom.armed = exc is not None
     seq = nn.Sequential(TagLinear(3, 3), TagTanh(), boom, TagLinear(3, 3), nn.Linear(3, 2))
-    return RoundPipe(seq, devices=devices,
-                     model_run_config=RoundPipeRunConfig(num_microbatch=3, **cfg))
+    return RoundPipe(
+        seq, devices=devices, model_run_config=RoundPipeRunConfig(num_microbatch=3, **cfg)
+    )
 
 
 def loss_fn(out, _):
@@ -115,8 +116,9 @@ class _FailsInBackward(nn.Module):
 
 
 @pytest.mark.parametrize("devices,where", [("cpu", "all stages"), ("cpu:2", "stage 2")])
-def test_error_in_a_backward_names_the_microbatch_then_training_continues(devices, where,
-                                                                         monkeypatch, pool_kind):
+def test_error_in_a_backward_names_the_microbatch_then_training_continues(
+    devices, where, monkeypatch, pool_kind
+):
     # One CPU device runs a microbatch's stages under one backward: its note cannot name the
     # stage. An accelerator runs a backward per stage.
     if pool_kind != "cpu":
@@ -158,6 +160,7 @@ def test_loss_fn_error_and_non_scalar_loss():
 
     def bad_loss(out, _):
         raise ArithmeticError("in the loss")
+
     with pytest.raises(ArithmeticError) as info:
         model.forward_backward(input_args=(x,), loss_fn=bad_loss)
     assert "[roundpipe stage 4, microbatch 0, loss_fn]" in info.value.__notes__
@@ -176,6 +179,7 @@ def test_step_fn_error_reraised_then_training_continues(is_async):
 
     def bad_step():
         raise err
+
     model.forward_backward(input_args=(x,), loss_fn=loss_fn)
     if is_async:
         model.step(bad_step)  # returns at once; the error surfaces at the next dependent call
@@ -235,12 +239,16 @@ def test_optimizer_on_model_parameters_is_rejected():
 
 
 @pytest.mark.parametrize("clip", [False, True], ids=["step", "unscale-then-step"])
-@pytest.mark.parametrize("make_opt", [
-    lambda params: torch.optim.SGD(params, lr=0.1),
-    lambda params: torch.optim.Adam(params, lr=0.1),
-    lambda params: torch.optim.Adam(params, lr=0.1, fused=True),
-    lambda params: roundpipe.optim.Adam(params, lr=0.1),
-], ids=["sgd", "adam", "fused-adam", "roundpipe-adam"])
+@pytest.mark.parametrize(
+    "make_opt",
+    [
+        lambda params: torch.optim.SGD(params, lr=0.1),
+        lambda params: torch.optim.Adam(params, lr=0.1),
+        lambda params: torch.optim.Adam(params, lr=0.1, fused=True),
+        lambda params: roundpipe.optim.Adam(params, lr=0.1),
+    ],
+    ids=["sgd", "adam", "fused-adam", "roundpipe-adam"],
+)
 def test_optimizer_on_model_parameters_with_a_grad_scaler_names_the_fix(make_opt, clip):
     model = make()
     opt = make_opt(model.parameters())  # outside OptimizerCtx: the wrong params
@@ -252,18 +260,23 @@ def test_optimizer_on_model_parameters_with_a_grad_scaler_names_the_fix(make_opt
         scaler.step(opt)
         opt.zero_grad()
 
-    model.forward_backward(input_args=(tagged_batch(),),
-                           loss_fn=lambda out, lbl: scaler.scale(loss_fn(out, lbl)))
+    model.forward_backward(
+        input_args=(tagged_batch(),), loss_fn=lambda out, lbl: scaler.scale(loss_fn(out, lbl))
+    )
     model.step(step_fn)
-    with pytest.raises(RuntimeError, match=r"built on the model's own \(low-precision\) "
-                                           r"parameters.*with OptimizerCtx\(\)"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"built on the model's own \(low-precision\) "
+        r"parameters.*with OptimizerCtx\(\)",
+    ):
         scaler.update()  # reports the failed step if it has already run ...
         model.synchronize()  # ... else this, which waits for it
     # Built as the message says, the next iteration runs.
     with OptimizerCtx():
         opt = make_opt(model.parameters())
-    model.forward_backward(input_args=(tagged_batch(),),
-                           loss_fn=lambda out, lbl: scaler.scale(loss_fn(out, lbl)))
+    model.forward_backward(
+        input_args=(tagged_batch(),), loss_fn=lambda out, lbl: scaler.scale(loss_fn(out, lbl))
+    )
     model.step(step_fn)
     scaler.update()
     model.synchronize()
@@ -288,8 +301,11 @@ class TinyGPT(nn.Module):
 
 @pytest.mark.cpu_pool_only  # warned once per process: a second run would see nothing
 def test_a_model_that_is_not_sequential_warns_once_that_it_is_one_stage():
-    with pytest.warns(UserWarning, match=r"runs a TinyGPT, which is not an nn\.Sequential, as a "
-                                         r"single stage.*nn\.Sequential\(embedding, \*blocks, head\)"):
+    with pytest.warns(
+        UserWarning,
+        match=r"runs a TinyGPT, which is not an nn\.Sequential, as a "
+        r"single stage.*nn\.Sequential\(embedding, \*blocks, head\)",
+    ):
         model = RoundPipe(TinyGPT())
     assert len(model.plan().actions()) == 1  # one stage, one microbatch
     with warnings.catch_warnings():
@@ -304,7 +320,9 @@ def test_trainable_param_without_master():
     seq[1].weight.requires_grad_(False)
     model = RoundPipe(seq)
     seq[1].weight.requires_grad_(True)
-    with pytest.raises(RuntimeError, match=r"'1.weight' \(stage 1\) requires grad but has no master"):
+    with pytest.raises(
+        RuntimeError, match=r"'1.weight' \(stage 1\) requires grad but has no master"
+    ):
         model.forward_backward(input_args=(torch.randn(2, 3),), loss_fn=loss_fn)
 
 
@@ -313,17 +331,21 @@ def test_bad_batches():
     with pytest.raises(ValueError, match="2 samples cannot be split into 3 microbatches"):
         model.forward_backward(input_args=(torch.randn(2, 3),), loss_fn=loss_fn)
     with pytest.raises(ValueError, match="label batch size 5 .* input batch size 6"):
-        model.forward_backward(input_args=(torch.randn(6, 3),), label=torch.zeros(5),
-                               loss_fn=loss_fn)
+        model.forward_backward(
+            input_args=(torch.randn(6, 3),), label=torch.zeros(5), loss_fn=loss_fn
+        )
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    ({"num_microbatch": 0}, "num_microbatch"),
-    ({"autocast": True}, "autocast"),
-    ({"recompute": "yes"}, "recompute"),
-    ({"output_device": "nowhere"}, "output_device"),
-    ({"execute_plan": [2, 0]}, "execute_plan"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"num_microbatch": 0}, "num_microbatch"),
+        ({"autocast": True}, "autocast"),
+        ({"recompute": "yes"}, "recompute"),
+        ({"output_device": "nowhere"}, "output_device"),
+        ({"execute_plan": [2, 0]}, "execute_plan"),
+    ],
+)
 def test_run_config_validation(kwargs, match):
     with pytest.raises(ValueError, match=match):
         RoundPipeRunConfig(**kwargs)
@@ -331,8 +353,10 @@ def test_run_config_validation(kwargs, match):
 
 def test_execute_plan_must_cover_the_layers():
     with pytest.raises(ValueError, match="sum to the layer count"):
-        RoundPipe(nn.Sequential(nn.Linear(2, 2), nn.ReLU()),
-                  model_run_config=RoundPipeRunConfig(execute_plan=[1, 2]))
+        RoundPipe(
+            nn.Sequential(nn.Linear(2, 2), nn.ReLU()),
+            model_run_config=RoundPipeRunConfig(execute_plan=[1, 2]),
+        )
     with pytest.raises(ValueError, match="cpu:N"):
         RoundPipe(nn.Linear(2, 2), devices="gpu:0")
     with pytest.raises(ValueError, match="loss_fn"):
@@ -361,19 +385,28 @@ def test_failed_step_reported_by_the_scaler_does_not_leave_its_gradients_behind(
     def bad():
         raise KeyError("step failed")
 
-    fb(); model.step(good); scaler.update()
-    fb(); model.step(bad); optim_thread.wait_all()
+    fb()
+    model.step(good)
+    scaler.update()
+    fb()
+    model.step(bad)
+    optim_thread.wait_all()
     with pytest.raises(KeyError, match="step failed"):
         scaler.update()
-    fb(); model.step(good); scaler.update()
+    fb()
+    model.step(good)
+    scaler.update()
     model.synchronize()
     assert torch.equal(seen[0], seen[1])
 
 
 def _small(devices="cpu:2", num_microbatch=2):
     torch.manual_seed(0)
-    return RoundPipe(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 1)),
-                     devices=devices, model_run_config=RoundPipeRunConfig(num_microbatch=num_microbatch))
+    return RoundPipe(
+        nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 1)),
+        devices=devices,
+        model_run_config=RoundPipeRunConfig(num_microbatch=num_microbatch),
+    )
 
 
 def _sum_loss(out, _):
@@ -476,11 +509,16 @@ def test_a_failed_merge_drops_the_call_gradients():
         def forward(self, x):
             return x, int(x.shape[0])  # a non-tensor that differs between microbatches
 
-    model = RoundPipe(nn.Sequential(nn.Linear(4, 4), Tagged()),
-                      model_run_config=RoundPipeRunConfig(num_microbatch=3))
+    model = RoundPipe(
+        nn.Sequential(nn.Linear(4, 4), Tagged()),
+        model_run_config=RoundPipeRunConfig(num_microbatch=3),
+    )
     with pytest.raises(ValueError, match="differs between microbatch"):
-        model.forward_backward(input_args=(torch.randn(5, 4),), return_outputs=True,
-                               loss_fn=lambda out, _: out[0].sum())
+        model.forward_backward(
+            input_args=(torch.randn(5, 4),),
+            return_outputs=True,
+            loss_fn=lambda out, _: out[0].sum(),
+        )
     optim_thread.synchronize()
     assert all(m.grad is None for m in model.optim_parameters())
 
@@ -503,6 +541,8 @@ def test_a_stage_that_adds_a_host_tensor_names_the_stage(pool_kind):
     # On an accelerator the host tensor meets a device tensor, as on CUDA.
     with pytest.raises(RuntimeError, match="Expected all tensors to be on the same device") as info:
         model.forward_backward(input_args=(x,), loss_fn=loss_fn)
-    assert "[roundpipe stage 1, layer 1 (_AddsHostTensor), microbatch 0, forward]" in \
-        info.value.__notes__
+    assert (
+        "[roundpipe stage 1, layer 1 (_AddsHostTensor), microbatch 0, forward]"
+        in info.value.__notes__
+    )
     assert all(m.grad is None for m in model.optim_parameters())

@@ -97,7 +97,10 @@ def test_async_lag_one_matches_reference_with_scale_dependent_overflows():
     # backed off twice.
     n, interval = 300, 5
     spikes = _flags(n, seed=0)
-    ref, run = LagOneReference(2.0**10, interval), Harness(GradScaler("cpu", init_scale=2.0**10, growth_interval=interval))
+    ref, run = (
+        LagOneReference(2.0**10, interval),
+        Harness(GradScaler("cpu", init_scale=2.0**10, growth_interval=interval)),
+    )
     ref_used = []
     for k in range(n):
         ref_used.append(ref.front)
@@ -153,7 +156,10 @@ def test_ten_thousand_async_iterations_with_random_overflows():
 def test_mixed_sync_and_async_iterations_follow_the_reference():
     n = 120
     flags, waits = _flags(n, seed=2, p=0.15), _flags(n, seed=3, p=0.4)
-    ref, run = LagOneReference(2.0**6, 3), Harness(GradScaler("cpu", init_scale=2.0**6, growth_interval=3))
+    ref, run = (
+        LagOneReference(2.0**6, 3),
+        Harness(GradScaler("cpu", init_scale=2.0**6, growth_interval=3)),
+    )
     ref_used = []
     for k in range(n):
         ref_used.append(ref.front)
@@ -167,13 +173,16 @@ def test_mixed_sync_and_async_iterations_follow_the_reference():
 def test_forced_modes():
     # is_async=False waits for the launched step and behaves like torch.
     flags = _flags(40, seed=4, p=0.2)
-    ref, run = LagOneReference(2.0**6, 2), Harness(GradScaler("cpu", init_scale=2.0**6, growth_interval=2))
-    for k, flag in enumerate(flags):
+    ref, run = (
+        LagOneReference(2.0**6, 2),
+        Harness(GradScaler("cpu", init_scale=2.0**6, growth_interval=2)),
+    )
+    for _k, flag in enumerate(flags):
         assert run.scaler.get_scale() == ref.front
         ref.update_sync(flag)
         run.iteration(flag, is_async=False)
     # is_async=True with steps that were waited for is still lag-one.
-    for k, flag in enumerate(flags):
+    for _k, flag in enumerate(flags):
         assert run.scaler.get_scale() == ref.front
         ref.update_async(flag)
         run.iteration(flag, wait=True, is_async=True)
@@ -182,7 +191,10 @@ def test_forced_modes():
 
 
 def test_new_scale_in_async_mode_is_used_from_the_next_iteration():
-    ref, run = LagOneReference(2.0**6, 1000), Harness(GradScaler("cpu", init_scale=2.0**6, growth_interval=1000))
+    ref, run = (
+        LagOneReference(2.0**6, 1000),
+        Harness(GradScaler("cpu", init_scale=2.0**6, growth_interval=1000)),
+    )
     plan = [(False, None), (True, None), (False, 5.0), (True, None), (False, None), (False, None)]
     for overflow, new_scale in plan:
         assert run.scaler.get_scale() == ref.front
@@ -195,7 +207,10 @@ def test_new_scale_in_async_mode_is_used_from_the_next_iteration():
 
 def test_setters_apply_in_launch_order_and_getters_see_them():
     interval = 2
-    ref, run = LagOneReference(1.0, interval), Harness(GradScaler("cpu", init_scale=1.0, growth_interval=interval))
+    ref, run = (
+        LagOneReference(1.0, interval),
+        Harness(GradScaler("cpu", init_scale=1.0, growth_interval=interval)),
+    )
     for k in range(12):
         if k == 5:
             run.scaler.set_growth_factor(4.0)
@@ -228,7 +243,7 @@ def test_update_and_snapshot_do_not_wait_for_a_running_step():
     watchdog.start()
     try:
         optim_thread.launch(release.wait)  # a long step is running...
-        run.iteration(False)               # ...and this update() returns anyway
+        run.iteration(False)  # ...and this update() returns anyway
         snap = scaler.snapshot()
         assert not release.is_set()
         assert snap.scale_in_use == 8.0
@@ -245,13 +260,19 @@ class StepBroke(Exception):
 
 def test_update_without_a_step_since_the_last_is_refused_at_that_call():
     interval = 2
-    ref, run = LagOneReference(2.0**6, interval), Harness(GradScaler("cpu", init_scale=2.0**6, growth_interval=interval))
+    ref, run = (
+        LagOneReference(2.0**6, interval),
+        Harness(GradScaler("cpu", init_scale=2.0**6, growth_interval=interval)),
+    )
     for k in range(6):
         ref.update_async(k == 3)
         run.iteration(k == 3)
         if k in (1, 3):
-            with pytest.raises(RuntimeError, match=r"no step since the previous update\(\).*once per "
-                                                   r"iteration, after model\.step"):
+            with pytest.raises(
+                RuntimeError,
+                match=r"no step since the previous update\(\).*once per "
+                r"iteration, after model\.step",
+            ):
                 run.scaler.update()  # misplaced: a second update in the iteration
     optim_thread.synchronize()  # nothing failed on the optimizer thread either
     # The refused calls changed nothing: the run follows the reference of a correct loop.
@@ -264,7 +285,10 @@ def test_update_without_a_step_since_the_last_is_refused_at_that_call():
 
 
 def test_step_error_is_reraised_on_main_as_its_own_type_and_training_continues():
-    ref, run = LagOneReference(2.0**4, 1000), Harness(GradScaler("cpu", init_scale=2.0**4, growth_interval=1000))
+    ref, run = (
+        LagOneReference(2.0**4, 1000),
+        Harness(GradScaler("cpu", init_scale=2.0**4, growth_interval=1000)),
+    )
     for k in range(3):
         ref.update_async(k == 1)
         run.iteration(k == 1)
@@ -335,7 +359,10 @@ def test_a_failed_step_does_not_hold_up_an_unrelated_scaler_on_the_main_thread()
     assert len(reported) == 1
     # A scaler of a plain loop on the main thread: refused before ("work launched on the
     # optimizer thread ... has not been waited for"), now exactly torch.amp.GradScaler.
-    ours, theirs = _plain_loop(GradScaler("cpu", init_scale=2.0**4, growth_interval=2)), _torch_plain_loop()
+    ours, theirs = (
+        _plain_loop(GradScaler("cpu", init_scale=2.0**4, growth_interval=2)),
+        _torch_plain_loop(),
+    )
     assert ours[0] == theirs[0] and torch.equal(ours[1], theirs[1])
 
 
@@ -348,7 +375,10 @@ def test_only_a_scaler_that_launched_steps_use_is_refused_while_one_runs():
     try:
         # Another model's loop on this thread, with its own scaler, runs as torch's would, without
         # waiting for the blocked step.
-        ours, theirs = _plain_loop(GradScaler("cpu", init_scale=2.0**4, growth_interval=2)), _torch_plain_loop()
+        ours, theirs = (
+            _plain_loop(GradScaler("cpu", init_scale=2.0**4, growth_interval=2)),
+            _torch_plain_loop(),
+        )
         assert ours[0] == theirs[0] and len(set(ours[0])) > 1 and torch.equal(ours[1], theirs[1])
         assert not release.is_set()
         with pytest.raises(RuntimeError, match="which uses this scaler, has not finished"):
@@ -399,15 +429,26 @@ def test_async_run_resumes_bit_for_bit_in_a_new_process(tmp_path):
         if k == 29:
             # A checkpoint after iteration 29: state_dict waits for the optimizer thread.
             scaler_state = full.scaler.state_dict()
-            torch.save({"scaler": scaler_state, "opt": full.opt.state_dict(),
-                        "master": full.master.detach().clone()}, tmp_path / "ckpt.pt")
+            torch.save(
+                {
+                    "scaler": scaler_state,
+                    "opt": full.opt.state_dict(),
+                    "master": full.master.detach().clone(),
+                },
+                tmp_path / "ckpt.pt",
+            )
     optim_thread.synchronize()
     # The checkpoint falls where the lag shows: the compute side still uses the older scale.
     assert scaler_state["roundpipe"]["front_scale"] != scaler_state["scale"]
-    script = CHECKPOINT_SCRIPT.format(tests=os.path.dirname(__file__), path=str(tmp_path / "ckpt.pt"),
-                                      out=str(tmp_path / "out.pt"))
+    script = CHECKPOINT_SCRIPT.format(
+        tests=os.path.dirname(__file__),
+        path=str(tmp_path / "ckpt.pt"),
+        out=str(tmp_path / "out.pt"),
+    )
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0, proc.stderr
     resumed = torch.load(tmp_path / "out.pt")
     assert resumed["used"] == full.used[30:]

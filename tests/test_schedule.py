@@ -54,7 +54,7 @@ def test_simulated_execution_completes_in_dependency_order(S, M, D, training):
 
 def test_one_stage_microbatches_in_order_for_deterministic_accumulation():
     plan = build_plan(4, 5, 3, True)
-    for d, actions in enumerate(plan.per_device):
+    for _d, actions in enumerate(plan.per_device):
         for s in range(4):
             for kind in ActionKind:
                 mbs = [a.mb_index for a in actions if a.stage == s and a.kind is kind]
@@ -73,8 +73,13 @@ def test_clock_values():
 
 def test_deadlocking_order_is_detected():
     plan = build_plan(2, 2, 1, True)
-    bad = type(plan)(plan.num_stages, plan.num_microbatch, plan.num_devices, plan.training,
-                     (tuple(reversed(plan.per_device[0])),))
+    bad = type(plan)(
+        plan.num_stages,
+        plan.num_microbatch,
+        plan.num_devices,
+        plan.training,
+        (tuple(reversed(plan.per_device[0])),),
+    )
     with pytest.raises(RuntimeError, match="deadlock"):
         simulate(bad)
 
@@ -105,9 +110,15 @@ def test_one_device_runs_microbatch_by_microbatch():
     # Nothing to overlap with: microbatch m's forward and backward finish before m + 1 starts,
     # so only one microbatch's stage inputs are alive at a time.
     plan = build_plan(3, 2, 1, True)
-    assert str(plan).splitlines()[1] == "  device 0: F0.0 F1.0 L2.0 B1.0 B0.0 F0.1 F1.1 L2.1 B1.1 B0.1"
-    assert [str(a) for a in build_plan(2, 2, 1, False).per_device[0]] == ["F0.0", "F1.0", "F0.1",
-                                                                          "F1.1"]
+    assert (
+        str(plan).splitlines()[1] == "  device 0: F0.0 F1.0 L2.0 B1.0 B0.0 F0.1 F1.1 L2.1 B1.1 B0.1"
+    )
+    assert [str(a) for a in build_plan(2, 2, 1, False).per_device[0]] == [
+        "F0.0",
+        "F1.0",
+        "F0.1",
+        "F1.1",
+    ]
 
 
 def test_several_devices_follow_the_clock():
@@ -134,6 +145,7 @@ def test_fusing_needs_one_device_and_training(D, training):
 
 def _seq(*widths):
     import torch.nn as nn
+
     layers = []
     for w in widths:
         layers += [nn.Linear(w, w, bias=False), nn.ReLU()]  # w*w*4 bytes, then a free layer
@@ -155,6 +167,7 @@ def test_stages_by_size_balances_parameter_bytes():
 
 def test_stages_by_size_counts_a_shared_parameter_once_and_rejects_misuse():
     import torch.nn as nn
+
     from roundpipe.plan import stages_by_size
 
     first, last = nn.Linear(8, 8, bias=False), nn.Linear(8, 8, bias=False)
@@ -171,6 +184,7 @@ def test_stages_by_size_counts_a_shared_parameter_once_and_rejects_misuse():
 
 def test_stages_by_size_can_balance_measured_costs_instead_of_bytes():
     import torch.nn as nn
+
     from roundpipe.plan import stages_by_size
 
     seq = nn.Sequential(*[nn.Linear(4, 4) for _ in range(6)])  # equal bytes

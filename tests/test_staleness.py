@@ -57,7 +57,7 @@ def test_async_is_the_one_step_stale_reference(devices):
         history.append({n: p.detach().clone() for n, p in masters.named_parameters()})
         assert loss.item() == pytest.approx(ref_loss, rel=1e-6)
     optim_thread.synchronize()
-    for (n, m), (_, r) in zip(model.optim_named_parameters(), masters.named_parameters()):
+    for (_, m), (_, r) in zip(model.optim_named_parameters(), masters.named_parameters()):
         torch.testing.assert_close(m, r, rtol=1e-6, atol=1e-7)
     # The model itself is one step behind the masters until synchronize().
     for n, p in model.named_parameters():
@@ -124,9 +124,15 @@ _SCRIPT = textwrap.dedent("""
 def test_checkpoint_after_async_iteration_resumes_bit_for_bit_in_a_new_process(tmp_path):
     script = tmp_path / "run.py"
     script.write_text(_SCRIPT)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-         os.environ.get("PYTHONPATH", "")]))
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join(
+            [
+                os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                os.environ.get("PYTHONPATH", ""),
+            ]
+        ),
+    )
     full, part = str(tmp_path / "full.pt"), str(tmp_path / "part.pt")
     # The uninterrupted run saves a checkpoint after iteration 2 and goes on to 8 ...
     subprocess.run([sys.executable, str(script), "save", full, "0", "8"], check=True, env=env)
@@ -157,9 +163,11 @@ def test_workers_wait_for_the_params_copy_of_their_stage():
     def record(module, inputs):
         entered.set()
         seen.append(module.weight.detach().to("cpu", copy=True))  # on an accelerator: the upload
+
     handle = model.module[0].register_forward_pre_hook(record)
-    runner = threading.Thread(target=lambda: model.forward_backward(
-        input_args=(x,), label=y, loss_fn=loss_fn))
+    runner = threading.Thread(
+        target=lambda: model.forward_backward(input_args=(x,), label=y, loss_fn=loss_fn)
+    )
     runner.start()
     try:
         # Only a missing wait lets stage 0 start while the copy is held (never a false failure).

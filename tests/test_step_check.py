@@ -20,8 +20,10 @@ torch_scaler = torch.amp.GradScaler("cpu")  # a global a step function may name
 
 def _model():
     torch.manual_seed(0)
-    model = RoundPipe(nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 3)),
-                      model_run_config=RoundPipeRunConfig(num_microbatch=2))
+    model = RoundPipe(
+        nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 3)),
+        model_run_config=RoundPipeRunConfig(num_microbatch=2),
+    )
     with OptimizerCtx():
         opt = torch.optim.AdamW(model.parameters(), lr=0.01)
     return model, opt
@@ -29,8 +31,9 @@ def _model():
 
 def _forward_backward(model, scaler):
     x, y = torch.randn(4, 4), torch.tensor([0, 1, 2, 0])
-    return model.forward_backward(input_args=(x,), label=y,
-                                  loss_fn=lambda o, l: scaler.scale(F.cross_entropy(o, l)) / 2)
+    return model.forward_backward(
+        input_args=(x,), label=y, loss_fn=lambda o, l: scaler.scale(F.cross_entropy(o, l)) / 2
+    )
 
 
 class Trainer:
@@ -67,8 +70,11 @@ def test_a_torch_grad_scaler_in_the_step_function_is_refused_at_model_step(how):
     _forward_backward(model, scaler)
     # Before: torch's "AssertionError: No inf checks were recorded prior to update." at the
     # update that follows, or, when the step ran first, a silent race.
-    with pytest.raises(RuntimeError, match=r"a torch\.amp\.GradScaler \(.*\) is used by a step "
-                                           r"launched on roundpipe's optimizer thread.*" + FIX):
+    with pytest.raises(
+        RuntimeError,
+        match=r"a torch\.amp\.GradScaler \(.*\) is used by a step "
+        r"launched on roundpipe's optimizer thread.*" + FIX,
+    ):
         model.step(_step_functions(scaler, opt)[how])
     optim_thread.synchronize()  # nothing was launched
     model.step(lambda: (opt.step(), opt.zero_grad()), is_async=False)  # the gradients are kept
@@ -80,7 +86,9 @@ def test_the_error_names_where_the_scaler_was_found():
     with pytest.raises(RuntimeError, match=r"closure variable 'scaler' of the step function"):
         check_step_fn(lambda: scaler.step(opt))
     holder = Trainer(scaler, opt)
-    with pytest.raises(RuntimeError, match=r"attribute 'scaler' of the object of the step function"):
+    with pytest.raises(
+        RuntimeError, match=r"attribute 'scaler' of the object of the step function"
+    ):
         check_step_fn(holder.step)
 
 
@@ -103,8 +111,11 @@ def test_out_of_sight_of_the_launch_the_step_fails_with_the_same_error():
     _DEEP["fn"] = Trainer(scaler, opt).step  # three levels down: the launch does not look there
     try:
         _forward_backward(model, scaler)
-        with pytest.raises(RuntimeError, match=r"torch\.amp\.grad_scaler\.GradScaler stepping "
-                                               r"AdamW.*" + FIX):
+        with pytest.raises(
+            RuntimeError,
+            match=r"torch\.amp\.grad_scaler\.GradScaler stepping "
+            r"AdamW.*" + FIX,
+        ):
             model.step(lambda: _deeper(), is_async=False)
     finally:
         _DEEP.clear()

@@ -39,11 +39,16 @@ def test_stage_major_training_plan_runs_and_moves_each_stage_at_most_twice(S, M,
         # every later one is named at the end of the run before it.
         first = plan.first_upload(d)
         assert (first.action if first else None) == (actions[0] if actions else None)
-        ups = [t.action for t in plan.transfers()
-               if t.kind is TransferKind.UPLOAD and t.action.device == d]
-        assert ups[1:] == [b for a, b in zip(actions, actions[1:])
-                           if plan.upload_after(a) is not None
-                           and plan.upload_after(a).action == b]
+        ups = [
+            t.action
+            for t in plan.transfers()
+            if t.kind is TransferKind.UPLOAD and t.action.device == d
+        ]
+        assert ups[1:] == [
+            b
+            for a, b in zip(actions, actions[1:])
+            if plan.upload_after(a) is not None and plan.upload_after(a).action == b
+        ]
 
 
 @pytest.mark.parametrize("S,M,D", SHAPES)
@@ -59,15 +64,18 @@ def test_stage_major_inference_and_no_recompute_upload_once(S, M, D):
 def test_a_stage_major_plan_prints_its_moves():
     text = str(build_plan(3, 2, 1, training=True, stage_major=True))
     assert "device 0: F0.0 F0.1 F1.0 F1.1 L2.0 L2.1 B1.0 B1.1 B0.0 B0.1" in text
-    assert "moves 0: up0@F0.0 up1@F1.0 up2@L2.0 down2@L2.1 up1@B1.0 down1@B1.1 up0@B0.0 " \
-           "down0@B0.1" in text
+    assert (
+        "moves 0: up0@F0.0 up1@F1.0 up2@L2.0 down2@L2.1 up1@B1.0 down1@B1.1 up0@B0.0 "
+        "down0@B0.1" in text
+    )
 
 
 def _model(dtype=torch.float32):
     torch.manual_seed(0)
     # Parameter sizes all differ, so a download is told apart by its size.
-    return nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 5), nn.Dropout(0.2),
-                         nn.Linear(5, 3)).to(dtype)
+    return nn.Sequential(
+        nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 5), nn.Dropout(0.2), nn.Linear(5, 3)
+    ).to(dtype)
 
 
 def _batch(n=32):
@@ -82,8 +90,9 @@ def _loss(out, y):
 @pytest.mark.parametrize("devices", ["emu", "emu:2"])
 @pytest.mark.parametrize("M", [1, 4, 16])
 def test_each_stage_is_uploaded_at_most_twice_and_its_grads_downloaded_once(devices, M):
-    model = RoundPipe(_model(), devices=devices,
-                      model_run_config=RoundPipeRunConfig(num_microbatch=M))
+    model = RoundPipe(
+        _model(), devices=devices, model_run_config=RoundPipeRunConfig(num_microbatch=M)
+    )
     params = dict(model.module.named_parameters())
     assert all(p.is_pinned() for p in params.values())  # uploads come from pinned memory
     ptr = {p.untyped_storage().data_ptr(): n for n, p in params.items()}
@@ -95,8 +104,11 @@ def test_each_stage_is_uploaded_at_most_twice_and_its_grads_downloaded_once(devi
     for name in params:  # "0.weight": layer 0 is stage 0
         assert uploads[name] == (1 if name.split(".")[0] == last else 2), (name, uploads)
     by_size = {p.numel(): n for n, p in params.items()}
-    downloads = Counter(by_size[c.numel] for c in log
-                        if c.direction == "d2h" and c.dtype == torch.float32 and c.numel > 1)
+    downloads = Counter(
+        by_size[c.numel]
+        for c in log
+        if c.direction == "d2h" and c.dtype == torch.float32 and c.numel > 1
+    )
     assert downloads == Counter({n: 1 for n in params}), downloads
     assert all(c.pinned for c in log if c.direction == "d2h" and c.numel > 1)
 
@@ -108,13 +120,18 @@ def test_streamed_training_equals_the_cpu_pool_bit_for_bit(devices):
     # with the CPU pool's parameters and running stats.
     def run(pool):
         torch.manual_seed(0)
-        seq = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Dropout(0.2),
-                            nn.Linear(8, 3)).half()
-        model = RoundPipe(copy.deepcopy(seq), optim_dtype=torch.float32, devices=pool,
-                          model_run_config=RoundPipeRunConfig(num_microbatch=4))
+        seq = nn.Sequential(
+            nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Dropout(0.2), nn.Linear(8, 3)
+        ).half()
+        model = RoundPipe(
+            copy.deepcopy(seq),
+            optim_dtype=torch.float32,
+            devices=pool,
+            model_run_config=RoundPipeRunConfig(num_microbatch=4),
+        )
         with OptimizerCtx():
             opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-        for i in range(3):
+        for _i in range(3):
             x, y = _batch()
             model.forward_backward(input_args=(x,), label=y, loss_fn=_loss)
             model.step(lambda: (opt.step(), opt.zero_grad()))
@@ -131,8 +148,9 @@ def test_inputs_that_require_grad_get_it_through_a_streamed_call():
     x, y = _batch(8)
     grads = []
     for pool in ("cpu", "emu:2"):
-        model = RoundPipe(_model(), devices=pool,
-                          model_run_config=RoundPipeRunConfig(num_microbatch=2))
+        model = RoundPipe(
+            _model(), devices=pool, model_run_config=RoundPipeRunConfig(num_microbatch=2)
+        )
         leaf = x.clone().requires_grad_()
         model.forward_backward(input_args=(leaf * 2,), label=y, loss_fn=_loss)
         grads.append(leaf.grad)
@@ -140,15 +158,21 @@ def test_inputs_that_require_grad_get_it_through_a_streamed_call():
 
 
 def test_no_recompute_keeps_the_forward_upload_for_the_backward():
-    model = RoundPipe(_model(), devices="emu",
-                      model_run_config=RoundPipeRunConfig(num_microbatch=4, recompute=False))
+    model = RoundPipe(
+        _model(),
+        devices="emu",
+        model_run_config=RoundPipeRunConfig(num_microbatch=4, recompute=False),
+    )
     ptr = {p.untyped_storage().data_ptr() for p in model.module.parameters()}
     x, y = _batch()
     with emu.record_copies() as log:
         model.forward_backward(input_args=(x,), label=y, loss_fn=_loss)
     assert sum(c.direction == "h2d" and c.host_ptr in ptr for c in log) == len(ptr)
-    ref = RoundPipe(_model(), devices="cpu",
-                    model_run_config=RoundPipeRunConfig(num_microbatch=4, recompute=False))
+    ref = RoundPipe(
+        _model(),
+        devices="cpu",
+        model_run_config=RoundPipeRunConfig(num_microbatch=4, recompute=False),
+    )
     ref.forward_backward(input_args=(x,), label=y, loss_fn=_loss)
     for a, b in zip(model.optim_parameters(), ref.optim_parameters()):
         assert torch.equal(a.grad, b.grad)
@@ -158,8 +182,9 @@ def test_a_differentiable_forward_reaches_the_masters_on_an_accelerator():
     x, _ = _batch(8)
     grads = []
     for pool in ("cpu", "emu"):
-        model = RoundPipe(_model(), devices=pool,
-                          model_run_config=RoundPipeRunConfig(num_microbatch=2))
+        model = RoundPipe(
+            _model(), devices=pool, model_run_config=RoundPipeRunConfig(num_microbatch=2)
+        )
         model(x).pow(2).sum().backward()
         grads.append([m.grad for m in model.optim_parameters()])
     assert all(g is not None for g in grads[1])
@@ -168,8 +193,9 @@ def test_a_differentiable_forward_reaches_the_masters_on_an_accelerator():
 
 
 def test_the_plan_of_an_accelerator_pool_is_stage_major():
-    model = RoundPipe(_model(), devices="emu:2",
-                      model_run_config=RoundPipeRunConfig(num_microbatch=3))
+    model = RoundPipe(
+        _model(), devices="emu:2", model_run_config=RoundPipeRunConfig(num_microbatch=3)
+    )
     plan = model.plan()
     assert plan.stage_major and not plan.fused
     assert [a.kind for a in plan.per_device[0][:3]] == [ActionKind.FORWARD] * 3
@@ -177,16 +203,20 @@ def test_the_plan_of_an_accelerator_pool_is_stage_major():
 
 
 def test_the_next_stage_is_prefetched_on_the_copy_stream():
-    model = RoundPipe(_model(), devices="emu",
-                      model_run_config=RoundPipeRunConfig(num_microbatch=4))
+    model = RoundPipe(
+        _model(), devices="emu", model_run_config=RoundPipeRunConfig(num_microbatch=4)
+    )
     backend = model._pool.backends[0]
     params = dict(model.module.named_parameters())
     stage_of = {p.untyped_storage().data_ptr(): int(n.split(".")[0]) for n, p in params.items()}
     x, y = _batch()
     with emu.record_copies() as log:
         model.forward_backward(input_args=(x,), label=y, loss_fn=_loss)
-    uploads = [(stage_of[c.host_ptr], c.stream_id) for c in log
-               if c.direction == "h2d" and c.host_ptr in stage_of]
+    uploads = [
+        (stage_of[c.host_ptr], c.stream_id)
+        for c in log
+        if c.direction == "h2d" and c.host_ptr in stage_of
+    ]
     # Stage 0's first upload was copied in as the call started, every later one while the
     # stage before it computed: all on the copy stream.
     assert uploads[0][0] == 0
@@ -209,14 +239,18 @@ def test_every_devices_first_upload_of_a_call_runs_on_its_copy_stream(devices):
     # actions; every iteration (async steps between them) still uploads each stage twice and
     # the last stage once. Three stages with parameters, (Linear, Tanh), (Linear, Dropout) and
     # (Linear): on two devices, each has a stage with parameters first.
-    model = RoundPipe(_model(), optim_dtype=torch.float32, devices=devices,
-                      model_run_config=RoundPipeRunConfig(num_microbatch=4,
-                                                          execute_plan=[2, 2, 1]))
+    model = RoundPipe(
+        _model(),
+        optim_dtype=torch.float32,
+        devices=devices,
+        model_run_config=RoundPipeRunConfig(num_microbatch=4, execute_plan=[2, 2, 1]),
+    )
     with OptimizerCtx():
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
     params = dict(model.module.named_parameters())
-    stage_of = {p.untyped_storage().data_ptr(): int(n.split(".")[0]) // 2
-                for n, p in params.items()}
+    stage_of = {
+        p.untyped_storage().data_ptr(): int(n.split(".")[0]) // 2 for n, p in params.items()
+    }
     last = 2
     plan = model.plan()
     x, y = _batch()
@@ -225,13 +259,17 @@ def test_every_devices_first_upload_of_a_call_runs_on_its_copy_stream(devices):
             model.forward_backward(input_args=(x,), label=y, loss_fn=_loss)
         model.step(lambda: (opt.step(), opt.zero_grad()))
         streams = _streams_of(model)
-        uploads = [(stage_of[c.host_ptr], streams[c.stream_id]) for c in log
-                   if c.direction == "h2d" and c.host_ptr in stage_of]
+        uploads = [
+            (stage_of[c.host_ptr], streams[c.stream_id])
+            for c in log
+            if c.direction == "h2d" and c.host_ptr in stage_of
+        ]
         for d, actions in enumerate(plan.per_device):
             mine = [(stage, kind) for stage, (dev, kind) in uploads if dev == d]
             assert mine[0] == (actions[0].stage, "copy"), (d, uploads)
-        per_param = Counter(c.host_ptr for c in log
-                            if c.direction == "h2d" and c.host_ptr in stage_of)
+        per_param = Counter(
+            c.host_ptr for c in log if c.direction == "h2d" and c.host_ptr in stage_of
+        )
         assert per_param == {ptr: 1 if s == last else 2 for ptr, s in stage_of.items()}
     model.synchronize()
 
@@ -241,15 +279,19 @@ def test_every_upload_runs_on_the_copy_stream(devices):
     # Stages (Linear, Tanh), (Linear, Dropout), (Linear). On two devices, device 1's backward
     # run of stage 1 follows its forward run: that upload is copied in once the forward run has
     # ended; every other upload while the run before it computed or as the call started.
-    model = RoundPipe(_model(), devices=devices, model_run_config=RoundPipeRunConfig(
-        num_microbatch=4, execute_plan=[2, 2, 1]))
+    model = RoundPipe(
+        _model(),
+        devices=devices,
+        model_run_config=RoundPipeRunConfig(num_microbatch=4, execute_plan=[2, 2, 1]),
+    )
     ptr = {p.untyped_storage().data_ptr() for p in model.module.parameters()}
     x, y = _batch()
     with emu.record_copies() as log:
         model.forward_backward(input_args=(x,), label=y, loss_fn=_loss)
     streams = _streams_of(model)
-    kinds = Counter(streams[c.stream_id][1] for c in log
-                    if c.direction == "h2d" and c.host_ptr in ptr)
+    kinds = Counter(
+        streams[c.stream_id][1] for c in log if c.direction == "h2d" and c.host_ptr in ptr
+    )
     assert kinds == Counter({"copy": 2 * (2 + 2) + 2}), kinds  # two params a stage
 
 
@@ -268,8 +310,12 @@ def test_a_first_upload_waits_for_the_params_of_the_step_before(monkeypatch):
     monkeypatch.setattr(Params, "copy_masters_to_model", slow)
 
     def run(pool):
-        model = RoundPipe(_model(), optim_dtype=torch.float32, devices=pool,
-                          model_run_config=RoundPipeRunConfig(num_microbatch=2))
+        model = RoundPipe(
+            _model(),
+            optim_dtype=torch.float32,
+            devices=pool,
+            model_run_config=RoundPipeRunConfig(num_microbatch=2),
+        )
         with OptimizerCtx():
             opt = torch.optim.SGD(model.parameters(), lr=0.1)
         x, y = _batch(8)
@@ -288,10 +334,12 @@ def test_one_device_waits_for_the_device_only_at_the_end_of_the_call(monkeypatch
 
     waits = []
     finish = AcceleratorBackend.finish
-    monkeypatch.setattr(AcceleratorBackend, "finish",
-                        lambda self: (waits.append(1), finish(self))[1])
-    model = RoundPipe(_model(), devices="emu",
-                      model_run_config=RoundPipeRunConfig(num_microbatch=4))
+    monkeypatch.setattr(
+        AcceleratorBackend, "finish", lambda self: (waits.append(1), finish(self))[1]
+    )
+    model = RoundPipe(
+        _model(), devices="emu", model_run_config=RoundPipeRunConfig(num_microbatch=4)
+    )
     x, y = _batch()
     model.forward_backward(input_args=(x,), label=y, loss_fn=_loss)
     # The device is drained once, at the program's end: not once per action (5 stages x 4
@@ -306,12 +354,17 @@ def test_two_devices_hand_off_through_device_events(monkeypatch):
 
     waits, events = [], []
     finish, record = AcceleratorBackend.finish, AcceleratorBackend.record_event
-    monkeypatch.setattr(AcceleratorBackend, "finish",
-                        lambda self: (waits.append(self.device), finish(self))[1])
-    monkeypatch.setattr(AcceleratorBackend, "record_event",
-                        lambda self: (events.append(self.device), record(self))[1])
-    model = RoundPipe(_model(), devices="emu:2",
-                      model_run_config=RoundPipeRunConfig(num_microbatch=4))
+    monkeypatch.setattr(
+        AcceleratorBackend, "finish", lambda self: (waits.append(self.device), finish(self))[1]
+    )
+    monkeypatch.setattr(
+        AcceleratorBackend,
+        "record_event",
+        lambda self: (events.append(self.device), record(self))[1],
+    )
+    model = RoundPipe(
+        _model(), devices="emu:2", model_run_config=RoundPipeRunConfig(num_microbatch=4)
+    )
     x, y = _batch()
     model.forward_backward(input_args=(x,), label=y, loss_fn=_loss)
     plan = model.plan()
@@ -328,8 +381,11 @@ def test_offloaded_stage_inputs_wait_in_pinned_host_memory_and_change_nothing(de
     x, y = _batch()
     cfg = RoundPipeRunConfig(num_microbatch=4, offload_activations=True)
     results = {}
-    for pool, config in (("cpu", cfg), (devices, cfg),
-                         (devices, RoundPipeRunConfig(num_microbatch=4))):
+    for pool, config in (
+        ("cpu", cfg),
+        (devices, cfg),
+        (devices, RoundPipeRunConfig(num_microbatch=4)),
+    ):
         model = RoundPipe(_model(), devices=pool, model_run_config=config)
         leaf = x.clone().requires_grad_()
         with emu.record_copies() as log:
@@ -341,8 +397,9 @@ def test_offloaded_stage_inputs_wait_in_pinned_host_memory_and_change_nothing(de
     # (The input's own gradient, 8 x 4 per microbatch, reaches the host through autograd, in
     # pageable memory: only the pinned copies are the runtime's.)
     _, log = results[(devices, True)]
-    saved = Counter(c.numel for c in log
-                    if c.direction == "d2h" and c.pinned and c.numel in (32, 48, 40))
+    saved = Counter(
+        c.numel for c in log if c.direction == "d2h" and c.pinned and c.numel in (32, 48, 40)
+    )
     assert saved == Counter({32: 4, 48: 8, 40: 4}), saved
     _, kept = results[(devices, None)]
     assert not any(c.direction == "d2h" and c.pinned and c.numel in (32, 48, 40) for c in kept)
@@ -355,22 +412,29 @@ def test_offloaded_stage_inputs_wait_in_pinned_host_memory_and_change_nothing(de
 
 def _saved_offloads(log):
     """Pinned downloads of stage inputs (8 rows of 4, 6 or 5 floats), by size."""
-    return Counter(c.numel for c in log
-                   if c.direction == "d2h" and c.pinned and c.numel in (32, 48, 40))
+    return Counter(
+        c.numel for c in log if c.direction == "d2h" and c.pinned and c.numel in (32, 48, 40)
+    )
 
 
-@pytest.mark.parametrize("budget,offloaded,prefetched", [
-    (10**9, Counter(), True),                          # room for everything
-    (560 + 1000, Counter({48: 6, 40: 4}), True),       # stage 0's and two of stage 1's kept
-    (1, Counter({32: 4, 48: 8, 40: 4}), False),        # nothing fits
-])
+@pytest.mark.parametrize(
+    "budget,offloaded,prefetched",
+    [
+        (10**9, Counter(), True),  # room for everything
+        (560 + 1000, Counter({48: 6, 40: 4}), True),  # stage 0's and two of stage 1's kept
+        (1, Counter({32: 4, 48: 8, 40: 4}), False),  # nothing fits
+    ],
+)
 def test_a_device_memory_budget_decides_prefetch_and_offload(budget, offloaded, prefetched):
     # On one emulated device the largest stage (Linear(6, 5): 140 bytes of fp32 weights and
     # 140 of gradient sums) reserves 2 x 280 = 560 bytes; the saved inputs of a microbatch are
     # 8 x 4, 8 x 6, 8 x 6 and 8 x 5 floats for stages 0 to 3.
     x, y = _batch()
-    model = RoundPipe(_model(), devices="emu", model_run_config=RoundPipeRunConfig(
-        num_microbatch=4, device_memory_budget=budget))
+    model = RoundPipe(
+        _model(),
+        devices="emu",
+        model_run_config=RoundPipeRunConfig(num_microbatch=4, device_memory_budget=budget),
+    )
     backend = model._pool.backends[0]
     ptr = {p.untyped_storage().data_ptr() for p in model.module.parameters()}
     with emu.record_copies() as log:

@@ -23,7 +23,22 @@ from roundpipe.devices.pool import (
 )
 from roundpipe.workers import Future
 
-__all__ = ["ENV_VAR", "AcceleratorBackend", "Backend", "CPUBackend", "DeviceKind", "DevicePool",
-           "Future", "Resident", "StreamingBackend", "Upload", "WorkerDevice", "caller_as_worker",
-           "get_worker", "on_device_worker", "parse_devices", "register_device_kind",
-           "resolve_devices"]
+__all__ = [
+    "ENV_VAR",
+    "AcceleratorBackend",
+    "Backend",
+    "CPUBackend",
+    "DeviceKind",
+    "DevicePool",
+    "Future",
+    "Resident",
+    "StreamingBackend",
+    "Upload",
+    "WorkerDevice",
+    "caller_as_worker",
+    "get_worker",
+    "on_device_worker",
+    "parse_devices",
+    "register_device_kind",
+    "resolve_devices",
+]

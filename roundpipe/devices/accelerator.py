@@ -20,7 +20,6 @@ from torch.utils import _pytree as pytree
 
 from roundpipe.devices.backend import WorkerDevice
 
-
 __all__ = ["AcceleratorBackend", "Resident"]
 
 
@@ -88,8 +87,9 @@ class AcceleratorBackend:
         index = self.torch_device.index
         free, _ = self._module.mem_get_info(index)
         # Blocks torch's caching allocator holds but no tensor uses are free to this process.
-        return int(free + self._module.memory_reserved(index)
-                   - self._module.memory_allocated(index))
+        return int(
+            free + self._module.memory_reserved(index) - self._module.memory_allocated(index)
+        )
 
     def drain(self) -> None:
         # Uploads (prefetched ones too) may still be reading host parameters that the next
@@ -126,8 +126,13 @@ class AcceleratorBackend:
             return move(tree)
         return pytree.tree_map(move, tree)
 
-    def upload(self, modules: Sequence[torch.nn.Module], trainable: Sequence[torch.Tensor],
-               leaves: bool, prefetch: bool = False) -> Resident:
+    def upload(
+        self,
+        modules: Sequence[torch.nn.Module],
+        trainable: Sequence[torch.Tensor],
+        leaves: bool,
+        prefetch: bool = False,
+    ) -> Resident:
         """Copy ``modules``' parameters and buffers to the device, each tensor once.
         ``leaves``: the ``trainable`` parameters become device leaves that require grad
         (``Resident.leaves``, aligned with ``trainable``); else a differentiable copy.
@@ -154,8 +159,9 @@ class AcceleratorBackend:
 
         trainable_ids = {id(p) for p in trainable}
         for module in modules:
-            tensors = {n: up(p, leaves and id(p) in trainable_ids)
-                       for n, p in module.named_parameters()}
+            tensors = {
+                n: up(p, leaves and id(p) in trainable_ids) for n, p in module.named_parameters()
+            }
             for prefix, sub in module.named_modules():
                 for n, b in sub.named_buffers(prefix=prefix, recurse=False):
                     tensors[n] = up(b, False)
@@ -191,16 +197,19 @@ class AcceleratorBackend:
         resident.buffers.clear()
         return self._event()
 
-    def call_layer(self, layer: torch.nn.Module, args: tuple, kwargs: dict,
-                   upload: Any = None) -> Any:
+    def call_layer(
+        self, layer: torch.nn.Module, args: tuple, kwargs: dict, upload: Any = None
+    ) -> Any:
         if upload is None:
-            raise AssertionError("an accelerator action ran a layer without its stage's upload; "
-                                 "please report")
+            raise AssertionError(
+                "an accelerator action ran a layer without its stage's upload; please report"
+            )
         resident: Resident = upload
         return torch.func.functional_call(layer, resident.tensors[id(layer)], args, kwargs)
 
-    def download(self, tensors: list[torch.Tensor | None]
-                 ) -> tuple[list[torch.Tensor | None], torch.Event]:
+    def download(
+        self, tensors: list[torch.Tensor | None]
+    ) -> tuple[list[torch.Tensor | None], torch.Event]:
         """Start copying device tensors into fresh pinned host tensors on the download stream,
         after the compute so far; returns them and the event that completes when they have
         arrived. The worker goes on computing; whoever reads them waits for the event."""
@@ -229,8 +238,11 @@ class AcceleratorBackend:
 
     def offload(self, tree: Any) -> tuple[Any, torch.Event]:
         leaves, spec = pytree.tree_flatten(tree)
-        on_device = [i for i, x in enumerate(leaves)
-                     if isinstance(x, torch.Tensor) and x.device == self.torch_device]
+        on_device = [
+            i
+            for i, x in enumerate(leaves)
+            if isinstance(x, torch.Tensor) and x.device == self.torch_device
+        ]
         host, arrived = self.download([leaves[i] for i in on_device])
         for i, h in zip(on_device, host):
             assert h is not None
@@ -258,7 +270,9 @@ class AcceleratorBackend:
 
     def seeded_rng_state(self, seed: int) -> torch.Tensor | None:
         index = self.torch_device.index
-        with torch.random.fork_rng(devices=[index], device_type=self.device_type), \
-                torch.accelerator.device_index(index):
+        with (
+            torch.random.fork_rng(devices=[index], device_type=self.device_type),
+            torch.accelerator.device_index(index),
+        ):
             self._module.manual_seed(seed)
             return self._module.get_rng_state(index)  # type: ignore[no-any-return]

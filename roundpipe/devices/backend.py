@@ -78,8 +78,9 @@ class Backend(Protocol):
         device are read once ``after`` (their producer's event) has completed."""
         ...
 
-    def call_layer(self, layer: torch.nn.Module, args: tuple, kwargs: dict,
-                   upload: Upload | None = None) -> Any:
+    def call_layer(
+        self, layer: torch.nn.Module, args: tuple, kwargs: dict, upload: Upload | None = None
+    ) -> Any:
         """Run one layer; on an accelerator, on its stage's ``upload``."""
         ...
 
@@ -87,8 +88,7 @@ class Backend(Protocol):
         """The device generator's state (None: the CPU generator is the device's)."""
         ...
 
-    def set_rng_state(self, state: torch.Tensor | None) -> None:
-        ...
+    def set_rng_state(self, state: torch.Tensor | None) -> None: ...
 
     def seeded_rng_state(self, seed: int) -> torch.Tensor | None:
         """The device generator's state after seeding it with ``seed``, the generator left as
@@ -101,8 +101,13 @@ class StreamingBackend(Backend, Protocol):
     [Note: streaming] in :mod:`roundpipe.plan.build`). One method per move of a plan's program
     (see [Note: the program] in :mod:`roundpipe.plan.actions`)."""
 
-    def upload(self, modules: Sequence[torch.nn.Module], trainable: Sequence[torch.Tensor],
-               leaves: bool, prefetch: bool = False) -> Upload:
+    def upload(
+        self,
+        modules: Sequence[torch.nn.Module],
+        trainable: Sequence[torch.Tensor],
+        leaves: bool,
+        prefetch: bool = False,
+    ) -> Upload:
         """``U``/``P``: a stage's parameters and buffers on the device for one run (``prefetch``:
         on a copy stream, beside the compute; usable after :meth:`adopt`)."""
         ...
@@ -129,8 +134,9 @@ class StreamingBackend(Backend, Protocol):
         """``I``: an :meth:`offload`'s pytree back on this device, once ``arrived``."""
         ...
 
-    def download(self, tensors: list[torch.Tensor | None]
-                 ) -> tuple[list[torch.Tensor | None], torch.Event]:
+    def download(
+        self, tensors: list[torch.Tensor | None]
+    ) -> tuple[list[torch.Tensor | None], torch.Event]:
         """``D``: start copying device tensors to fresh pinned host tensors, after the compute
         so far; returns them and the event of their arrival."""
         ...

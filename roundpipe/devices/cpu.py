@@ -10,7 +10,6 @@ import torch
 
 from roundpipe.devices.backend import Upload, WorkerDevice
 
-
 __all__ = ["CPUBackend"]
 
 
@@ -41,8 +40,9 @@ class CPUBackend:
     def to_device(self, tree: Any, after: torch.Event | None = None) -> Any:
         return tree
 
-    def call_layer(self, layer: torch.nn.Module, args: tuple, kwargs: dict,
-                   upload: Upload | None = None) -> Any:
+    def call_layer(
+        self, layer: torch.nn.Module, args: tuple, kwargs: dict, upload: Upload | None = None
+    ) -> Any:
         return layer(*args, **kwargs)
 
     def get_rng_state(self) -> torch.Tensor | None:

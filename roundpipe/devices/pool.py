@@ -34,8 +34,18 @@ from roundpipe.devices.backend import Backend, WorkerDevice
 from roundpipe.devices.cpu import CPUBackend
 from roundpipe.workers import Future, WorkerThread
 
-__all__ = ["ENV_VAR", "WorkerDevice", "DeviceKind", "register_device_kind", "parse_devices",
-           "resolve_devices", "DevicePool", "on_device_worker", "caller_as_worker", "get_worker"]
+__all__ = [
+    "ENV_VAR",
+    "WorkerDevice",
+    "DeviceKind",
+    "register_device_kind",
+    "parse_devices",
+    "resolve_devices",
+    "DevicePool",
+    "on_device_worker",
+    "caller_as_worker",
+    "get_worker",
+]
 
 ENV_VAR = "ROUNDPIPE_DEVICES"
 ENTRY_POINT_GROUP = "roundpipe.devices"
@@ -58,8 +68,9 @@ def _cuda_indices(rest: str) -> Sequence[int]:
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if not rest:
         if count == 0:
-            raise ValueError("it asks for every CUDA device but none is available; use 'cpu' "
-                             "or 'cpu:N'")
+            raise ValueError(
+                "it asks for every CUDA device but none is available; use 'cpu' or 'cpu:N'"
+            )
         return range(count)
     parts = [p.strip().removeprefix("cuda:") for p in rest.split(",")]
     if not all(p.isdigit() for p in parts):
@@ -74,8 +85,9 @@ def _cuda_indices(rest: str) -> Sequence[int]:
 
 
 _KINDS: dict[str, DeviceKind] = {
-    "cuda": DeviceKind("cuda", _cuda_indices, lambda: None,
-                       "'cuda' (every CUDA device), 'cuda:I[,J...]'"),
+    "cuda": DeviceKind(
+        "cuda", _cuda_indices, lambda: None, "'cuda' (every CUDA device), 'cuda:I[,J...]'"
+    ),
 }
 _ACTIVE: set[str] = {"cuda"}
 _KINDS_LOCK = threading.Lock()
@@ -110,8 +122,9 @@ def _accepted() -> str:
     return "'cpu', 'cpu:N' (N CPU workers), " + ", ".join(forms)
 
 
-def parse_devices(spec: str | torch.device | Sequence[str | torch.device]
-                  ) -> tuple[WorkerDevice, ...]:
+def parse_devices(
+    spec: str | torch.device | Sequence[str | torch.device],
+) -> tuple[WorkerDevice, ...]:
     """Parse a device spec; raises ``ValueError`` naming the accepted forms. Any thread."""
     if isinstance(spec, torch.device):
         spec = str(spec)
@@ -134,8 +147,9 @@ def parse_devices(spec: str | torch.device | Sequence[str | torch.device]
             return (WorkerDevice("cpu", 0),)
         if rest.isdigit() and int(rest) >= 1:
             return tuple(WorkerDevice("cpu", i) for i in range(int(rest)))
-        raise ValueError(f"bad device spec {spec!r}: 'cpu:N' takes a number of workers N >= 1; "
-                         f"use {_accepted()}")
+        raise ValueError(
+            f"bad device spec {spec!r}: 'cpu:N' takes a number of workers N >= 1; use {_accepted()}"
+        )
     kind = _kind(name) if name else None
     if kind is None:
         raise ValueError(f"bad device spec {spec!r}: use {_accepted()}")
@@ -148,8 +162,9 @@ def parse_devices(spec: str | torch.device | Sequence[str | torch.device]
 
 def _check_one_kind(devices: Sequence[WorkerDevice], spec: Any) -> None:
     if len({d.type for d in devices}) > 1:
-        raise ValueError(f"device spec {spec!r} mixes device types; a pool is all CPU, all CUDA "
-                         f"or all emulated")
+        raise ValueError(
+            f"device spec {spec!r} mixes device types; a pool is all CPU, all CUDA or all emulated"
+        )
     if len(set(devices)) != len(devices):
         raise ValueError(f"device spec {spec!r} names a device twice")
 
@@ -216,9 +231,11 @@ class DeviceWorker(WorkerThread):
 
     def __init__(self, device: WorkerDevice) -> None:
         super().__init__(
-            name=f"roundpipe-worker-{device}", thread_init=_mark_worker,
+            name=f"roundpipe-worker-{device}",
+            thread_init=_mark_worker,
             closed_message=f"the roundpipe worker for {device} has shut down (the interpreter "
-                           f"is exiting); no new work can be submitted")
+            f"is exiting); no new work can be submitted",
+        )
         self.device = device
 
     def submit(self, fn: Callable, *args: Any, future: Future | None = None) -> Future:

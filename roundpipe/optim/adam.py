@@ -15,7 +15,8 @@ because plain torch allows it.
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable, Optional, Union
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -64,7 +65,8 @@ _FUSABLE_TYPES = (Tensor, torch.nn.Parameter, MasterParameter, WrappedParameter)
 _COMPLEX_FUSABLE = (torch.complex64, torch.complex128)
 _IMPL_KEYS = ("foreach", "fused", "capturable", "differentiable")
 _TORCH_HAS_DECOUPLED = (
-    "decoupled_weight_decay" in inspect.signature(torch.optim.Adam.__init__).parameters)
+    "decoupled_weight_decay" in inspect.signature(torch.optim.Adam.__init__).parameters
+)
 
 
 def _fused_device_types() -> frozenset[str]:
@@ -84,14 +86,16 @@ def _group_allows_fused(group: dict) -> bool:
 
 def _param_fits_fused(p: Tensor) -> bool:
     """Static part of [Note: fused by default]: can the kernel take this parameter at all."""
-    return (type(p) in _FUSABLE_TYPES
-            and p.layout is torch.strided
-            # is_cpu first: it is the common case and much cheaper than building p.device
-            and (p.is_cpu or p.device.type in _FUSED_DEVICE_TYPES)
-            and (p.is_floating_point() or p.dtype in _COMPLEX_FUSABLE))
+    return (
+        type(p) in _FUSABLE_TYPES
+        and p.layout is torch.strided
+        # is_cpu first: it is the common case and much cheaper than building p.device
+        and (p.is_cpu or p.device.type in _FUSED_DEVICE_TYPES)
+        and (p.is_floating_point() or p.dtype in _COMPLEX_FUSABLE)
+    )
 
 
-def _memory_order(t: Tensor) -> Optional[tuple]:
+def _memory_order(t: Tensor) -> tuple | None:
     """The strides that decide where each element lives, or None if ``t`` is not dense.
 
     Dense: the elements fill exactly ``numel`` consecutive slots (no gaps, no overlap), in any
@@ -108,8 +112,9 @@ def _memory_order(t: Tensor) -> Optional[tuple]:
     return tuple(stride for stride, _ in dims)
 
 
-def _fusable_layout(p: Tensor, grad: Tensor, states: list[Tensor], dtype: torch.dtype,
-                    device: torch.device) -> bool:
+def _fusable_layout(
+    p: Tensor, grad: Tensor, states: list[Tensor], dtype: torch.dtype, device: torch.device
+) -> bool:
     """[Note: fused layout rule]: grad and states share ``p``'s dtype and dense memory order.
 
     Runs for every parameter on every step, so it checks only what can differ: the ``.grad``
@@ -127,11 +132,14 @@ def _fusable_layout(p: Tensor, grad: Tensor, states: list[Tensor], dtype: torch.
     if p.is_contiguous() and grad.is_contiguous() and all(t.is_contiguous() for t in states):
         return True
     order = _memory_order(p)
-    return (order is not None and _memory_order(grad) == order
-            and all(_memory_order(t) == order for t in states))
+    return (
+        order is not None
+        and _memory_order(grad) == order
+        and all(_memory_order(t) == order for t in states)
+    )
 
 
-def _hyper_float(x: Union[float, Tensor]) -> float:
+def _hyper_float(x: float | Tensor) -> float:
     return float(x) if isinstance(x, Tensor) else x
 
 
@@ -165,37 +173,54 @@ class Adam(torch.optim.Adam):
     def __init__(
         self,
         params: Any,
-        lr: Union[float, Tensor] = 1e-3,
-        betas: tuple[Union[float, Tensor], Union[float, Tensor]] = (0.9, 0.999),
+        lr: float | Tensor = 1e-3,
+        betas: tuple[float | Tensor, float | Tensor] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 0,
         amsgrad: bool = False,
         *,
-        foreach: Optional[bool] = None,
+        foreach: bool | None = None,
         maximize: bool = False,
         capturable: bool = False,
         differentiable: bool = False,
-        fused: Optional[bool] = None,
+        fused: bool | None = None,
         decoupled_weight_decay: bool = False,
     ) -> None:
         """Any thread; does not wait for the optimizer thread (no launched work can use it yet)."""
         if fused and differentiable:
-            raise RuntimeError("Adam: fused=True cannot be combined with differentiable=True (the "
-                               "fused kernel has no autograd); pass fused=None or fused=False")
+            raise RuntimeError(
+                "Adam: fused=True cannot be combined with differentiable=True (the "
+                "fused kernel has no autograd); pass fused=None or fused=False"
+            )
         if fused and foreach:
-            raise RuntimeError("Adam: fused=True and foreach=True select two different "
-                               "implementations; pass only one of them")
+            raise RuntimeError(
+                "Adam: fused=True and foreach=True select two different "
+                "implementations; pass only one of them"
+            )
         extra = {}
         if decoupled_weight_decay:
             if not _TORCH_HAS_DECOUPLED:
-                raise RuntimeError(f"roundpipe.optim.Adam(decoupled_weight_decay=True) and AdamW "
-                                   f"need a torch whose Adam has decoupled_weight_decay; "
-                                   f"torch {torch.__version__} does not: upgrade torch")
+                raise RuntimeError(
+                    f"roundpipe.optim.Adam(decoupled_weight_decay=True) and AdamW "
+                    f"need a torch whose Adam has decoupled_weight_decay; "
+                    f"torch {torch.__version__} does not: upgrade torch"
+                )
             extra["decoupled_weight_decay"] = True
         self._constructed = False
-        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, foreach=foreach,
-                         maximize=maximize, capturable=capturable, differentiable=differentiable,
-                         fused=fused, **extra)
+        super().__init__(
+            params,
+            lr,
+            betas,
+            eps,
+            weight_decay,
+            amsgrad,
+            foreach=foreach,
+            maximize=maximize,
+            capturable=capturable,
+            differentiable=differentiable,
+            fused=fused,
+            **extra,
+        )
         self._constructed = True
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -205,8 +230,10 @@ class Adam(torch.optim.Adam):
     # -- GradScaler protocol (see [Note: fused by default]) -------------------------------------
     @property
     def _step_supports_amp_scaling(self) -> bool:
-        return all(_group_allows_fused(group) and all(_param_fits_fused(p) for p in group["params"])
-                   for group in self.param_groups)
+        return all(
+            _group_allows_fused(group) and all(_param_fits_fused(p) for p in group["params"])
+            for group in self.param_groups
+        )
 
     @_step_supports_amp_scaling.setter
     def _step_supports_amp_scaling(self, value: bool) -> None:
@@ -226,8 +253,10 @@ class Adam(torch.optim.Adam):
         if group["fused"]:
             if group["differentiable"] or group["foreach"]:
                 self.param_groups.pop()
-                raise RuntimeError("Adam: a param group with fused=True cannot also set "
-                                   "differentiable=True or foreach=True; pass fused=None")
+                raise RuntimeError(
+                    "Adam: a param group with fused=True cannot also set "
+                    "differentiable=True or foreach=True; pass fused=None"
+                )
             group_index = len(self.param_groups) - 1
             for index, p in enumerate(group["params"]):
                 if not _param_fits_fused(p):
@@ -238,7 +267,8 @@ class Adam(torch.optim.Adam):
                         f"({sorted(_FUSED_DEVICE_TYPES)}); param_groups[{group_index}]['params']"
                         f"[{index}] is a {type(p).__name__} of {p.dtype} on "
                         f"{p.device.type}. Pass fused=None (the default) to fuse what fits and "
-                        f"step the rest with torch's foreach/for-loop path, or fused=False")
+                        f"step the rest with torch's foreach/for-loop path, or fused=False"
+                    )
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Reset the gradients, as torch. Any thread; off the optimizer thread it first waits for
@@ -262,7 +292,7 @@ class Adam(torch.optim.Adam):
         for group, options in zip(self.param_groups, impl):
             group.update(options)
 
-    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One Adam step over every parameter with a gradient; returns ``closure()``'s loss.
 
         Normally runs on the optimizer thread. Any thread may call it; off the optimizer thread
@@ -276,8 +306,8 @@ class Adam(torch.optim.Adam):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        grad_scale: Optional[Tensor] = getattr(self, "grad_scale", None)
-        found_inf: Optional[Tensor] = getattr(self, "found_inf", None)
+        grad_scale: Tensor | None = getattr(self, "grad_scale", None)
+        found_inf: Tensor | None = getattr(self, "found_inf", None)
         with torch.set_grad_enabled(self.defaults["differentiable"]):
             for group in self.param_groups:
                 fused, other = self._split_group(group)
@@ -304,8 +334,10 @@ class Adam(torch.optim.Adam):
             if grad is None:
                 continue
             if grad.is_sparse:
-                raise RuntimeError("Adam does not support sparse gradients; use "
-                                   "torch.optim.SparseAdam for sparse parameters")
+                raise RuntimeError(
+                    "Adam does not support sparse gradients; use "
+                    "torch.optim.SparseAdam for sparse parameters"
+                )
             takes_fused = group_fusable and _param_fits_fused(p)
             state = self.state[p]
             if not state:
@@ -345,8 +377,9 @@ class Adam(torch.optim.Adam):
             lists[5].append(step)
         return buckets, other
 
-    def _torch_step(self, group: dict, params: list[Tensor], grad_scale: Optional[Tensor],
-                    found_inf: Optional[Tensor]) -> None:
+    def _torch_step(
+        self, group: dict, params: list[Tensor], grad_scale: Tensor | None, found_inf: Tensor | None
+    ) -> None:
         """torch.optim.Adam's own non-fused path for ``params``, with GradScaler unscaling."""
         if found_inf is not None and bool(found_inf):
             return  # a skipped step leaves params, state and the step count untouched
@@ -360,18 +393,28 @@ class Adam(torch.optim.Adam):
         if group.get("decoupled_weight_decay"):
             kwargs["decoupled_weight_decay"] = True
         _torch_adam(
-            params, grads,
-            [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
+            params,
+            grads,
+            [s["exp_avg"] for s in states],
+            [s["exp_avg_sq"] for s in states],
             [s["max_exp_avg_sq"] for s in states] if amsgrad else [],
             [s["step"] for s in states],
             # fused=None lets torch pick foreach or the for-loop exactly as torch.optim.Adam does
             # for these params; fused=False keeps torch's fused=False choice (the for-loop).
-            foreach=group["foreach"], fused=False if group["fused"] is False else None,
-            capturable=group["capturable"], differentiable=group["differentiable"],
+            foreach=group["foreach"],
+            fused=False if group["fused"] is False else None,
+            capturable=group["capturable"],
+            differentiable=group["differentiable"],
             has_complex=any(p.is_complex() for p in params),
-            amsgrad=amsgrad, beta1=group["betas"][0], beta2=group["betas"][1], lr=group["lr"],
-            weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"],
-            **kwargs)
+            amsgrad=amsgrad,
+            beta1=group["betas"][0],
+            beta2=group["betas"][1],
+            lr=group["lr"],
+            weight_decay=group["weight_decay"],
+            eps=group["eps"],
+            maximize=group["maximize"],
+            **kwargs,
+        )
 
 
 def _init_state(state: dict, p: Tensor, group: dict, fused: bool) -> None:
@@ -391,8 +434,9 @@ def _init_state(state: dict, p: Tensor, group: dict, fused: bool) -> None:
         state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
 
-def _fused_step(group: dict, buckets: dict, grad_scale: Optional[Tensor],
-                found_inf: Optional[Tensor]) -> None:
+def _fused_step(
+    group: dict, buckets: dict, grad_scale: Tensor | None, found_inf: Tensor | None
+) -> None:
     """Run torch's fused Adam/AdamW kernel once per (device, dtype) bucket of ``_split_group``."""
     amsgrad = group["amsgrad"]
     kernel = torch._fused_adamw_ if group.get("decoupled_weight_decay") else torch._fused_adam_
@@ -411,9 +455,23 @@ def _fused_step(group: dict, buckets: dict, grad_scale: Optional[Tensor],
         if isinstance(lr, Tensor) and lr.device != device:
             device_lr = lr.to(device)
         torch._foreach_add_(steps, 1)
-        kernel(params, grads, exp_avgs, exp_avg_sqs, max_sqs, steps, amsgrad=amsgrad, lr=device_lr,
-               beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"], eps=group["eps"],
-               maximize=group["maximize"], grad_scale=device_scale, found_inf=device_skip)
+        kernel(
+            params,
+            grads,
+            exp_avgs,
+            exp_avg_sqs,
+            max_sqs,
+            steps,
+            amsgrad=amsgrad,
+            lr=device_lr,
+            beta1=beta1,
+            beta2=beta2,
+            weight_decay=group["weight_decay"],
+            eps=group["eps"],
+            maximize=group["maximize"],
+            grad_scale=device_scale,
+            found_inf=device_skip,
+        )
         if device_skip is not None:
             # The kernel left everything untouched on overflow; undo the count without a sync.
             torch._foreach_sub_(steps, [device_skip] * len(steps))
@@ -435,22 +493,33 @@ class AdamW(Adam):
     def __init__(
         self,
         params: Any,
-        lr: Union[float, Tensor] = 1e-3,
-        betas: tuple[Union[float, Tensor], Union[float, Tensor]] = (0.9, 0.999),
+        lr: float | Tensor = 1e-3,
+        betas: tuple[float | Tensor, float | Tensor] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 1e-2,
         amsgrad: bool = False,
         *,
         maximize: bool = False,
-        foreach: Optional[bool] = None,
+        foreach: bool | None = None,
         capturable: bool = False,
         differentiable: bool = False,
-        fused: Optional[bool] = None,
+        fused: bool | None = None,
     ) -> None:
         """Any thread; does not wait for the optimizer thread."""
-        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, foreach=foreach,
-                         maximize=maximize, capturable=capturable, differentiable=differentiable,
-                         fused=fused, decoupled_weight_decay=True)
+        super().__init__(
+            params,
+            lr,
+            betas,
+            eps,
+            weight_decay,
+            amsgrad,
+            foreach=foreach,
+            maximize=maximize,
+            capturable=capturable,
+            differentiable=differentiable,
+            fused=fused,
+            decoupled_weight_decay=True,
+        )
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)

@@ -24,6 +24,22 @@ from roundpipe.plan.build import build_plan
 from roundpipe.plan.partition import check_execute_plan, partition, stages_by_size
 from roundpipe.plan.price import Costs, Span, Timeline, price
 
-__all__ = ["Action", "ActionKind", "Costs", "Plan", "PlanSizes", "Span", "Timeline", "Transfer",
-           "TransferKind", "build_plan", "check_execute_plan", "device_stages", "partition",
-           "price", "simulate", "stage_device", "stages_by_size"]
+__all__ = [
+    "Action",
+    "ActionKind",
+    "Costs",
+    "Plan",
+    "PlanSizes",
+    "Span",
+    "Timeline",
+    "Transfer",
+    "TransferKind",
+    "build_plan",
+    "check_execute_plan",
+    "device_stages",
+    "partition",
+    "price",
+    "simulate",
+    "stage_device",
+    "stages_by_size",
+]

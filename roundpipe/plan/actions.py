@@ -44,8 +44,9 @@ class ActionKind(enum.Enum):
         return self in _COMPUTE
 
 
-_COMPUTE = frozenset({ActionKind.FORWARD, ActionKind.LAST, ActionKind.BACKWARD,
-                      ActionKind.MICROBATCH})
+_COMPUTE = frozenset(
+    {ActionKind.FORWARD, ActionKind.LAST, ActionKind.BACKWARD, ActionKind.MICROBATCH}
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,8 +188,9 @@ class Plan:
         index = _check_unique(a for actions in self.per_device for a in actions)
         object.__setattr__(self, "_index", index)
         if self.deps is None:
-            object.__setattr__(self, "deps", {a.key: self._data_dependencies(a)
-                                              for a in index.values()})
+            object.__setattr__(
+                self, "deps", {a.key: self._data_dependencies(a) for a in index.values()}
+            )
 
     # -- the order ------------------------------------------------------------------------------
     @property
@@ -216,8 +218,11 @@ class Plan:
         if kind is ActionKind.FORWARD or kind is ActionKind.LAST:
             return (self.action(ActionKind.FORWARD, s - 1, m),) if s > 0 else ()
         # BACKWARD(s, m): its own saved forward and the gradient of the stage after it.
-        after = (self.action(ActionKind.LAST, last, m) if s + 1 == last
-                 else self.action(ActionKind.BACKWARD, s + 1, m))
+        after = (
+            self.action(ActionKind.LAST, last, m)
+            if s + 1 == last
+            else self.action(ActionKind.BACKWARD, s + 1, m)
+        )
         return (self.action(ActionKind.FORWARD, s, m), after)
 
     # -- the program's moves, summarised --------------------------------------------------------
@@ -255,21 +260,33 @@ class Plan:
         if i + 1 == len(actions):
             return None
         nxt = actions[i + 1]
-        return next((t for t in self._transfers(action.device)
-                     if t.kind is TransferKind.UPLOAD and t.action == nxt), None)
+        return next(
+            (
+                t
+                for t in self._transfers(action.device)
+                if t.kind is TransferKind.UPLOAD and t.action == nxt
+            ),
+            None,
+        )
 
     def hands_off(self, action: Action) -> bool:
         """Whether the program records a device event after ``action`` for another device."""
         assert self.program is not None
-        return any(a.kind is ActionKind.HANDOFF and a.stage == action.stage
-                   and a.mb_index == action.mb_index and a.of is action.kind
-                   for a in self.program[action.device])
+        return any(
+            a.kind is ActionKind.HANDOFF
+            and a.stage == action.stage
+            and a.mb_index == action.mb_index
+            and a.of is action.kind
+            for a in self.program[action.device]
+        )
 
     def __str__(self) -> str:
         mode = "train" if self.training else "infer"
         order = ", stage-major" if self.stage_major else ""
-        lines = [f"Plan({mode}, stages={self.num_stages}, microbatches={self.num_microbatch}, "
-                 f"devices={self.num_devices}{order})"]
+        lines = [
+            f"Plan({mode}, stages={self.num_stages}, microbatches={self.num_microbatch}, "
+            f"devices={self.num_devices}{order})"
+        ]
         assert self.program is not None
         for d, actions in enumerate(self.per_device):
             lines.append(f"  device {d}: " + " ".join(str(a) for a in actions))
@@ -278,10 +295,14 @@ class Plan:
                 if moves:
                     lines.append(f"    moves {d}: " + " ".join(str(t) for t in moves))
                 lines.append(f"    program {d}: " + " ".join(str(a) for a in self.program[d]))
-            if self.peak_bytes is not None and self.sizes is not None \
-                    and self.sizes.budget is not None:
-                lines.append(f"    ledger peak {d}: {self.peak_bytes[d]} of "
-                             f"{self.sizes.budget} bytes")
+            if (
+                self.peak_bytes is not None
+                and self.sizes is not None
+                and self.sizes.budget is not None
+            ):
+                lines.append(
+                    f"    ledger peak {d}: {self.peak_bytes[d]} of {self.sizes.budget} bytes"
+                )
         return "\n".join(lines)
 
 

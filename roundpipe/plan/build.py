@@ -68,9 +68,16 @@ __all__ = ["build_plan"]
 # inputs stay alive until their backward, as in any stage-major pipeline.
 
 
-def build_plan(num_stages: int, num_microbatch: int, num_devices: int, training: bool,
-               fuse_stages: bool = False, stage_major: bool = False, recompute: bool = True,
-               sizes: PlanSizes | None = None) -> Plan:
+def build_plan(
+    num_stages: int,
+    num_microbatch: int,
+    num_devices: int,
+    training: bool,
+    fuse_stages: bool = False,
+    stage_major: bool = False,
+    recompute: bool = True,
+    sizes: PlanSizes | None = None,
+) -> Plan:
     """The plan of one ``forward_backward`` (``training=True``) or ``forward`` call.
 
     ``fuse_stages`` (training on one device only): one ``MICROBATCH`` action per microbatch
@@ -78,15 +85,20 @@ def build_plan(num_stages: int, num_microbatch: int, num_devices: int, training:
     [Note: streaming], for accelerator pools, lowered into its moves with ``recompute`` and
     ``sizes`` (without sizes, or without a budget in them, nothing is offloaded unless
     ``sizes.offload`` and every prefetch is made)."""
-    for name, value in (("num_stages", num_stages), ("num_microbatch", num_microbatch),
-                        ("num_devices", num_devices)):
+    for name, value in (
+        ("num_stages", num_stages),
+        ("num_microbatch", num_microbatch),
+        ("num_devices", num_devices),
+    ):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
     S, M, D = num_stages, num_microbatch, num_devices
     if fuse_stages:
         if D != 1 or not training:
-            raise ValueError(f"fuse_stages needs one device and training, got "
-                             f"num_devices={D}, training={training}")
+            raise ValueError(
+                f"fuse_stages needs one device and training, got "
+                f"num_devices={D}, training={training}"
+            )
         if stage_major:
             raise ValueError("fuse_stages and stage_major exclude each other")
         fused = tuple(Action(ActionKind.MICROBATCH, 0, m, 0, m) for m in range(M))
@@ -106,8 +118,14 @@ def build_plan(num_stages: int, num_microbatch: int, num_devices: int, training:
                 add(ActionKind.BACKWARD, s, m, (S - 1) + (M - 1) + (S - 1 - s) + m + 1)
     per_device: list[list[Action]] = [[] for _ in range(D)]
     if stage_major:  # see [Note: streaming]
-        order = sorted(actions, key=lambda a: (1, -a.stage, a.mb_index)
-                       if a.kind is ActionKind.BACKWARD else (0, a.stage, a.mb_index))
+        order = sorted(
+            actions,
+            key=lambda a: (
+                (1, -a.stage, a.mb_index)
+                if a.kind is ActionKind.BACKWARD
+                else (0, a.stage, a.mb_index)
+            ),
+        )
     elif D == 1:  # see [Note: the clock]
         order = sorted(actions, key=lambda a: (a.mb_index, a.time, a.stage))
     else:
@@ -124,13 +142,19 @@ def build_plan(num_stages: int, num_microbatch: int, num_devices: int, training:
 def _lower(order: Plan, sizes: PlanSizes | None) -> Plan:
     """A stage-major order lowered into each device's program (see [Note: the program])."""
     S, M = order.num_stages, order.num_microbatch
-    if sizes is not None and (len(sizes.stage_bytes) != S or len(sizes.input_bytes) != S
-                              or any(len(row) != M for row in sizes.input_bytes)):
-        raise ValueError(f"plan sizes must give {S} stage byte counts and {S} x {M} input byte "
-                         f"counts, got {len(sizes.stage_bytes)} and "
-                         f"{[len(row) for row in sizes.input_bytes]}")
-    handoffs = {dep.key for a in order.actions() for dep in order.dependencies(a)
-                if dep.device != a.device}
+    if sizes is not None and (
+        len(sizes.stage_bytes) != S
+        or len(sizes.input_bytes) != S
+        or any(len(row) != M for row in sizes.input_bytes)
+    ):
+        raise ValueError(
+            f"plan sizes must give {S} stage byte counts and {S} x {M} input byte "
+            f"counts, got {len(sizes.stage_bytes)} and "
+            f"{[len(row) for row in sizes.input_bytes]}"
+        )
+    handoffs = {
+        dep.key for a in order.actions() for dep in order.dependencies(a) if dep.device != a.device
+    }
     programs, peaks = [], []
     for d, actions in enumerate(order.per_device):
         program, peak = _DeviceLowering(order, sizes, handoffs).lower(d, actions)
@@ -139,9 +163,19 @@ def _lower(order: Plan, sizes: PlanSizes | None) -> Plan:
     deps: dict[tuple, tuple[Action, ...]] = {}
     for a in order.actions():
         deps[a.key] = tuple(_through_handoff(dep, a, handoffs) for dep in order.dependencies(a))
-    return Plan(order.num_stages, M, order.num_devices, order.training, order.per_device,
-                stage_major=True, recompute=order.recompute, program=tuple(programs), deps=deps,
-                sizes=sizes, peak_bytes=tuple(peaks) if sizes is not None else None)
+    return Plan(
+        order.num_stages,
+        M,
+        order.num_devices,
+        order.training,
+        order.per_device,
+        stage_major=True,
+        recompute=order.recompute,
+        program=tuple(programs),
+        deps=deps,
+        sizes=sizes,
+        peak_bytes=tuple(peaks) if sizes is not None else None,
+    )
 
 
 def _handoff_of(a: Action) -> Action:
@@ -183,8 +217,9 @@ class _DeviceLowering:
         return self.budget is None or self.held() + extra <= self.budget
 
     def emit(self, kind: ActionKind, s: int, m: int, at: Action, write_back: bool = False) -> None:
-        self.program.append(Action(kind, s, m, at.device, at.time, of=at.kind,
-                                   write_back=write_back))
+        self.program.append(
+            Action(kind, s, m, at.device, at.time, of=at.kind, write_back=write_back)
+        )
         self.peak = max(self.peak, self.held())
 
     def upload(self, run: list[Action], prefetch: bool) -> None:
@@ -208,8 +243,9 @@ class _DeviceLowering:
                 runs.append([a])
         # The runs that need an upload: all but a backward run without recompute, which computes
         # on the upload its forward run kept.
-        uploads = [r for r, run in enumerate(runs)
-                   if run[0].kind is not ActionKind.BACKWARD or recompute]
+        uploads = [
+            r for r, run in enumerate(runs) if run[0].kind is not ActionKind.BACKWARD or recompute
+        ]
         prefetched: set[int] = set()
         # Every stage's own worst case: it and the one beside it (see [Note: the program]).
         reserve = 2 * max((self.stage_bytes(run[0].stage) for run in runs), default=0)
@@ -219,8 +255,10 @@ class _DeviceLowering:
             uploading = r in uploads
             if uploading and r not in prefetched:
                 first = r == uploads[0]
-                self.upload(run, prefetch=first and (self.budget is None
-                                                     or self.stage_bytes(s) <= self.budget))
+                self.upload(
+                    run,
+                    prefetch=first and (self.budget is None or self.stage_bytes(s) <= self.budget),
+                )
             for i, a in enumerate(run):
                 m = a.mb_index
                 if kind is ActionKind.BACKWARD and recompute:
@@ -234,8 +272,9 @@ class _DeviceLowering:
                     self.emit(ActionKind.HANDOFF, s, m, a)
                 if kind is ActionKind.FORWARD and streamed_forward:
                     nbytes = self.input_bytes(s, m)
-                    if offload or (self.budget is not None
-                                   and self.saved + nbytes + reserve > self.budget):
+                    if offload or (
+                        self.budget is not None and self.saved + nbytes + reserve > self.budget
+                    ):
                         self.emit(ActionKind.OFFLOAD, s, m, a)
                     else:
                         self.kept.add((s, m))
@@ -243,14 +282,21 @@ class _DeviceLowering:
                         self.peak = max(self.peak, self.held())
                 if i == 0 and uploading:
                     self.prefetch_next(runs, uploads, r, prefetched, same_stage=False)
-            grads_done = (kind in (ActionKind.BACKWARD, ActionKind.LAST)
-                          and run[-1].mb_index == order.num_microbatch - 1)
+            grads_done = (
+                kind in (ActionKind.BACKWARD, ActionKind.LAST)
+                and run[-1].mb_index == order.num_microbatch - 1
+            )
             if grads_done:
                 self.emit(ActionKind.DOWNLOAD, s, -1, run[-1])
             if not (kind is ActionKind.FORWARD and training and not recompute):
                 # Kept from the forward to the backward run when recompute is off.
-                self.emit(ActionKind.RELEASE, s, -1, run[-1],
-                          write_back=not (kind is ActionKind.BACKWARD and recompute))
+                self.emit(
+                    ActionKind.RELEASE,
+                    s,
+                    -1,
+                    run[-1],
+                    write_back=not (kind is ActionKind.BACKWARD and recompute),
+                )
                 self.unsynced_release = self.program[-1]
                 self.resident.pop(s, None)
             self.prefetch_next(runs, uploads, r, prefetched, same_stage=True)
@@ -258,8 +304,14 @@ class _DeviceLowering:
             self.program.append(Action(ActionKind.SYNC, -1, -1, device, actions[-1].time))
         return self.program, self.peak
 
-    def prefetch_next(self, runs: list[list[Action]], uploads: list[int], r: int,
-                      prefetched: set[int], same_stage: bool) -> None:
+    def prefetch_next(
+        self,
+        runs: list[list[Action]],
+        uploads: list[int],
+        r: int,
+        prefetched: set[int],
+        same_stage: bool,
+    ) -> None:
         """Prefetch the device's next upload after run ``r``. While run ``r`` computes
         (``same_stage`` False): unless it is of the same stage, whose upload this run may still
         write buffers into. At the end of run ``r`` (``same_stage`` True): only the very next
@@ -283,6 +335,14 @@ class _DeviceLowering:
                 # Host wait: the prefetch takes the memory that release gave back only once the
                 # device has finished the run that used it (see [Note: the program]).
                 self.unsynced_release = None
-                self.program.append(Action(ActionKind.SYNC, release.stage, -1, release.device,
-                                           release.time, of=release.of))
+                self.program.append(
+                    Action(
+                        ActionKind.SYNC,
+                        release.stage,
+                        -1,
+                        release.device,
+                        release.time,
+                        of=release.of,
+                    )
+                )
             self.upload(runs[nxt], prefetch=True)

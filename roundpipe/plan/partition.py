@@ -13,10 +13,16 @@ __all__ = ["check_execute_plan", "partition", "stages_by_size"]
 def check_execute_plan(execute_plan: Sequence[int]) -> None:
     """Raise ``ValueError`` unless ``execute_plan`` is a non-empty list of positive ints."""
     plan = execute_plan
-    if (isinstance(plan, (str, bytes)) or not hasattr(plan, "__len__") or len(plan) == 0
-            or any(not isinstance(k, int) or isinstance(k, bool) or k < 1 for k in plan)):
-        raise ValueError(f"execute_plan must be a non-empty list of positive ints (layers per "
-                         f"stage), got {execute_plan!r}")
+    if (
+        isinstance(plan, (str, bytes))
+        or not hasattr(plan, "__len__")
+        or len(plan) == 0
+        or any(not isinstance(k, int) or isinstance(k, bool) or k < 1 for k in plan)
+    ):
+        raise ValueError(
+            f"execute_plan must be a non-empty list of positive ints (layers per "
+            f"stage), got {execute_plan!r}"
+        )
 
 
 def partition(num_layers: int, execute_plan: Sequence[int] | None) -> list[tuple[int, int]]:
@@ -29,7 +35,8 @@ def partition(num_layers: int, execute_plan: Sequence[int] | None) -> list[tuple
     if sum(sizes) != num_layers:
         raise ValueError(
             f"execute_plan {sizes} covers {sum(sizes)} layers but the model has {num_layers}; "
-            f"the numbers of layers per stage must sum to the layer count")
+            f"the numbers of layers per stage must sum to the layer count"
+        )
     bounds, start = [], 0
     for n in sizes:
         bounds.append((start, start + n))
@@ -37,9 +44,12 @@ def partition(num_layers: int, execute_plan: Sequence[int] | None) -> list[tuple
     return bounds
 
 
-def stages_by_size(model: "torch.nn.Sequential", num_stages: int | None = None,
-                   max_stage_bytes: int | None = None,
-                   costs: Sequence[float] | None = None) -> list[int]:
+def stages_by_size(
+    model: torch.nn.Sequential,
+    num_stages: int | None = None,
+    max_stage_bytes: int | None = None,
+    costs: Sequence[float] | None = None,
+) -> list[int]:
     """An ``execute_plan`` that groups the consecutive layers of ``model`` into stages of about
     equal parameter bytes, or equal ``costs``, so that a model of many small layers does not pay
     per-stage costs (an upload, a gradient download and an action per microbatch) for each
@@ -66,15 +76,23 @@ def stages_by_size(model: "torch.nn.Sequential", num_stages: int | None = None,
         raise ValueError("stages_by_size groups the children of a non-empty nn.Sequential")
     if costs is not None:
         costs = list(costs)
-        bad = [i for i, c in enumerate(costs) if not isinstance(c, (int, float))
-               or isinstance(c, bool) or not 0 <= c < float("inf")]
+        bad = [
+            i
+            for i, c in enumerate(costs)
+            if not isinstance(c, (int, float)) or isinstance(c, bool) or not 0 <= c < float("inf")
+        ]
         if len(costs) != len(layers) or bad:
-            got = (f"costs[{bad[0]}] = {costs[bad[0]]!r}" if bad
-                   else f"{len(costs)} values for {len(layers)} layers")
+            got = (
+                f"costs[{bad[0]}] = {costs[bad[0]]!r}"
+                if bad
+                else f"{len(costs)} values for {len(layers)} layers"
+            )
             raise ValueError(f"costs must be one finite number >= 0 per layer, got {got}")
         if num_stages is None:
-            raise ValueError("costs balance a number of stages: give num_stages too "
-                             "(max_stage_bytes alone makes as few stages as fit under it)")
+            raise ValueError(
+                "costs balance a number of stages: give num_stages too "
+                "(max_stage_bytes alone makes as few stages as fit under it)"
+            )
     sizes, seen = [], set()
     for layer in layers:
         size = 0
@@ -84,9 +102,11 @@ def stages_by_size(model: "torch.nn.Sequential", num_stages: int | None = None,
                 seen.add(id(p))
                 size += p.numel() * p.element_size()
         sizes.append(size)
-    if max_stage_bytes is not None and (not isinstance(max_stage_bytes, int)
-                                        or isinstance(max_stage_bytes, bool)
-                                        or max_stage_bytes < 1):
+    if max_stage_bytes is not None and (
+        not isinstance(max_stage_bytes, int)
+        or isinstance(max_stage_bytes, bool)
+        or max_stage_bytes < 1
+    ):
         raise ValueError(f"max_stage_bytes must be a positive int, got {max_stage_bytes!r}")
     if num_stages is None:
         assert max_stage_bytes is not None  # checked above
@@ -102,9 +122,11 @@ def stages_by_size(model: "torch.nn.Sequential", num_stages: int | None = None,
     cap = (sizes, max_stage_bytes) if max_stage_bytes is not None else None
     fewest = len(_greedy_groups(weights, max(sum(weights), 1), cap))
     if fewest > num_stages:
-        raise ValueError(f"max_stage_bytes={max_stage_bytes} needs at least {fewest} stages, "
-                         f"num_stages={num_stages} asks for fewer: give num_stages >= {fewest} "
-                         f"or a larger max_stage_bytes")
+        raise ValueError(
+            f"max_stage_bytes={max_stage_bytes} needs at least {fewest} stages, "
+            f"num_stages={num_stages} asks for fewer: give num_stages >= {fewest} "
+            f"or a larger max_stage_bytes"
+        )
     # The smallest capacity whose greedy grouping (under the cap) needs at most num_stages
     # stages; greedy needs the fewest stages for a capacity, and no more for a larger one.
     lo, hi = max(weights), max(sum(weights), 1)
@@ -120,20 +142,26 @@ def stages_by_size(model: "torch.nn.Sequential", num_stages: int | None = None,
     # any stage's bytes.
     while len(groups) < num_stages:
         bounds = [sum(groups[:i]) for i in range(len(groups) + 1)]
-        splittable = [i for i in range(len(groups))
-                      if sum(1 for b in weights[bounds[i]:bounds[i + 1]] if b) >= 2]
+        splittable = [
+            i
+            for i in range(len(groups))
+            if sum(1 for b in weights[bounds[i] : bounds[i + 1]] if b) >= 2
+        ]
         if not splittable:
             break
-        i = max(splittable, key=lambda j: sum(weights[bounds[j]:bounds[j + 1]]))
-        part = weights[bounds[i]:bounds[i + 1]]
-        cut = min((c for c in range(1, len(part)) if sum(part[:c]) and sum(part[c:])),
-                  key=lambda c: (max(sum(part[:c]), sum(part[c:])), -c))
-        groups[i:i + 1] = [cut, len(part) - cut]
+        i = max(splittable, key=lambda j: sum(weights[bounds[j] : bounds[j + 1]]))
+        part = weights[bounds[i] : bounds[i + 1]]
+        cut = min(
+            (c for c in range(1, len(part)) if sum(part[:c]) and sum(part[c:])),
+            key=lambda c: (max(sum(part[:c]), sum(part[c:])), -c),
+        )
+        groups[i : i + 1] = [cut, len(part) - cut]
     return groups
 
 
-def _greedy_groups(weights: Sequence[int], capacity: int,
-                   cap: tuple[Sequence[int], int] | None = None) -> list[int]:
+def _greedy_groups(
+    weights: Sequence[int], capacity: int, cap: tuple[Sequence[int], int] | None = None
+) -> list[int]:
     """Layers per stage: fill each stage up to ``capacity`` in ``weights``, in order, and with
     ``cap`` = (bytes per layer, max bytes) up to that many bytes too. A layer with no weight
     (and no bytes) joins the stage before it."""

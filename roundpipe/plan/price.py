@@ -82,14 +82,19 @@ class Timeline:
 
     def on(self, device: int, stream: str) -> list[Span]:
         """The spans of one stream, in time order."""
-        return sorted((s for s in self.spans if s.device == device and s.stream == stream),
-                      key=lambda s: s.start)
+        return sorted(
+            (s for s in self.spans if s.device == device and s.stream == stream),
+            key=lambda s: s.start,
+        )
 
     def compute_time(self, device: int | None = None) -> float:
         """The time the stages compute (upload and reload copies on the compute stream not
         counted), on ``device`` or summed over all."""
-        return sum(s.end - s.start for s in self.spans
-                   if s.action.kind.computes and (device is None or s.device == device))
+        return sum(
+            s.end - s.start
+            for s in self.spans
+            if s.action.kind.computes and (device is None or s.device == device)
+        )
 
     def compute_idle(self, device: int) -> float:
         """How long the compute stream of ``device`` stands idle between its first and its
@@ -99,7 +104,7 @@ class Timeline:
         if not compute:
             return 0.0
         idle, end = 0.0, busy[compute[0]].end
-        for s in busy[compute[0] + 1:compute[-1] + 1]:
+        for s in busy[compute[0] + 1 : compute[-1] + 1]:
             idle += max(0.0, s.start - end)
             end = max(end, s.end)
         return idle
@@ -110,8 +115,9 @@ def price(plan: Plan, costs: Costs) -> Timeline:
     S = plan.num_stages
     for name in ("forward", "backward", "upload_bytes", "grad_bytes"):
         if len(getattr(costs, name)) != S:
-            raise ValueError(f"costs.{name} needs one value per stage ({S}), got "
-                             f"{len(getattr(costs, name))}")
+            raise ValueError(
+                f"costs.{name} needs one value per stage ({S}), got {len(getattr(costs, name))}"
+            )
     if costs.bandwidth <= 0:
         raise ValueError(f"bandwidth must be positive, got {costs.bandwidth}")
     assert plan.program is not None
@@ -167,19 +173,35 @@ def price(plan: Plan, costs: Costs) -> Timeline:
             if k.computes:
                 host[d] += issue[s] if s >= 0 else sum(issue)
                 earliest = max([host[d], adopt[d].pop(s, 0.0)] + [events[x.key] for x in deps])
-                moved = sum(input_bytes(x.stage + (1 if x.of is ActionKind.FORWARD else 0), m)
-                            for x in deps if x.kind is ActionKind.HANDOFF) / peer
+                moved = (
+                    sum(
+                        input_bytes(x.stage + (1 if x.of is ActionKind.FORWARD else 0), m)
+                        for x in deps
+                        if x.kind is ActionKind.HANDOFF
+                    )
+                    / peer
+                )
                 events[a.key] = run(d, "compute", a, earliest, compute_cost(a) + moved)
             elif k is ActionKind.UPLOAD:
                 run(d, "compute", a, host[d], costs.upload_bytes[s] / costs.bandwidth)
             elif k is ActionKind.PREFETCH:
                 adopt[d][s] = run(d, "copy", a, host[d], costs.upload_bytes[s] / costs.bandwidth)
             elif k is ActionKind.OFFLOAD:
-                offloaded[d][(s, m)] = run(d, "download", a, max(host[d], free[d]["compute"]),
-                                           input_bytes(s, m) / costs.bandwidth)
+                offloaded[d][(s, m)] = run(
+                    d,
+                    "download",
+                    a,
+                    max(host[d], free[d]["compute"]),
+                    input_bytes(s, m) / costs.bandwidth,
+                )
             elif k is ActionKind.RELOAD:
-                run(d, "compute", a, max(host[d], offloaded[d].pop((s, m), 0.0)),
-                    input_bytes(s, m) / costs.bandwidth)
+                run(
+                    d,
+                    "compute",
+                    a,
+                    max(host[d], offloaded[d].pop((s, m), 0.0)),
+                    input_bytes(s, m) / costs.bandwidth,
+                )
             elif k is ActionKind.DOWNLOAD:
                 grads = costs.grad_bytes[s] if s >= 0 else sum(costs.grad_bytes)
                 run(d, "download", a, max(host[d], free[d]["compute"]), grads / costs.bandwidth)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -29,8 +29,16 @@ from roundpipe.runtime.params import ParamRecord, ParamsReady
 from roundpipe.runtime.rng import CallRng, RngMemo, RNGState, plan_call_rng
 from roundpipe.runtime.stages import ModelStages, Stage, probe_input_bytes
 
-__all__ = ["Cancelled", "CallSpec", "CallState", "ModelParts", "Slot", "plan_sizes", "prepare_call",
-           "takes_microbatch"]
+__all__ = [
+    "Cancelled",
+    "CallSpec",
+    "CallState",
+    "ModelParts",
+    "Slot",
+    "plan_sizes",
+    "prepare_call",
+    "takes_microbatch",
+]
 
 
 class Cancelled(Exception):
@@ -40,8 +48,19 @@ class Cancelled(Exception):
 class Slot:
     """What one (stage, microbatch) hands to the actions that depend on it."""
 
-    __slots__ = ("phase", "rng_start", "rng_end", "out", "out_ready", "graph_in", "graph_out",
-                 "grad_in", "grad_ready", "saved_input", "saved_ready")
+    __slots__ = (
+        "phase",
+        "rng_start",
+        "rng_end",
+        "out",
+        "out_ready",
+        "graph_in",
+        "graph_out",
+        "grad_in",
+        "grad_ready",
+        "saved_input",
+        "saved_ready",
+    )
 
     def __init__(self) -> None:
         self.phase = "forward"  # pass of a checkpointed stage, for error notes
@@ -156,12 +175,13 @@ def takes_microbatch(loss_fn: Callable) -> bool:
         params = inspect.signature(loss_fn).parameters.values()
     except (TypeError, ValueError):  # a builtin without a signature: the two-argument form
         return False
-    positional = [p for p in params
-                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     # A third argument with a default is some other option (F.cross_entropy's weight) unless it
     # is named for the microbatch.
-    return len(positional) >= 3 and (positional[2].default is inspect.Parameter.empty
-                                     or positional[2].name in ("mb", "microbatch"))
+    return len(positional) >= 3 and (
+        positional[2].default is inspect.Parameter.empty
+        or positional[2].name in ("mb", "microbatch")
+    )
 
 
 # "auto" budgets leave this share of a device's free memory to the activations inside a stage
@@ -182,9 +202,15 @@ def _budget(setting: int | str, pool: DevicePool) -> int | None:
     return max(int(min(known) * AUTO_BUDGET_SHARE), 1)
 
 
-def plan_sizes(stages: list[Stage], pool: DevicePool, cfg: ResolvedRunConfig, training: bool,
-               chunks: list[tuple[tuple, dict]] | None, cast_dtype: torch.dtype | None,
-               autocast: AutocastState) -> PlanSizes | None:
+def plan_sizes(
+    stages: list[Stage],
+    pool: DevicePool,
+    cfg: ResolvedRunConfig,
+    training: bool,
+    chunks: list[tuple[tuple, dict]] | None,
+    cast_dtype: torch.dtype | None,
+    autocast: AutocastState,
+) -> PlanSizes | None:
     """What an accelerator pool's plan is lowered with (None on the CPU): the stages' device
     bytes, the budget, and, under a budget, the bytes of each saved stage input, probed from
     ``chunks`` (None: taken as 0). Where the probe cannot tell them, every stage input is
@@ -197,17 +223,30 @@ def plan_sizes(stages: list[Stage], pool: DevicePool, cfg: ResolvedRunConfig, tr
     offload = cfg.offload_activations and cfg.recompute and training
     input_bytes = None
     if budget is not None and training and cfg.recompute and not offload and chunks is not None:
-        input_bytes = probe_input_bytes(stages, chunks, cast_dtype,
-                                        autocast.dtype if autocast.enabled else None)
+        input_bytes = probe_input_bytes(
+            stages, chunks, cast_dtype, autocast.dtype if autocast.enabled else None
+        )
         if input_bytes is None:  # unknown sizes: keep no stage input on the device
             offload = True
-    return PlanSizes(tuple(s.device_bytes(grad_dtype) for s in stages),
-                     input_bytes or tuple((0,) * M for _ in stages), budget, offload)
+    return PlanSizes(
+        tuple(s.device_bytes(grad_dtype) for s in stages),
+        input_bytes or tuple((0,) * M for _ in stages),
+        budget,
+        offload,
+    )
 
 
-def prepare_call(model: ModelParts, cfg: ResolvedRunConfig, args: tuple, kwargs: dict,
-                 label: Any, loss_fn: Callable | None, training: bool, return_outputs: bool,
-                 grad_enabled: bool = True) -> tuple[CallSpec, CallState]:
+def prepare_call(
+    model: ModelParts,
+    cfg: ResolvedRunConfig,
+    args: tuple,
+    kwargs: dict,
+    label: Any,
+    loss_fn: Callable | None,
+    training: bool,
+    return_outputs: bool,
+    grad_enabled: bool = True,
+) -> tuple[CallSpec, CallState]:
     """Main thread: split the inputs, pick the stages and plan, set up the RNG chains."""
     stages = model.stages.stages(cfg.execute_plan)
     M = cfg.num_microbatch
@@ -223,7 +262,8 @@ def prepare_call(model: ModelParts, cfg: ResolvedRunConfig, args: tuple, kwargs:
                         f"parameter {rec.name!r} (stage {stage.index}) requires grad but has no "
                         f"master: it was frozen when the model was wrapped; freeze it again "
                         f"(requires_grad_(False)) or wrap the module after changing "
-                        f"requires_grad")
+                        f"requires_grad"
+                    )
         stage_params.append(trainable)
     pool = model.pool
     autocast = resolve_autocast(cfg.autocast, pool.device_type)
@@ -231,26 +271,44 @@ def prepare_call(model: ModelParts, cfg: ResolvedRunConfig, args: tuple, kwargs:
     grad_dtype = None
     if pool.streaming and isinstance(cfg.device_grad_dtype, torch.dtype):
         grad_dtype = cfg.device_grad_dtype
-    rng = plan_call_rng([s.modules for s in stages], M, cfg.preserve_rng_state, model.rng_memo,
-                        pool.backends)
+    rng = plan_call_rng(
+        [s.modules for s in stages], M, cfg.preserve_rng_state, model.rng_memo, pool.backends
+    )
     sizes_for_plan = plan_sizes(stages, pool, cfg, training, chunks, model.cast_dtype, autocast)
-    plan = model.stages.plan(stages, M, len(pool), pool.streaming, training, cfg.recompute,
-                             sizes_for_plan)
+    plan = model.stages.plan(
+        stages, M, len(pool), pool.streaming, training, cfg.recompute, sizes_for_plan
+    )
     spec = CallSpec(
-        tag=model.tag, pool=pool, plan=plan, stages=stages, training=training,
-        recompute=cfg.recompute, grad_enabled=grad_enabled,
-        inference_mode=torch.is_inference_mode_enabled(), autocast=autocast,
-        chunks=chunks, sizes=sizes, labels=labels, loss_fn=loss_fn,
+        tag=model.tag,
+        pool=pool,
+        plan=plan,
+        stages=stages,
+        training=training,
+        recompute=cfg.recompute,
+        grad_enabled=grad_enabled,
+        inference_mode=torch.is_inference_mode_enabled(),
+        autocast=autocast,
+        chunks=chunks,
+        sizes=sizes,
+        labels=labels,
+        loss_fn=loss_fn,
         loss_takes_microbatch=loss_fn is not None and takes_microbatch(loss_fn),
-        return_outputs=return_outputs, stage_params=stage_params, rng=rng,
-        ready=model.ready, cast_dtype=model.cast_dtype,
-        input_grad=training and any(isinstance(x, torch.Tensor) and x.requires_grad
-                                    for x in pytree.tree_leaves((args, kwargs))),
-        hooks=model.hooks, grad_dtype=grad_dtype)
+        return_outputs=return_outputs,
+        stage_params=stage_params,
+        rng=rng,
+        ready=model.ready,
+        cast_dtype=model.cast_dtype,
+        input_grad=training
+        and any(
+            isinstance(x, torch.Tensor) and x.requires_grad
+            for x in pytree.tree_leaves((args, kwargs))
+        ),
+        hooks=model.hooks,
+        grad_dtype=grad_dtype,
+    )
     state = CallState(spec)
     if plan.fused:
         model.hooks.ensure()
         state.sink = GradSink(state.grads)
         state.stashed_grads = stash_grads(stage_params)
     return spec, state
-

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Any, Literal, Union
+from typing import Any, Literal
 
 import torch
 
@@ -76,19 +76,31 @@ class RoundPipeRunConfig:
         n = self.num_microbatch
         if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
             raise ValueError(f"num_microbatch must be a positive int, got {n!r}")
-        if not (self.autocast is None or self.autocast is False
-                or isinstance(self.autocast, torch.dtype)):
-            raise ValueError(f"autocast must be None (the caller's autocast state), False or a "
-                             f"torch.dtype such as torch.bfloat16, got {self.autocast!r}")
+        if not (
+            self.autocast is None
+            or self.autocast is False
+            or isinstance(self.autocast, torch.dtype)
+        ):
+            raise ValueError(
+                f"autocast must be None (the caller's autocast state), False or a "
+                f"torch.dtype such as torch.bfloat16, got {self.autocast!r}"
+            )
         budget = self.device_memory_budget
-        if budget is not None and budget != "auto" and (
-                not isinstance(budget, int) or isinstance(budget, bool) or budget < 1):
-            raise ValueError(f"device_memory_budget must be None, \"auto\" or a positive int "
-                             f"(bytes per device), got {budget!r}")
+        if (
+            budget is not None
+            and budget != "auto"
+            and (not isinstance(budget, int) or isinstance(budget, bool) or budget < 1)
+        ):
+            raise ValueError(
+                f'device_memory_budget must be None, "auto" or a positive int '
+                f"(bytes per device), got {budget!r}"
+            )
         dtype = self.device_grad_dtype
         if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-            raise ValueError(f"device_grad_dtype must be None (the masters' dtype) or a floating "
-                             f"torch.dtype such as torch.float16, got {dtype!r}")
+            raise ValueError(
+                f"device_grad_dtype must be None (the masters' dtype) or a floating "
+                f"torch.dtype such as torch.float16, got {dtype!r}"
+            )
         for name in ("requires_grad", "preserve_rng_state", "recompute", "offload_activations"):
             v = getattr(self, name)
             if v is not None and not isinstance(v, bool):
@@ -97,19 +109,20 @@ class RoundPipeRunConfig:
             try:
                 torch.device(self.output_device)
             except (RuntimeError, TypeError) as exc:
-                raise ValueError(f"output_device {self.output_device!r} is not a device: "
-                                 f"{exc}") from None
+                raise ValueError(
+                    f"output_device {self.output_device!r} is not a device: {exc}"
+                ) from None
         if self.execute_plan is not None:
             check_execute_plan(self.execute_plan)
 
 
 # The resolved settings that keep a mode rather than a value: the caller's autocast state or
 # grad mode (read at the call), a budget read at each call, the masters' dtype.
-AutocastSetting = Union[Literal["caller", "off"], torch.dtype]
-GradSetting = Union[bool, Literal["caller"]]
-RngSetting = Union[bool, Literal["auto"]]
-BudgetSetting = Union[int, Literal["auto", "none"]]
-GradDtypeSetting = Union[torch.dtype, Literal["masters"]]
+AutocastSetting = Literal["caller", "off"] | torch.dtype
+GradSetting = bool | Literal["caller"]
+RngSetting = bool | Literal["auto"]
+BudgetSetting = int | Literal["auto", "none"]
+GradDtypeSetting = torch.dtype | Literal["masters"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,8 +153,9 @@ def _first(field: str, *configs: RoundPipeRunConfig | None) -> Any:
     return None
 
 
-def resolve_config(run_config: RoundPipeRunConfig | None, model_config: RoundPipeRunConfig,
-                   num_layers: int) -> ResolvedRunConfig:
+def resolve_config(
+    run_config: RoundPipeRunConfig | None, model_config: RoundPipeRunConfig, num_layers: int
+) -> ResolvedRunConfig:
     """The config a call runs with: ``run_config`` (checked), then ``model_config``, then the
     defaults; ``execute_plan`` partitions ``num_layers`` layers. Any thread."""
     if run_config is not None and not isinstance(run_config, RoundPipeRunConfig):
@@ -166,6 +180,5 @@ def resolve_config(run_config: RoundPipeRunConfig | None, model_config: RoundPip
         split_label=_first("split_label", run_config, model_config),
         merge_output=_first("merge_output", run_config, model_config),
         output_device=torch.device(get("output_device", "cpu")),
-        execute_plan=tuple(partition(num_layers, _first("execute_plan", run_config,
-                                                        model_config))),
+        execute_plan=tuple(partition(num_layers, _first("execute_plan", run_config, model_config))),
     )

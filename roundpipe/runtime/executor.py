@@ -72,8 +72,9 @@ def execute(spec: CallSpec, state: CallState) -> None:
 Handler = Callable[[CallSpec, CallState, Action, Backend], None]
 
 
-def _run_program(spec: CallSpec, state: CallState, d: int,
-                 handlers: dict[ActionKind, Handler]) -> None:
+def _run_program(
+    spec: CallSpec, state: CallState, d: int, handlers: dict[ActionKind, Handler]
+) -> None:
     """Device ``d``'s program, on its worker: each action once the actions it reads are done,
     unless the call failed; its future (if another action waits for it) settled after it."""
     assert spec.plan.program is not None
@@ -83,12 +84,13 @@ def _run_program(spec: CallSpec, state: CallState, d: int,
     i = 0
     try:
         with backend.action_context():
-            for i, a in enumerate(program):
+            for i, a in enumerate(program):  # noqa: B007 -- i is read in finally
                 fut = futures.get(a.key)
                 try:
                     stop = state.stop_after
                     if state.cancelled.is_set() or (
-                            stop is not None and (a.time, a.stage, a.mb_index) > stop):
+                        stop is not None and (a.time, a.stage, a.mb_index) > stop
+                    ):
                         raise Cancelled()
                     for dep in spec.plan.dependencies(a):
                         waited = futures.get(dep.key)
@@ -123,11 +125,17 @@ def _settle_cancelled(state: CallState, actions: Sequence[Action]) -> None:
             fut.set_exception(Cancelled())
 
 
-_MOVES = {ActionKind.WAIT_PARAMS: "wait for its params", ActionKind.UPLOAD: "upload",
-          ActionKind.PREFETCH: "prefetch", ActionKind.RELEASE: "release",
-          ActionKind.DOWNLOAD: "gradient download", ActionKind.HANDOFF: "hand-off",
-          ActionKind.OFFLOAD: "stage input offload", ActionKind.RELOAD: "stage input reload",
-          ActionKind.SYNC: "wait for the device"}
+_MOVES = {
+    ActionKind.WAIT_PARAMS: "wait for its params",
+    ActionKind.UPLOAD: "upload",
+    ActionKind.PREFETCH: "prefetch",
+    ActionKind.RELEASE: "release",
+    ActionKind.DOWNLOAD: "gradient download",
+    ActionKind.HANDOFF: "hand-off",
+    ActionKind.OFFLOAD: "stage input offload",
+    ActionKind.RELOAD: "stage input reload",
+    ActionKind.SYNC: "wait for the device",
+}
 
 
 def _where(spec: CallSpec, a: Action) -> str:
@@ -175,8 +183,8 @@ def _upload(spec: CallSpec, state: CallState, a: Action, backend: Backend) -> No
     leaves = spec.training
     with torch.set_grad_enabled(not spec.training and spec.grad_enabled):
         state.uploads[s] = _streaming(backend).upload(
-            spec.stages[s].modules, trainable, leaves=leaves,
-            prefetch=a.kind is ActionKind.PREFETCH)
+            spec.stages[s].modules, trainable, leaves=leaves, prefetch=a.kind is ActionKind.PREFETCH
+        )
 
 
 def _release(spec: CallSpec, state: CallState, a: Action, backend: Backend) -> None:

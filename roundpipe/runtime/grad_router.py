@@ -30,8 +30,17 @@ from roundpipe import optim_thread
 from roundpipe.devices import StreamingBackend
 from roundpipe.runtime.params import ParamRecord
 
-__all__ = ["CallGrads", "GradHooks", "GradSink", "move_grads", "accumulate_grad", "clear_grads",
-           "sum_into", "storage_counts", "stash_grads"]
+__all__ = [
+    "CallGrads",
+    "GradHooks",
+    "GradSink",
+    "move_grads",
+    "accumulate_grad",
+    "clear_grads",
+    "sum_into",
+    "storage_counts",
+    "stash_grads",
+]
 
 
 # [Note: gradient accumulation]
@@ -49,8 +58,9 @@ __all__ = ["CallGrads", "GradHooks", "GradSink", "move_grads", "accumulate_grad"
 # low-precision dtype halves or quarters it against fp32) and the masters receive it converted.
 
 
-def move_grads(pairs: list[tuple[nn.Parameter, torch.Tensor]],
-               arrived: torch.Event | None = None) -> None:
+def move_grads(
+    pairs: list[tuple[nn.Parameter, torch.Tensor]], arrived: torch.Event | None = None
+) -> None:
     """Optimizer thread: hand a stage's summed gradients of a call (tensors nobody else holds)
     to the masters; first wait for their download (``arrived``) from an accelerator."""
     if arrived is not None:
@@ -93,14 +103,25 @@ def _can_adopt(g: torch.Tensor, master: torch.Tensor, dtype: torch.dtype) -> boo
     """Whether ``g`` has the buffer's ``dtype`` and the master's layout, alone in a storage of
     exactly its size (autograd often returns a transposed view instead), so that it can become
     the accumulation buffer itself. Whether another tensor shares that storage is the caller's."""
-    return (g.dtype == dtype and g.shape == master.shape
-            and g.is_contiguous() and g.storage_offset() == 0 and not g.requires_grad
-            and g.numel() > 0
-            and g.untyped_storage().nbytes() == g.numel() * g.element_size())
+    return (
+        g.dtype == dtype
+        and g.shape == master.shape
+        and g.is_contiguous()
+        and g.storage_offset() == 0
+        and not g.requires_grad
+        and g.numel() > 0
+        and g.untyped_storage().nbytes() == g.numel() * g.element_size()
+    )
 
 
-def sum_into(buffers: list[torch.Tensor | None], i: int, g: torch.Tensor, master: torch.Tensor,
-             alone: bool, dtype: torch.dtype | None = None) -> bool:
+def sum_into(
+    buffers: list[torch.Tensor | None],
+    i: int,
+    g: torch.Tensor,
+    master: torch.Tensor,
+    alone: bool,
+    dtype: torch.dtype | None = None,
+) -> bool:
     """Add microbatch gradient ``g`` into ``buffers[i]`` (see [Note: gradient accumulation]), a
     buffer of ``dtype`` (None: the master's): the first one is adopted when nobody else holds it
     (``alone``) and it fits, as AccumulateGrad steals, else copied. Returns whether ``g`` was
@@ -171,8 +192,7 @@ class CallGrads:
             self.moves.append(optim_thread.launch_item(move_grads, moved, arrived))
 
 
-def stash_grads(params: Sequence[Sequence[ParamRecord]]
-                ) -> list[tuple[nn.Parameter, torch.Tensor]]:
+def stash_grads(params: Sequence[Sequence[ParamRecord]]) -> list[tuple[nn.Parameter, torch.Tensor]]:
     """Main thread, before a fused call: set aside any ``.grad`` left on a model param (e.g. by a
     plain backward before wrapping). The fused backward accumulates into ``.grad`` and its hooks
     take all of it (see [Note: fused stages] in stage_ops.py); the call gives these back when it
@@ -194,11 +214,13 @@ class GradSink:
     def __init__(self, grads: CallGrads) -> None:
         self._grads = grads
         # Each trainable param's buffer, found by its master (what its grad hook holds).
-        self._where = {rec.master: (s, i) for s, records in enumerate(grads.params)
-                       for i, rec in enumerate(records)}
+        self._where = {
+            rec.master: (s, i)
+            for s, records in enumerate(grads.params)
+            for i, rec in enumerate(records)
+        }
         # Every trainable param of the call: what its backward computes gradients for.
-        self.params: list[torch.Tensor] = [rec.param for records in grads.params
-                                           for rec in records]
+        self.params: list[torch.Tensor] = [rec.param for records in grads.params for rec in records]
         self._adopted: set = set()  # storages that became buffers
 
     def take(self, master: nn.Parameter, grad: torch.Tensor) -> bool:
@@ -278,8 +300,7 @@ class GradHooks:
                     old.remove()
                 else:
                     weakref.finalize(p, _HOOK_HANDLES.pop, id(p), None)
-                _HOOK_HANDLES[id(p)] = p.register_post_accumulate_grad_hook(
-                    self._hook(rec.master))
+                _HOOK_HANDLES[id(p)] = p.register_post_accumulate_grad_hook(self._hook(rec.master))
 
     @contextlib.contextmanager
     def catching(self, sink: GradSink) -> Iterator[None]:

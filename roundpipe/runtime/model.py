@@ -20,9 +20,9 @@ from torch.utils import _pytree as pytree
 from torch.utils.hooks import RemovableHandle
 
 from roundpipe import optim_thread
+from roundpipe.autocast import resolve_autocast
 from roundpipe.devices import DevicePool
 from roundpipe.main_thread import check_main_thread
-from roundpipe.autocast import resolve_autocast
 from roundpipe.microbatch import merge_outputs, split_inputs
 from roundpipe.plan import Plan
 from roundpipe.runtime.call import ModelParts, plan_sizes, prepare_call
@@ -82,16 +82,22 @@ class RoundPipe(nn.Module):
     :mod:`roundpipe.runtime` docstring.
     """
 
-    def __init__(self, model: nn.Module, optim_dtype: torch.dtype | None = None,
-                 name: str | None = None,
-                 model_run_config: RoundPipeRunConfig | None = None,
-                 devices: Any = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        optim_dtype: torch.dtype | None = None,
+        name: str | None = None,
+        model_run_config: RoundPipeRunConfig | None = None,
+        devices: Any = None,
+    ) -> None:
         super().__init__()
         if not isinstance(model, nn.Module):
             raise TypeError(f"RoundPipe wraps an nn.Module, got {type(model).__name__}")
         if any(isinstance(m, RoundPipe) for m in model.modules()):
-            raise TypeError("the module to wrap already contains a RoundPipe: wrap the plain "
-                            "module (RoundPipe(model.module)) instead of wrapping twice")
+            raise TypeError(
+                "the module to wrap already contains a RoundPipe: wrap the plain "
+                "module (RoundPipe(model.module)) instead of wrapping twice"
+            )
         if model_run_config is not None and not isinstance(model_run_config, RoundPipeRunConfig):
             raise TypeError("model_run_config must be a RoundPipeRunConfig")
         if optim_dtype is not None and not isinstance(optim_dtype, torch.dtype):
@@ -123,15 +129,17 @@ class RoundPipe(nn.Module):
         """``(name, master)`` pairs, named like the wrapped module's parameters."""
         return iter(list(self._params.masters.items()))
 
-    def named_parameters(self, prefix: str = "", recurse: bool = True,
-                         remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
+    def named_parameters(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, nn.Parameter]]:
         """The wrapped module's parameters (names without a wrapper prefix); inside
         :class:`OptimizerCtx`, the masters. Decided at the call, not at iteration."""
         if in_optimizer_ctx():
             sep = "." if prefix else ""
             return iter([(prefix + sep + n, m) for n, m in self._params.masters.items()])
-        return self.module.named_parameters(prefix=prefix, recurse=recurse,
-                                            remove_duplicate=remove_duplicate)
+        return self.module.named_parameters(
+            prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate
+        )
 
     def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
         """``named_parameters()`` without the names (masters inside :class:`OptimizerCtx`)."""
@@ -163,8 +171,10 @@ class RoundPipe(nn.Module):
         """
         check_main_thread("load_state_dict")
         if assign:
-            raise ValueError("load_state_dict(assign=True) would replace the parameter objects "
-                             "that RoundPipe's masters shadow; load with assign=False")
+            raise ValueError(
+                "load_state_dict(assign=True) would replace the parameter objects "
+                "that RoundPipe's masters shadow; load with assign=False"
+            )
         optim_thread.synchronize()
         self._params.wait_ready()
         result = self.module.load_state_dict(state_dict, strict=strict)
@@ -184,8 +194,13 @@ class RoundPipe(nn.Module):
         self._params.load_masters(state_dict)
 
     # -- config and plans ---------------------------------------------------------------------
-    def plan(self, run_config: RoundPipeRunConfig | None = None, training: bool = True, *,
-             inputs: tuple[Sequence[Any], dict[str, Any]] | None = None) -> Plan:
+    def plan(
+        self,
+        run_config: RoundPipeRunConfig | None = None,
+        training: bool = True,
+        *,
+        inputs: tuple[Sequence[Any], dict[str, Any]] | None = None,
+    ) -> Plan:
         """The plan a call with ``run_config`` would execute: ``print`` it to see, per device,
         the order and, on an accelerator, the program with every upload, prefetch, release,
         gradient download, hand-off, offload and host wait (see [Note: the program] in
@@ -199,27 +214,50 @@ class RoundPipe(nn.Module):
         chunks = None
         if inputs is not None:
             args, kwargs = inputs
-            chunks, _ = split_inputs(tuple(args), dict(kwargs), cfg.num_microbatch,
-                                     cfg.split_input)
-        sizes = plan_sizes(stages, self._pool, cfg, training, chunks, self._params.cast_dtype,
-                           resolve_autocast(cfg.autocast, self._pool.device_type))
-        return self._stages.plan(stages, cfg.num_microbatch, len(self._pool),
-                                 self._pool.streaming, training, cfg.recompute, sizes)
+            chunks, _ = split_inputs(tuple(args), dict(kwargs), cfg.num_microbatch, cfg.split_input)
+        sizes = plan_sizes(
+            stages,
+            self._pool,
+            cfg,
+            training,
+            chunks,
+            self._params.cast_dtype,
+            resolve_autocast(cfg.autocast, self._pool.device_type),
+        )
+        return self._stages.plan(
+            stages,
+            cfg.num_microbatch,
+            len(self._pool),
+            self._pool.streaming,
+            training,
+            cfg.recompute,
+            sizes,
+        )
 
     def _resolve(self, run_config: RoundPipeRunConfig | None) -> ResolvedRunConfig:
         return resolve_config(run_config, self.model_run_config, len(self._stages.layers))
 
     def _parts(self) -> ModelParts:
-        return ModelParts(tag=self._name_tag(), pool=self._pool, stages=self._stages,
-                          ready=self._params.ready, cast_dtype=self._params.cast_dtype,
-                          hooks=self._hooks, rng_memo=self._rng_memo)
+        return ModelParts(
+            tag=self._name_tag(),
+            pool=self._pool,
+            stages=self._stages,
+            ready=self._params.ready,
+            cast_dtype=self._params.cast_dtype,
+            hooks=self._hooks,
+            rng_memo=self._rng_memo,
+        )
 
     # -- public calls -------------------------------------------------------------------------
-    def forward_backward(self, input_args: Sequence[Any] = (),
-                         input_kwargs: dict[str, Any] | None = None, label: Any = None,
-                         loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
-                         return_outputs: bool = False,
-                         run_config: RoundPipeRunConfig | None = None) -> Any:
+    def forward_backward(
+        self,
+        input_args: Sequence[Any] = (),
+        input_kwargs: dict[str, Any] | None = None,
+        label: Any = None,
+        loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+        return_outputs: bool = False,
+        run_config: RoundPipeRunConfig | None = None,
+    ) -> Any:
         """Forward and backward of one batch, in microbatches; returns the sum of the microbatch
         losses (detached), or ``(loss, merged_outputs)`` with ``return_outputs``.
 
@@ -244,11 +282,17 @@ class RoundPipe(nn.Module):
         if not callable(loss_fn):
             raise ValueError("forward_backward needs loss_fn(output, label) -> scalar tensor")
         cfg = self._resolve(run_config)
-        spec, state = prepare_call(self._parts(), cfg, tuple(input_args),
-                                   dict(input_kwargs or {}), label, loss_fn, training=True,
-                                   return_outputs=return_outputs)
-        if len(set(spec.sizes)) > 1 and not spec.loss_takes_microbatch \
-                and not self._warned_uneven:
+        spec, state = prepare_call(
+            self._parts(),
+            cfg,
+            tuple(input_args),
+            dict(input_kwargs or {}),
+            label,
+            loss_fn,
+            training=True,
+            return_outputs=return_outputs,
+        )
+        if len(set(spec.sizes)) > 1 and not spec.loss_takes_microbatch and not self._warned_uneven:
             self._warned_uneven = True
             warnings.warn(
                 f"a batch of {sum(spec.sizes)} samples splits into microbatches of "
@@ -257,7 +301,9 @@ class RoundPipe(nn.Module):
                 f"is not the batch mean's. Take a third argument, loss_fn(output, label, mb), "
                 f"and scale the microbatch's mean by mb.share (its fraction of the batch), or "
                 f"use a batch size that num_microbatch divides. (Warned once per model.)",
-                UnevenMicrobatchWarning, stacklevel=2)
+                UnevenMicrobatchWarning,
+                stacklevel=2,
+            )
         self._has_grads = True
         ok = False
         try:
@@ -276,8 +322,9 @@ class RoundPipe(nn.Module):
                 total = total + (loss if same else loss.to(out_device))
             total = total.to(out_device)
             if return_outputs:
-                merged = _to_device(merge_outputs(state.outputs, spec.sizes, cfg.merge_output),
-                                    out_device)
+                merged = _to_device(
+                    merge_outputs(state.outputs, spec.sizes, cfg.merge_output), out_device
+                )
             if spec.input_grad:  # last: a failure before it leaves the inputs' .grad untouched
                 backward_to_inputs(state)
         except BaseException:
@@ -291,8 +338,9 @@ class RoundPipe(nn.Module):
             self._restore_rng(spec, state, ok)
         return (total, merged) if return_outputs else total
 
-    def forward(self, *args: Any, run_config: RoundPipeRunConfig | None = None,
-                **kwargs: Any) -> Any:
+    def forward(
+        self, *args: Any, run_config: RoundPipeRunConfig | None = None, **kwargs: Any
+    ) -> Any:
         """Microbatched inference; differentiable when ``requires_grad`` (default: grad mode at
         the call) is on. Then a ``backward()`` through the output moves the parameter gradients
         into the masters (as forward_backward does) and :meth:`step` may follow. ``run_config``
@@ -305,11 +353,19 @@ class RoundPipe(nn.Module):
         check_main_thread("forward")
         self._report_failures()
         cfg = self._resolve(run_config)
-        grad = (torch.is_grad_enabled() if cfg.requires_grad == "caller"
-                else bool(cfg.requires_grad))
+        grad = torch.is_grad_enabled() if cfg.requires_grad == "caller" else bool(cfg.requires_grad)
         grad = grad and not torch.is_inference_mode_enabled()
-        spec, state = prepare_call(self._parts(), cfg, args, kwargs, None, None, training=False,
-                                   return_outputs=True, grad_enabled=grad)
+        spec, state = prepare_call(
+            self._parts(),
+            cfg,
+            args,
+            kwargs,
+            None,
+            None,
+            training=False,
+            return_outputs=True,
+            grad_enabled=grad,
+        )
         if grad:
             self._hooks.ensure()
         ok = False
@@ -319,10 +375,12 @@ class RoundPipe(nn.Module):
             ok = True
         finally:
             self._restore_rng(spec, state, ok)
-        merged = _to_device(merge_outputs(state.outputs, spec.sizes, cfg.merge_output),
-                            cfg.output_device)
-        if grad and any(isinstance(x, torch.Tensor) and x.requires_grad
-                        for x in pytree.tree_leaves(merged)):
+        merged = _to_device(
+            merge_outputs(state.outputs, spec.sizes, cfg.merge_output), cfg.output_device
+        )
+        if grad and any(
+            isinstance(x, torch.Tensor) and x.requires_grad for x in pytree.tree_leaves(merged)
+        ):
             self._has_grads = True
         return merged
 
@@ -339,17 +397,20 @@ class RoundPipe(nn.Module):
         check_main_thread("step")
         self._report_failures()
         if not callable(step_fn):
-            raise ValueError("step() needs a callable step_fn, e.g. lambda: (opt.step(), "
-                             "opt.zero_grad())")
+            raise ValueError(
+                "step() needs a callable step_fn, e.g. lambda: (opt.step(), opt.zero_grad())"
+            )
         check_step_fn(step_fn)  # before anything changes: a refused step can be retried
         if not self._has_grads:
             raise RuntimeError(
                 "step() called with no gradients since the last step: run forward_backward() (or "
                 "a differentiable forward() and backward()) first; each step consumes the "
-                "gradients accumulated since the previous one")
+                "gradients accumulated since the previous one"
+            )
         self._has_grads = False
-        run = wrap_step(self._params, self._name_tag(), step_fn,
-                        list(self._step_pre_hooks.values()))
+        run = wrap_step(
+            self._params, self._name_tag(), step_fn, list(self._step_pre_hooks.values())
+        )
         if is_async:
             self._params.launch_copy()
             optim_thread.launch_step(run)

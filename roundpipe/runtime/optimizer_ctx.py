@@ -22,8 +22,13 @@ from roundpipe.runtime.params import Params
 from roundpipe.step_check import check_optimizer_step
 from roundpipe.step_context import check_optimizer_params, in_step, running_step
 
-__all__ = ["OptimizerCtx", "in_optimizer_ctx", "check_optimizer_step_hook", "ensure_optimizer_hook",
-           "wrap_step"]
+__all__ = [
+    "OptimizerCtx",
+    "in_optimizer_ctx",
+    "check_optimizer_step_hook",
+    "ensure_optimizer_hook",
+    "wrap_step",
+]
 
 
 _OPTIM_TLS = threading.local()
@@ -74,8 +79,9 @@ def ensure_optimizer_hook() -> None:
             _OPTIMIZER_HOOK = register_optimizer_step_pre_hook(check_optimizer_step_hook)
 
 
-def wrap_step(params: Params, tag: str, step_fn: Callable[[], Any],
-              pre_step: Sequence[Callable[[], None]]) -> Callable[[], None]:
+def wrap_step(
+    params: Params, tag: str, step_fn: Callable[[], Any], pre_step: Sequence[Callable[[], None]]
+) -> Callable[[], None]:
     """The work item of ``model.step(step_fn)``: on the optimizer thread, inside
     :class:`OptimizerCtx`, the model's pre-step hooks (``pre_step``, taken at launch on the
     main thread: e.g. the data-parallel gradient average), then ``step_fn``."""
@@ -97,5 +103,6 @@ def wrap_step(params: Params, tag: str, step_fn: Callable[[], Any],
             raise
 
     run.__qualname__ = run.__name__ = (
-        f"RoundPipe.step({getattr(step_fn, '__qualname__', type(step_fn).__name__)})")
+        f"RoundPipe.step({getattr(step_fn, '__qualname__', type(step_fn).__name__)})"
+    )
     return run

@@ -40,7 +40,7 @@ class ParamRecord:
 class ParamsCopyFailed(Exception):
     """A worker found the master->model copy of its stage failed; resolved on the main thread."""
 
-    def __init__(self, ready: "ParamsReady") -> None:
+    def __init__(self, ready: ParamsReady) -> None:
         super().__init__("master->model parameter copy failed")
         self.ready = ready
 
@@ -93,8 +93,9 @@ class Params:
     order), and the master->model copy (``layer_copies``: per layer, the (param, master) pairs
     it copies, each param once, in its first layer)."""
 
-    def __init__(self, module: nn.Module, layer_modules: Sequence[nn.Module],
-                 optim_dtype: torch.dtype | None) -> None:
+    def __init__(
+        self, module: nn.Module, layer_modules: Sequence[nn.Module], optim_dtype: torch.dtype | None
+    ) -> None:
         self.records: list[ParamRecord] = []
         for name, p in module.named_parameters():
             master = None
@@ -105,8 +106,9 @@ class Params:
                 master = MasterParameter(p.detach().to(device="cpu", dtype=dtype, copy=True))
             self.records.append(ParamRecord(name, p, master))
         self._by_param = {id(r.param): r for r in self.records}
-        self.masters: dict[str, nn.Parameter] = {r.name: r.master for r in self.records
-                                                 if r.master is not None}
+        self.masters: dict[str, nn.Parameter] = {
+            r.name: r.master for r in self.records if r.master is not None
+        }
         self.cast_dtype = low_precision_dtype(module)
         seen: set = set()
         self.layer_copies: list[list[tuple[nn.Parameter, nn.Parameter]]] = []
@@ -169,14 +171,18 @@ class Params:
         missing = sorted(set(self.masters) - set(state_dict))
         unexpected = sorted(set(state_dict) - set(self.masters))
         if missing or unexpected:
-            raise ValueError(f"master state dict does not match the masters: missing "
-                             f"{missing}, unexpected {unexpected}")
+            raise ValueError(
+                f"master state dict does not match the masters: missing "
+                f"{missing}, unexpected {unexpected}"
+            )
         pairs = []
         for n, m in self.masters.items():
             v = state_dict[n]
             if tuple(v.shape) != tuple(m.shape):
-                raise ValueError(f"master {n!r} has shape {tuple(m.shape)}, the state dict "
-                                 f"gives {tuple(v.shape)}")
+                raise ValueError(
+                    f"master {n!r} has shape {tuple(m.shape)}, the state dict "
+                    f"gives {tuple(v.shape)}"
+                )
             pairs.append((m, v))
         optim_thread.synchronize()
         optim_thread.launch_item(copy_pairs, pairs).wait()
@@ -188,7 +194,8 @@ def raise_copy_failure(ready: ParamsReady) -> None:
         raise AssertionError("params copy reported failed but succeeded; please report")
     raise RuntimeError(
         "copying the masters into the model parameters failed (reported earlier); the model "
-        "parameters may be partly updated: call model.synchronize() to copy them again")
+        "parameters may be partly updated: call model.synchronize() to copy them again"
+    )
 
 
 def low_precision_dtype(module: nn.Module) -> torch.dtype | None:

@@ -21,8 +21,19 @@ import torch
 
 from roundpipe.devices import Backend
 
-__all__ = ["RNG_LOCK", "RNGState", "CallRng", "RngMemo", "chain_starts", "rng_scope",
-           "restore_global", "uses_rng", "plan_call_rng", "learn_rng_use", "restore_after_call"]
+__all__ = [
+    "RNG_LOCK",
+    "RNGState",
+    "CallRng",
+    "RngMemo",
+    "chain_starts",
+    "rng_scope",
+    "restore_global",
+    "uses_rng",
+    "plan_call_rng",
+    "learn_rng_use",
+    "restore_after_call",
+]
 
 
 # [Note: RNG chains]
@@ -63,14 +74,16 @@ class RNGState:
     device: torch.Tensor | None = None
 
 
-def uses_rng(modules: Iterable[torch.nn.Module], preserve_rng_state: bool | None
-             ) -> bool | None:
+def uses_rng(modules: Iterable[torch.nn.Module], preserve_rng_state: bool | None) -> bool | None:
     """Whether a stage made of ``modules`` (its layers) must run in an RNG chain: the setting if
     given, True if it holds a dropout module in training mode, else None (unknown: probe it)."""
     if preserve_rng_state is not None:
         return bool(preserve_rng_state)
-    has_dropout = any(isinstance(sub, torch.nn.modules.dropout._DropoutNd) and sub.training
-                      for layer in modules for sub in layer.modules())
+    has_dropout = any(
+        isinstance(sub, torch.nn.modules.dropout._DropoutNd) and sub.training
+        for layer in modules
+        for sub in layer.modules()
+    )
     return True if has_dropout else None
 
 
@@ -109,7 +122,7 @@ class _ScopeResult:
         self.end: RNGState | None = None
         self.drew = False
 
-    def __enter__(self) -> "_ScopeResult":
+    def __enter__(self) -> _ScopeResult:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -162,8 +175,10 @@ class _ChainScope:
             if exc_type is None and result is not None:
                 start = self._start
                 result.end = RNGState(torch.get_rng_state(), self._backend.get_rng_state())
-                result.drew = not (torch.equal(result.end.cpu, start.cpu)
-                                   and _same_or_none(result.end.device, start.device))
+                result.drew = not (
+                    torch.equal(result.end.cpu, start.cpu)
+                    and _same_or_none(result.end.device, start.device)
+                )
         finally:
             RNG_LOCK.release()
 
@@ -199,9 +214,13 @@ class CallRng:
     others: tuple[tuple[Backend, torch.Tensor | None], ...]
 
 
-def plan_call_rng(stage_layers: Sequence[Sequence[torch.nn.Module]], num_microbatch: int,
-                  preserve_rng_state: bool | str, memo: RngMemo,
-                  backends: Sequence[Backend]) -> CallRng:
+def plan_call_rng(
+    stage_layers: Sequence[Sequence[torch.nn.Module]],
+    num_microbatch: int,
+    preserve_rng_state: bool | str,
+    memo: RngMemo,
+    backends: Sequence[Backend],
+) -> CallRng:
     """Main thread, at the start of a call: its chains (may advance the global generator)."""
     setting = None if preserve_rng_state == "auto" else bool(preserve_rng_state)
     stage_rng, probe_keys = [], []
@@ -244,5 +263,4 @@ def restore_after_call(rng: CallRng, backend0: Backend, end: RNGState | None) ->
     for backend, state in rng.others:
         backend.set_rng_state(state)
     assert rng.after_draw is not None
-    restore_global(end if end is not None and len(rng.starts) == 1 else rng.after_draw,
-                   backend0)
+    restore_global(end if end is not None and len(rng.starts) == 1 else rng.after_draw, backend0)

@@ -66,12 +66,12 @@ __all__ = ["ComputeFn", "backward_to_inputs", "compute_action", "where"]
 # checkpoint ends a recompute early by raising this from inside the stage (see
 # [Note: recompute]); like the runtime's own signals it passes through without a location note.
 _STOP_RECOMPUTE = getattr(checkpoint_module, "_StopRecomputationError", None)
-_NOT_LAYER_ERRORS: tuple[type[BaseException], ...] = (
-    (Cancelled, ParamsCopyFailed) + ((_STOP_RECOMPUTE,) if _STOP_RECOMPUTE is not None else ()))
+_NOT_LAYER_ERRORS: tuple[type[BaseException], ...] = (Cancelled, ParamsCopyFailed) + (
+    (_STOP_RECOMPUTE,) if _STOP_RECOMPUTE is not None else ()
+)
 
 
-def where(spec: CallSpec, stage: int | None, mb_index: int, phase: str,
-          layer: Layer | None) -> str:
+def where(spec: CallSpec, stage: int | None, mb_index: int, phase: str, layer: Layer | None) -> str:
     """Where an error happened, for its note; ``stage`` None: the fused backward of all."""
     at = f"stage {stage}" if stage is not None else "all stages"
     if layer is not None:
@@ -84,8 +84,9 @@ def _has_location(exc: BaseException) -> bool:
 
 
 # -- inputs, context, one stage's layers ------------------------------------------------------
-def _stage_input(spec: CallSpec, state: CallState, s: int, m: int,
-                 backend: Backend) -> tuple[tuple, dict]:
+def _stage_input(
+    spec: CallSpec, state: CallState, s: int, m: int, backend: Backend
+) -> tuple[tuple, dict]:
     if s > 0:
         prev = state.slots[(s - 1, m)]
         args, prev.out = (prev.out,), None
@@ -94,8 +95,9 @@ def _stage_input(spec: CallSpec, state: CallState, s: int, m: int,
     if spec.cast_dtype is not None:
         dtype = spec.cast_dtype
         args, kwargs = pytree.tree_map(
-            lambda x: x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point()
-            else x, (args, kwargs))
+            lambda x: x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x,
+            (args, kwargs),
+        )
     return backend.to_device((args, kwargs))  # type: ignore[no-any-return]
 
 
@@ -109,7 +111,8 @@ def _context(spec: CallSpec, state: CallState, m: int, backend: Backend) -> Any:
     copy = state.device_contexts.get(key)
     if copy is None:
         copy = state.device_contexts[key] = backend.to_device(
-            context, after=state.slots[(0, m)].out_ready)
+            context, after=state.slots[(0, m)].out_ready
+        )
     return copy
 
 
@@ -117,8 +120,15 @@ def _detached(tree: Any) -> Any:
     return pytree.tree_map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, tree)
 
 
-def _run_stage(spec: CallSpec, state: CallState, stage: Stage, inp: tuple[tuple, dict], m: int,
-               phase: str, backend: Backend) -> Any:
+def _run_stage(
+    spec: CallSpec,
+    state: CallState,
+    stage: Stage,
+    inp: tuple[tuple, dict],
+    m: int,
+    phase: str,
+    backend: Backend,
+) -> Any:
     args, kwargs = inp
     x: Any = None
     upload = state.uploads.get(stage.index)
@@ -134,8 +144,9 @@ def _run_stage(spec: CallSpec, state: CallState, stage: Stage, inp: tuple[tuple,
             if i == 0:  # a later stage's input: the stage before's output
                 x = args[0]
             if layer.takes_context:
-                x = backend.call_layer(layer.module, (x, _context(spec, state, m, backend)), {},
-                                       upload)
+                x = backend.call_layer(
+                    layer.module, (x, _context(spec, state, m, backend)), {}, upload
+                )
             else:
                 x = backend.call_layer(layer.module, (x,), {}, upload)
         except _NOT_LAYER_ERRORS:
@@ -153,8 +164,15 @@ def _chain_in(spec: CallSpec, state: CallState, s: int, m: int) -> RNGState | No
     return starts[m] if s == 0 else state.slots[(s - 1, m)].rng_end
 
 
-def _stage_forward(spec: CallSpec, state: CallState, s: int, m: int, inp: tuple[tuple, dict],
-                   backend: Backend, checkpointed: bool) -> tuple[Any, Any]:
+def _stage_forward(
+    spec: CallSpec,
+    state: CallState,
+    s: int,
+    m: int,
+    inp: tuple[tuple, dict],
+    backend: Backend,
+    checkpointed: bool,
+) -> tuple[Any, Any]:
     """Stage ``s`` forward of microbatch ``m`` under the call's autocast and the stage's RNG
     chain state; in training, ``loss_fn`` after the last stage, in the same state. Returns
     (output, loss or None). Grad mode is the caller's. On the CPU it first waits for the stage's
@@ -189,8 +207,15 @@ def _stage_forward(spec: CallSpec, state: CallState, s: int, m: int, inp: tuple[
     return out, loss
 
 
-def _checkpointed_stage(spec: CallSpec, state: CallState, stage: Stage, inp: tuple[tuple, dict],
-                        m: int, slot: Slot, backend: Backend) -> Any:
+def _checkpointed_stage(
+    spec: CallSpec,
+    state: CallState,
+    stage: Stage,
+    inp: tuple[tuple, dict],
+    m: int,
+    slot: Slot,
+    backend: Backend,
+) -> Any:
     """The stage forward under non-reentrant ``torch.utils.checkpoint`` (see
     [Note: recompute]); ``slot.phase`` names the pass in error notes."""
     args, kwargs = inp
@@ -205,37 +230,46 @@ def _checkpointed_stage(spec: CallSpec, state: CallState, stage: Stage, inp: tup
         # Forward: already inside the stage's RNG scope. Recompute: the same start state.
         return contextlib.nullcontext(), rng_scope(slot.rng_start, backend)
 
-    return checkpoint(run, *values, use_reentrant=False, preserve_rng_state=False,
-                      context_fn=contexts)
+    return checkpoint(
+        run, *values, use_reentrant=False, preserve_rng_state=False, context_fn=contexts
+    )
 
 
 def _check_loss(spec: CallSpec, m: int, loss: Any) -> torch.Tensor:
     s = len(spec.stages) - 1
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-        what = (f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor)
-                else type(loss).__name__)
+        what = (
+            f"a tensor of shape {tuple(loss.shape)}"
+            if isinstance(loss, torch.Tensor)
+            else type(loss).__name__
+        )
         exc: Exception = ValueError(
             f"loss_fn must return a single-element tensor (a scalar loss), got {what}; "
-            f"reduce it, e.g. with .mean() or .sum()")
+            f"reduce it, e.g. with .mean() or .sum()"
+        )
         add_note(exc, where(spec, s, m, "loss_fn", None))
         raise exc
     if not loss.requires_grad:
-        exc = RuntimeError("the loss does not require grad: no parameter is trainable "
-                           "and no input requires grad, so there is nothing to train")
+        exc = RuntimeError(
+            "the loss does not require grad: no parameter is trainable "
+            "and no input requires grad, so there is nothing to train"
+        )
         add_note(exc, where(spec, s, m, "loss_fn", None))
         raise exc
     return loss
 
 
-def _finish_microbatch(spec: CallSpec, state: CallState, m: int, loss: torch.Tensor,
-                       out: Any) -> None:
+def _finish_microbatch(
+    spec: CallSpec, state: CallState, m: int, loss: torch.Tensor, out: Any
+) -> None:
     state.losses[m] = loss.detach().reshape(())
     if spec.return_outputs:
         state.outputs[m] = _detach(out)
 
 
-def _stage0_input(spec: CallSpec, state: CallState, m: int, backend: Backend
-                  ) -> tuple[list[Any], tuple[tuple, dict]]:
+def _stage0_input(
+    spec: CallSpec, state: CallState, m: int, backend: Backend
+) -> tuple[list[Any], tuple[tuple, dict]]:
     """Microbatch ``m``'s input to stage 0 in training, the caller's inputs that require grad
     cut into leaves of the call's graph (their grads end in ``slots[(0, m)].grad_in``)."""
     inp = _stage_input(spec, state, 0, m, backend)
@@ -265,8 +299,14 @@ def _forward(spec: CallSpec, state: CallState, a: Action, backend: Backend) -> N
         in_leaves, inp = _stage0_input(spec, state, m, backend)
     with torch.enable_grad():
         out, loss = _stage_forward(
-            spec, state, s, m, inp, backend,
-            checkpointed=a.kind is ActionKind.FORWARD and spec.recompute)
+            spec,
+            state,
+            s,
+            m,
+            inp,
+            backend,
+            checkpointed=a.kind is ActionKind.FORWARD and spec.recompute,
+        )
         if a.kind is ActionKind.FORWARD:  # keep the (checkpointed) graph for BACKWARD
             slot = state.slots[(s, m)]
             slot.graph_in = in_leaves
@@ -334,8 +374,9 @@ def _microbatch(spec: CallSpec, state: CallState, a: Action, backend: Backend) -
     in_leaves, inp = _stage0_input(spec, state, m, backend)
     with torch.enable_grad():
         for s in range(last + 1):
-            out, loss = _stage_forward(spec, state, s, m, inp, backend,
-                                       checkpointed=spec.recompute and s < last)
+            out, loss = _stage_forward(
+                spec, state, s, m, inp, backend, checkpointed=spec.recompute and s < last
+            )
             inp = ((out,), {})
         loss = _check_loss(spec, m, loss)
         for s in range(last):
@@ -345,8 +386,7 @@ def _microbatch(spec: CallSpec, state: CallState, a: Action, backend: Backend) -
         wrt = [x for x in in_leaves if isinstance(x, torch.Tensor) and x.requires_grad]
         with _recompute_guard(spec, spec.stages), spec.hooks.catching(sink):
             try:
-                torch.autograd.backward([loss], [torch.ones_like(loss)],
-                                        inputs=wrt + sink.params)
+                torch.autograd.backward([loss], [torch.ones_like(loss)], inputs=wrt + sink.params)
             except BaseException as exc:  # noqa: B036 -- annotated, then re-raised
                 if not _has_location(exc):  # a recompute error already says where it was
                     add_note(exc, where(spec, None, m, "backward", None))
@@ -358,20 +398,41 @@ def _microbatch(spec: CallSpec, state: CallState, a: Action, backend: Backend) -
     _finish_microbatch(spec, state, m, loss, out)
 
 
-def _backward_from(spec: CallSpec, state: CallState, s: int, m: int, out_leaves: list[Any],
-                   grads_out: list[Any], in_leaves: list[Any], backend: Backend) -> None:
+def _backward_from(
+    spec: CallSpec,
+    state: CallState,
+    s: int,
+    m: int,
+    out_leaves: list[Any],
+    grads_out: list[Any],
+    in_leaves: list[Any],
+    backend: Backend,
+) -> None:
     """Stage ``s``'s backward of microbatch ``m`` from its output leaves and the input grads
     stage ``s + 1`` returned for them."""
     if len(out_leaves) != len(grads_out):
-        raise AssertionError(f"stage {s} has {len(out_leaves)} outputs but stage {s + 1} "
-                             f"returned {len(grads_out)} input grads; please report")
-    pairs = [(o, g) for o, g in zip(out_leaves, grads_out)
-             if g is not None and isinstance(o, torch.Tensor) and o.requires_grad]
+        raise AssertionError(
+            f"stage {s} has {len(out_leaves)} outputs but stage {s + 1} "
+            f"returned {len(grads_out)} input grads; please report"
+        )
+    pairs = [
+        (o, g)
+        for o, g in zip(out_leaves, grads_out)
+        if g is not None and isinstance(o, torch.Tensor) and o.requires_grad
+    ]
     _grads(spec, state, s, m, [o for o, _ in pairs], [g for _, g in pairs], in_leaves, backend)
 
 
-def _grads(spec: CallSpec, state: CallState, s: int, m: int, outputs: list[torch.Tensor],
-           grad_outputs: list[torch.Tensor], in_leaves: list[Any], backend: Backend) -> None:
+def _grads(
+    spec: CallSpec,
+    state: CallState,
+    s: int,
+    m: int,
+    outputs: list[torch.Tensor],
+    grad_outputs: list[torch.Tensor],
+    in_leaves: list[Any],
+    backend: Backend,
+) -> None:
     """autograd.grad of ``outputs`` w.r.t. the stage input leaves and trainable params; stores
     the input grads for stage s-1 and sums the param grads into the stage's buffers (see
     [Note: gradient accumulation] in grad_router.py)."""
@@ -380,8 +441,11 @@ def _grads(spec: CallSpec, state: CallState, s: int, m: int, outputs: list[torch
     upload = state.uploads.get(s)
     # On an accelerator the gradients are taken w.r.t. the stage's device copies and summed on
     # the device (see [Note: streaming]).
-    targets: list[torch.Tensor] = (upload.leaves if upload is not None and upload.leaves is not None
-                                   else [rec.param for rec in params])
+    targets: list[torch.Tensor] = (
+        upload.leaves
+        if upload is not None and upload.leaves is not None
+        else [rec.param for rec in params]
+    )
     inputs = wrt + targets
     grads: list[torch.Tensor | None]
     if outputs and inputs:
@@ -394,10 +458,11 @@ def _grads(spec: CallSpec, state: CallState, s: int, m: int, outputs: list[torch
     else:
         grads = [None] * len(inputs)
     if in_leaves:
-        by_id = {id(x): g for x, g in zip(wrt, grads[:len(wrt)])}
-        state.slots[(s, m)].grad_in = [by_id.get(id(x)) if isinstance(x, torch.Tensor)
-                                       else None for x in in_leaves]
-    state.grads.add(s, grads[len(wrt):], grads[:len(wrt)] + list(grad_outputs))
+        by_id = {id(x): g for x, g in zip(wrt, grads[: len(wrt)])}
+        state.slots[(s, m)].grad_in = [
+            by_id.get(id(x)) if isinstance(x, torch.Tensor) else None for x in in_leaves
+        ]
+    state.grads.add(s, grads[len(wrt) :], grads[: len(wrt)] + list(grad_outputs))
     if not spec.plan.stage_major and m == spec.plan.num_microbatch - 1:
         state.grads.move([s])  # an accelerator plan's D action moves them
 
@@ -452,8 +517,11 @@ def _recompute_guard(spec: CallSpec, stages: Sequence[Stage]) -> Iterator[None]:
     """Around a backward that recomputes ``stages``: their forward already updated their
     buffers (BatchNorm running stats) and the recompute must not update them a second time.
     Restored after the backward, which may still read them."""
-    buffers = ([b for stage in stages for module in stage.modules for b in module.buffers()]
-               if spec.recompute else [])
+    buffers = (
+        [b for stage in stages for module in stage.modules for b in module.buffers()]
+        if spec.recompute
+        else []
+    )
     saved = [b.clone() for b in buffers]
     try:
         yield
@@ -463,8 +531,9 @@ def _recompute_guard(spec: CallSpec, stages: Sequence[Stage]) -> Iterator[None]:
                 b.copy_(v)
 
 
-def _cut_graph(inp: tuple[tuple, dict], wants_grad: Callable[[torch.Tensor], bool]
-               ) -> tuple[list[Any], list[Any], tuple[tuple, dict]]:
+def _cut_graph(
+    inp: tuple[tuple, dict], wants_grad: Callable[[torch.Tensor], bool]
+) -> tuple[list[Any], list[Any], tuple[tuple, dict]]:
     """Make each tensor of a stage input that ``wants_grad`` a fresh leaf that requires grad, so
     the stage's own graph ends there. Returns (each leaf as it was, None where not cut; the new
     leaves; the new input)."""
@@ -477,8 +546,7 @@ def _cut_graph(inp: tuple[tuple, dict], wants_grad: Callable[[torch.Tensor], boo
         return [x], [leaf], ((leaf,), {})
     leaves, spec = pytree.tree_flatten(inp)
     origins = [x if isinstance(x, torch.Tensor) and wants_grad(x) else None for x in leaves]
-    leaves = [x.detach().requires_grad_() if o is not None else x
-              for x, o in zip(leaves, origins)]
+    leaves = [x.detach().requires_grad_() if o is not None else x for x, o in zip(leaves, origins)]
     return origins, leaves, pytree.tree_unflatten(leaves, spec)
 
 

@@ -49,9 +49,11 @@ def _warn_single_stage(model: nn.Module) -> None:
         f"is not split over the device pool, each microbatch runs the whole model on one device, "
         f"and recompute re-runs all of it. To make stages, wrap an nn.Sequential whose children "
         f"each take the previous child's output, e.g. nn.Sequential(embedding, *blocks, head) for "
-        f"a GPT-style model (docs/devices.md, \"A model that is not an nn.Sequential\"). To "
+        f'a GPT-style model (docs/devices.md, "A model that is not an nn.Sequential"). To '
         f"keep one stage and silence this warning, wrap nn.Sequential(model).",
-        UserWarning, stacklevel=4)  # the caller of RoundPipe()
+        UserWarning,
+        stacklevel=4,
+    )  # the caller of RoundPipe()
 
 
 @dataclasses.dataclass
@@ -66,8 +68,11 @@ class Layer:
 
     def describe(self) -> str:
         kind = type(self.module).__name__
-        return (f"layer {self.index} ({kind})" if self.name == str(self.index)
-                else f"layer {self.index} {self.name!r} ({kind})")
+        return (
+            f"layer {self.index} ({kind})"
+            if self.name == str(self.index)
+            else f"layer {self.index} {self.name!r} ({kind})"
+        )
 
 
 class Stage:
@@ -87,8 +92,7 @@ class Stage:
                     self.params.append(rec)
         # What the stage holds on an accelerator while it runs: its upload (parameters and
         # buffers, each once) and its gradient sums (see device_bytes).
-        tensors = {id(t): t for m in self.modules
-                   for t in list(m.parameters()) + list(m.buffers())}
+        tensors = {id(t): t for m in self.modules for t in list(m.parameters()) + list(m.buffers())}
         self.upload_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
         masters = [rec.master for rec in self.params if rec.master is not None]
         self._grad_numel = sum(m.numel() for m in masters)
@@ -111,8 +115,10 @@ def model_layers(model: nn.Module) -> list[Layer]:
     else:
         children = [("0", model)]
         _warn_single_stage(model)
-    return [Layer(i, n, m, bool(getattr(m, "takes_context", False)))
-            for i, (n, m) in enumerate(children)]
+    return [
+        Layer(i, n, m, bool(getattr(m, "takes_context", False)))
+        for i, (n, m) in enumerate(children)
+    ]
 
 
 def _shares_params(stages: list[Stage]) -> bool:
@@ -141,19 +147,33 @@ class ModelStages:
             self._shared[id(stages)] = _shares_params(stages)
         return stages
 
-    def plan(self, stages: list[Stage], num_microbatch: int, num_devices: int, streaming: bool,
-             training: bool, recompute: bool, sizes: PlanSizes | None = None) -> Plan:
+    def plan(
+        self,
+        stages: list[Stage],
+        num_microbatch: int,
+        num_devices: int,
+        streaming: bool,
+        training: bool,
+        recompute: bool,
+        sizes: PlanSizes | None = None,
+    ) -> Plan:
         """The plan of a call. An accelerator pool streams stage by stage (see
         [Note: streaming]), lowered with ``sizes``; one CPU worker fuses each microbatch's
         stages (see [Note: fused stages] in :mod:`roundpipe.runtime.stage_ops`)."""
-        fuse = (training and not streaming and num_devices == 1 and not self._shared[id(stages)])
-        key = (id(stages), num_microbatch, num_devices, training, fuse, streaming, recompute,
-               sizes)
+        fuse = training and not streaming and num_devices == 1 and not self._shared[id(stages)]
+        key = (id(stages), num_microbatch, num_devices, training, fuse, streaming, recompute, sizes)
         plan = self._plan_cache.get(key)
         if plan is None:
             plan = self._plan_cache[key] = build_plan(
-                len(stages), num_microbatch, num_devices, training, fuse,
-                stage_major=streaming, recompute=recompute, sizes=sizes)
+                len(stages),
+                num_microbatch,
+                num_devices,
+                training,
+                fuse,
+                stage_major=streaming,
+                recompute=recompute,
+                sizes=sizes,
+            )
             if len(self._plan_cache) > _PLANS_KEPT:
                 self._plan_cache.popitem(last=False)
         else:
@@ -161,9 +181,12 @@ class ModelStages:
         return plan
 
 
-def probe_input_bytes(stages: Sequence[Stage], chunks: Sequence[tuple[tuple, dict]],
-                      cast_dtype: torch.dtype | None, autocast: torch.dtype | None
-                      ) -> tuple[tuple[int, ...], ...] | None:
+def probe_input_bytes(
+    stages: Sequence[Stage],
+    chunks: Sequence[tuple[tuple, dict]],
+    cast_dtype: torch.dtype | None,
+    autocast: torch.dtype | None,
+) -> tuple[tuple[int, ...], ...] | None:
     """Per stage and microbatch, the bytes of the stage's input on a device: each microbatch's
     inputs as stage 0 gets them, and the output of the stage before, found by running the
     layers on fake tensors (shapes only, no compute, under ``autocast`` if given). None if a
@@ -172,8 +195,11 @@ def probe_input_bytes(stages: Sequence[Stage], chunks: Sequence[tuple[tuple, dic
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     def nbytes(tree: Any) -> int:
-        return sum(x.numel() * x.element_size() for x in pytree.tree_leaves(tree)
-                   if isinstance(x, torch.Tensor))
+        return sum(
+            x.numel() * x.element_size()
+            for x in pytree.tree_leaves(tree)
+            if isinstance(x, torch.Tensor)
+        )
 
     def cast(x: Any) -> Any:
         if isinstance(x, torch.Tensor) and cast_dtype is not None and x.is_floating_point():
@@ -184,28 +210,43 @@ def probe_input_bytes(stages: Sequence[Stage], chunks: Sequence[tuple[tuple, dic
     rows: list[tuple[int, ...]] = []
     for chunk in chunks:
         leaves, spec = pytree.tree_flatten(chunk)
-        key = (spec, tuple((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else repr(x)
-                           for x in leaves))
+        key = (
+            spec,
+            tuple(
+                (tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else repr(x)
+                for x in leaves
+            ),
+        )
         if key not in per_shape:
             try:
-                per_shape[key] = _probe_one(stages, pytree.tree_map(cast, chunk), autocast,
-                                            FakeTensorMode, nbytes)
+                per_shape[key] = _probe_one(
+                    stages, pytree.tree_map(cast, chunk), autocast, FakeTensorMode, nbytes
+                )
             except Exception:  # noqa: BLE001 -- a layer fake tensors cannot run: sizes unknown
                 return None
         rows.append(per_shape[key])
     return tuple(tuple(row[s] for row in rows) for s in range(len(stages)))
 
 
-def _probe_one(stages: Sequence[Stage], chunk: tuple[tuple, dict], autocast: torch.dtype | None,
-               fake_mode_cls: Any, nbytes: Any) -> tuple[int, ...]:
+def _probe_one(
+    stages: Sequence[Stage],
+    chunk: tuple[tuple, dict],
+    autocast: torch.dtype | None,
+    fake_mode_cls: Any,
+    nbytes: Any,
+) -> tuple[int, ...]:
     sizes = [nbytes(chunk)]
     with fake_mode_cls(allow_non_fake_inputs=True) as mode, torch.no_grad():
         args, kwargs = pytree.tree_map(
-            lambda x: mode.from_tensor(x) if isinstance(x, torch.Tensor) else x, chunk)
+            lambda x: mode.from_tensor(x) if isinstance(x, torch.Tensor) else x, chunk
+        )
         context: Any = None
         x: Any = None
-        amp = (torch.autocast("cpu", dtype=autocast) if autocast is not None
-               else torch.autocast("cpu", enabled=False))
+        amp = (
+            torch.autocast("cpu", dtype=autocast)
+            if autocast is not None
+            else torch.autocast("cpu", enabled=False)
+        )
         with amp:
             for s, stage in enumerate(stages[:-1]):  # the last stage's output is no input
                 for i, layer in enumerate(stage.layers):

@@ -22,5 +22,6 @@ def _emu_indices(rest: str) -> Sequence[int]:
     raise ValueError(f"'emu:N' takes a number of emulated devices 1 <= N <= {DEVICE_COUNT}")
 
 
-register_device_kind(DeviceKind("emu", _emu_indices, install,
-                                "'emu' / 'emu:N' (N emulated accelerators, for tests)"))
+register_device_kind(
+    DeviceKind("emu", _emu_indices, install, "'emu' / 'emu:N' (N emulated accelerators, for tests)")
+)

@@ -46,13 +46,23 @@ import hashlib
 import os
 import threading
 import weakref
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
 
-__all__ = ["NAME", "DEVICE_COUNT", "EmuTensor", "Copy", "StreamOrderError", "record_copies",
-           "set_memory_capacity", "install", "is_installed"]
+__all__ = [
+    "NAME",
+    "DEVICE_COUNT",
+    "EmuTensor",
+    "Copy",
+    "StreamOrderError",
+    "record_copies",
+    "set_memory_capacity",
+    "install",
+    "is_installed",
+]
 
 NAME = "emu"
 # Must match kDeviceCount in _emu_guard.cpp.
@@ -62,21 +72,42 @@ aten = torch.ops.aten
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _INSTALL_LOCK = threading.Lock()
 _installed = False
-_late_error: Optional[RuntimeError] = None  # installed too late (see _check_backward_threads)
-_libraries: List[torch.library.Library] = []
+_late_error: RuntimeError | None = None  # installed too late (see _check_backward_threads)
+_libraries: list[torch.library.Library] = []
 
 # Ops that take host tensors next to device tensors on CUDA too: copies between devices, and
 # indexing with host index tensors.
-_CROSS_DEVICE_OK = frozenset({
-    aten.copy_.default, aten._to_copy.default, aten.index.Tensor, aten.index_put_.default,
-    aten.index_put.default, aten._index_put_impl_.default,
-})
+_CROSS_DEVICE_OK = frozenset(
+    {
+        aten.copy_.default,
+        aten._to_copy.default,
+        aten.index.Tensor,
+        aten.index_put_.default,
+        aten.index_put.default,
+        aten._index_put_impl_.default,
+    }
+)
 # Ops that only concern streams or memory placement; nothing to compute on the host.
 _NO_OPS = frozenset({aten.record_stream.default})
 # Ops that autocast runs in the lower-precision dtype, as CUDA's autocast does.
-_AUTOCAST_LOWER = ("mm", "bmm", "addmm", "baddbmm", "addbmm", "matmul", "linear", "conv1d",
-                   "conv2d", "conv3d", "_convolution", "conv_transpose1d", "conv_transpose2d",
-                   "conv_transpose3d", "prelu", "scaled_dot_product_attention")
+_AUTOCAST_LOWER = (
+    "mm",
+    "bmm",
+    "addmm",
+    "baddbmm",
+    "addbmm",
+    "matmul",
+    "linear",
+    "conv1d",
+    "conv2d",
+    "conv3d",
+    "_convolution",
+    "conv_transpose1d",
+    "conv_transpose2d",
+    "conv_transpose3d",
+    "prelu",
+    "scaled_dot_product_attention",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,21 +120,21 @@ class Copy:
     the emulated device when the copy was made."""
 
     direction: str
-    host_ptr: Optional[int]
+    host_ptr: int | None
     numel: int
     dtype: torch.dtype
     pinned: bool
     stream_id: int
 
 
-_copy_logs: List[List[Copy]] = []
+_copy_logs: list[list[Copy]] = []
 
 
 @contextlib.contextmanager
-def record_copies() -> Iterator[List[Copy]]:
+def record_copies() -> Iterator[list[Copy]]:
     """Log every copy between the host and an emulated device made inside the block (by any
     thread) into the list it yields. Main thread; for tests that count transfers."""
-    log: List[Copy] = []
+    log: list[Copy] = []
     _copy_logs.append(log)
     try:
         yield log
@@ -111,10 +142,15 @@ def record_copies() -> Iterator[List[Copy]]:
         _copy_logs.remove(log)
 
 
-def _log_copy(direction: str, host: Optional[torch.Tensor], emu: torch.Tensor) -> None:
-    entry = Copy(direction, None if host is None else host.untyped_storage().data_ptr(),
-                 emu.numel(), emu.dtype, host is not None and host.is_pinned(),
-                 torch.accelerator.current_stream(emu.device).stream_id)
+def _log_copy(direction: str, host: torch.Tensor | None, emu: torch.Tensor) -> None:
+    entry = Copy(
+        direction,
+        None if host is None else host.untyped_storage().data_ptr(),
+        emu.numel(),
+        emu.dtype,
+        host is not None and host.is_pinned(),
+        torch.accelerator.current_stream(emu.device).stream_id,
+    )
     for log in _copy_logs:
         log.append(entry)  # list.append is atomic: workers may log at once
 
@@ -152,17 +188,19 @@ def _log_copy(direction: str, host: Optional[torch.Tensor], emu: torch.Tensor) -
 _memory_lock = threading.RLock()  # finalizers may run on any thread, inside a charge
 _allocated_bytes = [0] * DEVICE_COUNT
 _peak_bytes = [0] * DEVICE_COUNT
-_live_storages: Dict[int, int] = {}  # storage data pointer -> its bytes
-_capacity: Optional[int] = None
+_live_storages: dict[int, int] = {}  # storage data pointer -> its bytes
+_capacity: int | None = None
 
 
-def set_memory_capacity(nbytes: Optional[int]) -> Optional[int]:
+def set_memory_capacity(nbytes: int | None) -> int | None:
     """Give every emulated device ``nbytes`` of memory (None: the host's); returns the previous
     setting. A device allocation beyond it raises ``torch.OutOfMemoryError``. Any thread."""
     global _capacity
     if nbytes is not None and (not isinstance(nbytes, int) or nbytes < 1):
-        raise ValueError(f"the emulated device's memory capacity must be None or a positive int "
-                         f"(bytes), got {nbytes!r}")
+        raise ValueError(
+            f"the emulated device's memory capacity must be None or a positive int "
+            f"(bytes), got {nbytes!r}"
+        )
     with _memory_lock:
         previous, _capacity = _capacity, nbytes
     return previous
@@ -187,7 +225,8 @@ def _charge(t: torch.Tensor, index: int) -> None:
             raise torch.OutOfMemoryError(
                 f"{NAME}:{index} out of memory: tried to allocate {nbytes} bytes with "
                 f"{_allocated_bytes[index]} of {_capacity} bytes in use (the emulated capacity, "
-                f"roundpipe.testing.emu.set_memory_capacity)")
+                f"roundpipe.testing.emu.set_memory_capacity)"
+            )
         _allocated_bytes[index] += nbytes
         _peak_bytes[index] = max(_peak_bytes[index], _allocated_bytes[index])
         _live_storages[key] = nbytes
@@ -216,10 +255,10 @@ class StreamOrderError(RuntimeError):
 
 _native: Any = None  # the guard library, through ctypes (set by install)
 _order_lock = threading.Lock()
-_pending_buffers: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}  # id -> (host, snapshot)
+_pending_buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id -> (host, snapshot)
 # id -> (host storage pointer, stream, count) of the pending downloads
-_landing: Dict[int, Tuple[int, Tuple[int, int], int]] = {}
-_writes_cache: Dict[Any, Tuple[Tuple[int, ...], Tuple[str, ...]]] = {}
+_landing: dict[int, tuple[int, tuple[int, int], int]] = {}
+_writes_cache: dict[Any, tuple[tuple[int, ...], tuple[str, ...]]] = {}
 
 
 class _Access:
@@ -227,21 +266,21 @@ class _Access:
 
     __slots__ = ("writer", "written", "wrote", "reads")
 
-    def __init__(self, writer: Optional[Tuple[int, int]], written: int, wrote: Any) -> None:
+    def __init__(self, writer: tuple[int, int] | None, written: int, wrote: Any) -> None:
         self.writer = writer  # (device, stream) or None (written before anything was tracked)
         self.written = written
         self.wrote = wrote  # the op that wrote it, for the error message
-        self.reads: Dict[Tuple[int, int], Tuple[int, Any]] = {}  # stream -> (count, op)
+        self.reads: dict[tuple[int, int], tuple[int, Any]] = {}  # stream -> (count, op)
 
 
-_accesses: Dict[int, _Access] = {}  # storage data pointer -> its order
+_accesses: dict[int, _Access] = {}  # storage data pointer -> its order
 
 
 def _storage_key(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
 
 
-def _written_arguments(func: Any) -> Tuple[Tuple[int, ...], Tuple[str, ...]]:
+def _written_arguments(func: Any) -> tuple[tuple[int, ...], tuple[str, ...]]:
     """The positions and names of the arguments ``func`` writes (``Tensor(a!)`` in its schema)."""
     found = _writes_cache.get(func)
     if found is None:
@@ -256,41 +295,45 @@ def _written_arguments(func: Any) -> Tuple[Tuple[int, ...], Tuple[str, ...]]:
     return found
 
 
-def _current(index: int) -> Tuple[int, int]:
+def _current(index: int) -> tuple[int, int]:
     return index, _native.roundpipe_emu_current_stream(index)
 
 
-def _known(stream: Tuple[int, int], other: Tuple[int, int]) -> int:
+def _known(stream: tuple[int, int], other: tuple[int, int]) -> int:
     return _native.roundpipe_emu_known(stream[0], stream[1], other[0], other[1])
 
 
-def _race(func: Any, stream: Tuple[int, int], other: Tuple[int, int], what: str,
-          other_op: Any) -> StreamOrderError:
+def _race(
+    func: Any, stream: tuple[int, int], other: tuple[int, int], what: str, other_op: Any
+) -> StreamOrderError:
     return StreamOrderError(
         f"stream race on {NAME}:{stream[0]}: {func} on stream {stream[1]} {what} by {other_op} "
         f"on stream {other[1]} of {NAME}:{other[0]}, with nothing ordering the two; record an "
         f"event on "
         f"stream {other[1]} after that access and wait for it on stream {stream[1]} "
-        f"(Stream.wait_event), or synchronize, first")
+        f"(Stream.wait_event), or synchronize, first"
+    )
 
 
-def _host_waits(stream: Tuple[int, int]) -> None:
+def _host_waits(stream: tuple[int, int]) -> None:
     if _native.roundpipe_emu_host_waits(stream[0], stream[1]):
         raise StreamOrderError(_native.roundpipe_emu_error().decode())
 
 
-def _enqueue(func: Any, args: Any, kwargs: Dict[str, Any], leaves: List[Any],
-             stream: Tuple[int, int]) -> Tuple[int, Dict[int, None]]:
+def _enqueue(
+    func: Any, args: Any, kwargs: dict[str, Any], leaves: list[Any], stream: tuple[int, int]
+) -> tuple[int, dict[int, None]]:
     """Enqueue ``func`` on ``stream``: check its reads and writes of device memory against the
     stream order and record them. Returns its count on the stream and the storages it touched."""
     positions, names = _written_arguments(func)
     written_ids = set()
-    for arg in ([args[i] for i in positions if i < len(args)]
-                + [kwargs[n] for n in names if n in kwargs]):
-        for t in (arg if isinstance(arg, (list, tuple)) else (arg,)):  # Tensor(a!) or Tensor(a!)[]
+    for arg in [args[i] for i in positions if i < len(args)] + [
+        kwargs[n] for n in names if n in kwargs
+    ]:
+        for t in arg if isinstance(arg, (list, tuple)) else (arg,):  # Tensor(a!) or Tensor(a!)[]
             if isinstance(t, EmuTensor):
                 written_ids.add(id(t))
-    touched: Dict[int, None] = {}
+    touched: dict[int, None] = {}
     with _order_lock:
         count = _native.roundpipe_emu_enqueue(stream[0], stream[1])
         for t in leaves:
@@ -315,14 +358,21 @@ def _enqueue(func: Any, args: Any, kwargs: Dict[str, Any], leaves: List[Any],
     return count, touched
 
 
-def _record_outputs(func: Any, outputs: List[Any], leaves: List[Any], touched: Dict[int, None],
-                    stream: Tuple[int, int], count: int, index: int) -> None:
+def _record_outputs(
+    func: Any,
+    outputs: list[Any],
+    leaves: list[Any],
+    touched: dict[int, None],
+    stream: tuple[int, int],
+    count: int,
+    index: int,
+) -> None:
     """An op's outputs in fresh device memory were written by it, on its stream, and take
     device memory on ``index``."""
     for t in outputs:
         if isinstance(t, torch.Tensor) and t.numel() > 0:
             key = _storage_key(t)
-            if key in touched or any(l is t for l in leaves):
+            if key in touched or any(leaf is t for leaf in leaves):
                 continue
             _charge(t, index)
             _accesses[key] = _Access(stream, count, func)
@@ -339,8 +389,12 @@ def _allocated(t: torch.Tensor, index: int) -> None:
             _accesses[_storage_key(t)] = _Access(stream, count, "an allocation")
 
 
-def _keep_until_settled(ident: int, host: torch.Tensor, snapshot: torch.Tensor,
-                        landing: Optional[Tuple[int, Tuple[int, int], int]] = None) -> None:
+def _keep_until_settled(
+    ident: int,
+    host: torch.Tensor,
+    snapshot: torch.Tensor,
+    landing: tuple[int, tuple[int, int], int] | None = None,
+) -> None:
     """Hold a pending copy's buffers until its host side has run (and forget those that have);
     ``landing``: a download's entry for :func:`_land_downloads`."""
     with _order_lock:
@@ -352,7 +406,7 @@ def _keep_until_settled(ident: int, host: torch.Tensor, snapshot: torch.Tensor,
             _landing[ident] = landing
 
 
-def _land_downloads(func: Any, source: torch.Tensor, stream: Tuple[int, int]) -> None:
+def _land_downloads(func: Any, source: torch.Tensor, stream: tuple[int, int]) -> None:
     """An upload from pinned ``source``: a pending download into it must be ordered before the
     upload (then its bytes land now), else the upload would read what is not there yet."""
     key = _storage_key(source)
@@ -360,47 +414,66 @@ def _land_downloads(func: Any, source: torch.Tensor, stream: Tuple[int, int]) ->
         waiting = [(i, at) for i, at in _landing.items() if at[0] == key]
     for ident, (_, writer, count) in waiting:
         if writer != stream and _known(stream, writer) < count:
-            raise _race(func, stream, writer, "uploads host memory still being written",
-                        "a download")
+            raise _race(
+                func, stream, writer, "uploads host memory still being written", "a download"
+            )
         _native.roundpipe_emu_land(ident)
         with _order_lock:
             _landing.pop(ident, None)
 
 
-def _async_download(host: torch.Tensor, snapshot: torch.Tensor, stream: Tuple[int, int],
-                    count: int) -> None:
+def _async_download(
+    host: torch.Tensor, snapshot: torch.Tensor, stream: tuple[int, int], count: int
+) -> None:
     """``host.copy_(source, non_blocking=True)`` into pinned memory, ``snapshot`` holding the
     source's values in ``host``'s dtype and layout: ``host`` holds poison until the host waits
     for the copy."""
     host.reshape(-1).view(torch.uint8).fill_(0xFF)
-    ident = _native.roundpipe_emu_pending(1, ctypes.c_void_p(host.data_ptr()),
-                                          ctypes.c_void_p(snapshot.data_ptr()),
-                                          host.numel() * host.element_size(), stream[0],
-                                          stream[1], count)
+    ident = _native.roundpipe_emu_pending(
+        1,
+        ctypes.c_void_p(host.data_ptr()),
+        ctypes.c_void_p(snapshot.data_ptr()),
+        host.numel() * host.element_size(),
+        stream[0],
+        stream[1],
+        count,
+    )
     _keep_until_settled(ident, host, snapshot, landing=(_storage_key(host), stream, count))
 
 
-def _watch_upload(source: torch.Tensor, stream: Tuple[int, int], count: int) -> None:
+def _watch_upload(source: torch.Tensor, stream: tuple[int, int], count: int) -> None:
     """A non-blocking upload from pinned ``source``: the host must not change it before it
     waits for the copy."""
     snapshot = source.clone()
-    ident = _native.roundpipe_emu_pending(0, ctypes.c_void_p(source.data_ptr()),
-                                          ctypes.c_void_p(snapshot.data_ptr()),
-                                          source.numel() * source.element_size(), stream[0],
-                                          stream[1], count)
+    ident = _native.roundpipe_emu_pending(
+        0,
+        ctypes.c_void_p(source.data_ptr()),
+        ctypes.c_void_p(snapshot.data_ptr()),
+        source.numel() * source.element_size(),
+        stream[0],
+        stream[1],
+        count,
+    )
     _keep_until_settled(ident, source, snapshot)
 
 
 def _asynchronous_host(t: Any, non_blocking: bool) -> bool:
     """Whether a copy between the device and host tensor ``t`` is asynchronous, as on CUDA:
     non-blocking, pinned, and (here) one contiguous block."""
-    return (non_blocking and isinstance(t, torch.Tensor) and t.numel() > 0 and t.is_pinned()
-            and t.is_contiguous())
+    return (
+        non_blocking
+        and isinstance(t, torch.Tensor)
+        and t.numel() > 0
+        and t.is_pinned()
+        and t.is_contiguous()
+    )
 
 
 def _same_device_error(func: Any, a: torch.device, b: torch.device) -> RuntimeError:
-    return RuntimeError(f"Expected all tensors to be on the same device, but found at least two "
-                        f"devices, {a} and {b}! (when checking arguments for {func})")
+    return RuntimeError(
+        f"Expected all tensors to be on the same device, but found at least two "
+        f"devices, {a} and {b}! (when checking arguments for {func})"
+    )
 
 
 class EmuTensor(torch.Tensor):
@@ -409,14 +482,22 @@ class EmuTensor(torch.Tensor):
     _elem: torch.Tensor
 
     @staticmethod
-    def __new__(cls, elem: torch.Tensor, index: int = 0) -> "EmuTensor":
+    def __new__(cls, elem: torch.Tensor, index: int = 0) -> EmuTensor:
         if type(elem) is not torch.Tensor or elem.device.type != "cpu":
-            raise AssertionError(f"an emu tensor wraps a plain CPU tensor, got {type(elem)} on "
-                                 f"{elem.device}; please report")
+            raise AssertionError(
+                f"an emu tensor wraps a plain CPU tensor, got {type(elem)} on "
+                f"{elem.device}; please report"
+            )
         out = torch.Tensor._make_wrapper_subclass(
-            cls, elem.size(), strides=elem.stride(), storage_offset=elem.storage_offset(),
-            dtype=elem.dtype, layout=elem.layout, device=torch.device(NAME, index),
-            requires_grad=elem.requires_grad)
+            cls,
+            elem.size(),
+            strides=elem.stride(),
+            storage_offset=elem.storage_offset(),
+            dtype=elem.dtype,
+            layout=elem.layout,
+            device=torch.device(NAME, index),
+            requires_grad=elem.requires_grad,
+        )
         out._elem = elem
         return out
 
@@ -433,23 +514,31 @@ class EmuTensor(torch.Tensor):
         return self._elem.data_ptr()
 
     @classmethod
-    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (),  # type: ignore[override]
-                           kwargs: Any = None) -> Any:
+    def __torch_dispatch__(
+        cls,
+        func: Any,
+        types: Any,
+        args: Any = (),  # type: ignore[override]
+        kwargs: Any = None,
+    ) -> Any:
         kwargs = kwargs or {}
         if func in _NO_OPS:
             return None
         leaves = pytree.tree_leaves((args, kwargs))
         index = _check_devices(func, leaves)
         unwrapped_args, unwrapped_kwargs = pytree.tree_map_only(
-            EmuTensor, lambda t: t._elem, (args, kwargs))
-        non_blocking = bool(kwargs.get("non_blocking", False)
-                            or (func is aten.copy_.default and len(args) > 2 and args[2]))
+            EmuTensor, lambda t: t._elem, (args, kwargs)
+        )
+        non_blocking = bool(
+            kwargs.get("non_blocking", False)
+            or (func is aten.copy_.default and len(args) > 2 and args[2])
+        )
         stream = _current(index)
         # A copy between two devices runs on the source's current stream, between two
         # barriers with the destination's (``peer``), as torch's does.
-        peer: Optional[Tuple[int, int]] = None
-        download_into: Optional[torch.Tensor] = None  # a host tensor this op copies into
-        upload_from: Optional[torch.Tensor] = None  # a host tensor this op copies from
+        peer: tuple[int, int] | None = None
+        download_into: torch.Tensor | None = None  # a host tensor this op copies into
+        upload_from: torch.Tensor | None = None  # a host tensor this op copies from
         if func is aten.copy_.default:
             dst, src = args[0], args[1]
             if isinstance(dst, EmuTensor) and not isinstance(src, EmuTensor):
@@ -471,8 +560,16 @@ class EmuTensor(torch.Tensor):
             if target.type == "cpu":  # a copy to the host: hand out the plain tensor
                 if _copy_logs and func is aten._to_copy.default:
                     _log_copy("d2h", None, args[0])
-                return _to_host(func, args, kwargs, unwrapped_args, unwrapped_kwargs, leaves,
-                                stream, non_blocking)
+                return _to_host(
+                    func,
+                    args,
+                    kwargs,
+                    unwrapped_args,
+                    unwrapped_kwargs,
+                    leaves,
+                    stream,
+                    non_blocking,
+                )
             if isinstance(args[0], EmuTensor) and (target.index or 0) != index:
                 peer = _current(target.index or 0)
             index = target.index or 0
@@ -499,7 +596,7 @@ class EmuTensor(torch.Tensor):
         if not all(isinstance(t, torch.Tensor) or t is None for t in outputs):
             _host_waits(stream)  # a number for the host: .item() and the like
         # An in-place or out= op returns one of its arguments: hand back that very object.
-        mine: Dict[int, torch.Tensor] = {}
+        mine: dict[int, torch.Tensor] = {}
         for t in leaves:
             if isinstance(t, EmuTensor):
                 mine[id(t._elem)] = t
@@ -507,16 +604,24 @@ class EmuTensor(torch.Tensor):
                 mine[id(t)] = t
         _record_outputs(func, outputs, leaves, touched, stream, count, index)
         return pytree.tree_map_only(
-            torch.Tensor, lambda t: mine[id(t)] if id(t) in mine else EmuTensor(t, index), out)
+            torch.Tensor, lambda t: mine[id(t)] if id(t) in mine else EmuTensor(t, index), out
+        )
 
 
-def _join(a: Tuple[int, int], b: Tuple[int, int]) -> None:
+def _join(a: tuple[int, int], b: tuple[int, int]) -> None:
     _native.roundpipe_emu_join(a[0], a[1], b[0], b[1])
 
 
-def _to_host(func: Any, args: Any, kwargs: Dict[str, Any], unwrapped_args: Any,
-             unwrapped_kwargs: Dict[str, Any], leaves: List[Any], stream: Tuple[int, int],
-             non_blocking: bool) -> torch.Tensor:
+def _to_host(
+    func: Any,
+    args: Any,
+    kwargs: dict[str, Any],
+    unwrapped_args: Any,
+    unwrapped_kwargs: dict[str, Any],
+    leaves: list[Any],
+    stream: tuple[int, int],
+    non_blocking: bool,
+) -> torch.Tensor:
     """``tensor.to("cpu")``: blocking, the host waits for the stream; non-blocking, the result
     is pinned, as on CUDA, and holds poison until the host waits for the copy."""
     count, _ = _enqueue(func, args, kwargs, leaves, stream)
@@ -531,10 +636,10 @@ def _to_host(func: Any, args: Any, kwargs: Dict[str, Any], unwrapped_args: Any,
     return host
 
 
-def _check_devices(func: Any, leaves: List[Any]) -> int:
+def _check_devices(func: Any, leaves: list[Any]) -> int:
     """The emu device index of the op, after CUDA's same-device check."""
-    index: Optional[int] = None
-    host: Optional[torch.Tensor] = None
+    index: int | None = None
+    host: torch.Tensor | None = None
     for t in leaves:
         if isinstance(t, EmuTensor):
             i = t.device.index
@@ -549,7 +654,7 @@ def _check_devices(func: Any, leaves: List[Any]) -> int:
     return 0 if index is None else index
 
 
-def _device_index(kwargs: Dict[str, Any]) -> int:
+def _device_index(kwargs: dict[str, Any]) -> int:
     device = kwargs.get("device")
     return 0 if device is None else (torch.device(device).index or 0)
 
@@ -611,11 +716,12 @@ class _DeviceModule:
 
     @staticmethod
     def device(device: Any) -> contextlib.AbstractContextManager:
-        return torch.accelerator.device_index(torch.device(NAME, device).index
-                                              if not isinstance(device, int) else device)
+        return torch.accelerator.device_index(
+            torch.device(NAME, device).index if not isinstance(device, int) else device
+        )
 
     @staticmethod
-    def get_amp_supported_dtype() -> List[torch.dtype]:
+    def get_amp_supported_dtype() -> list[torch.dtype]:
         return [torch.float16, torch.bfloat16]
 
     @staticmethod
@@ -667,7 +773,7 @@ class _DeviceModule:
             _peak_bytes[index] = _allocated_bytes[index]
 
     @staticmethod
-    def mem_get_info(device: Any = None) -> Tuple[int, int]:
+    def mem_get_info(device: Any = None) -> tuple[int, int]:
         total = _capacity_of_device()
         return max(total - _allocated_bytes[_index_of(device)], 0), total
 
@@ -676,8 +782,7 @@ def _install_autocast(aten_lib: torch.library.Library, any_lib: torch.library.Li
     """``torch.autocast("emu")``: matmul-like ops cast their floating inputs to the autocast
     dtype; every other op passes through untouched."""
     any_lib.fallback(torch.library.fallthrough_kernel, dispatch_key="AutocastPrivateUse1")
-    excluded = torch._C.DispatchKeySet(
-        torch._C.DispatchKey.AutocastPrivateUse1)  # type: ignore[attr-defined]
+    excluded = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastPrivateUse1)  # type: ignore[attr-defined]
     for name in _AUTOCAST_LOWER:
         packet = getattr(aten, name, None)
         if packet is None:
@@ -688,8 +793,10 @@ def _install_autocast(aten_lib: torch.library.Library, any_lib: torch.library.Li
             def kernel(*args: Any, _op: Any = op, **kwargs: Any) -> Any:
                 dtype = torch.get_autocast_dtype(NAME)
                 args, kwargs = pytree.tree_map_only(
-                    torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t,
-                    (args, kwargs))
+                    torch.Tensor,
+                    lambda t: t.to(dtype) if t.is_floating_point() else t,
+                    (args, kwargs),
+                )
                 with torch._C._ExcludeDispatchKeyGuard(excluded):
                     return _op(*args, **kwargs)
 
@@ -728,15 +835,20 @@ def install() -> None:
         if torch._C._get_privateuse1_backend_name() not in ("privateuseone", NAME):
             raise RuntimeError(
                 f"cannot install the emulated device: the PrivateUse1 backend is already "
-                f"{torch._C._get_privateuse1_backend_name()!r} in this process")
+                f"{torch._C._get_privateuse1_backend_name()!r} in this process"
+            )
         from torch.utils import cpp_extension
 
         source = os.path.join(_HERE, "_emu_guard.cpp")
         with open(source, "rb") as f:
             # Named by its source, so checkouts with different guards share torch's build cache.
             digest = hashlib.sha256(f.read()).hexdigest()[:16]
-        path = cpp_extension.load(name=f"roundpipe_emu_guard_{digest}", sources=[source],
-                                  is_python_module=False, verbose=False)
+        path = cpp_extension.load(
+            name=f"roundpipe_emu_guard_{digest}",
+            sources=[source],
+            is_python_module=False,
+            verbose=False,
+        )
         _bind_native(path)
         capacity = os.environ.get("ROUNDPIPE_EMU_MEMORY")
         if capacity:
@@ -765,15 +877,16 @@ def _bind_native(path: str) -> None:
     lib = ctypes.CDLL(path)
     i64, vp = ctypes.c_int64, ctypes.c_void_p
     for name, restype, argtypes in (
-            ("roundpipe_emu_current_stream", i64, [i64]),
-            ("roundpipe_emu_enqueue", i64, [i64, i64]),
-            ("roundpipe_emu_known", i64, [i64, i64, i64, i64]),
-            ("roundpipe_emu_join", None, [i64, i64, i64, i64]),
-            ("roundpipe_emu_host_waits", ctypes.c_int, [i64, i64]),
-            ("roundpipe_emu_pending", i64, [ctypes.c_int, vp, vp, i64, i64, i64, i64]),
-            ("roundpipe_emu_land", None, [i64]),
-            ("roundpipe_emu_finished", ctypes.c_int, [i64]),
-            ("roundpipe_emu_error", ctypes.c_char_p, [])):
+        ("roundpipe_emu_current_stream", i64, [i64]),
+        ("roundpipe_emu_enqueue", i64, [i64, i64]),
+        ("roundpipe_emu_known", i64, [i64, i64, i64, i64]),
+        ("roundpipe_emu_join", None, [i64, i64, i64, i64]),
+        ("roundpipe_emu_host_waits", ctypes.c_int, [i64, i64]),
+        ("roundpipe_emu_pending", i64, [ctypes.c_int, vp, vp, i64, i64, i64, i64]),
+        ("roundpipe_emu_land", None, [i64]),
+        ("roundpipe_emu_finished", ctypes.c_int, [i64]),
+        ("roundpipe_emu_error", ctypes.c_char_p, []),
+    ):
         fn = getattr(lib, name)
         fn.restype, fn.argtypes = restype, argtypes
     _native = lib
