@@ -43,7 +43,7 @@ __all__ = ["MasterParameter", "WrappedParameter", "guard_wrapped_params"]
 # for-loop, foreach and fused AdamW, roundpipe's AdamW; 64 tensors), 1.05-1.3x on a 2-6 ms step
 # over 200 tensors of 64 elements.
 
-_GRAD = torch._C.TensorBase.grad  # the C getset descriptor every Tensor's .grad is
+_GRAD: Any = torch._C.TensorBase.grad  # the C getset descriptor every Tensor's .grad is
 _get_grad, _set_grad, _del_grad = _GRAD.__get__, _GRAD.__set__, _GRAD.__delete__
 
 
@@ -95,7 +95,7 @@ class MasterParameter(nn.Parameter):
     """
 
     @property
-    def grad(self) -> torch.Tensor | None:  # type: ignore[override]
+    def grad(self) -> torch.Tensor | None:
         if caller_must_wait():
             _wait_for_launched_work("read")
         return _get_grad(self)
@@ -155,7 +155,7 @@ class WrappedParameter(nn.Parameter):
     blocks. Setting and deleting ``.grad`` are torch's own."""
 
     @property
-    def grad(self) -> torch.Tensor | None:  # type: ignore[override]
+    def grad(self) -> torch.Tensor | None:
         value = _get_grad(self)
         if value is None and not sys._getframe(1).f_globals.get("__name__", "").startswith(
             _ROUNDPIPE_PREFIX
@@ -201,4 +201,4 @@ def _unwrap(params: list[nn.Parameter]) -> None:
             if left > 0:
                 _WRAP_COUNTS[id(p)] = left
             elif type(p) is WrappedParameter:
-                p.__class__ = nn.Parameter
+                p.__class__ = nn.Parameter  # type: ignore[assignment]

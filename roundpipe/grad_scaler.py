@@ -308,6 +308,20 @@ class GradScaler:
             self._front_copy = HostCopy(front_tensor)
             self._front = front_tensor  # last: scale() reads it without the lock
 
+    def _back_scale(self) -> torch.Tensor:
+        """The back scale; after :meth:`_lazy_init` (which callers check first)."""
+        back = self._back
+        assert back is not None, "GradScaler: the back side is read before its lazy init"
+        return back
+
+    def _newest(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(newest scale, growth tracker, skipped steps); after :meth:`_lazy_init`."""
+        scale, tracker, skipped = self._scale, self._growth_tracker, self._skipped_steps
+        assert scale is not None and tracker is not None and skipped is not None, (
+            "GradScaler: the back side is read before its lazy init"
+        )
+        return scale, tracker, skipped
+
     def _check_initialized(self, funcname: str) -> None:
         if self._front is None:
             raise RuntimeError(
@@ -340,13 +354,15 @@ class GradScaler:
     def _scale_on(self, device: torch.device) -> torch.Tensor:
         if self._front is None:
             self._lazy_init(device)
+        front, back = self._front, self._back
+        assert front is not None and back is not None  # set together by _lazy_init
         if on_optimizer_thread():
-            return self._back.to(device, non_blocking=True)
+            return back.to(device, non_blocking=True)
         replicas = self._front_replicas
         replica = replicas.get(device)
         if replica is None:
             # Benign race between workers: both compute the same copy; a dict store is atomic.
-            replica = replicas[device] = self._front.to(device, non_blocking=True)
+            replica = replicas[device] = front.to(device, non_blocking=True)
         return replica
 
     def _set_front(self, value: torch.Tensor, copy: HostCopy) -> None:
@@ -357,6 +373,7 @@ class GradScaler:
         self._front = value
 
     def _front_value(self) -> float:
+        assert self._front_copy is not None  # set with _front
         return self._front_copy.values()[0]
 
     # ------------------------------------------------------------------------------------------
@@ -442,15 +459,17 @@ class GradScaler:
             )
         if state.stage is OptState.STEPPED:
             raise RuntimeError("unscale_() is being called after step().")
-        inv_scale = self._back.double().reciprocal().float()
-        found_inf = torch.zeros((), dtype=torch.float32, device=self._back.device)
+        back = self._back_scale()
+        inv_scale = back.double().reciprocal().float()
+        found_inf = torch.zeros((), dtype=torch.float32, device=back.device)
         state.found_inf_per_device = self._unscale_grads_(optimizer, inv_scale, found_inf, False)
         state.stage = OptState.UNSCALED
 
     def _found_inf_sum(self, state: _PerOptimizerState) -> torch.Tensor:
-        total = _sum_flags(state.found_inf_per_device.values(), self._back.device)
+        device = self._back_scale().device
+        total = _sum_flags(state.found_inf_per_device.values(), device)
         if total is None:  # no gradient to check (a fused step without grads): nothing overflowed
-            return torch.zeros((), dtype=torch.float32, device=self._back.device)
+            return torch.zeros((), dtype=torch.float32, device=device)
         return total
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
@@ -512,15 +531,16 @@ class GradScaler:
         if state.stage is OptState.READY:
             # Only look for inf/NaN (inverse scale 1): the optimizer unscales in its own kernel,
             # so the gradients are read once more, not twice.
-            one = torch.ones((), dtype=torch.float32, device=self._back.device)
-            found = torch.zeros((), dtype=torch.float32, device=self._back.device)
+            back = self._back_scale()
+            one = torch.ones((), dtype=torch.float32, device=back.device)
+            found = torch.zeros((), dtype=torch.float32, device=back.device)
             state.found_inf_per_device = self._unscale_grads_(optimizer, one, found, True)
-            optimizer.grad_scale = self._back * getattr(optimizer, "grad_scale", 1)
+            optimizer.grad_scale = back * getattr(optimizer, "grad_scale", 1)  # type: ignore[attr-defined]
         else:
-            optimizer.grad_scale = getattr(optimizer, "grad_scale", None)
+            optimizer.grad_scale = getattr(optimizer, "grad_scale", None)  # type: ignore[attr-defined]
         state.found_inf = self._found_inf_sum(state)
         # A sum over several devices can be 2.0, and torch's CPU fused kernels skip only on 1.0.
-        optimizer.found_inf = (
+        optimizer.found_inf = (  # type: ignore[attr-defined]
             state.found_inf
             if len(state.found_inf_per_device) == 1
             else state.found_inf.clamp(max=1.0)
@@ -528,8 +548,8 @@ class GradScaler:
         try:
             return optimizer.step(*args, **kwargs)
         finally:
-            del optimizer.grad_scale
-            del optimizer.found_inf
+            del optimizer.grad_scale  # type: ignore[attr-defined]
+            del optimizer.found_inf  # type: ignore[attr-defined]
 
     def step_was_skipped(self, optimizer: torch.optim.Optimizer) -> bool:
         """Whether ``step(optimizer)`` of this iteration skipped the update (inf/NaN gradients).
@@ -610,15 +630,17 @@ class GradScaler:
         optim_thread.raise_failures()
 
     def _check_new_scale(self, new_scale: float | torch.Tensor) -> torch.Tensor:
+        assert self._front is not None  # update() checked the lazy init
+        device = self._front.device
         if isinstance(new_scale, torch.Tensor):
             if new_scale.numel() != 1 or new_scale.requires_grad:
                 raise ValueError(
                     "new_scale should be a float or a 1-element tensor with requires_grad=False."
                 )
-            value = new_scale.detach().reshape(()).to(self._front.device, torch.float32, copy=True)
+            value = new_scale.detach().reshape(()).to(device, torch.float32, copy=True)
         else:
             _check_positive_finite("new_scale", new_scale)
-            value = torch.full((), float(new_scale), dtype=torch.float32, device=self._front.device)
+            value = torch.full((), float(new_scale), dtype=torch.float32, device=device)
         return value
 
     def _update_sync(self, new_value: torch.Tensor | None) -> None:
@@ -638,6 +660,7 @@ class GradScaler:
         if new_value is not None:
             hand_out, copy = new_value, HostCopy(new_value)
         else:
+            assert self._published is not None  # published by _lazy_init
             hand_out, copy = self._published.scale.clone(), self._published.numbers
         self._set_front(hand_out, copy)
         self._pending = self._last_item = optim_thread.launch_item(
@@ -666,9 +689,10 @@ class GradScaler:
         None (sync: it is the new scale itself).
         """
         failures = optim_thread.failure_count()
+        scale, _, _ = self._newest()
         try:
             if new_value is not None:
-                self._scale.copy_(new_value)
+                scale.copy_(new_value)
             else:
                 found_inf = self._combined_found_inf()
                 if found_inf is not None:
@@ -685,7 +709,7 @@ class GradScaler:
             self._failures_seen = failures
             # Even if U failed, the next step must divide by what the compute side was handed.
             self._per_optimizer_states = defaultdict(_PerOptimizerState)
-            self._back.copy_(self._scale if next_back is None else next_back)
+            self._back_scale().copy_(scale if next_back is None else next_back)
             self._back_is_newest = next_back is None or new_value is not None
         return self._publish()
 
@@ -696,14 +720,15 @@ class GradScaler:
                 for state in self._per_optimizer_states.values()
                 for t in state.found_inf_per_device.values()
             ),
-            self._scale.device,
+            self._newest()[0].device,
         )
 
     def _apply_rule(self, found_inf: torch.Tensor, stale: bool) -> None:
-        scale, tracker, hyper = self._scale, self._growth_tracker, self._hyper
+        scale, tracker, skipped = self._newest()
+        hyper = self._hyper
         self._steps += 1
         overflow = found_inf > 0
-        self._skipped_steps += overflow
+        skipped += overflow
         plain = hyper.hysteresis == 1 and hyper.min_scale is None and hyper.max_scale is None
         if plain:
             before = scale.clone() if stale else None
@@ -715,7 +740,7 @@ class GradScaler:
                 hyper.backoff_factor,
                 hyper.growth_interval,
             )
-            if stale:
+            if before is not None:  # stale
                 self._cap_stale_backoff(scale, before, overflow)
             return
         # The extras need the overflow on the host (one sync on the thread that runs U).
@@ -738,7 +763,7 @@ class GradScaler:
             hyper.backoff_factor,
             hyper.growth_interval,
         )
-        if stale:
+        if before is not None:  # stale
             self._cap_stale_backoff(scale, before, overflow)
         if hyper.min_scale is not None or hyper.max_scale is not None:
             scale.clamp_(min=hyper.min_scale, max=hyper.max_scale)
@@ -749,15 +774,16 @@ class GradScaler:
         # [Note: the scale double buffer], overflow rule: after an overflow, the new scale is
         # min(newest before U, s_k * backoff), where s_k (the scale that produced the
         # overflowing gradients) is the back scale.
-        backed_off = torch.minimum(before, self._back * self._hyper.backoff_factor)
+        backed_off = torch.minimum(before, self._back_scale() * self._hyper.backoff_factor)
         scale.copy_(torch.where(overflow, backed_off, scale))
 
     def _publish(self) -> _Published:
-        scale = self._scale.clone()
+        newest, tracker, skipped = self._newest()
+        scale = newest.clone()
         return _Published(
             self._setter_applied,
             scale,
-            HostCopy(scale, self._growth_tracker, self._skipped_steps),
+            HostCopy(scale, tracker, skipped),
             self._steps,
             self._collapse_streak,
             _Hyper(**vars(self._hyper)),
@@ -782,7 +808,7 @@ class GradScaler:
         if self._front is None:
             return self._init_scale if self._init_front is None else self._init_front
         if on_optimizer_thread():
-            return self._back.item()  # the optimizer thread may sync: it runs the steps
+            return self._back_scale().item()  # the optimizer thread may sync: it runs the steps
         return self._front_value()
 
     def _sync_back_side(self) -> None:
@@ -906,6 +932,7 @@ class GradScaler:
         pending = self._pending
         if pending is not None and pending.done() and pending.exception() is None:
             published = pending.result()
+        assert published is not None  # published by _lazy_init
         return ScalerSnapshot(
             scale_in_use=self._front_value(),
             newest_scale=published.scale_value,
@@ -933,8 +960,9 @@ class GradScaler:
                 self._init_skipped,
             )
         else:
-            scale, front = self._scale.item(), self._front_value()
-            tracker, skipped = int(self._growth_tracker.item()), int(self._skipped_steps.item())
+            newest, growth, skips = self._newest()
+            scale, front = newest.item(), self._front_value()
+            tracker, skipped = int(growth.item()), int(skips.item())
         return {
             "scale": scale,
             "growth_factor": hyper.growth_factor,

@@ -134,7 +134,7 @@ class TrainingMonitor:
             _Record(
                 iteration=self._first_iteration + len(self._records),
                 loss=_host_loss(loss),
-                divide_by=scale if scaled else 1.0,
+                divide_by=scale if scaled and scale is not None else 1.0,
                 scale=scale,
                 steps=steps,
                 skipped_steps=skipped,
@@ -159,7 +159,7 @@ class TrainingMonitor:
         ``model.synchronize()`` first to see all of them)."""
         records = self._records
         loss = [r.loss.value() / r.divide_by for r in records]
-        scale = [r.scale for r in records] if self._scaler is not None else []
+        scale = [r.scale for r in records if r.scale is not None]  # all or none: set per monitor
         points = [(r.steps, r.skipped_steps) for r in records]
         total = 0
         if self._scaler is not None:

@@ -100,13 +100,17 @@ class WorkItem(Future):
 
     def __init__(self, owner: _OptimizerThread, fn: Callable, args: tuple, kwargs: dict, seq: int):
         super().__init__()
-        self.fn, self.args, self.kwargs, self.seq = fn, args, kwargs, seq
+        self.fn: Callable | None = fn
+        self.args: tuple | None = args
+        self.kwargs: dict | None = kwargs
+        self.seq = seq
         self._owner = owner
 
     def __call__(self) -> None:
         """Run on the optimizer thread (the worker's job)."""
         args, kwargs = self.args, self.kwargs
         self.args = self.kwargs = None  # free tensors held by the closure's arguments
+        assert self.fn is not None and args is not None and kwargs is not None  # runs once
         try:
             self.run(functools.partial(self.fn, *args, **kwargs))
         finally:
@@ -120,6 +124,12 @@ class WorkItem(Future):
         self._exception = exc
         self._owner._record_failure(self)  # before _done: a waiter then finds it to claim
         super().set_exception(exc)
+
+    def failure(self) -> BaseException:
+        """The exception of an item known to have failed (the thread's failure reports)."""
+        exc = self._exception
+        assert exc is not None, "failure() of an item that did not fail"
+        return exc
 
     def wait(self, report: bool = True) -> bool:
         """Block until the item ran. Returns True on success.
@@ -145,7 +155,7 @@ class WorkItem(Future):
         return False
 
 
-def _describe(fn: Callable) -> str:
+def _describe(fn: Callable | None) -> str:
     name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None)
     if name is None:
         try:
@@ -264,9 +274,9 @@ class _OptimizerThread:
             return
         # Told of its failure, the caller has waited for it (and, FIFO, for all before it).
         self._note_waited(failures[-1].seq)
-        first = failures[0]._exception
+        first = failures[0].failure()
         for later in failures[1:]:
-            exc = later._exception
+            exc = later.failure()
             add_note(
                 first,
                 "[roundpipe optimizer thread] a later launched call also failed:\n"
@@ -281,7 +291,7 @@ class _OptimizerThread:
             failures, self._failures = self._failures, []
         for item in failures:
             # Nothing on the main thread can depend on this work any more: say so, loudly.
-            exc = item._exception
+            exc = item.failure()
             print(
                 "roundpipe: work launched on the optimizer thread failed and was never waited for:",
                 file=sys.stderr,

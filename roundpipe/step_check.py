@@ -192,7 +192,7 @@ _MAX_FRAMES = 12
 
 
 def _calling_foreign_scaler() -> Any | None:
-    frame = sys._getframe(2)
+    frame: types.FrameType | None = sys._getframe(2)
     for _ in range(_MAX_FRAMES):
         if frame is None:
             return None

@@ -262,7 +262,7 @@ class AcceleratorBackend:
         self._event().synchronize()
 
     def get_rng_state(self) -> torch.Tensor | None:
-        return self._module.get_rng_state(self.torch_device.index)  # type: ignore[no-any-return]
+        return self._module.get_rng_state(self.torch_device.index)
 
     def set_rng_state(self, state: torch.Tensor | None) -> None:
         if state is not None:
@@ -275,4 +275,4 @@ class AcceleratorBackend:
             torch.accelerator.device_index(index),
         ):
             self._module.manual_seed(seed)
-            return self._module.get_rng_state(index)  # type: ignore[no-any-return]
+            return self._module.get_rng_state(index)

@@ -383,13 +383,14 @@ class Adam(torch.optim.Adam):
         """torch.optim.Adam's own non-fused path for ``params``, with GradScaler unscaling."""
         if found_inf is not None and bool(found_inf):
             return  # a skipped step leaves params, state and the step count untouched
-        grads = [p.grad for p in params]
+        grads = [p.grad for p in params if p.grad is not None]
+        assert len(grads) == len(params)  # the caller passes params that have a gradient
         if grad_scale is not None:
             for g in grads:
                 g.div_(grad_scale.to(g.device))
         states = [self.state[p] for p in params]
         amsgrad = group["amsgrad"]
-        kwargs = {}
+        kwargs: dict[str, Any] = {}
         if group.get("decoupled_weight_decay"):
             kwargs["decoupled_weight_decay"] = True
         _torch_adam(

@@ -203,7 +203,7 @@ class Plan:
         return [a for actions in self.per_device for a in actions]
 
     def action(self, kind: ActionKind, stage: int, mb_index: int) -> Action:
-        return self._index[(kind, stage, mb_index)]  # type: ignore[attr-defined,no-any-return]
+        return self._index[(kind, stage, mb_index)]  # type: ignore[attr-defined]
 
     def dependencies(self, action: Action) -> tuple[Action, ...]:
         """The actions whose results ``action`` reads (across devices, through their ``H``)."""

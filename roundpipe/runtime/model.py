@@ -161,7 +161,7 @@ class RoundPipe(nn.Module):
         now). Main thread; waits for a pending master->model copy, not for the step."""
         check_main_thread("state_dict")
         self._params.wait_ready()
-        return self.module.state_dict(*args, **kwargs)  # type: ignore[no-any-return]
+        return self.module.state_dict(*args, **kwargs)
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
         """Load into the wrapped module, then refresh the masters from the loaded params.

@@ -90,7 +90,7 @@ def _stage_input(
     if s > 0:
         prev = state.slots[(s - 1, m)]
         args, prev.out = (prev.out,), None
-        return backend.to_device((args, {}), after=prev.out_ready)  # type: ignore[no-any-return]
+        return backend.to_device((args, {}), after=prev.out_ready)
     args, kwargs = spec.chunks[m]
     if spec.cast_dtype is not None:
         dtype = spec.cast_dtype
@@ -98,7 +98,7 @@ def _stage_input(
             lambda x: x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x,
             (args, kwargs),
         )
-    return backend.to_device((args, kwargs))  # type: ignore[no-any-return]
+    return backend.to_device((args, kwargs))
 
 
 def _context(spec: CallSpec, state: CallState, m: int, backend: Backend) -> Any:

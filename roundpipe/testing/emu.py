@@ -507,18 +507,18 @@ class EmuTensor(torch.Tensor):
         return f"{self._elem!r} (on {self.device})"
 
     # Storage identity, as code that checks aliasing reads it on CUDA tensors.
-    def untyped_storage(self) -> torch.UntypedStorage:  # type: ignore[override]
+    def untyped_storage(self) -> torch.UntypedStorage:
         return self._elem.untyped_storage()
 
-    def data_ptr(self) -> int:  # type: ignore[override]
+    def data_ptr(self) -> int:
         return self._elem.data_ptr()
 
     @classmethod
-    def __torch_dispatch__(
+    def __torch_dispatch__(  # type: ignore[override]
         cls,
         func: Any,
         types: Any,
-        args: Any = (),  # type: ignore[override]
+        args: Any = (),
         kwargs: Any = None,
     ) -> Any:
         kwargs = kwargs or {}
