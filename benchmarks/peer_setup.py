@@ -1,0 +1,79 @@
+"""Prepare the side-by-side GPU harness (../shared/gpu) in .peer/ for a GPU run, in one command:
+
+    python benchmarks/peer_setup.py            # where pip can reach the package index
+    # then, on the GPU machine, from the project's root (carry .peer):
+    bash .peer/run.sh gpt && bash .peer/run.sh qwen3
+
+It copies the harness into .peer/ (in .gitignore), points its ``ours_wrap_hf`` at
+``roundpipe.hf.wrap`` with the loop of docs/hf.md (fp16 model, fp32 masters, roundpipe's
+GradScaler and Adam), and downloads the public RoundPipe's wheels for the GPU machine's Python.
+"""
+
+import argparse
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+OURS_WRAP_HF = '''def ours_wrap_hf(model, mb):
+    """roundpipe.hf.wrap with the loop of docs/hf.md (set by benchmarks/peer_setup.py)."""
+    import roundpipe
+    from roundpipe import GradScaler, OptimizerCtx, RoundPipeRunConfig
+
+    rp = roundpipe.hf.wrap(model, optim_dtype=torch.float32,
+                           model_run_config=RoundPipeRunConfig(num_microbatch=mb))
+    with OptimizerCtx():
+        opt = roundpipe.optim.Adam(rp.parameters(), lr=1e-5)
+    scaler = GradScaler()
+
+    def run(ids, labels, mb):
+        batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
+        scale = scaler.get_scale()
+        loss = rp.forward_backward(input_kwargs=batch, loss_fn=lambda l, _: scaler.scale(l))
+        rp.step(lambda: (scaler.step(opt), opt.zero_grad()))
+        scaler.update()
+        return loss.item() / scale
+
+    return rp, run
+'''
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--shared", default=str(ROOT.parent / "shared" / "gpu"), help="the harness's folder"
+    )
+    parser.add_argument(
+        "--python-version", default="3.12", help="the GPU machine's Python (default 3.12)"
+    )
+    parser.add_argument("--no-download", action="store_true", help="copy and patch only")
+    args = parser.parse_args()
+
+    src, peer = Path(args.shared), ROOT / ".peer"
+    peer.mkdir(exist_ok=True)
+    for name in ("peer_bench.py", "run.sh", "README.md"):
+        (peer / name).write_bytes((src / name).read_bytes())
+    bench = peer / "peer_bench.py"
+    text, count = re.subn(
+        r"def ours_wrap_hf\(model, mb\):\n(?:    .*\n|\n)*?(?=\n\ndef )",
+        OURS_WRAP_HF,
+        bench.read_text(),
+    )
+    if count != 1:
+        sys.exit(f"{bench}: ours_wrap_hf not found; patch it by hand (see this file)")
+    bench.write_text(text)
+    if not args.no_download:
+        subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+             "--python-version", args.python_version, "--implementation", "cp",
+             "--platform", "manylinux_2_28_x86_64", "--platform", "manylinux_2_17_x86_64",
+             "-d", str(peer / "whl"), "roundpipe==0.1.1", "beartype==0.23.1"],
+            check=True,
+        )  # fmt: skip
+    print(f"ready: {peer} (carry .peer; run bash .peer/run.sh gpt, then qwen3)")
+
+
+if __name__ == "__main__":
+    main()
