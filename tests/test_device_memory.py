@@ -165,3 +165,53 @@ def test_fp16_gradient_sums_round_once_per_microbatch():
 def test_device_grad_dtype_is_checked():
     with pytest.raises(ValueError, match="device_grad_dtype must be None"):
         RoundPipeRunConfig(device_grad_dtype=torch.int8)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        pytest.param({"is_causal": True}, id="causal"),
+        pytest.param({"mask": True}, id="mask"),
+        pytest.param({"is_causal": True, "gqa": True}, id="causal-gqa"),
+        pytest.param({"dropout_p": 0.5}, id="dropout-math"),
+    ],
+)
+def test_attention_on_emu_computes_what_the_cpu_does_without_holding_the_scores(kwargs):
+    heads, tokens, dim = 4, 256, 16
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, heads, tokens, dim) for _ in range(3))
+    if kwargs.get("gqa"):
+        k, v = k[:, :2].contiguous(), v[:, :2].contiguous()
+    mask = None
+    if kwargs.get("mask"):  # left padding: the first 10 keys are masked out
+        mask = torch.zeros(1, 1, tokens, tokens)
+        mask[..., :10] = float("-inf")
+    call = {
+        "is_causal": kwargs.get("is_causal", False),
+        "dropout_p": kwargs.get("dropout_p", 0.0),
+        "enable_gqa": bool(kwargs.get("gqa")),
+    }
+
+    def run(device):
+        leaves = [t.to(device).requires_grad_() for t in (q, k, v)]
+        torch.manual_seed(1)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            *leaves, attn_mask=None if mask is None else mask.to(device), **call
+        )
+        out.sum().backward()
+        return out, [t.grad for t in leaves]
+
+    gc.collect()
+    memory.reset_peak_memory_stats(0)
+    before = memory.memory_allocated(0)
+    out, grads = run("emu")
+    peak = memory.max_memory_allocated(0) - before
+    ref, ref_grads = run("cpu")
+    torch.testing.assert_close(out.cpu(), ref, rtol=0, atol=0)
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g.cpu(), r, rtol=0, atol=0)
+    scores = heads * tokens * tokens * 4
+    if call["dropout_p"] == 0:  # the fused kernel: no (tokens x tokens) scores on the device
+        assert peak < scores, (peak, scores)
+    else:  # the math path, as on the CPU: the scores exist
+        assert peak >= scores, (peak, scores)

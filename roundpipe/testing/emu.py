@@ -19,6 +19,9 @@ and every op on it runs on the host. What it catches, as CUDA would:
   wait orders after another stream's raises :class:`StreamOrderError`, a non-blocking download
   into pinned memory holds NaN until the host waits for it, and changing the pinned source of a
   non-blocking upload before waiting for it raises at the wait.
+* Attention: ``scaled_dot_product_attention`` takes the kernel torch takes for CPU tensors (the
+  fused one, which never holds the scores, where the CPU would), not torch's generic math path
+  for other devices, so device memory counts what a GPU's fused attention allocates.
 * The device APIs: ``torch.Stream``/``torch.Event``, ``torch.accelerator``,
   ``torch.get_device_module("emu")``, ``pin_memory()``/``is_pinned()`` and
   ``torch.autocast("emu")`` (matmul-like ops run in the autocast dtype) all work.
@@ -817,6 +820,34 @@ def _dropout(input: torch.Tensor, p: float, train: bool) -> torch.Tensor:
     return input * noise
 
 
+def _attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> torch.Tensor:
+    """``aten::scaled_dot_product_attention`` on emu tensors, with the kernel torch picks for CPU
+    tensors: its fused (flash) CPU kernel where the CPU would take it, which never holds the
+    (query x key) scores, else the math composite. Without this, torch decomposes the call into
+    the math path for any PrivateUse1 device, and the emulated device would count a scores
+    matrix that an accelerator's fused kernels never allocate."""
+    choice = torch.ops.aten._fused_sdp_choice(
+        query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa
+    )
+    if choice != torch.nn.attention.SDPBackend.FLASH_ATTENTION.value:
+        return torch.ops.aten._scaled_dot_product_attention_math(
+            query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa
+        )[0]
+    # The CPU kernel takes fewer key/value heads than query heads itself (grouped queries).
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale
+    )[0]
+
+
 def is_installed() -> bool:
     """Whether :func:`install` has run in this process. Any thread."""
     return _installed
@@ -861,6 +892,7 @@ def install() -> None:
         aten_lib.impl("empty.memory_format", _empty, "PrivateUse1")
         aten_lib.impl("empty_strided", _empty_strided, "PrivateUse1")
         aten_lib.impl("dropout", _dropout, "AutogradPrivateUse1")
+        aten_lib.impl("scaled_dot_product_attention", _attention, "AutogradPrivateUse1")
         _install_autocast(aten_lib, any_lib)
         _libraries.extend((aten_lib, any_lib))
         _installed = True
