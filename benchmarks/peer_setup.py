@@ -5,7 +5,7 @@
     bash .peer/run.sh gpt && bash .peer/run.sh qwen3
 
 It copies the harness into .peer/ (in .gitignore), points its ``ours_wrap_hf`` at
-``roundpipe.hf.wrap`` with the loop of docs/hf.md (fp16 model, fp32 masters, roundpipe's
+``roundpipe.hf.wrap`` with the documented HuggingFace loop (fp16 model, fp32 masters, roundpipe's
 GradScaler and Adam), and downloads the public RoundPipe's wheels for the GPU machine's Python.
 """
 
@@ -18,7 +18,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 OURS_WRAP_HF = '''def ours_wrap_hf(model, mb):
-    """roundpipe.hf.wrap with the loop of docs/hf.md (set by benchmarks/peer_setup.py)."""
+    """roundpipe.hf.wrap with the documented HuggingFace loop (set by benchmarks/peer_setup.py)."""
     import roundpipe
     from roundpipe import GradScaler, OptimizerCtx, RoundPipeRunConfig
 

@@ -31,18 +31,21 @@ class HostCopy:
     publishes the object. :meth:`ready` never blocks; :meth:`values`/:meth:`value` wait for the
     copy only, the first time, and then hold plain Python numbers (the tensor is dropped).
 
-    ``_value``: the host tensor until first read, then the list of floats;
+    ``_value``: the host tensor until first read, then a float (one value) or a list of floats;
     ``_event``: the event behind the copy, None on the CPU or once waited for.
     """
 
-    __slots__ = ("_value", "_event")
+    __slots__ = ("_value", "_event", "_count")
 
     def __init__(self, *values: torch.Tensor | float | int) -> None:
         if not values:
             raise ValueError("HostCopy needs at least one value")
+        self._count = len(values)
         self._event: torch.Event | None = None
         if not any(isinstance(v, torch.Tensor) for v in values):
-            self._value: torch.Tensor | list[float] = [float(v) for v in values]
+            self._value: torch.Tensor | float | list[float] = self._unpack(
+                [float(v) for v in values]
+            )
             return
         devices = {v.device for v in values if isinstance(v, torch.Tensor)}
         if len(devices) != 1:
@@ -66,6 +69,9 @@ class HostCopy:
         self._event = torch.Event(device=device)
         self._event.record(stream)
 
+    def _unpack(self, numbers: list[float]) -> float | list[float]:
+        return numbers[0] if self._count == 1 else numbers
+
     def ready(self) -> bool:
         """Whether :meth:`values` would return without waiting for the device. Any thread;
         never blocks."""
@@ -79,8 +85,8 @@ class HostCopy:
             if event is not None:
                 event.synchronize()
                 self._event = None
-            value = self._value = [float(v) for v in value.reshape(-1).tolist()]
-        return list(value)
+            value = self._value = self._unpack(value.tolist())
+        return list(value) if isinstance(value, list) else [value]
 
     def value(self) -> float:
         """The first (usually the only) value as a float. Waits for the copy the first time."""
