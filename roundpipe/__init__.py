@@ -36,3 +36,13 @@ __all__ = [
     "optim_thread",
     "__version__",
 ]
+
+
+def __getattr__(name: str):
+    # roundpipe.hf imports transformers: only when it is used, so that `import roundpipe` works
+    # without the optional extra.
+    if name == "hf":
+        import importlib
+
+        return importlib.import_module("roundpipe.hf")
+    raise AttributeError(f"module 'roundpipe' has no attribute {name!r}")

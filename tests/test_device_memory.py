@@ -172,6 +172,7 @@ def test_device_grad_dtype_is_checked():
     [
         pytest.param({"is_causal": True}, id="causal"),
         pytest.param({"mask": True}, id="mask"),
+        pytest.param({"bool_mask": True}, id="bool-mask"),
         pytest.param({"is_causal": True, "gqa": True}, id="causal-gqa"),
         pytest.param({"dropout_p": 0.5}, id="dropout-math"),
     ],
@@ -186,6 +187,10 @@ def test_attention_on_emu_computes_what_the_cpu_does_without_holding_the_scores(
     if kwargs.get("mask"):  # left padding: the first 10 keys are masked out
         mask = torch.zeros(1, 1, tokens, tokens)
         mask[..., :10] = float("-inf")
+    if kwargs.get("bool_mask"):  # causal with left padding, as transformers builds it
+        mask = torch.ones(tokens, tokens, dtype=torch.bool).tril()[None, None].clone()
+        mask[..., :10] = False
+        mask[..., :10, 0] = True  # no row fully masked
     call = {
         "is_causal": kwargs.get("is_causal", False),
         "dropout_p": kwargs.get("dropout_p", 0.0),

@@ -479,6 +479,19 @@ def _same_device_error(func: Any, a: torch.device, b: torch.device) -> RuntimeEr
     )
 
 
+def _histc(input: torch.Tensor, bins: int = 100, min: float = 0, max: float = 0) -> torch.Tensor:
+    """``histc`` of an integer tensor, which CUDA computes and the CPU refuses (code that
+    counts on the GPU path takes integers for determinism): counted in float, returned in the
+    input's dtype as CUDA returns it."""
+    if input.is_floating_point():
+        return torch.histc(input, bins, min, max)
+    return torch.histc(input.double(), bins, min, max).to(input.dtype)
+
+
+# Ops whose CPU kernel lacks a dtype CUDA's has: what the device computes instead.
+_DEVICE_KERNELS: dict[Any, Any] = {aten.histc.default: _histc}
+
+
 class EmuTensor(torch.Tensor):
     """A tensor on ``emu:<index>``: a wrapper whose data is the CPU tensor ``_elem``."""
 
@@ -592,7 +605,7 @@ class EmuTensor(torch.Tensor):
                 _async_download(download_into, snapshot, stream, count)
                 return download_into
             _host_waits(stream)  # a blocking copy: the host waits, then the bytes land
-        out = func(*unwrapped_args, **unwrapped_kwargs)
+        out = _DEVICE_KERNELS.get(func, func)(*unwrapped_args, **unwrapped_kwargs)
         if upload_from is not None and _asynchronous_host(upload_from, non_blocking):
             _watch_upload(upload_from, stream, count)
         outputs = [out] if isinstance(out, torch.Tensor) else pytree.tree_leaves(out)
@@ -842,6 +855,10 @@ def _attention(
         return torch.ops.aten._scaled_dot_product_attention_math(
             query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa
         )[0]
+    if attn_mask is not None and attn_mask.dtype == torch.bool:  # as torch converts it first
+        attn_mask = torch.zeros_like(attn_mask, dtype=query.dtype).masked_fill_(
+            attn_mask.logical_not(), float("-inf")
+        )
     # The CPU kernel takes fewer key/value heads than query heads itself (grouped queries).
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale

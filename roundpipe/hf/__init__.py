@@ -1,0 +1,28 @@
+"""HuggingFace causal LMs in one call: ``roundpipe.hf.wrap(model, **RoundPipe kwargs)``.
+
+Needs transformers (``pip install -e ".[hf]"`` in a roundpipe checkout, which brings peft for
+LoRA too). See docs/hf.md.
+"""
+
+try:
+    import transformers  # noqa: F401
+except ImportError as exc:  # pragma: no cover - exercised in a subprocess test
+    raise ImportError(
+        'roundpipe.hf needs transformers: pip install "transformers>=4.56" peft (or '
+        'pip install -e ".[hf]" in the roundpipe checkout)'
+    ) from exc
+
+from roundpipe.hf.families import Family, families, family_of, register_family
+from roundpipe.hf.loss import chunked_causal_lm_loss
+from roundpipe.hf.wrap import DEFAULT_LOSS_CHUNK_TOKENS, HFRoundPipe, wrap
+
+__all__ = [
+    "wrap",
+    "HFRoundPipe",
+    "Family",
+    "register_family",
+    "families",
+    "family_of",
+    "chunked_causal_lm_loss",
+    "DEFAULT_LOSS_CHUNK_TOKENS",
+]

@@ -1,0 +1,107 @@
+"""Model families: where a HuggingFace causal LM keeps the parts that become stages.
+
+A :class:`Family` names, by attribute path from the ``*ForCausalLM`` object, the decoder body, its
+token embedding, decoder layers, final norm and rotary embedding, and the output head. The
+Llama layout that most transformers decoders share is the default of every field, so a family
+with that layout is registered by its ``model_type`` alone::
+
+    roundpipe.hf.register_family(roundpipe.hf.Family("my_llama_like", ("my_llama_like",)))
+
+A decoder layer must take ``layer(hidden, attention_mask=, position_ids=, position_embeddings=)``
+and return the new hidden states (a tensor, or a tuple whose first item is); see docs/hf.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+from typing import Any
+
+from torch import nn
+
+__all__ = ["Family", "register_family", "families", "family_of"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """Where one architecture keeps its parts (attribute paths from the ``*ForCausalLM``).
+
+    Args:
+        name: shown in messages.
+        model_types: the ``config.model_type`` values it covers.
+        body: the decoder body (``LlamaModel``) that holds the next four.
+        embed: the token embedding, in ``body``.
+        layers: the ``nn.ModuleList`` of decoder layers, in ``body``.
+        norm: the final norm, in ``body``.
+        rotary: the rotary position embedding module, in ``body`` (called
+            ``rotary(hidden, position_ids=...) -> (cos, sin)``).
+        head: the output projection, in the ``*ForCausalLM``.
+        router: the class name of a mixture-of-experts router module inside each layer whose
+            forward returns the router logits first (``Qwen3MoeTopKRouter``), or None for a
+            dense model. With it, the head adds the load-balancing loss (see docs/hf.md).
+    """
+
+    name: str
+    model_types: tuple[str, ...]
+    body: str = "model"
+    embed: str = "embed_tokens"
+    layers: str = "layers"
+    norm: str = "norm"
+    rotary: str = "rotary_emb"
+    head: str = "lm_head"
+    router: str | None = None
+
+    def parts(self, model: nn.Module) -> dict[str, Any]:
+        """The parts of ``model`` (a ``*ForCausalLM``), by field name; raises ``TypeError``
+        naming the first path that is missing."""
+        found: dict[str, Any] = {}
+        try:
+            body = found["body"] = operator.attrgetter(self.body)(model)
+            for field in ("embed", "layers", "norm", "rotary"):
+                found[field] = operator.attrgetter(getattr(self, field))(body)
+            found["head"] = operator.attrgetter(self.head)(model)
+        except AttributeError as exc:
+            raise TypeError(
+                f"{type(model).__name__} does not have the layout of family {self.name!r} "
+                f"({exc}); register a Family with its attribute paths (docs/hf.md)"
+            ) from None
+        return found
+
+
+_FAMILIES: dict[str, Family] = {}
+
+
+def register_family(family: Family) -> Family:
+    """Make ``family`` the one used for its ``model_types`` (replacing a registered one)."""
+    if not isinstance(family, Family):
+        raise TypeError(f"register_family takes a roundpipe.hf.Family, got {family!r}")
+    for model_type in family.model_types:
+        _FAMILIES[model_type] = family
+    return family
+
+
+def families() -> dict[str, Family]:
+    """The registered families, by ``model_type``."""
+    return dict(_FAMILIES)
+
+
+def family_of(model: nn.Module) -> Family:
+    """The family registered for ``model.config.model_type``; ``NotImplementedError`` that
+    names the supported ones and how to add one otherwise."""
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    family = _FAMILIES.get(model_type)  # type: ignore[arg-type]
+    if family is None:
+        supported = ", ".join(sorted(_FAMILIES))
+        raise NotImplementedError(
+            f"roundpipe.hf has no family for model_type {model_type!r} "
+            f"({type(model).__name__}); supported: {supported}. A decoder with the Llama layout "
+            f"is added with roundpipe.hf.register_family(roundpipe.hf.Family("
+            f"{model_type!r}, ({model_type!r},))); other layouts name their parts' attribute "
+            f"paths in the Family (docs/hf.md, 'Adding a family')"
+        )
+    return family
+
+
+for _name in ("llama", "mistral", "qwen2", "qwen3"):
+    register_family(Family(_name, (_name,)))
+register_family(Family("qwen3_moe", ("qwen3_moe",), router="Qwen3MoeTopKRouter"))

@@ -1,0 +1,192 @@
+"""The stages a HuggingFace causal LM becomes: the embedding (which prepares what every layer
+needs once per microbatch), one stage per decoder layer, and the head with the chunked loss.
+
+The stage modules hold the HF model's own submodules (the same parameter objects), so training
+through them trains the HF model the user passed.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+from torch import nn
+
+from roundpipe.context import WithContext
+from roundpipe.hf.families import Family
+from roundpipe.hf.loss import chunked_causal_lm_loss
+
+__all__ = ["Embed", "Decoder", "Head", "IGNORE_INDEX"]
+
+IGNORE_INDEX = -100
+
+
+class Embed(nn.Module):
+    """``embed(input_ids, attention_mask=None, labels=None, position_ids=None,
+    num_items_in_batch=None)``: the token embeddings, with the microbatch's context: the
+    attention mask transformers builds for the model's attention implementation (None where
+    SDPA's causal kernel needs none), position ids, the rotary (cos, sin), and for training the
+    shifted labels and the batch's count of predicted tokens."""
+
+    def __init__(self, parts: dict[str, Any], config: Any) -> None:
+        super().__init__()
+        self.embed_tokens = parts["embed"]
+        self.rotary_emb = parts["rotary"]
+        self.config = config
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        num_items_in_batch: int | None = None,
+    ) -> WithContext:
+        from transformers.masking_utils import create_causal_mask
+
+        hidden = self.embed_tokens(input_ids)
+        if position_ids is None:  # as the HF decoder does without a cache
+            position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+        mask = create_causal_mask(
+            config=self.config,
+            inputs_embeds=hidden,
+            attention_mask=attention_mask,
+            cache=None,
+            position_ids=position_ids,
+        )
+        context: dict[str, Any] = {
+            "attention_mask": mask,
+            "position_ids": position_ids,
+            "position_embeddings": self.rotary_emb(hidden, position_ids=position_ids),
+            "padding_mask": attention_mask,
+        }
+        if labels is not None:
+            context["shift_labels"] = shift_labels(labels)
+            context["num_items"] = num_items_in_batch
+        return WithContext(hidden, context)
+
+
+def shift_labels(labels: torch.Tensor) -> torch.Tensor:
+    """Token t predicts label t+1 (the last predicts nothing), as transformers' loss shifts."""
+    padded = nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)
+    return padded[..., 1:].contiguous()
+
+
+class _RouterTap:
+    """Collects the router logits of one decoder layer's forward on the calling thread."""
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+
+    def start(self) -> None:
+        self._local.logits = []
+
+    def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
+        found = getattr(self._local, "logits", None)
+        if found is not None:
+            found.append(output[0] if isinstance(output, tuple) else output)
+
+    def take(self) -> list[torch.Tensor]:
+        found, self._local.logits = self._local.logits, None
+        return found
+
+
+class Decoder(nn.Module):
+    """One decoder layer, called with the microbatch's context. In a mixture-of-experts family
+    the hidden states travel with the running sums the load-balancing loss needs
+    (``(hidden, tokens_per_expert, router_prob, rows)``), so the head computes it for the
+    microbatch over every layer, as transformers does over the batch."""
+
+    takes_context = True
+
+    def __init__(self, layer: nn.Module, family: Family, config: Any) -> None:
+        super().__init__()
+        self.layer = layer
+        self._tap: _RouterTap | None = None
+        if family.router is not None:
+            self._tap = _RouterTap()
+            self.num_experts = int(config.num_experts)
+            self.top_k = int(config.num_experts_per_tok)
+            for module in layer.modules():
+                if type(module).__name__ == family.router:
+                    module.register_forward_hook(self._tap)
+
+    def forward(self, x: Any, context: dict[str, Any]) -> Any:
+        sums = None
+        if isinstance(x, tuple):
+            x, *sums = x
+        if self._tap is not None:
+            self._tap.start()
+        out = self.layer(
+            x,
+            attention_mask=context["attention_mask"],
+            position_ids=context["position_ids"],
+            position_embeddings=context["position_embeddings"],
+            use_cache=False,
+        )
+        hidden = out[0] if isinstance(out, tuple) else out
+        if self._tap is None:
+            return hidden
+        return (hidden, *self._add_router_sums(sums, self._tap.take(), context["padding_mask"]))
+
+    def _add_router_sums(
+        self, sums: list[torch.Tensor] | None, logits: list[torch.Tensor], mask: Any
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Add one layer's expert counts, router probabilities and rows (padding excluded),
+        as transformers' load_balancing_loss_func sums them layer by layer."""
+        (layer_logits,) = logits
+        device = layer_logits.device
+        if sums is None:
+            zeros = torch.zeros(self.num_experts, dtype=torch.float32, device=device)
+            sums = [zeros, zeros, torch.zeros((), dtype=torch.float32, device=device)]
+        counts, probs, rows = sums
+        weights = torch.softmax(layer_logits.float(), dim=-1)
+        selected = torch.topk(weights, self.top_k, dim=-1).indices
+        if mask is None:
+            flat = torch.ones(weights.shape[0], dtype=torch.float32, device=device)
+        else:
+            flat = mask.reshape(-1).to(device=device, dtype=torch.float32)
+        counts = counts + torch.zeros_like(counts).scatter_add_(
+            0, selected.reshape(-1), flat.repeat_interleave(self.top_k)
+        )
+        probs = probs + (weights * flat.unsqueeze(-1)).sum(dim=0)
+        return counts, probs, rows + flat.sum()
+
+
+class Head(nn.Module):
+    """The final norm and the output projection. Training (the context has labels): the sum of
+    the microbatch's token losses over the batch's count of predicted tokens, computed in chunks
+    of ``chunk_tokens`` (see :func:`chunked_causal_lm_loss`), plus the weighted load-balancing
+    loss in a mixture-of-experts family. Inference: the logits."""
+
+    takes_context = True
+
+    def __init__(self, parts: dict[str, Any], config: Any, chunk_tokens: int) -> None:
+        super().__init__()
+        self.norm = parts["norm"]
+        self.lm_head = parts["head"]
+        self.chunk_tokens = chunk_tokens
+        self.aux_coef = float(getattr(config, "router_aux_loss_coef", 0.0))
+        self.aux_on = bool(getattr(config, "output_router_logits", False))
+        self.num_experts = int(getattr(config, "num_experts", 0) or 0)
+
+    def forward(self, x: Any, context: dict[str, Any]) -> torch.Tensor:
+        sums = None
+        if isinstance(x, tuple):
+            x, *sums = x
+        hidden = self.norm(x)
+        labels = context.get("shift_labels")
+        if labels is None:
+            return self.lm_head(hidden)
+        loss = chunked_causal_lm_loss(
+            hidden, self.lm_head, labels, context["num_items"], self.chunk_tokens
+        )
+        if sums is not None and self.aux_on:
+            counts, probs, rows = sums
+            aux = torch.sum((counts / rows) * (probs / rows)) * self.num_experts
+            # Per microbatch, weighted by its share of the batch's predicted tokens, so the
+            # microbatches add up to one load-balancing term (docs/hf.md).
+            share = (labels != IGNORE_INDEX).sum() / context["num_items"]
+            loss = loss + self.aux_coef * aux * share
+        return loss

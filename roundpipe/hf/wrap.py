@@ -1,0 +1,134 @@
+"""``roundpipe.hf.wrap``: a HuggingFace causal LM as a RoundPipe of stages."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from roundpipe.hf.families import Family, family_of
+from roundpipe.hf.stages import IGNORE_INDEX, Decoder, Embed, Head, shift_labels
+from roundpipe.runtime import RoundPipe, RoundPipeRunConfig
+
+__all__ = ["wrap", "HFRoundPipe", "DEFAULT_LOSS_CHUNK_TOKENS"]
+
+# Tokens per chunk of the loss head: 4096 tokens x a 152k vocabulary is 2.5 GB of fp32 logits
+# (and as much again for their gradient) at the peak, against 9.7 GB for 16k tokens at once.
+DEFAULT_LOSS_CHUNK_TOKENS = 4096
+
+
+def _identity_loss(loss: torch.Tensor, label: Any) -> torch.Tensor:
+    return loss
+
+
+class HFRoundPipe(RoundPipe):
+    """A RoundPipe over the stages of a HuggingFace causal LM (made by :func:`wrap`).
+
+    ``forward_backward(input_kwargs=batch)`` takes the batch as HF's collators make it
+    (``input_ids``, ``attention_mask``, ``labels`` with -100 where no loss is taken) and, without
+    a ``loss_fn``, backpropagates and returns the loss transformers computes for the whole batch.
+    A ``loss_fn(loss, label)`` receives each microbatch's share of it (the microbatches add up
+    to the batch's loss), e.g. ``lambda loss, _: scaler.scale(loss)``. ``model(input_ids=...,
+    attention_mask=...)`` returns the logits. ``hf_model`` is the model that was wrapped: after
+    :meth:`synchronize` its parameters hold the trained weights.
+    """
+
+    def __init__(self, hf_model: nn.Module, stages: nn.Sequential, **kwargs: Any) -> None:
+        super().__init__(stages, **kwargs)
+        self.hf_model = hf_model
+        by_object = {id(p): name for name, p in hf_model.named_parameters()}
+        # The stages' parameter names ("1.layer.self_attn.q_proj.weight") -> the HF model's.
+        self._hf_names = {name: by_object.get(id(p), name) for name, p in stages.named_parameters()}
+        # The head divides each microbatch's token losses by the batch's count of predicted
+        # tokens, so uneven microbatches are weighted right: no UnevenMicrobatchWarning.
+        self._warned_uneven = True
+
+    def optim_named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """The masters, under the HF model's parameter names (``model.layers.0.mlp...``)."""
+        for name, master in super().optim_named_parameters():
+            yield self._hf_names.get(name, name), master
+
+    def forward_backward(
+        self,
+        input_args: Sequence[Any] = (),
+        input_kwargs: dict[str, Any] | None = None,
+        label: Any = None,
+        loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+        return_outputs: bool = False,
+        run_config: RoundPipeRunConfig | None = None,
+    ) -> Any:
+        kwargs = dict(input_kwargs or {})
+        labels = kwargs.get("labels")
+        if labels is None:
+            raise ValueError(
+                "forward_backward of a wrapped HF model needs input_kwargs['labels'] (the "
+                "input_ids, with -100 where no loss is taken, as HF's collators make them)"
+            )
+        if input_args:
+            raise ValueError(
+                "pass the batch as input_kwargs (input_ids=..., attention_mask=..., labels=...), "
+                "not input_args"
+            )
+        # Counted over the whole batch before it is split: each microbatch's loss is its token
+        # losses' sum over this, so the microbatches add up to transformers' batch loss.
+        kwargs["num_items_in_batch"] = int((shift_labels(labels) != IGNORE_INDEX).sum())
+        return super().forward_backward(
+            input_kwargs=kwargs,
+            label=label,
+            loss_fn=loss_fn or _identity_loss,
+            return_outputs=return_outputs,
+            run_config=run_config,
+        )
+
+
+def _base_model(model: nn.Module) -> Any:
+    """The ``*ForCausalLM`` inside ``model`` (itself, or the one a peft model wraps)."""
+    get_base = getattr(model, "get_base_model", None)
+    return get_base() if callable(get_base) else model
+
+
+def wrap(
+    model: nn.Module,
+    *,
+    family: Family | None = None,
+    loss_chunk_tokens: int = DEFAULT_LOSS_CHUNK_TOKENS,
+    **kwargs: Any,
+) -> HFRoundPipe:
+    """Wrap a HuggingFace causal LM (``AutoModelForCausalLM``, or a peft model around one) as a
+    RoundPipe of stages: the embedding, each decoder layer, and the head with a chunked loss.
+
+    Args:
+        model: the model; it keeps its parameter objects, which hold the trained weights after
+            ``synchronize()`` (``model.save_pretrained`` then saves them).
+        family: where the model keeps its parts; default: the family registered for
+            ``model.config.model_type`` (see :func:`roundpipe.hf.register_family`).
+        loss_chunk_tokens: tokens per chunk of the loss head (the fp32 logits of this many
+            tokens exist at once).
+        **kwargs: RoundPipe's (``optim_dtype``, ``model_run_config``, ``devices``, ``name``).
+
+    HF's own gradient checkpointing is turned off (roundpipe recomputes each stage itself) and
+    so is the key/value cache (``config.use_cache = False``).
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"roundpipe.hf.wrap takes a transformers model, got {type(model)!r}")
+    if not isinstance(loss_chunk_tokens, int) or loss_chunk_tokens < 1:
+        raise ValueError(f"loss_chunk_tokens must be a positive int, got {loss_chunk_tokens!r}")
+    base: Any = _base_model(model)
+    family = family or family_of(base)
+    parts = family.parts(base)
+    config = base.config
+    checkpointing = getattr(base, "is_activation_checkpointing", None)
+    if checkpointing is None:  # transformers before 5.x
+        checkpointing = getattr(base, "is_gradient_checkpointing", False)
+    if checkpointing:
+        base.gradient_checkpointing_disable()
+    config.use_cache = False
+    stages = nn.Sequential(
+        Embed(parts, config),
+        *(Decoder(layer, family, config) for layer in parts["layers"]),
+        Head(parts, config, loss_chunk_tokens),
+    )
+    kwargs.setdefault("name", type(base).__name__)
+    return HFRoundPipe(model, stages, **kwargs)

@@ -1,0 +1,329 @@
+"""roundpipe.hf.wrap: HuggingFace causal LMs as stages. Equality with plain transformers (loss
+and every gradient) per family, device pool, microbatch count and padding side; training in
+fp16 beside torch.autocast; save_pretrained round trips; LoRA; the chunked loss's peak."""
+
+import gc
+import subprocess
+import sys
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import roundpipe  # noqa: E402
+from roundpipe import GradScaler, OptimizerCtx, RoundPipeRunConfig  # noqa: E402
+from roundpipe.testing import emu  # noqa: E402
+
+VOCAB = 96
+
+
+def config(family, **extra):
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
+    common.update(extra)
+    if family == "llama":
+        return transformers.LlamaConfig(**common)
+    if family == "mistral":
+        return transformers.MistralConfig(**common, sliding_window=None)
+    if family == "qwen2":
+        return transformers.Qwen2Config(**common)
+    if family == "qwen3":
+        return transformers.Qwen3Config(**common, head_dim=16)
+    if family == "qwen3_moe":
+        return transformers.Qwen3MoeConfig(
+            **{**common, "intermediate_size": 64},
+            head_dim=16,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            decoder_sparse_step=1,
+        )
+    raise AssertionError(family)
+
+
+def build(cfg, dtype=torch.float32, seed=0):
+    torch.manual_seed(seed)
+    return transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+
+
+def twins(cfg, dtype=torch.float32):
+    """Two models with the same weights: one to wrap, one for plain transformers."""
+    a = build(cfg, dtype)
+    b = build(cfg, dtype)
+    b.load_state_dict(a.state_dict())
+    return a, b
+
+
+def padded_batch(side, batch=4, tokens=12, seed=1):
+    """Rows of different real lengths, so microbatches hold different numbers of tokens."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(VOCAB, (batch, tokens), generator=g)
+    lengths = torch.tensor([tokens, 5, tokens - 2, 3, 7, tokens, 9, 4][:batch])
+    pos = torch.arange(tokens)
+    real = pos < lengths[:, None] if side == "right" else pos >= tokens - lengths[:, None]
+    mask = real.long()
+    labels = ids.masked_fill(~real, -100)
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def master_grads(model):
+    with OptimizerCtx():
+        return {n: p.grad.clone() for n, p in model.optim_named_parameters()}
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "qwen3_moe"])
+@pytest.mark.parametrize(
+    "devices,M,side",
+    [("cpu", 1, "right"), ("cpu", 4, "left"), ("emu", 4, "right"), ("emu:2", 4, "left")],
+)
+def test_loss_and_every_gradient_equal_plain_transformers(family, devices, M, side):
+    extra = {"output_router_logits": True} if family == "qwen3_moe" and M == 1 else {}
+    wrapped, plain = twins(config(family, **extra))
+    batch = padded_batch(side)
+    ref = plain(**batch)
+    ref.loss.backward()
+    model = roundpipe.hf.wrap(
+        wrapped, devices=devices, model_run_config=RoundPipeRunConfig(num_microbatch=M)
+    )
+    loss = model.forward_backward(input_kwargs=batch)
+    torch.testing.assert_close(loss, ref.loss.detach(), rtol=1e-5, atol=1e-6)
+    grads = master_grads(model)
+    expected = {n: p.grad for n, p in plain.named_parameters() if p.grad is not None}
+    assert set(grads) == {n for n, p in plain.named_parameters()}
+    for name, g in expected.items():
+        torch.testing.assert_close(grads[name], g, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_moe_load_balancing_loss_is_per_microbatch_weighted_by_tokens():
+    """With several microbatches, each adds its own load-balancing term weighted by its share
+    of the batch's predicted tokens (transformers computes one over the whole batch)."""
+    cfg = config("qwen3_moe", output_router_logits=True, router_aux_loss_coef=0.5)
+    wrapped, plain = twins(cfg)
+    batch = padded_batch("right")
+    model = roundpipe.hf.wrap(
+        wrapped, devices="cpu", model_run_config=RoundPipeRunConfig(num_microbatch=2)
+    )
+    loss = model.forward_backward(input_kwargs=batch)
+    labels = batch["labels"]
+    total = int((labels[:, 1:] != -100).sum())
+    expected = 0.0
+    for rows in (slice(0, 2), slice(2, 4)):
+        part = {k: v[rows] for k, v in batch.items()}
+        out = plain(**part)
+        n = int((part["labels"][:, 1:] != -100).sum())
+        ce = out.loss - cfg.router_aux_loss_coef * out.aux_loss
+        expected += ce * n / total + cfg.router_aux_loss_coef * out.aux_loss * n / total
+    torch.testing.assert_close(loss, expected.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_tied_embeddings_are_one_master_updated_once():
+    wrapped, plain = twins(config("llama", tie_word_embeddings=True))
+    assert wrapped.lm_head.weight is wrapped.model.embed_tokens.weight
+    batch = padded_batch("right")
+    plain(**batch).loss.backward()
+    model = roundpipe.hf.wrap(
+        wrapped, devices="emu:2", model_run_config=RoundPipeRunConfig(num_microbatch=2)
+    )
+    model.forward_backward(input_kwargs=batch)
+    grads = master_grads(model)
+    assert "lm_head.weight" not in grads  # one tensor, one master
+    torch.testing.assert_close(
+        grads["model.embed_tokens.weight"],
+        plain.model.embed_tokens.weight.grad,
+        rtol=1e-4,
+        atol=1e-6,
+    )
+    with OptimizerCtx():
+        opt = roundpipe.optim.AdamW(model.parameters(), lr=1e-2)
+    model.step(lambda: (opt.step(), opt.zero_grad()))
+    model.synchronize()
+    assert wrapped.lm_head.weight is wrapped.model.embed_tokens.weight
+    assert not torch.equal(wrapped.lm_head.weight, plain.lm_head.weight)
+
+
+def test_fp16_training_follows_plain_transformers_with_autocast():
+    """30 steps on a small Llama: roundpipe (fp16 weights, fp32 masters, its GradScaler)
+    against plain transformers (fp32 weights, fp16 autocast, torch's GradScaler), same data."""
+    cfg = config("llama", hidden_size=32, intermediate_size=64)
+    wrapped = build(cfg, torch.float16)
+    plain = build(cfg, torch.float32)
+    plain.load_state_dict({k: v.float() for k, v in wrapped.state_dict().items()})
+    g = torch.Generator().manual_seed(3)
+    batches = []
+    for _ in range(30):
+        ids = torch.randint(VOCAB // 4, (4, 12), generator=g)  # a small vocabulary: learnable
+        batches.append({"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids})
+
+    model = roundpipe.hf.wrap(
+        wrapped, optim_dtype=torch.float32, devices="cpu",
+        model_run_config=RoundPipeRunConfig(num_microbatch=2),
+    )  # fmt: skip
+    with OptimizerCtx():
+        opt = roundpipe.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+    scaler = GradScaler(init_scale=2.0**10)
+    ours = []
+    for batch in batches:
+        scale = scaler.get_scale()
+        loss = model.forward_backward(input_kwargs=batch, loss_fn=lambda l, _: scaler.scale(l))
+        model.step(lambda: (scaler.step(opt), opt.zero_grad()))
+        scaler.update()
+        ours.append(loss.item() / scale)
+    model.synchronize()
+
+    popt = torch.optim.AdamW(plain.parameters(), lr=3e-3, weight_decay=0.0)
+    pscaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    theirs = []
+    for batch in batches:
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = plain(**batch).loss
+        pscaler.scale(loss).backward()
+        pscaler.step(popt)
+        pscaler.update()
+        popt.zero_grad()
+        theirs.append(loss.item())
+    print("step  roundpipe  transformers")
+    for i, (a, b) in enumerate(zip(ours, theirs)):
+        print(f"{i:4d}  {a:9.4f}  {b:12.4f}")
+    assert ours[-1] < ours[0] - 0.5 and theirs[-1] < theirs[0] - 0.5
+    # One step stale: roundpipe's curve lags by about a step; the ends agree closely.
+    assert abs(sum(ours[-5:]) / 5 - sum(theirs[-5:]) / 5) < 0.15 * (theirs[0] - theirs[-1])
+
+
+def test_save_pretrained_round_trip_gives_the_wrapped_models_logits(tmp_path):
+    cfg = config("qwen3")
+    hf = build(cfg)
+    model = roundpipe.hf.wrap(
+        hf, devices="emu", model_run_config=RoundPipeRunConfig(num_microbatch=2)
+    )
+    with OptimizerCtx():
+        opt = roundpipe.optim.AdamW(model.parameters(), lr=1e-2)
+    batch = padded_batch("right")
+    for _ in range(3):
+        model.forward_backward(input_kwargs=batch)
+        model.step(lambda: (opt.step(), opt.zero_grad()))
+    model.synchronize()
+    hf.save_pretrained(tmp_path)
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    with torch.no_grad():
+        ours = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+        theirs = reloaded(
+            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]
+        ).logits
+    real = batch["attention_mask"].bool()
+    torch.testing.assert_close(ours.cpu()[real], theirs[real], rtol=1e-5, atol=1e-5)
+
+
+def test_lora_trains_only_the_adapters_and_merges_to_the_same_logits():
+    peft = pytest.importorskip("peft")
+    hf = build(config("llama"))
+    before = {n: p.detach().clone() for n, p in hf.named_parameters()}
+    lora = peft.get_peft_model(
+        hf, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+    )
+    model = roundpipe.hf.wrap(
+        lora, devices="emu:2", model_run_config=RoundPipeRunConfig(num_microbatch=2)
+    )
+    trained = [n for n, _ in model.optim_named_parameters()]
+    assert trained and all("lora_" in n for n in trained)
+    with OptimizerCtx():
+        opt = roundpipe.optim.AdamW(model.parameters(), lr=1e-2)
+    batch = padded_batch("right")
+    for _ in range(3):
+        model.forward_backward(input_kwargs=batch)
+        model.step(lambda: (opt.step(), opt.zero_grad()))
+    model.synchronize()
+    for name, p in lora.named_parameters():
+        if "lora_" in name:
+            continue
+        base_name = name.replace("base_model.model.", "").replace(".base_layer", "")
+        assert torch.equal(p, before[base_name]), name  # the frozen base did not change
+    assert any(
+        not torch.equal(p, torch.zeros_like(p)) for n, p in lora.named_parameters() if "lora_B" in n
+    )  # the adapters did (B starts at zero)
+    with torch.no_grad():
+        ours = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+        merged = lora.merge_and_unload()
+        theirs = merged(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    real = batch["attention_mask"].bool()
+    torch.testing.assert_close(ours.cpu()[real], theirs[real], rtol=1e-5, atol=1e-5)
+
+
+def test_an_unsupported_architecture_names_the_families_and_the_adapter():
+    cfg = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=VOCAB)
+    with pytest.raises(NotImplementedError, match=r"gpt2.*supported: llama.*register_family"):
+        roundpipe.hf.wrap(transformers.AutoModelForCausalLM.from_config(cfg), devices="cpu")
+
+
+def test_a_registered_family_with_other_attribute_paths_is_used():
+    class Renamed(torch.nn.Module):  # a Llama whose body is called "decoder"
+        def __init__(self, inner):
+            super().__init__()
+            self.config = inner.config
+            self.decoder = inner.model
+            self.output = inner.lm_head
+
+    inner, plain = twins(config("llama"))
+    family = roundpipe.hf.Family("renamed", ("llama",), body="decoder", head="output")
+    model = roundpipe.hf.wrap(Renamed(inner), family=family, devices="cpu")
+    batch = padded_batch("right")
+    ref = plain(**batch)
+    loss = model.forward_backward(input_kwargs=batch)
+    torch.testing.assert_close(loss, ref.loss.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_the_chunked_loss_keeps_one_chunks_logits_on_the_device():
+    """The head's peak on the emulated device: chunked against the whole (tokens x vocabulary)
+    logits at once, one sequence of 512 tokens and a 4096-token vocabulary."""
+    cfg = config("llama", vocab_size=4096, num_hidden_layers=1, max_position_embeddings=512)
+    ids = torch.randint(4096, (1, 512), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+    memory = torch.get_device_module("emu")
+    peaks, losses = {}, {}
+    for chunk in (64, 10**6):
+        model = roundpipe.hf.wrap(build(cfg), devices="emu", loss_chunk_tokens=chunk)
+        gc.collect()
+        memory.reset_peak_memory_stats(0)
+        base = memory.memory_allocated(0)
+        losses[chunk] = model.forward_backward(input_kwargs=batch)
+        peaks[chunk] = memory.max_memory_allocated(0) - base
+        del model
+    logits_bytes = 512 * 4096 * 4
+    print(f"peak: chunked {peaks[64] / 2**20:.2f} MiB, whole {peaks[10**6] / 2**20:.2f} MiB")
+    torch.testing.assert_close(losses[64], losses[10**6])
+    assert peaks[10**6] - peaks[64] >= logits_bytes  # at least one fp32 logits tensor saved
+
+
+def test_import_roundpipe_works_without_transformers_and_hf_names_the_install():
+    code = (
+        "import sys\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'transformers' or name.startswith('transformers.'):\n"
+        "            raise ImportError('blocked')\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "import roundpipe\n"
+        "try:\n"
+        "    roundpipe.hf\n"
+        "except ImportError as exc:\n"
+        "    print('ERR', exc)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert 'roundpipe.hf needs transformers: pip install "transformers' in out.stdout
+
+
+def test_forward_backward_without_labels_says_what_it_needs():
+    model = roundpipe.hf.wrap(build(config("llama")), devices="cpu")
+    ids = torch.randint(VOCAB, (2, 8))
+    with pytest.raises(ValueError, match=r"needs input_kwargs\['labels'\]"):
+        model.forward_backward(input_kwargs={"input_ids": ids})
+    assert emu.is_installed()
