@@ -9,6 +9,7 @@ emulated accelerators) work; roundpipe's ``roundpipe.devices`` entry point names
 from collections.abc import Sequence
 
 from roundpipe.devices.pool import DeviceKind, register_device_kind
+from roundpipe.host_memory import TORCH_PINNED
 from roundpipe.testing.emu import DEVICE_COUNT, EmuTensor, install, is_installed
 
 __all__ = ["DEVICE_COUNT", "EmuTensor", "install", "is_installed"]
@@ -22,6 +23,14 @@ def _emu_indices(rest: str) -> Sequence[int]:
     raise ValueError(f"'emu:N' takes a number of emulated devices 1 <= N <= {DEVICE_COUNT}")
 
 
+# torch's pinned memory, which the emulated device's allocator rounds up to a power of two as
+# CUDA's does, and counts (see [Note: emulated pinned memory] in roundpipe.testing.emu).
 register_device_kind(
-    DeviceKind("emu", _emu_indices, install, "'emu' / 'emu:N' (N emulated accelerators, for tests)")
+    DeviceKind(
+        "emu",
+        _emu_indices,
+        install,
+        "'emu' / 'emu:N' (N emulated accelerators, for tests)",
+        pinned=TORCH_PINNED,
+    )
 )

@@ -26,6 +26,9 @@ and every op on it runs on the host. What it catches, as CUDA would:
 * Device memory: counted per storage (``memory_allocated``, ``max_memory_allocated``,
   ``mem_get_info`` on ``torch.get_device_module("emu")``), with an optional capacity beyond
   which allocations raise ``torch.OutOfMemoryError`` (see [Note: emulated device memory]).
+* Pinned host memory: each allocation takes the next power of two of its size, as CUDA's
+  caching host allocator rounds it, and is counted (:func:`pinned_memory_stats`; see
+  [Note: emulated pinned memory]).
 
 What it cannot catch: the caching allocator's reuse of freed memory across streams (a missing
 ``record_stream``) and its rounding and fragmentation; a CUDA kernel's own numerics (TF32, fused
@@ -60,6 +63,8 @@ __all__ = [
     "StreamOrderError",
     "record_copies",
     "set_memory_capacity",
+    "PinnedMemoryStats",
+    "pinned_memory_stats",
     "install",
     "is_installed",
 ]
@@ -251,6 +256,42 @@ def _index_of(device: Any) -> int:
 class StreamOrderError(RuntimeError):
     """Two accesses to one emulated device's memory that no stream order, event or host wait
     puts in order: on a GPU they would race."""
+
+
+# [Note: emulated pinned memory]
+# pin_memory(), torch.empty(..., pin_memory=True) and non-blocking downloads get their host
+# memory from the guard's pinned allocator (_emu_guard.cpp). CUDA's caching host allocator
+# rounds every pinned allocation up to the next power of two (its default config), so pinning
+# a model tensor by tensor can take nearly twice its bytes (pytorch#95823); the emulated one
+# takes the same rounded bytes from the CPU allocator and counts them, so a test can measure
+# what pinning costs the host exactly. Not modelled: CUDA keeps freed pinned blocks in a cache
+# for reuse; here they go back at once.
+
+
+@dataclasses.dataclass(frozen=True)
+class PinnedMemoryStats:
+    """The emulated pinned host allocations alive now: ``allocated_bytes`` (what the host gives
+    them, each rounded up to a power of two), ``requested_bytes`` (what was asked for),
+    ``peak_allocated_bytes`` (the most ``allocated_bytes`` has been since the last reset) and
+    ``allocations`` (how many)."""
+
+    allocated_bytes: int
+    requested_bytes: int
+    peak_allocated_bytes: int
+    allocations: int
+
+
+def pinned_memory_stats(reset_peak: bool = False) -> PinnedMemoryStats:
+    """The emulated pinned host memory in use (see [Note: emulated pinned memory]);
+    ``reset_peak``: the peak starts again from what is in use now. Any thread; needs
+    :func:`install`."""
+    if _native is None:
+        raise RuntimeError(
+            "the emulated device is not installed: call roundpipe.testing.emu.install() first"
+        )
+    out = (ctypes.c_int64 * 4)()
+    _native.roundpipe_emu_pinned_stats(ctypes.cast(out, ctypes.c_void_p), int(reset_peak))
+    return PinnedMemoryStats(*(int(v) for v in out))
 
 
 _native: Any = None  # the guard library, through ctypes (set by install)
@@ -886,6 +927,7 @@ def _bind_native(path: str) -> None:
         ("roundpipe_emu_land", None, [i64]),
         ("roundpipe_emu_finished", ctypes.c_int, [i64]),
         ("roundpipe_emu_error", ctypes.c_char_p, []),
+        ("roundpipe_emu_pinned_stats", None, [vp, ctypes.c_int]),
     ):
         fn = getattr(lib, name)
         fn.restype, fn.argtypes = restype, argtypes
