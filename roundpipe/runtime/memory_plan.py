@@ -184,8 +184,9 @@ def _stage_bytes(stage: Stage, grad_dtype: torch.dtype | None) -> StageBytes:
     return StageBytes(stage.upload_bytes, stage.grad_sum_bytes(grad_dtype), copy)
 
 
-def trace_call(call: PlannedCall) -> StageTraces:
-    """Trace ``call``'s stages on fake tensors on the pool's first device."""
+def trace_call(call: PlannedCall, real_runs: bool = True) -> StageTraces:
+    """Trace ``call``'s stages on fake tensors on the pool's first device (``real_runs``: see
+    :func:`roundpipe.runtime.memory_trace.trace_stages`)."""
     device = call.pool.backends[0].torch_device
     return trace_stages(
         call.stages,
@@ -198,6 +199,7 @@ def trace_call(call: PlannedCall) -> StageTraces:
         call.loss_fn,
         call.loss_takes_microbatch,
         call.sizes,
+        real_runs,
     )
 
 

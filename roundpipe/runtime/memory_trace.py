@@ -242,6 +242,7 @@ class _Call:
     sizes: Sequence[int]
     autocast: AutocastState
     input_grad: bool
+    real_runs: bool = True
 
 
 def _trace_one(
@@ -399,9 +400,13 @@ def trace_stages(
     loss_fn: Callable | None = None,
     loss_takes_microbatch: bool = False,
     sizes: Sequence[int] = (),
+    real_runs: bool = True,
 ) -> StageTraces:
     """Per stage and microbatch, the device bytes of its actions (see the module doc), traced
-    on fake tensors on ``device`` (microbatches of the same shapes traced once). Main thread."""
+    on fake tensors on ``device`` (microbatches of the same shapes traced once). ``loss_fn``
+    None: the last stage's loss is a stand-in whose gradient is the size of its output.
+    ``real_runs``: a stage fake tensors cannot run may be measured by a real CPU run (else it
+    is reported untraced). Main thread."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     call = _Call(
@@ -413,6 +418,7 @@ def trace_stages(
         autocast,
         input_grad=training
         and any(x.requires_grad for x in pytree.tree_leaves(chunks) if isinstance(x, torch.Tensor)),
+        real_runs=real_runs,
     )
     S = len(stages)
     table: list[list[ActionBytes | None]] = [[None] * len(chunks) for _ in stages]
@@ -504,7 +510,9 @@ def _trace_microbatch(
                 f"not run on fake tensors: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
             )
             reason.__cause__ = exc
-        measured_bytes = _real_run(stage, s, last, chunk, inp, context, label, m, call, real)
+        measured_bytes = None
+        if call.real_runs:
+            measured_bytes = _real_run(stage, s, last, chunk, inp, context, label, m, call, real)
         if measured_bytes is None:
             untraced[s] = reason
             failed = s

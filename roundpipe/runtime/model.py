@@ -575,7 +575,10 @@ class RoundPipe(nn.Module):
     def _check_device_memory(self, spec: Any, cfg: ResolvedRunConfig) -> None:
         """The first forward_backward on an accelerator pool: plan its device peaks (stages
         traced on fake tensors) and raise DeviceMemoryError before anything is allocated if a
-        device has not the room. Once per model."""
+        device has not the room. Once per model. The user's ``loss_fn`` is not called (it may
+        count or log its calls): a stand-in loss is traced instead, and a stage fake tensors
+        cannot run counts no activations (no real run either), so the check never refuses a
+        run on what it could not see."""
         self._device_check_pending = False
         call = PlannedCall(
             stages=spec.stages,
@@ -584,15 +587,15 @@ class RoundPipe(nn.Module):
             chunks=spec.chunks,
             sizes=spec.sizes,
             labels=spec.labels,
-            loss_fn=spec.loss_fn,
-            loss_takes_microbatch=spec.loss_takes_microbatch,
+            loss_fn=None,
+            loss_takes_microbatch=False,
             cast_dtype=spec.cast_dtype,
             autocast=spec.autocast,
             grad_dtype=spec.grad_dtype,
             training=True,
             return_outputs=spec.return_outputs,
         )
-        devices = plan_devices(call, trace_call(call))
+        devices = plan_devices(call, trace_call(call, real_runs=False))
         check_device_memory(devices, f"RoundPipe{self._name_tag()}", cfg)
 
     def _restore_rng(self, spec: Any, state: Any, ok: bool) -> None:

@@ -119,10 +119,11 @@ _AUTOCAST_LOWER = (
 class Copy:
     """One copy between the host and an emulated device, as :func:`record_copies` logs it.
 
-    ``direction``: ``"h2d"`` or ``"d2h"``; ``host_ptr``: the data pointer of the host tensor's
-    storage (for an upload, what was read; for a download into an existing tensor, what was
-    written; None for a download that made a new tensor); ``stream_id``: the stream current on
-    the emulated device when the copy was made."""
+    ``direction``: ``"h2d"`` or ``"d2h"``; ``host_ptr``: the data pointer of the host tensor,
+    its first element (tensors of one pinned pool share a storage, not this): for an upload,
+    what was read; for a download into an existing tensor, what was written; None for a
+    download that made a new tensor. ``stream_id``: the stream current on the emulated device
+    when the copy was made."""
 
     direction: str
     host_ptr: int | None
@@ -150,7 +151,7 @@ def record_copies() -> Iterator[list[Copy]]:
 def _log_copy(direction: str, host: torch.Tensor | None, emu: torch.Tensor) -> None:
     entry = Copy(
         direction,
-        None if host is None else host.untyped_storage().data_ptr(),
+        None if host is None else host.data_ptr(),
         emu.numel(),
         emu.dtype,
         host is not None and host.is_pinned(),
