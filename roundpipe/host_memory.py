@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -32,7 +32,9 @@ __all__ = [
     "PinnedAllocator",
     "PoolLayout",
     "TORCH_PINNED",
+    "UNLIMITED",
     "check_host_memory",
+    "cuda_pinned_round_limit",
     "format_bytes",
     "host_memory_available",
     "host_terms",
@@ -74,32 +76,56 @@ def format_bytes(nbytes: float) -> str:
     return f"{value:.2f} {unit}" if abs(value) < 10 else f"{value:.1f} {unit}"
 
 
+# No limit: every allocation is rounded.
+UNLIMITED = 1 << 62
+# Exact blocks (above the allocator's rounding limit) are at most this large, so pinning holds
+# the model plus one block at the most.
+EXACT_BLOCK = 256 * 2**20
+
+
 @dataclasses.dataclass(frozen=True)
 class PinnedAllocator:
     """How a device kind gets pinned host memory: ``allocate(nbytes)`` returns a fresh pinned
-    ``uint8`` tensor of ``nbytes``; ``allocation_bytes(nbytes)`` is what such an allocation
-    really takes from the host (CUDA's caching host allocator: the next power of two).
-    ``power_of_two``: allocations of a power-of-two size take exactly their size, so the pool
-    is made of such blocks (see [Note: the pinned pool])."""
+    ``uint8`` tensor of ``nbytes``; ``round_limit()`` is the largest allocation the allocator
+    rounds up to the next power of two (larger ones take their own size; 0: none is rounded;
+    :data:`UNLIMITED`: all are, CUDA's caching host allocator by default)."""
 
     name: str
     allocate: Callable[[int], torch.Tensor]
-    allocation_bytes: Callable[[int], int]
-    power_of_two: bool
+    round_limit: Callable[[], int]
+
+    def allocation_bytes(self, nbytes: int) -> int:
+        """What an allocation of ``nbytes`` really takes from the host."""
+        return nbytes if nbytes > self.round_limit() else next_power_of_two(nbytes)
 
 
 def _torch_pinned(nbytes: int) -> torch.Tensor:
     return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
 
+def cuda_pinned_round_limit(env: Mapping[str, str] | None = None) -> int:
+    """The largest pinned allocation CUDA's caching host allocator rounds up to a power of two,
+    from ``PYTORCH_ALLOC_CONF`` (else ``PYTORCH_CUDA_ALLOC_CONF``):
+    ``pinned_max_round_threshold_mb`` and ``pinned_max_cached_size_mb`` (above either, torch
+    takes an allocation's own size). :data:`UNLIMITED` when neither is set. Any thread."""
+    env = os.environ if env is None else env
+    conf = env.get("PYTORCH_ALLOC_CONF") or env.get("PYTORCH_CUDA_ALLOC_CONF") or ""
+    limit = UNLIMITED
+    for item in conf.split(","):
+        key, _, value = item.partition(":")
+        if key.strip() in ("pinned_max_round_threshold_mb", "pinned_max_cached_size_mb"):
+            try:
+                limit = min(limit, int(float(value)) * 2**20)
+            except ValueError:
+                continue
+    return limit
+
+
 # torch's pinned memory of the current accelerator: on CUDA its caching host allocator, which
-# rounds each allocation up to a power of two (CachingHostAllocator.h); the emulated device
-# models that rounding (roundpipe.testing.emu, [Note: emulated pinned memory]).
+# rounds each allocation up to a power of two (CachingHostAllocator.h) unless the allocator
+# config says otherwise (cuda_pinned_round_limit).
 TORCH_PINNED = PinnedAllocator(
-    "torch pinned memory (each allocation rounded up to a power of two)",
-    _torch_pinned,
-    next_power_of_two,
-    power_of_two=True,
+    "torch pinned memory (CUDA's caching host allocator)", _torch_pinned, cuda_pinned_round_limit
 )
 
 
@@ -109,25 +135,33 @@ TORCH_PINNED = PinnedAllocator(
 # two: a 4096 x 11008 fp16 weight (86 MiB) takes 128 MiB, and a model's pinned copy can take
 # up to twice its bytes (pytorch#95823). pin_module copies the tensors into a pool instead:
 #   * the tensors (each storage once, tied weights stay tied) are laid out, ALIGNMENT-aligned,
-#     into blocks whose sizes are powers of two, so the allocator's rounding adds nothing; the
-#     blocks are filled first-fit, largest tensor first, each new block the largest power of
-#     two that what is left to place fills (or the tensor's own size, rounded up), so only
-#     the last, small blocks keep unused bytes: the pool is the model's bytes plus its padding,
-#     plus at most a few blocks' slack (pool_layout says exactly how much);
+#     into a few large blocks;
+#   * an allocator that takes large allocations at their size (CUDA's with
+#     PYTORCH_ALLOC_CONF=pinned_max_round_threshold_mb:N, see docs/memory.md) gets blocks of
+#     about EXACT_BLOCK bytes, each just above its rounding limit, filled in order: the pool is
+#     the model's bytes plus padding;
+#   * one that rounds every allocation (CUDA's default) gets blocks whose sizes are powers of
+#     two, so the rounding adds nothing to a block: they are filled first-fit, largest tensor
+#     first, each new block the largest power of two that what is left to place fills (or
+#     the tensor's own size, rounded up). What stays unused is the end of a block that no
+#     remaining tensor fits: little for models of many similar matrices, but a tensor just
+#     above a power of two (GPT-2's 77 MB embedding) still takes the next one. The layout is
+#     never worse than a block per tensor (it falls back to that).
 #   * one block at a time is allocated, filled and its tensors re-pointed (.data = a view of
 #     the block), so the old storages go as the blocks fill: the host holds the model plus one
 #     block at the most, never two copies;
 #   * the parameter and buffer objects stay the same (users and optimizers hold references);
 #     only their storage changes. A view of a block keeps the whole block alive: the pool is
 #     freed once every tensor in it is.
-# An allocator without the power-of-two rounding gets one block for everything.
+# pool_layout computes the layout (and what it takes) without allocating.
 
 
 @dataclasses.dataclass(frozen=True)
 class PoolLayout:
     """Where each item goes in a pinned pool (see [Note: the pinned pool]): ``blocks``, the
-    block sizes in bytes; ``places``, per item (in the order given), its block and byte offset.
-    ``item_bytes``: the items' own bytes; ``taken``: what the host gives the blocks."""
+    block sizes in bytes; ``places``, per item (in the order given), its block and byte offset
+    (block -1: an empty item). ``item_bytes``: the items' own bytes; ``taken``: what the host
+    gives the blocks."""
 
     blocks: tuple[int, ...]
     places: tuple[tuple[int, int], ...]
@@ -142,38 +176,72 @@ class PoolLayout:
 
 def pool_layout(sizes: Sequence[int], allocator: PinnedAllocator = TORCH_PINNED) -> PoolLayout:
     """Lay out items of ``sizes`` bytes into a pinned pool of ``allocator`` (see
-    [Note: the pinned pool]). Pure; any thread."""
+    [Note: the pinned pool]). Pure but for reading the allocator's rounding limit; any
+    thread."""
     aligned = [_align(n) for n in sizes]
-    order = sorted(range(len(sizes)), key=lambda i: -aligned[i])
-    blocks: list[int] = []
-    used: list[int] = []
-    places: list[tuple[int, int]] = [(0, 0)] * len(sizes)
-    if not allocator.power_of_two:
-        offset = 0
-        for i in order:
-            places[i] = (0, offset) if aligned[i] else (-1, 0)
-            offset += aligned[i]
-        blocks = [offset] if offset else []
+    limit = allocator.round_limit()
+    if sum(aligned) > limit:
+        blocks, places = _exact_blocks(aligned, max(EXACT_BLOCK, limit + 1), limit)
     else:
-        unplaced = sum(aligned)
-        for i in order:
-            n = aligned[i]
-            if n == 0:
-                places[i] = (-1, 0)  # nothing to place
-                continue
-            for b, size in enumerate(blocks):
-                if size - used[b] >= n:
-                    places[i] = (b, used[b])
-                    used[b] += n
-                    break
-            else:
-                size = max(next_power_of_two(n), 1 << (unplaced.bit_length() - 1))
-                blocks.append(size)
-                used.append(n)
-                places[i] = (len(blocks) - 1, 0)
-            unplaced -= n
+        blocks, places = _power_of_two_blocks(aligned)
+        if sum(blocks) > sum(next_power_of_two(n) for n in sizes):
+            # Never worse than an allocation per item (tensor by tensor pinning).
+            blocks, places = [], []
+            for n in sizes:
+                places.append((len(blocks), 0) if n else (-1, 0))
+                if n:
+                    blocks.append(n)
     taken = sum(allocator.allocation_bytes(b) for b in blocks)
     return PoolLayout(tuple(blocks), tuple(places), sum(sizes), taken)
+
+
+def _exact_blocks(
+    aligned: list[int], target: int, limit: int
+) -> tuple[list[int], list[tuple[int, int]]]:
+    """Items in order, into blocks closed once they reach ``target`` bytes (a last block the
+    allocator would round, at most ``limit`` bytes, joins the one before)."""
+    blocks: list[int] = []
+    places: list[tuple[int, int]] = []
+    used = 0
+    for n in aligned:
+        if n == 0:
+            places.append((-1, 0))
+            continue
+        if not blocks or used >= target:
+            blocks.append(0)
+            used = 0
+        places.append((len(blocks) - 1, used))
+        used += n
+        blocks[-1] = used
+    if len(blocks) > 1 and blocks[-1] <= limit:
+        last = len(blocks) - 1
+        shift = blocks[last - 1]
+        blocks[last - 1] += blocks.pop()
+        places = [(b - 1, o + shift) if b == last else (b, o) for b, o in places]
+    return blocks, places
+
+
+def _power_of_two_blocks(aligned: list[int]) -> tuple[list[int], list[tuple[int, int]]]:
+    order = sorted(range(len(aligned)), key=lambda i: -aligned[i])
+    blocks: list[int] = []
+    used: list[int] = []
+    places: list[tuple[int, int]] = [(-1, 0)] * len(aligned)
+    unplaced = sum(aligned)
+    for i in order:
+        n = aligned[i]
+        if n == 0:
+            continue
+        for b, size in enumerate(blocks):
+            if size - used[b] >= n:
+                places[i] = (b, used[b])
+                used[b] += n
+                break
+        else:
+            blocks.append(max(next_power_of_two(n), 1 << (unplaced.bit_length() - 1)))
+            used.append(n)
+            places[i] = (len(blocks) - 1, 0)
+        unplaced -= n
+    return blocks, places
 
 
 def _align(nbytes: int) -> int:

@@ -13,7 +13,7 @@ from torch import nn
 import roundpipe
 from roundpipe import HostMemoryError, RoundPipe, host_memory_available, pin_module
 from roundpipe import host_memory as hm
-from roundpipe.testing import emu
+from roundpipe.testing import EMU_PINNED, emu
 
 
 def _model():
@@ -56,8 +56,8 @@ def test_pooled_pinning_takes_the_model_bytes_where_per_tensor_pinning_rounds_ea
                 t.data = t.data.pin_memory()
 
     per_tensor_bytes = _pinned_growth(per_tensor)
-    layout = hm.pinned_layout(pooled_model)
-    pooled_bytes = _pinned_growth(lambda: pin_module(pooled_model))
+    layout = hm.pinned_layout(pooled_model, EMU_PINNED)
+    pooled_bytes = _pinned_growth(lambda: pin_module(pooled_model, EMU_PINNED))
     # Exactly what each scheme asks of the allocator, rounded as CUDA rounds it.
     assert per_tensor_bytes == sum(
         hm.next_power_of_two(t.untyped_storage().nbytes()) for t in _tensors(per_tensor_model)
@@ -98,27 +98,56 @@ def test_pin_module_keeps_the_objects_values_ties_and_strides_and_frees_the_old_
     assert not model[1].weight.grad_fn and model[1].weight.requires_grad
 
 
+def _check_places(sizes, layout):
+    spans = {}
+    for n, (b, offset) in zip(sizes, layout.places):
+        if n == 0:
+            assert b == -1
+            continue
+        assert offset % hm.ALIGNMENT == 0 and offset + n <= layout.blocks[b]
+        spans.setdefault(b, []).append((offset, offset + n))
+    for intervals in spans.values():
+        intervals.sort()
+        assert all(a[1] <= b[0] for a, b in zip(intervals, intervals[1:]))
+
+
 def test_pool_layout_packs_items_into_power_of_two_blocks_without_overlap():
     rng = random.Random(0)
-    for trial in range(20):
+    rounding = hm.PinnedAllocator("rounds all", hm.TORCH_PINNED.allocate, lambda: hm.UNLIMITED)
+    for trial in range(40):
         sizes = [rng.choice([rng.randint(1, 5000), rng.randint(1, 2**20)]) for _ in range(40)]
         sizes += [0] * (trial % 3)  # empty items take nothing
-        layout = hm.pool_layout(sizes)
-        assert all(b == hm.next_power_of_two(b) for b in layout.blocks)
-        spans = {}
-        for n, (b, offset) in zip(sizes, layout.places):
-            if n == 0:
-                assert b == -1
-                continue
-            assert offset % hm.ALIGNMENT == 0 and offset + n <= layout.blocks[b]
-            spans.setdefault(b, []).append((offset, offset + n))
-        for intervals in spans.values():
-            intervals.sort()
-            assert all(a[1] <= b[0] for a, b in zip(intervals, intervals[1:]))
-        # Padding is at most ALIGNMENT per item; the unfilled block ends stay below the
-        # items' own bytes.
-        assert layout.overhead < len(sizes) * hm.ALIGNMENT + sum(sizes)
-        assert layout.taken < 1.5 * sum(sizes) + 2**21
+        layout = hm.pool_layout(sizes, rounding)
+        _check_places(sizes, layout)
+        one_each = sum(hm.next_power_of_two(n) for n in sizes)
+        assert layout.taken <= one_each  # never worse than pinning tensor by tensor
+        if layout.taken < one_each:
+            assert all(b == hm.next_power_of_two(b) for b in layout.blocks)
+        assert layout.taken == sum(hm.next_power_of_two(b) for b in layout.blocks)
+
+
+def test_an_allocator_that_takes_large_blocks_exactly_gets_few_exact_blocks():
+    exact = hm.PinnedAllocator("exact above 1 KiB", hm.TORCH_PINNED.allocate, lambda: 1024)
+    sizes = [300 * 2**20, 5, 7 * 2**20, 0, 64 * 2**20, 1000]
+    layout = hm.pool_layout(sizes, exact)
+    _check_places(sizes, layout)
+    assert layout.blocks == (300 * 2**20, 7 * 2**20 + 64 * 2**20 + 64 + 1024)
+    assert layout.taken == sum(layout.blocks)  # only the alignment padding is extra
+    assert hm.cuda_pinned_round_limit({}) == hm.UNLIMITED
+    conf = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True,pinned_max_round_threshold_mb:64"}
+    assert hm.cuda_pinned_round_limit(conf) == 64 * 2**20
+
+
+def test_with_a_round_limit_the_pool_is_the_model_bytes_measured_on_emu():
+    previous = emu.set_pinned_round_limit(4096)  # pinned_max_round_threshold_mb, in bytes
+    try:
+        model = _model()
+        layout = hm.pinned_layout(model, EMU_PINNED)
+        assert layout.blocks == (layout.item_bytes + layout.overhead,)  # one exact block
+        assert _pinned_growth(lambda: pin_module(model, EMU_PINNED)) == layout.taken
+        assert layout.taken < _unpinned_bytes(model) * 1.01
+    finally:
+        emu.set_pinned_round_limit(previous)
 
 
 def test_an_accelerator_pool_pins_the_model_and_downloads_each_stage_into_one_pool():

@@ -292,6 +292,8 @@ int64_t pinned_taken = 0;      // live bytes, rounded: what the host gives
 int64_t pinned_asked = 0;      // live bytes as requested
 int64_t pinned_peak = 0;       // the most pinned_taken has been since the last reset
 int64_t pinned_count = 0;      // live allocations
+int64_t pinned_round_limit = int64_t{1} << 62;  // larger allocations are not rounded, as
+                                               // torch's pinned_max_round_threshold_mb
 
 size_t power_of_two_ceil(size_t n) {
   size_t p = 1;
@@ -315,7 +317,12 @@ void pinned_free(void* ptr) {
 
 struct PinnedAllocator final : Allocator {
   DataPtr allocate(size_t nbytes) override {
-    size_t taken = nbytes ? power_of_two_ceil(nbytes) : 0;
+    size_t taken = 0;
+    {
+      std::lock_guard<std::mutex> lock(pinned_mutex);
+      taken = static_cast<int64_t>(nbytes) > pinned_round_limit ? nbytes : power_of_two_ceil(nbytes);
+    }
+    if (nbytes == 0) taken = 0;
     void* ptr = GetCPUAllocator()->raw_allocate(taken ? taken : 1);
     {
       std::lock_guard<std::mutex> lock(pinned_mutex);
@@ -357,6 +364,11 @@ struct RegisterHooks {
 extern "C" {
 // The pinned host allocations: out[0] live bytes taken (rounded), out[1] live bytes asked,
 // out[2] peak of out[0] since the last reset, out[3] live allocations. reset: peak = live.
+void roundpipe_emu_set_pinned_round_limit(int64_t limit) {
+  std::lock_guard<std::mutex> lock(pinned_mutex);
+  pinned_round_limit = limit;
+}
+
 void roundpipe_emu_pinned_stats(int64_t* out, int reset) {
   std::lock_guard<std::mutex> lock(pinned_mutex);
   if (reset) pinned_peak = pinned_taken;

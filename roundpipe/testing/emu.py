@@ -65,6 +65,8 @@ __all__ = [
     "set_memory_capacity",
     "PinnedMemoryStats",
     "pinned_memory_stats",
+    "pinned_round_limit",
+    "set_pinned_round_limit",
     "install",
     "is_installed",
 ]
@@ -265,8 +267,30 @@ class StreamOrderError(RuntimeError):
 # rounds every pinned allocation up to the next power of two (its default config), so pinning
 # a model tensor by tensor can take nearly twice its bytes (pytorch#95823); the emulated one
 # takes the same rounded bytes from the CPU allocator and counts them, so a test can measure
-# what pinning costs the host exactly. Not modelled: CUDA keeps freed pinned blocks in a cache
-# for reuse; here they go back at once.
+# what pinning costs the host exactly. As torch's, it leaves allocations above
+# ``pinned_max_round_threshold_mb`` / ``pinned_max_cached_size_mb`` (PYTORCH_ALLOC_CONF, read
+# at install; set_pinned_round_limit) unrounded. Not modelled: CUDA keeps freed pinned blocks
+# in a cache for reuse; here they go back at once.
+_pinned_limit = [1 << 62]  # the round limit in force (see roundpipe.host_memory.UNLIMITED)
+
+
+def set_pinned_round_limit(nbytes: int) -> int:
+    """Pinned allocations above ``nbytes`` take their own size, those below are rounded up to
+    a power of two (as torch's ``pinned_max_round_threshold_mb``); returns the previous limit.
+    Any thread; needs :func:`install`."""
+    if _native is None:
+        raise RuntimeError(
+            "the emulated device is not installed: call roundpipe.testing.emu.install() first"
+        )
+    previous = _pinned_limit[0]
+    _pinned_limit[0] = int(nbytes)
+    _native.roundpipe_emu_set_pinned_round_limit(int(nbytes))
+    return previous
+
+
+def pinned_round_limit() -> int:
+    """The largest pinned allocation the emulated allocator rounds up. Any thread."""
+    return _pinned_limit[0]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -892,6 +916,10 @@ def install() -> None:
             verbose=False,
         )
         _bind_native(path)
+        # The pinned allocator rounds as CUDA's would under the same allocator config.
+        from roundpipe.host_memory import cuda_pinned_round_limit
+
+        set_pinned_round_limit(cuda_pinned_round_limit())
         capacity = os.environ.get("ROUNDPIPE_EMU_MEMORY")
         if capacity:
             set_memory_capacity(int(capacity))
@@ -929,6 +957,7 @@ def _bind_native(path: str) -> None:
         ("roundpipe_emu_finished", ctypes.c_int, [i64]),
         ("roundpipe_emu_error", ctypes.c_char_p, []),
         ("roundpipe_emu_pinned_stats", None, [vp, ctypes.c_int]),
+        ("roundpipe_emu_set_pinned_round_limit", None, [i64]),
     ):
         fn = getattr(lib, name)
         fn.restype, fn.argtypes = restype, argtypes
