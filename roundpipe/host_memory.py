@@ -174,10 +174,11 @@ class PoolLayout:
         return self.taken - self.item_bytes
 
 
-def pool_layout(sizes: Sequence[int], allocator: PinnedAllocator = TORCH_PINNED) -> PoolLayout:
+def pool_layout(sizes: Sequence[int], allocator: PinnedAllocator | None = None) -> PoolLayout:
     """Lay out items of ``sizes`` bytes into a pinned pool of ``allocator`` (see
     [Note: the pinned pool]). Pure but for reading the allocator's rounding limit; any
     thread."""
+    allocator = allocator or TORCH_PINNED
     aligned = [_align(n) for n in sizes]
     limit = allocator.round_limit()
     if sum(aligned) > limit:
@@ -296,19 +297,23 @@ def _groups(tensors: Iterable[torch.Tensor]) -> list[_Group]:
     return list(by_storage.values())
 
 
-def pinned_layout(module: nn.Module, allocator: PinnedAllocator = TORCH_PINNED) -> PoolLayout:
+def pinned_layout(module: nn.Module, allocator: PinnedAllocator | None = None) -> PoolLayout:
     """The pool :func:`pin_module` would make for ``module`` (what it would take), without
     allocating. Main thread."""
+    allocator = allocator or TORCH_PINNED
     return pool_layout([g.hi - g.lo for g in _groups(_pinnable(module))], allocator)
 
 
-def pin_module(module: nn.Module, allocator: PinnedAllocator = TORCH_PINNED) -> PoolLayout:
+def pin_module(module: nn.Module, allocator: PinnedAllocator | None = None) -> PoolLayout:
     """Move ``module``'s parameters and buffers (those on the CPU, not pinned yet) into pinned
     host memory from a pool of a few large allocations (see [Note: the pinned pool]). The
     tensor objects stay the same; their ``.data`` becomes a view of the pool, with the same
     values, shape and strides, and their old storage is freed (unless something else holds
-    it). Tensors that shared a storage still do. Returns the pool's layout. Main thread, before
-    anything else reads the tensors (another thread holding them sees the old storage)."""
+    it). Tensors that shared a storage still do. ``allocator``: how the pinned blocks are made
+    (None: :data:`TORCH_PINNED`, the current accelerator's; a RoundPipe passes its device
+    kind's). Returns the pool's layout. Main thread, before anything else reads the tensors
+    (another thread holding them sees the old storage)."""
+    allocator = allocator or TORCH_PINNED
     groups = _groups(_pinnable(module))
     layout = pool_layout([g.hi - g.lo for g in groups], allocator)
     with torch.no_grad():
@@ -325,11 +330,12 @@ def pin_module(module: nn.Module, allocator: PinnedAllocator = TORCH_PINNED) -> 
 
 
 def pinned_empty(
-    specs: Sequence[tuple[torch.Size, torch.dtype]], allocator: PinnedAllocator = TORCH_PINNED
+    specs: Sequence[tuple[torch.Size, torch.dtype]], allocator: PinnedAllocator | None = None
 ) -> list[torch.Tensor]:
     """Fresh contiguous pinned tensors of the given shapes and dtypes, carved from one pool
     (see [Note: the pinned pool]) instead of one allocation each. The pool is freed once every
     one of them is. Any thread."""
+    allocator = allocator or TORCH_PINNED
     nbytes = [torch.Size(shape).numel() * dtype.itemsize for shape, dtype in specs]
     layout = pool_layout(nbytes, allocator)
     out: list[torch.Tensor | None] = [None] * len(specs)
