@@ -599,6 +599,12 @@ def check_host_memory(terms: HostTerms, what: str, offload_activations: bool = F
         "keep the masters in bf16: RoundPipe(..., optim_dtype=torch.bfloat16) halves the "
         "masters, their gradients and the optimizer state (less precise updates)",
     ]
+    if terms.pinned_overhead > terms.weights // 20:
+        options.append(
+            "let torch's pinned allocator take large blocks at their size "
+            "(PYTORCH_ALLOC_CONF=pinned_max_round_threshold_mb:64): the pinned pool then takes "
+            "the weights' bytes, not the next powers of two"
+        )
     if offload_activations:
         options.append(
             "offload_activations=True keeps the stage inputs in pinned host memory: turn it "

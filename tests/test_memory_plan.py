@@ -153,6 +153,7 @@ def test_the_report_names_every_term_and_the_largest():
         "Device emu:0: peak",
         "stage weights and buffers (uploads)",
         "activations and workspace of the running action",
+        "Stages, microbatch 0",
         "Largest term:",
     ):
         assert expected in text, expected
@@ -162,6 +163,8 @@ def test_the_report_names_every_term_and_the_largest():
     )
     assert f"Largest term: {term} ({where})" in text
     assert plan.fits
+    assert [r.stage for r in plan.stages] == list(range(5))
+    assert all(r.backward and r.backward > 0 for r in plan.stages)
     # Host terms: the masters and Adam's moments of every trainable parameter.
     numel = sum(p.numel() for p in model.parameters())
     assert plan.host.masters == 4 * numel and plan.host.optimizer == 8 * numel

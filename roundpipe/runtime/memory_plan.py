@@ -39,6 +39,7 @@ __all__ = [
     "DeviceMemoryError",
     "MemoryPlan",
     "PlannedCall",
+    "StageMemory",
     "check_device_memory",
     "make_memory_plan",
 ]
@@ -69,6 +70,21 @@ class DeviceMemory:
 
 
 @dataclasses.dataclass(frozen=True)
+class StageMemory:
+    """One stage's bytes on a device for microbatch 0: ``weights`` (its upload),
+    ``input`` (its input), ``forward`` (the most its forward allocates beyond them) and
+    ``backward`` (the most its recompute and backward, or for the last stage its forward,
+    ``loss_fn`` and backward, allocate beyond its input, weights and output gradient); None
+    where not traced."""
+
+    stage: int
+    weights: int
+    input: int | None
+    forward: int | None
+    backward: int | None
+
+
+@dataclasses.dataclass(frozen=True)
 class PlannedCall:
     """What a planned call runs: its stages, plan, microbatches and settings (main thread)."""
 
@@ -93,8 +109,9 @@ class MemoryPlan:
     ``devices`` (a :class:`DeviceMemory` per device of an accelerator pool; empty on a CPU
     pool, whose stages compute in host memory), the microbatches it was planned with, the
     stages whose activations are not counted (``untraced``: stage -> the
-    :class:`StageNotTraceable` that says why) and those measured by a real CPU run instead of
-    a trace (``measured``). ``str(plan)`` is the report (docs/memory.md reads one)."""
+    :class:`StageNotTraceable` that says why), those measured by a real CPU run instead of
+    a trace (``measured``), and each stage's own bytes (``stages``, :class:`StageMemory`).
+    ``str(plan)`` is the report (docs/memory.md reads one)."""
 
     name: str
     host: HostTerms
@@ -104,6 +121,7 @@ class MemoryPlan:
     untraced: dict[int, StageNotTraceable]
     measured: tuple[int, ...]
     notes: tuple[str, ...] = ()
+    stages: tuple[StageMemory, ...] = ()
 
     @property
     def largest(self) -> tuple[str, str, int]:
@@ -121,6 +139,29 @@ class MemoryPlan:
         """Whether every planned total is within what was available (unknown counts as fits)."""
         host_ok = self.host.available is None or self.host.new_bytes <= self.host.available
         return host_ok and all(d.fits for d in self.devices)
+
+    def _stage_table(self, most: int = 8) -> str:
+        """Per stage (the ``most`` largest by backward, if there are more), microbatch 0."""
+        rows = list(self.stages)
+        title = "Stages, microbatch 0 (bytes beyond the stage's input and weights):"
+        if len(rows) > most:
+            rows = sorted(rows, key=lambda r: -(r.backward or 0))[:most]
+            rows.sort(key=lambda r: r.stage)
+            title = f"Stages, the {most} with the largest backward, microbatch 0:"
+        lines = [
+            title,
+            f"  {'stage':>5} {'weights':>11} {'input':>11} {'forward':>11} {'backward':>11}",
+        ]
+
+        def cell(n: int | None) -> str:
+            return "-" if n is None else format_bytes(n)
+
+        for r in rows:
+            lines.append(
+                f"  {r.stage:>5} {cell(r.weights):>11} {cell(r.input):>11} "
+                f"{cell(r.forward):>11} {cell(r.backward):>11}"
+            )
+        return "\n".join(lines)
 
     def __str__(self) -> str:
         batch = sum(self.microbatch_sizes)
@@ -161,6 +202,8 @@ class MemoryPlan:
                 lines.append(f"  {term:<{width}} {format_bytes(nbytes):>11}")
         if not self.devices:
             lines.append("No accelerator: the stages compute in host memory (counted above).")
+        if self.stages:
+            lines.append(self._stage_table())
         where, term, nbytes = self.largest
         lines.append(f"Largest term: {term} ({where}), {format_bytes(nbytes)}")
         for s in self.measured:
@@ -313,7 +356,22 @@ def make_memory_plan(
         dict(traces.untraced) if traces is not None else {},
         tuple(traces.measured) if traces is not None else (),
         tuple(notes),
+        _stage_rows(call, traces),
     )
+
+
+def _stage_rows(call: PlannedCall | None, traces: StageTraces | None) -> tuple[StageMemory, ...]:
+    if call is None or traces is None:
+        return ()
+    rows = []
+    for s, stage in enumerate(call.stages):
+        x = traces.bytes[s][0] if traces.bytes[s] else None
+        if x is None:
+            rows.append(StageMemory(s, stage.upload_bytes, None, None, None))
+        else:
+            backward = x.backward_peak if call.training else None
+            rows.append(StageMemory(s, stage.upload_bytes, x.input, x.forward_peak, backward))
+    return tuple(rows)
 
 
 def check_device_memory(devices: Sequence[DeviceMemory], what: str, cfg: Any) -> None:
