@@ -9,11 +9,20 @@ thread. See README.md and docs/.
 from roundpipe import distributed, optim, optim_thread
 from roundpipe.context import WithContext
 from roundpipe.grad_scaler import GradScaler, ScaleCollapseWarning, ScalerSnapshot
+from roundpipe.host_memory import HostMemoryError, host_memory_available, pin_module
 from roundpipe.layer_costs import measure_layer_costs
 from roundpipe.microbatch import MicrobatchInfo
 from roundpipe.monitor import TrainingHistory, TrainingMonitor
 from roundpipe.plan import stages_by_size
-from roundpipe.runtime import OptimizerCtx, RoundPipe, RoundPipeRunConfig, UnevenMicrobatchWarning
+from roundpipe.runtime import (
+    DeviceMemoryError,
+    MemoryPlan,
+    OptimizerCtx,
+    RoundPipe,
+    RoundPipeRunConfig,
+    StageNotTraceable,
+    UnevenMicrobatchWarning,
+)
 
 __version__ = "0.1.0"
 
@@ -31,6 +40,12 @@ __all__ = [
     "ScalerSnapshot",
     "TrainingHistory",
     "TrainingMonitor",
+    "MemoryPlan",
+    "HostMemoryError",
+    "DeviceMemoryError",
+    "StageNotTraceable",
+    "host_memory_available",
+    "pin_module",
     "distributed",
     "optim",
     "optim_thread",

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 from roundpipe import distributed, optim_thread
 from roundpipe.host_copy import HostCopy
@@ -342,6 +343,10 @@ class GradScaler:
             return outputs
 
         def apply(value):
+            if isinstance(value, FakeTensor):
+                # A memory plan traces loss_fn on fake tensors: scale by a fake of the same
+                # dtype, and leave the scaler's state (its lazily made scale) alone.
+                return value * torch.ones((), dtype=torch.float32, device=value.device)
             if isinstance(value, torch.Tensor):
                 return value * self._scale_on(value.device)
             if isinstance(value, Iterable):

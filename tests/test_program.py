@@ -84,7 +84,7 @@ def test_the_copies_the_device_sees_are_the_programs_uploads_and_downloads(devic
     cfg = RoundPipeRunConfig(num_microbatch=4, **CONFIGS[config])
     model = RoundPipe(_model(), devices=devices, model_run_config=cfg)
     params = dict(model.module.named_parameters())
-    stage_of = {p.untyped_storage().data_ptr(): int(n.split(".")[0]) for n, p in params.items()}
+    stage_of = {p.data_ptr(): int(n.split(".")[0]) for n, p in params.items()}
     x, y = _batch()
     with emu.record_copies() as log:
         model.forward_backward(input_args=(x,), label=y, loss_fn=_loss)

@@ -95,7 +95,7 @@ def test_each_stage_is_uploaded_at_most_twice_and_its_grads_downloaded_once(devi
     )
     params = dict(model.module.named_parameters())
     assert all(p.is_pinned() for p in params.values())  # uploads come from pinned memory
-    ptr = {p.untyped_storage().data_ptr(): n for n, p in params.items()}
+    ptr = {p.data_ptr(): n for n, p in params.items()}
     x, y = _batch()
     with emu.record_copies() as log:
         model.forward_backward(input_args=(x,), label=y, loss_fn=_loss)
@@ -163,7 +163,7 @@ def test_no_recompute_keeps_the_forward_upload_for_the_backward():
         devices="emu",
         model_run_config=RoundPipeRunConfig(num_microbatch=4, recompute=False),
     )
-    ptr = {p.untyped_storage().data_ptr() for p in model.module.parameters()}
+    ptr = {p.data_ptr() for p in model.module.parameters()}
     x, y = _batch()
     with emu.record_copies() as log:
         model.forward_backward(input_args=(x,), label=y, loss_fn=_loss)
@@ -208,7 +208,7 @@ def test_the_next_stage_is_prefetched_on_the_copy_stream():
     )
     backend = model._pool.backends[0]
     params = dict(model.module.named_parameters())
-    stage_of = {p.untyped_storage().data_ptr(): int(n.split(".")[0]) for n, p in params.items()}
+    stage_of = {p.data_ptr(): int(n.split(".")[0]) for n, p in params.items()}
     x, y = _batch()
     with emu.record_copies() as log:
         model.forward_backward(input_args=(x,), label=y, loss_fn=_loss)
@@ -248,9 +248,7 @@ def test_every_devices_first_upload_of_a_call_runs_on_its_copy_stream(devices):
     with OptimizerCtx():
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
     params = dict(model.module.named_parameters())
-    stage_of = {
-        p.untyped_storage().data_ptr(): int(n.split(".")[0]) // 2 for n, p in params.items()
-    }
+    stage_of = {p.data_ptr(): int(n.split(".")[0]) // 2 for n, p in params.items()}
     last = 2
     plan = model.plan()
     x, y = _batch()
@@ -284,7 +282,7 @@ def test_every_upload_runs_on_the_copy_stream(devices):
         devices=devices,
         model_run_config=RoundPipeRunConfig(num_microbatch=4, execute_plan=[2, 2, 1]),
     )
-    ptr = {p.untyped_storage().data_ptr() for p in model.module.parameters()}
+    ptr = {p.data_ptr() for p in model.module.parameters()}
     x, y = _batch()
     with emu.record_copies() as log:
         model.forward_backward(input_args=(x,), label=y, loss_fn=_loss)
@@ -436,7 +434,7 @@ def test_a_device_memory_budget_decides_prefetch_and_offload(budget, offloaded, 
         model_run_config=RoundPipeRunConfig(num_microbatch=4, device_memory_budget=budget),
     )
     backend = model._pool.backends[0]
-    ptr = {p.untyped_storage().data_ptr() for p in model.module.parameters()}
+    ptr = {p.data_ptr() for p in model.module.parameters()}
     with emu.record_copies() as log:
         model.forward_backward(input_args=(x,), label=y, loss_fn=_loss)
     assert _saved_offloads(log) == offloaded

@@ -19,6 +19,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from roundpipe.devices.backend import WorkerDevice
+from roundpipe.host_memory import TORCH_PINNED, PinnedAllocator, pin_module, pinned_empty
 
 __all__ = ["AcceleratorBackend", "Resident"]
 
@@ -62,8 +63,10 @@ class AcceleratorBackend:
     (main thread, while no action of a call runs) and :meth:`memory_available` (any thread).
     """
 
-    def __init__(self, device: WorkerDevice) -> None:
+    def __init__(self, device: WorkerDevice, pinned: PinnedAllocator = TORCH_PINNED) -> None:
         self.device = device
+        # How this device kind gets pinned host memory (see [Note: the pinned pool]).
+        self.pinned = pinned
         self.device_type = device.type
         self.torch_device = device.torch_device
         self._module = torch.get_device_module(device.type)
@@ -100,11 +103,10 @@ class AcceleratorBackend:
     def prepare_host(self, module: torch.nn.Module) -> None:
         """Main thread, at wrap time: move the module's parameters and buffers into pinned host
         memory (same objects, new storage), so that uploads do not stage through a bounce
-        buffer and can overlap compute."""
-        with torch.no_grad():
-            for t in list(module.parameters()) + list(module.buffers()):
-                if t.device.type == "cpu" and not t.is_pinned():
-                    t.data = t.data.pin_memory()
+        buffer and can overlap compute. One pool of a few large allocations, not one per
+        tensor, so the host allocator's rounding does not double the model
+        (see [Note: the pinned pool] in :mod:`roundpipe.host_memory`)."""
+        pin_module(module, self.pinned)
 
     def to_device(self, tree: Any, after: torch.Event | None = None) -> Any:
         def move(x: Any) -> Any:
@@ -212,9 +214,13 @@ class AcceleratorBackend:
     ) -> tuple[list[torch.Tensor | None], torch.Event]:
         """Start copying device tensors into fresh pinned host tensors on the download stream,
         after the compute so far; returns them and the event that completes when they have
-        arrived. The worker goes on computing; whoever reads them waits for the event."""
+        arrived. The worker goes on computing; whoever reads them waits for the event. The host
+        tensors are views of one pinned pool (see [Note: the pinned pool] in
+        :mod:`roundpipe.host_memory`), freed once all of them are."""
         down = self.download_stream
         down.wait_stream(self.stream)
+        moved = [t for t in tensors if t is not None and t.device.type != "cpu"]
+        pool = iter(pinned_empty([(t.shape, t.dtype) for t in moved], self.pinned))
         host: list[torch.Tensor | None] = []
         with down:
             for t in tensors:
@@ -222,8 +228,7 @@ class AcceleratorBackend:
                     host.append(t)
                     continue
                 t.record_stream(down)  # the compute side may drop it before the copy ran
-                dst = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-                host.append(dst.copy_(t.detach(), non_blocking=True))
+                host.append(next(pool).copy_(t.detach(), non_blocking=True))
         done = torch.Event(device=self.torch_device)
         done.record(down)
         return host, done

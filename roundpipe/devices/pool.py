@@ -32,6 +32,7 @@ import torch
 from roundpipe.devices.accelerator import AcceleratorBackend
 from roundpipe.devices.backend import Backend, WorkerDevice
 from roundpipe.devices.cpu import CPUBackend
+from roundpipe.host_memory import TORCH_PINNED, PinnedAllocator
 from roundpipe.workers import Future, WorkerThread
 
 __all__ = [
@@ -56,12 +57,15 @@ class DeviceKind:
     """An accelerator kind a spec may name. ``indices(rest)`` turns what follows ``kind:`` in a
     spec (``""`` for the bare kind) into device indices, raising ``ValueError`` naming its
     accepted forms; ``activate()`` makes the kind usable (installs its torch backend) and is
-    called once, when a spec first names it; ``forms`` describes the specs it accepts."""
+    called once, when a spec first names it; ``forms`` describes the specs it accepts;
+    ``pinned``: how the kind gets pinned host memory, and what an allocation of it takes
+    (default: torch's, which CUDA's caching host allocator rounds up to a power of two)."""
 
     name: str
     indices: Callable[[str], Sequence[int]]
     activate: Callable[[], None]
     forms: str
+    pinned: PinnedAllocator = TORCH_PINNED
 
 
 def _cuda_indices(rest: str) -> Sequence[int]:
@@ -280,7 +284,9 @@ class DevicePool:
         self.backends: list[Backend]
         self.accelerators: list[AcceleratorBackend] = []
         if self.streaming:
-            self.accelerators = [AcceleratorBackend(d) for d in self.devices]
+            kind = _kind(self.device_type)
+            pinned = kind.pinned if kind is not None else TORCH_PINNED
+            self.accelerators = [AcceleratorBackend(d, pinned) for d in self.devices]
             self.backends = list(self.accelerators)
         else:
             self.backends = [CPUBackend(d) for d in self.devices]

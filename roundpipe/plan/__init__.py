@@ -7,6 +7,8 @@
 * :mod:`~roundpipe.plan.partition`: layers per stage (``execute_plan``), :func:`stages_by_size`.
 * :mod:`~roundpipe.plan.price`: a plan's timeline per stream from stage costs and a link's
   bandwidth (:func:`price`).
+* :mod:`~roundpipe.plan.memory`: a plan's peak memory per device, action by action
+  (:func:`device_peaks`).
 """
 
 from roundpipe.plan.actions import (
@@ -21,21 +23,26 @@ from roundpipe.plan.actions import (
     stage_device,
 )
 from roundpipe.plan.build import build_plan
+from roundpipe.plan.memory import ActionBytes, DevicePeak, StageBytes, device_peaks
 from roundpipe.plan.partition import check_execute_plan, partition, stages_by_size
 from roundpipe.plan.price import Costs, Span, Timeline, price
 
 __all__ = [
     "Action",
+    "ActionBytes",
     "ActionKind",
     "Costs",
+    "DevicePeak",
     "Plan",
     "PlanSizes",
     "Span",
+    "StageBytes",
     "Timeline",
     "Transfer",
     "TransferKind",
     "build_plan",
     "check_execute_plan",
+    "device_peaks",
     "device_stages",
     "partition",
     "price",

@@ -24,6 +24,8 @@ Modules, by concern (all internal but ``model``'s :class:`RoundPipe`, ``config``
 * ``stage_ops``: the stage bodies (forward, recompute, backward, ``loss_fn``).
 * ``grad_router``: the only way a gradient reaches a master.
 * ``rng``: the RNG chains (see [Note: RNG chains]).
+* ``memory_trace``, ``memory_plan``: a call's memory before it runs (stages traced on fake
+  tensors, the plan's device peaks, :class:`MemoryPlan`, the first call's device check).
 * ``optimizer_ctx``: :class:`OptimizerCtx`, the ``step_fn`` work item, the optimizer pre-hook.
 
 Threads and what they touch (see docs/threads-and-staleness.md, "The threads"):
@@ -38,7 +40,17 @@ Threads and what they touch (see docs/threads-and-staleness.md, "The threads"):
 """
 
 from roundpipe.runtime.config import RoundPipeRunConfig
+from roundpipe.runtime.memory_plan import DeviceMemoryError, MemoryPlan
+from roundpipe.runtime.memory_trace import StageNotTraceable
 from roundpipe.runtime.model import RoundPipe, UnevenMicrobatchWarning
 from roundpipe.runtime.optimizer_ctx import OptimizerCtx
 
-__all__ = ["RoundPipe", "RoundPipeRunConfig", "OptimizerCtx", "UnevenMicrobatchWarning"]
+__all__ = [
+    "RoundPipe",
+    "RoundPipeRunConfig",
+    "OptimizerCtx",
+    "UnevenMicrobatchWarning",
+    "MemoryPlan",
+    "DeviceMemoryError",
+    "StageNotTraceable",
+]

@@ -22,13 +22,28 @@ from torch.utils.hooks import RemovableHandle
 from roundpipe import optim_thread
 from roundpipe.autocast import resolve_autocast
 from roundpipe.devices import DevicePool
+from roundpipe.host_memory import (
+    check_host_memory,
+    host_memory_available,
+    host_terms,
+    pool_layout,
+    skip_memory_check,
+)
 from roundpipe.main_thread import check_main_thread
-from roundpipe.microbatch import merge_outputs, split_inputs
+from roundpipe.microbatch import merge_outputs, split_inputs, split_label
 from roundpipe.plan import Plan
-from roundpipe.runtime.call import ModelParts, plan_sizes, prepare_call
+from roundpipe.runtime.call import ModelParts, plan_sizes, prepare_call, takes_microbatch
 from roundpipe.runtime.config import ResolvedRunConfig, RoundPipeRunConfig, resolve_config
 from roundpipe.runtime.executor import execute
 from roundpipe.runtime.grad_router import GradHooks, clear_grads
+from roundpipe.runtime.memory_plan import (
+    MemoryPlan,
+    PlannedCall,
+    check_device_memory,
+    make_memory_plan,
+    plan_devices,
+    trace_call,
+)
 from roundpipe.runtime.optimizer_ctx import ensure_optimizer_hook, in_optimizer_ctx, wrap_step
 from roundpipe.runtime.params import Params
 from roundpipe.runtime.rng import RngMemo, learn_rng_use, restore_after_call
@@ -75,6 +90,12 @@ class RoundPipe(nn.Module):
         model_run_config: the model-level :class:`RoundPipeRunConfig`.
         devices: the device pool (``"cpu"``, ``"cpu:2"``, ``"cuda:0,1"``); default
             ``$ROUNDPIPE_DEVICES``, else every CUDA device, else one CPU worker.
+        memory_check: before wrapping, raise :class:`roundpipe.HostMemoryError` if the host
+            RAM the wrap and training take (masters, their gradients, an Adam-sized optimizer
+            state, the pinned pool) exceeds what the host has available; at the first
+            ``forward_backward`` on an accelerator pool, raise
+            :class:`roundpipe.DeviceMemoryError` if its planned peak exceeds a device's free
+            memory. False (or ``ROUNDPIPE_SKIP_MEMORY_CHECK=1``) skips both (docs/memory.md).
 
     Every public method is for the main thread (the one that runs the training loop), except
     :meth:`optim_parameters`/:meth:`optim_named_parameters` and ``parameters()`` inside
@@ -89,6 +110,7 @@ class RoundPipe(nn.Module):
         name: str | None = None,
         model_run_config: RoundPipeRunConfig | None = None,
         devices: Any = None,
+        memory_check: bool = True,
     ) -> None:
         super().__init__()
         if not isinstance(model, nn.Module):
@@ -106,6 +128,16 @@ class RoundPipe(nn.Module):
         self.name = name
         self.model_run_config = model_run_config or RoundPipeRunConfig()
         self._pool = DevicePool(devices)
+        self._memory_check = bool(memory_check) and not skip_memory_check()
+        if self._memory_check:  # before anything is allocated
+            check_host_memory(
+                host_terms(model, optim_dtype, self._pinned(), host_memory_available()),
+                f"RoundPipe{_tag(name)}",
+                bool(self.model_run_config.offload_activations),
+            )
+        # The device check runs at the first forward_backward (it needs the call's inputs).
+        self._device_check_pending = self._memory_check and self._pool.streaming
+        self._optim_dtype = optim_dtype
         self._pool.backends[0].prepare_host(model)
         layers = model_layers(model)
         self._params = Params(model, [layer.module for layer in layers], optim_dtype)
@@ -234,6 +266,107 @@ class RoundPipe(nn.Module):
             sizes,
         )
 
+    def memory_plan(
+        self,
+        input_args: Sequence[Any] = (),
+        input_kwargs: dict[str, Any] | None = None,
+        label: Any = None,
+        loss_fn: Callable[..., torch.Tensor] | None = None,
+        run_config: RoundPipeRunConfig | None = None,
+        return_outputs: bool = False,
+    ) -> MemoryPlan:
+        """What a ``forward_backward`` with these arguments (the same as
+        :meth:`forward_backward`'s) would take, host and devices, without running it:
+        ``print(model.memory_plan(input_args=(x,), label=y, loss_fn=loss_fn))`` prints the
+        report (docs/memory.md reads one). Host RAM: the weights, the masters, their gradients,
+        an Adam-sized optimizer state, the pinned pool's slack, the stage inputs an accelerator
+        offloads (a CPU pool: the activations). Per device of an accelerator pool: the peak
+        of the call's plan, from its program and each stage's activations, traced on fake
+        tensors (shapes only, no compute). ``loss_fn`` runs on fake tensors, once per distinct
+        microbatch shape (None: a stand-in whose gradient is the size of the output); a stage
+        fake tensors cannot run is measured by a real CPU run if small, else reported in
+        ``untraced``. Without inputs only the host terms and the weights are counted. Main
+        thread; changes nothing of the model."""
+        check_main_thread("memory_plan")
+        cfg = self._resolve(run_config)
+        terms = host_terms(self.module, self._optim_dtype, self._pinned(), host_memory_available())
+        call = self._planned_call(
+            cfg, tuple(input_args), dict(input_kwargs or {}), label, loss_fn, return_outputs
+        )
+        return make_memory_plan(self._name_tag(), terms, call, self._pinned_grad_bytes(call))
+
+    def _pinned(self) -> Any:
+        """The pinned allocator of an accelerator pool (None: a CPU pool pins nothing)."""
+        return self._pool.accelerators[0].pinned if self._pool.streaming else None
+
+    def _pinned_grad_bytes(self, call: PlannedCall) -> int | None:
+        """Host bytes of the masters' gradients on an accelerator pool, where each stage's are
+        downloaded into one pinned pool and adopted as the masters' ``.grad`` (None: not
+        adopted, or a CPU pool)."""
+        pinned = self._pinned()
+        if pinned is None:
+            return None
+        dtype = call.grad_dtype
+        total = 0
+        for stage in call.stages:
+            sizes = []
+            for rec in stage.params:
+                if rec.master is None or not rec.param.requires_grad:
+                    continue
+                if dtype is not None and dtype != rec.master.dtype:
+                    return None
+                sizes.append(rec.master.numel() * rec.master.element_size())
+            total += pool_layout(sizes, pinned).taken
+        return total
+
+    def _planned_call(
+        self,
+        cfg: ResolvedRunConfig,
+        args: tuple,
+        kwargs: dict,
+        label: Any,
+        loss_fn: Callable | None,
+        return_outputs: bool,
+    ) -> PlannedCall:
+        stages = self._stages.stages(cfg.execute_plan)
+        chunks: list = []
+        sizes: list[int] = []
+        labels: list = []
+        if args or kwargs:
+            chunks, sizes = split_inputs(args, kwargs, cfg.num_microbatch, cfg.split_input)
+            labels = split_label(label, cfg.num_microbatch, sizes, cfg.split_label)
+        autocast = resolve_autocast(cfg.autocast, self._pool.device_type)
+        plan_sizes_ = plan_sizes(
+            stages, self._pool, cfg, True, chunks or None, self._params.cast_dtype, autocast
+        )
+        plan = self._stages.plan(
+            stages,
+            cfg.num_microbatch,
+            len(self._pool),
+            self._pool.streaming,
+            True,
+            cfg.recompute,
+            plan_sizes_,
+        )
+        grad_dtype = None
+        if self._pool.streaming and isinstance(cfg.device_grad_dtype, torch.dtype):
+            grad_dtype = cfg.device_grad_dtype
+        return PlannedCall(
+            stages=stages,
+            plan=plan,
+            pool=self._pool,
+            chunks=chunks,
+            sizes=sizes,
+            labels=labels,
+            loss_fn=loss_fn,
+            loss_takes_microbatch=loss_fn is not None and takes_microbatch(loss_fn),
+            cast_dtype=self._params.cast_dtype,
+            autocast=autocast,
+            grad_dtype=grad_dtype,
+            training=True,
+            return_outputs=return_outputs,
+        )
+
     def _resolve(self, run_config: RoundPipeRunConfig | None) -> ResolvedRunConfig:
         return resolve_config(run_config, self.model_run_config, len(self._stages.layers))
 
@@ -292,6 +425,8 @@ class RoundPipe(nn.Module):
             training=True,
             return_outputs=return_outputs,
         )
+        if self._device_check_pending:
+            self._check_device_memory(spec, cfg)
         if len(set(spec.sizes)) > 1 and not spec.loss_takes_microbatch and not self._warned_uneven:
             self._warned_uneven = True
             warnings.warn(
@@ -437,6 +572,32 @@ class RoundPipe(nn.Module):
         self._params.wait_ready()
 
     # -- internals ----------------------------------------------------------------------------
+    def _check_device_memory(self, spec: Any, cfg: ResolvedRunConfig) -> None:
+        """The first forward_backward on an accelerator pool: plan its device peaks (stages
+        traced on fake tensors) and raise DeviceMemoryError before anything is allocated if a
+        device has not the room. Once per model. The user's ``loss_fn`` is not called (it may
+        count or log its calls): a stand-in loss is traced instead, and a stage fake tensors
+        cannot run counts no activations (no real run either), so the check never refuses a
+        run on what it could not see."""
+        self._device_check_pending = False
+        call = PlannedCall(
+            stages=spec.stages,
+            plan=spec.plan,
+            pool=self._pool,
+            chunks=spec.chunks,
+            sizes=spec.sizes,
+            labels=spec.labels,
+            loss_fn=None,
+            loss_takes_microbatch=False,
+            cast_dtype=spec.cast_dtype,
+            autocast=spec.autocast,
+            grad_dtype=spec.grad_dtype,
+            training=True,
+            return_outputs=spec.return_outputs,
+        )
+        devices = plan_devices(call, trace_call(call, real_runs=False))
+        check_device_memory(devices, f"RoundPipe{self._name_tag()}", cfg)
+
     def _restore_rng(self, spec: Any, state: Any, ok: bool) -> None:
         end = None
         if ok and spec.plan.num_microbatch == 1:
@@ -458,7 +619,11 @@ class RoundPipe(nn.Module):
             self._params.launch_copy()
 
     def _name_tag(self) -> str:
-        return f" {self.name!r}" if self.name else ""
+        return _tag(self.name)
+
+
+def _tag(name: str | None) -> str:
+    return f" {name!r}" if name else ""
 
 
 def _to_device(tree: Any, device: torch.device) -> Any:

@@ -9,9 +9,16 @@ emulated accelerators) work; roundpipe's ``roundpipe.devices`` entry point names
 from collections.abc import Sequence
 
 from roundpipe.devices.pool import DeviceKind, register_device_kind
-from roundpipe.testing.emu import DEVICE_COUNT, EmuTensor, install, is_installed
+from roundpipe.host_memory import TORCH_PINNED, PinnedAllocator
+from roundpipe.testing.emu import (
+    DEVICE_COUNT,
+    EmuTensor,
+    install,
+    is_installed,
+    pinned_round_limit,
+)
 
-__all__ = ["DEVICE_COUNT", "EmuTensor", "install", "is_installed"]
+__all__ = ["DEVICE_COUNT", "EMU_PINNED", "EmuTensor", "install", "is_installed"]
 
 
 def _emu_indices(rest: str) -> Sequence[int]:
@@ -22,6 +29,16 @@ def _emu_indices(rest: str) -> Sequence[int]:
     raise ValueError(f"'emu:N' takes a number of emulated devices 1 <= N <= {DEVICE_COUNT}")
 
 
+# torch's pinned memory, which the emulated device's allocator rounds up to a power of two as
+# CUDA's does (up to its own limit), and counts (see [Note: emulated pinned memory] in
+# roundpipe.testing.emu).
+EMU_PINNED = PinnedAllocator("emulated pinned memory", TORCH_PINNED.allocate, pinned_round_limit)
 register_device_kind(
-    DeviceKind("emu", _emu_indices, install, "'emu' / 'emu:N' (N emulated accelerators, for tests)")
+    DeviceKind(
+        "emu",
+        _emu_indices,
+        install,
+        "'emu' / 'emu:N' (N emulated accelerators, for tests)",
+        pinned=EMU_PINNED,
+    )
 )

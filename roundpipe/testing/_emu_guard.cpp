@@ -277,28 +277,60 @@ int roundpipe_emu_finished(int64_t id) {
 const char* roundpipe_emu_error() { return last_error.c_str(); }
 }  // extern "C"
 
+
 namespace {
 
 
 // pin_memory() on the emulated accelerator: host memory from the CPU allocator, remembered so
-// that is_pinned() answers True for it and only for it.
+// that is_pinned() answers True for it and only for it. Each allocation takes the next power of
+// two of its size, as CUDA's caching host allocator rounds it (CachingHostAllocator.h, default
+// config), and is counted (see [Note: emulated pinned memory] in emu.py). Unlike CUDA's, a
+// freed block goes back to the CPU allocator at once (no cache).
 std::mutex pinned_mutex;
-std::unordered_set<const void*> pinned;
+std::unordered_map<const void*, std::pair<int64_t, int64_t>> pinned;  // ptr -> (taken, asked)
+int64_t pinned_taken = 0;      // live bytes, rounded: what the host gives
+int64_t pinned_asked = 0;      // live bytes as requested
+int64_t pinned_peak = 0;       // the most pinned_taken has been since the last reset
+int64_t pinned_count = 0;      // live allocations
+int64_t pinned_round_limit = int64_t{1} << 62;  // larger allocations are not rounded, as
+                                               // torch's pinned_max_round_threshold_mb
+
+size_t power_of_two_ceil(size_t n) {
+  size_t p = 1;
+  while (p < n) p <<= 1;
+  return p;
+}
 
 void pinned_free(void* ptr) {
   {
     std::lock_guard<std::mutex> lock(pinned_mutex);
-    pinned.erase(ptr);
+    auto it = pinned.find(ptr);
+    if (it != pinned.end()) {
+      pinned_taken -= it->second.first;
+      pinned_asked -= it->second.second;
+      pinned_count -= 1;
+      pinned.erase(it);
+    }
   }
   GetCPUAllocator()->raw_deallocate(ptr);
 }
 
 struct PinnedAllocator final : Allocator {
   DataPtr allocate(size_t nbytes) override {
-    void* ptr = GetCPUAllocator()->raw_allocate(nbytes ? nbytes : 1);
+    size_t taken = 0;
     {
       std::lock_guard<std::mutex> lock(pinned_mutex);
-      pinned.insert(ptr);
+      taken = static_cast<int64_t>(nbytes) > pinned_round_limit ? nbytes : power_of_two_ceil(nbytes);
+    }
+    if (nbytes == 0) taken = 0;
+    void* ptr = GetCPUAllocator()->raw_allocate(taken ? taken : 1);
+    {
+      std::lock_guard<std::mutex> lock(pinned_mutex);
+      pinned[ptr] = {static_cast<int64_t>(taken), static_cast<int64_t>(nbytes)};
+      pinned_taken += static_cast<int64_t>(taken);
+      pinned_asked += static_cast<int64_t>(nbytes);
+      pinned_count += 1;
+      pinned_peak = std::max(pinned_peak, pinned_taken);
     }
     return {ptr, ptr, &pinned_free, Device(DeviceType::CPU)};
   }
@@ -328,3 +360,21 @@ struct RegisterHooks {
   }
 } register_hooks;
 }  // namespace
+
+extern "C" {
+// The pinned host allocations: out[0] live bytes taken (rounded), out[1] live bytes asked,
+// out[2] peak of out[0] since the last reset, out[3] live allocations. reset: peak = live.
+void roundpipe_emu_set_pinned_round_limit(int64_t limit) {
+  std::lock_guard<std::mutex> lock(pinned_mutex);
+  pinned_round_limit = limit;
+}
+
+void roundpipe_emu_pinned_stats(int64_t* out, int reset) {
+  std::lock_guard<std::mutex> lock(pinned_mutex);
+  if (reset) pinned_peak = pinned_taken;
+  out[0] = pinned_taken;
+  out[1] = pinned_asked;
+  out[2] = pinned_peak;
+  out[3] = pinned_count;
+}
+}  // extern "C"

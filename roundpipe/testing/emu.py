@@ -29,6 +29,9 @@ and every op on it runs on the host. What it catches, as CUDA would:
 * Device memory: counted per storage (``memory_allocated``, ``max_memory_allocated``,
   ``mem_get_info`` on ``torch.get_device_module("emu")``), with an optional capacity beyond
   which allocations raise ``torch.OutOfMemoryError`` (see [Note: emulated device memory]).
+* Pinned host memory: each allocation takes the next power of two of its size, as CUDA's
+  caching host allocator rounds it, and is counted (:func:`pinned_memory_stats`; see
+  [Note: emulated pinned memory]).
 
 What it cannot catch: the caching allocator's reuse of freed memory across streams (a missing
 ``record_stream``) and its rounding and fragmentation; a CUDA kernel's own numerics (TF32, fused
@@ -63,6 +66,10 @@ __all__ = [
     "StreamOrderError",
     "record_copies",
     "set_memory_capacity",
+    "PinnedMemoryStats",
+    "pinned_memory_stats",
+    "pinned_round_limit",
+    "set_pinned_round_limit",
     "install",
     "is_installed",
 ]
@@ -117,10 +124,11 @@ _AUTOCAST_LOWER = (
 class Copy:
     """One copy between the host and an emulated device, as :func:`record_copies` logs it.
 
-    ``direction``: ``"h2d"`` or ``"d2h"``; ``host_ptr``: the data pointer of the host tensor's
-    storage (for an upload, what was read; for a download into an existing tensor, what was
-    written; None for a download that made a new tensor); ``stream_id``: the stream current on
-    the emulated device when the copy was made."""
+    ``direction``: ``"h2d"`` or ``"d2h"``; ``host_ptr``: the data pointer of the host tensor,
+    its first element (tensors of one pinned pool share a storage, not this): for an upload,
+    what was read; for a download into an existing tensor, what was written; None for a
+    download that made a new tensor. ``stream_id``: the stream current on the emulated device
+    when the copy was made."""
 
     direction: str
     host_ptr: int | None
@@ -148,7 +156,7 @@ def record_copies() -> Iterator[list[Copy]]:
 def _log_copy(direction: str, host: torch.Tensor | None, emu: torch.Tensor) -> None:
     entry = Copy(
         direction,
-        None if host is None else host.untyped_storage().data_ptr(),
+        None if host is None else host.data_ptr(),
         emu.numel(),
         emu.dtype,
         host is not None and host.is_pinned(),
@@ -254,6 +262,64 @@ def _index_of(device: Any) -> int:
 class StreamOrderError(RuntimeError):
     """Two accesses to one emulated device's memory that no stream order, event or host wait
     puts in order: on a GPU they would race."""
+
+
+# [Note: emulated pinned memory]
+# pin_memory(), torch.empty(..., pin_memory=True) and non-blocking downloads get their host
+# memory from the guard's pinned allocator (_emu_guard.cpp). CUDA's caching host allocator
+# rounds every pinned allocation up to the next power of two (its default config), so pinning
+# a model tensor by tensor can take nearly twice its bytes (pytorch#95823); the emulated one
+# takes the same rounded bytes from the CPU allocator and counts them, so a test can measure
+# what pinning costs the host exactly. As torch's, it leaves allocations above
+# ``pinned_max_round_threshold_mb`` / ``pinned_max_cached_size_mb`` (PYTORCH_ALLOC_CONF, read
+# at install; set_pinned_round_limit) unrounded. Not modelled: CUDA keeps freed pinned blocks
+# in a cache for reuse; here they go back at once.
+_pinned_limit = [1 << 62]  # the round limit in force (see roundpipe.host_memory.UNLIMITED)
+
+
+def set_pinned_round_limit(nbytes: int) -> int:
+    """Pinned allocations above ``nbytes`` take their own size, those below are rounded up to
+    a power of two (as torch's ``pinned_max_round_threshold_mb``); returns the previous limit.
+    Any thread; needs :func:`install`."""
+    if _native is None:
+        raise RuntimeError(
+            "the emulated device is not installed: call roundpipe.testing.emu.install() first"
+        )
+    previous = _pinned_limit[0]
+    _pinned_limit[0] = int(nbytes)
+    _native.roundpipe_emu_set_pinned_round_limit(int(nbytes))
+    return previous
+
+
+def pinned_round_limit() -> int:
+    """The largest pinned allocation the emulated allocator rounds up. Any thread."""
+    return _pinned_limit[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class PinnedMemoryStats:
+    """The emulated pinned host allocations alive now: ``allocated_bytes`` (what the host gives
+    them, each rounded up to a power of two), ``requested_bytes`` (what was asked for),
+    ``peak_allocated_bytes`` (the most ``allocated_bytes`` has been since the last reset) and
+    ``allocations`` (how many)."""
+
+    allocated_bytes: int
+    requested_bytes: int
+    peak_allocated_bytes: int
+    allocations: int
+
+
+def pinned_memory_stats(reset_peak: bool = False) -> PinnedMemoryStats:
+    """The emulated pinned host memory in use (see [Note: emulated pinned memory]);
+    ``reset_peak``: the peak starts again from what is in use now. Any thread; needs
+    :func:`install`."""
+    if _native is None:
+        raise RuntimeError(
+            "the emulated device is not installed: call roundpipe.testing.emu.install() first"
+        )
+    out = (ctypes.c_int64 * 4)()
+    _native.roundpipe_emu_pinned_stats(ctypes.cast(out, ctypes.c_void_p), int(reset_peak))
+    return PinnedMemoryStats(*(int(v) for v in out))
 
 
 _native: Any = None  # the guard library, through ctypes (set by install)
@@ -898,6 +964,10 @@ def install() -> None:
             verbose=False,
         )
         _bind_native(path)
+        # The pinned allocator rounds as CUDA's would under the same allocator config.
+        from roundpipe.host_memory import cuda_pinned_round_limit
+
+        set_pinned_round_limit(cuda_pinned_round_limit())
         capacity = os.environ.get("ROUNDPIPE_EMU_MEMORY")
         if capacity:
             set_memory_capacity(int(capacity))
@@ -935,6 +1005,8 @@ def _bind_native(path: str) -> None:
         ("roundpipe_emu_land", None, [i64]),
         ("roundpipe_emu_finished", ctypes.c_int, [i64]),
         ("roundpipe_emu_error", ctypes.c_char_p, []),
+        ("roundpipe_emu_pinned_stats", None, [vp, ctypes.c_int]),
+        ("roundpipe_emu_set_pinned_round_limit", None, [i64]),
     ):
         fn = getattr(lib, name)
         fn.restype, fn.argtypes = restype, argtypes

@@ -1,0 +1,222 @@
+"""A plan's device memory, action by action: :func:`device_peaks` walks a stage-major plan's
+program (see [Note: the program] in :mod:`roundpipe.plan.actions`) with what each action holds
+and allocates, and returns each device's peak and what makes it up.
+
+It extends the ledger the lowering keeps (stage uploads with their gradient sums, kept stage
+inputs) with what the ledger leaves out: the hand-offs between stages (a stage's output until
+the next stage takes it, an input gradient until the stage before takes it), the gradient sums
+from the first backward of a run (not from the upload), and the activations and workspace of
+the running action (:class:`ActionBytes`, which :mod:`roundpipe.runtime.memory_trace` measures by
+tracing each stage on fake tensors). Devices are walked together in the order :func:`simulate`
+completes their actions, so a hand-off to another device leaves its producer when the
+consumer's action runs. Pure: no threads, no devices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from roundpipe.plan.actions import Action, ActionKind, Plan, simulate
+
+__all__ = ["ActionBytes", "DevicePeak", "StageBytes", "TERMS", "device_peaks"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ActionBytes:
+    """What one stage's actions take on a device for one microbatch (bytes).
+
+    ``input``: the stage input on the device (the copy of the call's inputs for stage 0);
+    ``output``: what its forward hands to the next stage; ``forward_peak``: the most a forward
+    without grad (a streamed ``F``) allocates beyond its input and weights, its output
+    included; ``graph``: what a forward with grad keeps until its backward (``recompute=False``),
+    its output included, and ``grad_forward_peak`` the most it allocates on the way;
+    ``backward_peak``: the most a recompute and backward (``B``), or the last stage's forward,
+    ``loss_fn`` and backward (``L``), allocate beyond the input, the weights and the output
+    gradient they are handed; ``grad_phase_peak``: the most the backward alone reaches, counted
+    from before its forward; ``backward_end``: what is alive at its end (the recomputed output,
+    the parameter and input gradients); ``input_grad``: the gradient it hands to the stage
+    before; ``param_grads``: its parameters' gradients (before they are summed)."""
+
+    input: int = 0
+    output: int = 0
+    forward_peak: int = 0
+    graph: int = 0
+    grad_forward_peak: int = 0
+    backward_peak: int = 0
+    grad_phase_peak: int = 0
+    backward_end: int = 0
+    input_grad: int = 0
+    param_grads: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class StageBytes:
+    """What a stage's run holds on a device: ``upload``, its parameters and buffers;
+    ``grad_sum``, its gradient sums (from its first backward to its download); ``grad_copy``,
+    what the first microbatch's sums allocate beside that microbatch's gradients (a gradient of
+    the sums' dtype is adopted as the sum; one of another dtype is copied into a new one)."""
+
+    upload: int
+    grad_sum: int = 0
+    grad_copy: int = 0
+
+
+# The terms of a device's memory, in report order, with their descriptions.
+TERMS = {
+    "weights": "stage weights and buffers (uploads)",
+    "grads": "gradient sums",
+    "inputs": "stage inputs kept for the backward",
+    "handoffs": "hand-offs (stage outputs, input gradients)",
+    "graph": "saved activations (recompute off)",
+    "outputs": "outputs kept to return",
+    "action": "activations and workspace of the running action",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class DevicePeak:
+    """One device's peak: ``peak`` bytes, reached at (during) action ``at``, made of ``terms``
+    (a name of :data:`TERMS` and bytes each, the largest first)."""
+
+    device: int
+    peak: int
+    at: Action | None
+    terms: tuple[tuple[str, int], ...]
+
+    @property
+    def largest(self) -> tuple[str, int]:
+        """The largest term: (name, bytes)."""
+        return self.terms[0] if self.terms else ("weights", 0)
+
+
+class _Walk:
+    def __init__(self, plan: Plan) -> None:
+        self.plan = plan
+        self.held: list[dict[tuple, tuple[str, int]]] = [{} for _ in range(plan.num_devices)]
+        self.best: list[tuple[int, Action | None, dict[str, int]]] = [
+            (0, None, {}) for _ in range(plan.num_devices)
+        ]
+
+    def note(self, d: int, extra: int, at: Action) -> None:
+        total = sum(b for _, b in self.held[d].values()) + extra
+        if total > self.best[d][0] or self.best[d][1] is None:
+            terms: dict[str, int] = {}
+            for term, b in self.held[d].values():
+                terms[term] = terms.get(term, 0) + b
+            if extra:
+                terms["action"] = extra
+            self.best[d] = (total, at, terms)
+
+    def put(self, d: int, key: tuple, term: str, nbytes: int) -> None:
+        self.held[d][key] = (term, nbytes)
+
+    def pop(self, d: int, key: tuple) -> int:
+        return self.held[d].pop(key, ("", 0))[1]
+
+    def device_of(self, kind: ActionKind, s: int, m: int) -> int:
+        return self.plan.action(kind, s, m).device
+
+
+def device_peaks(
+    plan: Plan,
+    stages: Sequence[StageBytes],
+    actions: Sequence[Sequence[ActionBytes | None]],
+    input_grad: bool = False,
+    return_outputs: bool = False,
+) -> tuple[DevicePeak, ...]:
+    """Each device's peak memory while ``plan`` (a stage-major plan, lowered) runs: ``stages``
+    per stage, ``actions`` per stage and microbatch (None: unknown, counted as nothing).
+    ``input_grad``: the call's inputs require grad (stage 0 hands a gradient back);
+    ``return_outputs``: the last stage's outputs stay on the device until the call ends."""
+    if not plan.stage_major or plan.program is None:
+        raise ValueError("device_peaks walks a stage-major plan's program (an accelerator pool's)")
+    S, M = plan.num_stages, plan.num_microbatch
+    if len(stages) != S or len(actions) != S or any(len(row) != M for row in actions):
+        raise ValueError(f"device_peaks needs {S} stages and {S} x {M} action byte counts")
+    empty = ActionBytes()
+
+    def act(s: int, m: int) -> ActionBytes:
+        return actions[s][m] or empty
+
+    walk = _Walk(plan)
+    recompute = plan.recompute
+    for a in simulate(plan, moves=True):
+        d, k, s, m = a.device, a.kind, a.stage, a.mb_index
+        if k in (ActionKind.UPLOAD, ActionKind.PREFETCH):
+            walk.put(d, ("w", s), "weights", stages[s].upload)
+        elif k is ActionKind.RELEASE:
+            walk.pop(d, ("w", s))
+        elif k is ActionKind.DOWNLOAD:
+            walk.pop(d, ("g", s))
+        elif k is ActionKind.OFFLOAD:
+            walk.pop(d, ("in", s, m))
+        elif k is ActionKind.RELOAD:
+            walk.put(d, ("in", s, m), "inputs", act(s, m).input)
+        elif k is ActionKind.FORWARD:
+            _take_input(walk, a, act(s, m), recompute)
+            x = act(s, m)
+            if recompute or not plan.training:
+                walk.note(d, x.forward_peak, a)
+                if not plan.training:
+                    walk.pop(d, ("in", s, m))  # inference keeps no input
+            else:
+                walk.note(d, x.grad_forward_peak, a)
+                walk.put(d, ("graph", s, m), "graph", max(x.graph - x.output, 0))
+            if s < S - 1:
+                walk.put(d, ("out", s, m), "handoffs", x.output)
+            elif return_outputs or not plan.training:
+                walk.put(d, ("res", m), "outputs", x.output)
+        elif k in (ActionKind.LAST, ActionKind.BACKWARD):
+            x = act(s, m)
+            if k is ActionKind.LAST:
+                _take_input(walk, a, x, recompute)
+                extra = x.backward_peak
+            else:
+                after = ActionKind.LAST if s + 1 == S - 1 else ActionKind.BACKWARD
+                source = walk.device_of(after, s + 1, m)
+                nbytes = walk.pop(source, ("gin", s + 1, m))
+                walk.put(d, ("gin", s + 1, m), "handoffs", nbytes)
+                if recompute:
+                    extra = x.backward_peak
+                else:
+                    extra = max(x.grad_phase_peak - x.graph, 0)
+            end = x.backward_end - (0 if recompute or k is ActionKind.LAST else x.graph)
+            if m == 0:  # the run's first backward: its gradients become the sums
+                extra = max(extra, end + stages[s].grad_copy)
+            walk.note(d, extra, a)
+            walk.pop(d, ("in", s, m))
+            walk.pop(d, ("gin", s + 1, m))
+            if not recompute and k is ActionKind.BACKWARD:
+                walk.pop(d, ("graph", s, m))
+                walk.pop(d, ("out", s, m))
+            if s > 0 or input_grad:
+                walk.put(d, ("gin", s, m), "handoffs", x.input_grad)
+            if m == 0:
+                walk.put(d, ("g", s), "grads", stages[s].grad_sum)
+            if k is ActionKind.LAST and return_outputs:
+                walk.put(d, ("res", m), "outputs", x.output)
+        else:
+            continue
+        walk.note(d, 0, a)
+    peaks = []
+    for d, (peak, at, terms) in enumerate(walk.best):
+        ordered = tuple(sorted(((t, b) for t, b in terms.items() if b), key=lambda tb: -tb[1]))
+        peaks.append(DevicePeak(d, peak, at, ordered))
+    return tuple(peaks)
+
+
+def _take_input(walk: _Walk, a: Action, x: ActionBytes, recompute: bool) -> None:
+    """A forward's input arrives on its device: the call's inputs copied in (stage 0), the
+    stage before's output taken over (same device) or copied over (another device)."""
+    d, s, m = a.device, a.stage, a.mb_index
+    if s == 0:
+        walk.put(d, ("in", 0, m), "inputs", x.input)
+        return
+    source = walk.device_of(ActionKind.FORWARD, s - 1, m)
+    if recompute or not walk.plan.training:
+        key = ("out", s - 1, m)
+        nbytes = walk.pop(source, key) if key in walk.held[source] else x.input
+        walk.put(d, ("in", s, m), "inputs", nbytes)
+    elif source != d:  # a copy; the original stays with the graph of the stage before
+        walk.put(d, ("in", s, m), "inputs", x.input)

@@ -1,0 +1,426 @@
+"""Memory plans: what a call of a wrapped model takes, host and devices, before it runs
+(:class:`MemoryPlan`, made by ``RoundPipe.memory_plan``), and the check of the first
+``forward_backward`` (:func:`check_device_memory`, :class:`DeviceMemoryError`).
+
+* Host terms: :func:`roundpipe.host_memory.host_terms` (weights, masters, their gradients, an
+  Adam-sized optimizer state, the pinned pool's slack), here with the gradients' pinned
+  downloads and the stage inputs an accelerator offloads to the host, or, on a CPU pool, the
+  activations.
+* Device terms: the plan's program walked by :func:`roundpipe.plan.device_peaks`, with each
+  stage's activations traced on fake tensors (:mod:`roundpipe.runtime.memory_trace`).
+
+Main thread.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from roundpipe.autocast import AutocastState
+from roundpipe.devices import DevicePool
+from roundpipe.host_memory import (
+    SKIP_CHECK_ENV,
+    HostTerms,
+    format_bytes,
+    pool_layout,
+)
+from roundpipe.plan import ActionBytes, ActionKind, Plan, StageBytes, device_peaks
+from roundpipe.plan.memory import TERMS
+from roundpipe.runtime.memory_trace import StageNotTraceable, StageTraces, trace_stages
+from roundpipe.runtime.stages import Stage
+
+__all__ = [
+    "DeviceMemory",
+    "DeviceMemoryError",
+    "MemoryPlan",
+    "PlannedCall",
+    "StageMemory",
+    "check_device_memory",
+    "make_memory_plan",
+]
+
+
+class DeviceMemoryError(torch.OutOfMemoryError):
+    """A call's planned peak on a device exceeds what the device has free, found before
+    anything of the call was allocated. A ``torch.OutOfMemoryError``, so code that handles
+    out-of-memory (a smaller batch, say) handles it too; the message gives the numbers and
+    the options."""
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceMemory:
+    """One device's planned peak: ``peak`` bytes during ``at`` (an action of the plan's
+    program, as ``print(plan)`` writes it), made of ``terms`` ((description, bytes), largest
+    first); ``available``: what the device had free when planned (None: unknown)."""
+
+    device: str
+    peak: int
+    at: str
+    terms: tuple[tuple[str, int], ...]
+    available: int | None
+
+    @property
+    def fits(self) -> bool:
+        return self.available is None or self.peak <= self.available
+
+
+@dataclasses.dataclass(frozen=True)
+class StageMemory:
+    """One stage's bytes on a device for microbatch 0: ``weights`` (its upload),
+    ``input`` (its input), ``forward`` (the most its forward allocates beyond them) and
+    ``backward`` (the most its recompute and backward, or for the last stage its forward,
+    ``loss_fn`` and backward, allocate beyond its input, weights and output gradient); None
+    where not traced."""
+
+    stage: int
+    weights: int
+    input: int | None
+    forward: int | None
+    backward: int | None
+
+
+@dataclasses.dataclass(frozen=True)
+class PlannedCall:
+    """What a planned call runs: its stages, plan, microbatches and settings (main thread)."""
+
+    stages: Sequence[Stage]
+    plan: Plan
+    pool: DevicePool
+    chunks: Sequence[tuple[tuple, dict]]
+    sizes: Sequence[int]
+    labels: Sequence[Any]
+    loss_fn: Callable | None
+    loss_takes_microbatch: bool
+    cast_dtype: torch.dtype | None
+    autocast: AutocastState
+    grad_dtype: torch.dtype | None
+    training: bool
+    return_outputs: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPlan:
+    """What a call takes, before it runs: ``host`` (:class:`roundpipe.host_memory.HostTerms`),
+    ``devices`` (a :class:`DeviceMemory` per device of an accelerator pool; empty on a CPU
+    pool, whose stages compute in host memory), the microbatches it was planned with, the
+    stages whose activations are not counted (``untraced``: stage -> the
+    :class:`StageNotTraceable` that says why), those measured by a real CPU run instead of
+    a trace (``measured``), and each stage's own bytes (``stages``, :class:`StageMemory`).
+    ``str(plan)`` is the report (docs/memory.md reads one)."""
+
+    name: str
+    host: HostTerms
+    devices: tuple[DeviceMemory, ...]
+    microbatch_sizes: tuple[int, ...]
+    input_shapes: tuple[str, ...]
+    untraced: dict[int, StageNotTraceable]
+    measured: tuple[int, ...]
+    notes: tuple[str, ...] = ()
+    stages: tuple[StageMemory, ...] = ()
+
+    @property
+    def largest(self) -> tuple[str, str, int]:
+        """The largest single term: (where: ``"host"`` or a device, description, bytes)."""
+        label, most = max(self.host.rows()[1:], key=lambda r: r[1])
+        best: tuple[str, str, int] = ("host", label, most)
+        for dev in self.devices:
+            for term, nbytes in dev.terms:
+                if nbytes > best[2]:
+                    best = (dev.device, term, nbytes)
+        return best
+
+    @property
+    def fits(self) -> bool:
+        """Whether every planned total is within what was available (unknown counts as fits)."""
+        host_ok = self.host.available is None or self.host.new_bytes <= self.host.available
+        return host_ok and all(d.fits for d in self.devices)
+
+    def _stage_table(self, most: int = 8) -> str:
+        """Per stage (the ``most`` largest by backward, if there are more), microbatch 0."""
+        rows = list(self.stages)
+        title = "Stages, microbatch 0 (bytes beyond the stage's input and weights):"
+        if len(rows) > most:
+            rows = sorted(rows, key=lambda r: -(r.backward or 0))[:most]
+            rows.sort(key=lambda r: r.stage)
+            title = f"Stages, the {most} with the largest backward, microbatch 0:"
+        lines = [
+            title,
+            f"  {'stage':>5} {'weights':>11} {'input':>11} {'forward':>11} {'backward':>11}",
+        ]
+
+        def cell(n: int | None) -> str:
+            return "-" if n is None else format_bytes(n)
+
+        for r in rows:
+            lines.append(
+                f"  {r.stage:>5} {cell(r.weights):>11} {cell(r.input):>11} "
+                f"{cell(r.forward):>11} {cell(r.backward):>11}"
+            )
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        batch = sum(self.microbatch_sizes)
+        lines = [f"Memory plan{self.name}"]
+        if self.microbatch_sizes:
+            sizes = sorted(set(self.microbatch_sizes))
+            lines[0] += (
+                f": {len(self.microbatch_sizes)} microbatch(es) of "
+                f"{'/'.join(map(str, sizes))} (batch {batch})"
+            )
+        if self.input_shapes:
+            lines.append(f"  microbatch 0 inputs: {', '.join(self.input_shapes)}")
+        host = self.host
+        lines.append("Host RAM")
+        rows = host.rows()
+        width = max([len(r[0]) for r in rows] + [52])
+        for label, nbytes in rows:
+            lines.append(f"  {label:<{width}} {format_bytes(nbytes):>11}")
+        lines.append(f"  {'total':<{width}} {format_bytes(host.total):>11}")
+        if host.available is not None:
+            verdict = "fits" if host.new_bytes <= host.available else "DOES NOT FIT"
+            lines.append(
+                f"  {'available to allocate (all but the weights)':<{width}} "
+                f"{format_bytes(host.available):>11}  {verdict}: "
+                f"{format_bytes(host.new_bytes)} to allocate"
+            )
+        for dev in self.devices:
+            free = (
+                f" of {format_bytes(dev.available)} free"
+                if dev.available is not None
+                else " (free memory unknown)"
+            )
+            verdict = "" if dev.available is None else ("  fits" if dev.fits else "  DOES NOT FIT")
+            lines.append(
+                f"Device {dev.device}: peak {format_bytes(dev.peak)}{free}, during {dev.at}{verdict}"
+            )
+            for term, nbytes in dev.terms:
+                lines.append(f"  {term:<{width}} {format_bytes(nbytes):>11}")
+        if not self.devices:
+            lines.append("No accelerator: the stages compute in host memory (counted above).")
+        if self.stages:
+            lines.append(self._stage_table())
+        where, term, nbytes = self.largest
+        lines.append(f"Largest term: {term} ({where}), {format_bytes(nbytes)}")
+        for s in self.measured:
+            lines.append(
+                f"Stage {s} could not run on fake tensors; measured with a real run on the CPU"
+            )
+        for _, exc in sorted(self.untraced.items()):
+            lines.append(f"Not counted: {exc} (its activations are missing from the peaks)")
+        lines.extend(self.notes)
+        return "\n".join(lines)
+
+
+def _stage_bytes(stage: Stage, grad_dtype: torch.dtype | None) -> StageBytes:
+    copy = 0
+    for rec in stage.params:
+        if rec.master is None or not rec.param.requires_grad:
+            continue
+        dtype = grad_dtype or rec.master.dtype
+        if rec.param.dtype != dtype:  # the first gradient is copied into the sum, not adopted
+            copy += rec.param.numel() * dtype.itemsize
+    return StageBytes(stage.upload_bytes, stage.grad_sum_bytes(grad_dtype), copy)
+
+
+def trace_call(call: PlannedCall, real_runs: bool = True) -> StageTraces:
+    """Trace ``call``'s stages on fake tensors on the pool's first device (``real_runs``: see
+    :func:`roundpipe.runtime.memory_trace.trace_stages`)."""
+    device = call.pool.backends[0].torch_device
+    return trace_stages(
+        call.stages,
+        call.chunks,
+        device,
+        call.cast_dtype,
+        call.autocast,
+        call.training,
+        call.labels,
+        call.loss_fn,
+        call.loss_takes_microbatch,
+        call.sizes,
+        real_runs,
+    )
+
+
+def _input_grad(call: PlannedCall) -> bool:
+    return call.training and any(
+        x.requires_grad for x in pytree.tree_leaves(call.chunks) if isinstance(x, torch.Tensor)
+    )
+
+
+def plan_devices(call: PlannedCall, traces: StageTraces | None) -> tuple[DeviceMemory, ...]:
+    """Each device's planned peak (empty on a CPU pool)."""
+    plan = call.plan
+    if not call.pool.streaming or not plan.stage_major:
+        return ()
+    acts: list[list[ActionBytes | None]]
+    if traces is None:
+        acts = [[None] * plan.num_microbatch for _ in call.stages]
+    else:
+        acts = traces.bytes
+    peaks = device_peaks(
+        plan,
+        [_stage_bytes(stage, call.grad_dtype) for stage in call.stages],
+        acts,
+        input_grad=_input_grad(call),
+        return_outputs=call.return_outputs,
+    )
+    out = []
+    for peak, device, backend in zip(peaks, call.pool.devices, call.pool.backends):
+        out.append(
+            DeviceMemory(
+                str(device),
+                peak.peak,
+                str(peak.at) if peak.at is not None else "-",
+                tuple((TERMS[t], b) for t, b in peak.terms),
+                backend.memory_available(),
+            )
+        )
+    return tuple(out)
+
+
+def _host_activations(call: PlannedCall, traces: StageTraces | None) -> tuple[int, str | None]:
+    """Host bytes of activations: stage inputs an accelerator offloads (each offload a pinned
+    pool), or a CPU pool's activations; and a note on how they were counted."""
+    if traces is None:
+        return 0, None
+    plan = call.plan
+    if call.pool.streaming:
+        assert plan.program is not None
+        offloaded = 0
+        for program in plan.program:
+            for a in program:
+                if a.kind is ActionKind.OFFLOAD:
+                    x = traces.bytes[a.stage][a.mb_index]
+                    offloaded += pool_layout([x.input]).taken if x is not None else 0
+        return offloaded, None
+    # A CPU pool: every stage input kept until its backward (per microbatch on one fused
+    # worker, all microbatches otherwise), plus the largest action's own activations.
+    rows = traces.bytes
+    per_mb = [
+        sum((rows[s][m] or ActionBytes()).input for s in range(len(rows)))
+        for m in range(len(call.chunks))
+    ]
+    kept = max(per_mb, default=0) if plan.fused else sum(per_mb)
+    action = max(
+        ((x.backward_peak if call.training else x.forward_peak) for row in rows for x in row if x),
+        default=0,
+    )
+    return kept + action, None
+
+
+def make_memory_plan(
+    name: str,
+    host: HostTerms,
+    call: PlannedCall | None,
+    grads_pinned: int | None = None,
+) -> MemoryPlan:
+    """The memory plan of ``call`` (None: no inputs given, only the host terms and, on an
+    accelerator pool, the weights' share of the devices). ``grads_pinned``: the host bytes of
+    the masters' gradients when they are the pinned downloads themselves."""
+    notes: list[str] = []
+    traces = None
+    if call is not None and call.chunks:
+        traces = trace_call(call)
+    if grads_pinned is not None:
+        host = dataclasses.replace(host, grads=grads_pinned)
+    devices: tuple[DeviceMemory, ...] = ()
+    sizes: tuple[int, ...] = ()
+    shapes: tuple[str, ...] = ()
+    if call is not None:
+        activations, _ = _host_activations(call, traces)
+        host = dataclasses.replace(host, activations=activations)
+        devices = plan_devices(call, traces)
+        sizes = tuple(call.sizes)
+        if call.chunks:
+            shapes = tuple(
+                f"{tuple(x.shape)} {str(x.dtype).removeprefix('torch.')}"
+                for x in pytree.tree_leaves(call.chunks[0])
+                if isinstance(x, torch.Tensor)
+            )
+    if traces is None:
+        notes.append(
+            "No example inputs: activations, stage inputs and hand-offs are not counted; "
+            "give model.memory_plan() the inputs of a call to count them."
+        )
+    return MemoryPlan(
+        name,
+        host,
+        devices,
+        sizes,
+        shapes,
+        dict(traces.untraced) if traces is not None else {},
+        tuple(traces.measured) if traces is not None else (),
+        tuple(notes),
+        _stage_rows(call, traces),
+    )
+
+
+def _stage_rows(call: PlannedCall | None, traces: StageTraces | None) -> tuple[StageMemory, ...]:
+    if call is None or traces is None:
+        return ()
+    rows = []
+    for s, stage in enumerate(call.stages):
+        x = traces.bytes[s][0] if traces.bytes[s] else None
+        if x is None:
+            rows.append(StageMemory(s, stage.upload_bytes, None, None, None))
+        else:
+            backward = x.backward_peak if call.training else None
+            rows.append(StageMemory(s, stage.upload_bytes, x.input, x.forward_peak, backward))
+    return tuple(rows)
+
+
+def check_device_memory(devices: Sequence[DeviceMemory], what: str, cfg: Any) -> None:
+    """Raise :class:`DeviceMemoryError` if a device's planned peak exceeds what it has free
+    (unknown passes). ``cfg``: the resolved run config, for the options."""
+    over = [d for d in devices if not d.fits]
+    if not over:
+        return
+    dev = over[0]
+    assert dev.available is not None
+    lines = [
+        f"{what}: this forward_backward would need about {format_bytes(dev.peak)} on "
+        f"{dev.device}, which has {format_bytes(dev.available)} free (planned before "
+        f"allocating anything; the peak is during {dev.at}):"
+    ]
+    width = max(len(t) for t, _ in dev.terms) if dev.terms else 10
+    for term, nbytes in dev.terms:
+        lines.append(f"  {term:<{width}}  {format_bytes(nbytes):>10}")
+    for other in over[1:]:
+        lines.append(
+            f"  ({other.device} too: {format_bytes(other.peak)} of "
+            f"{format_bytes(other.available or 0)} free)"
+        )
+    options = [
+        f"more microbatches (num_microbatch={cfg.num_microbatch * 2}): smaller activations "
+        f"per action",
+    ]
+    if not cfg.offload_activations:
+        options.append(
+            "offload_activations=True: the stage inputs kept for the backward wait in host memory"
+        )
+    if cfg.device_memory_budget == "none":
+        options.append(
+            'device_memory_budget="auto": prefetch and keep stage inputs only where they fit'
+        )
+    if not cfg.recompute:
+        options.append("recompute=True: keep only each stage's input, not its activations")
+    options.append("shorter sequences or a smaller batch")
+    options.append(
+        "smaller stages (execute_plan / roundpipe.stages_by_size): a device holds two "
+        "stages' weights and gradient sums at once"
+    )
+    options.append(
+        "device_grad_dtype=torch.float16 (or bfloat16): gradient sums in the stage's dtype"
+    )
+    options.append(
+        f"to run anyway (the plan may be wrong for your model): RoundPipe(..., "
+        f"memory_check=False) or {SKIP_CHECK_ENV}=1"
+    )
+    lines.append("Options (RoundPipeRunConfig):")
+    lines.extend(f"  - {o}" for o in options)
+    raise DeviceMemoryError("\n".join(lines))
