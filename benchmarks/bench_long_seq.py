@@ -28,7 +28,8 @@ import subprocess
 import sys
 import time
 
-VOCAB = 512
+# 64 x the hidden size, as real models have it (Qwen3-1.7B: 151936 / 2048 = 74).
+VOCAB = 4096
 
 
 def build(args, dtype):
@@ -79,6 +80,7 @@ def probe(args):
 
             model = roundpipe.hf.wrap(
                 build(args, torch.bfloat16),
+                loss_chunk_tokens=args.loss_chunk,
                 optim_dtype=torch.float32,
                 devices="emu",
                 model_run_config=RoundPipeRunConfig(num_microbatch=1, offload_activations=True),
@@ -135,7 +137,7 @@ def longest(args, impl, capacity):
 def shared_flags(args):
     return [
         "--layers", str(args.layers), "--hidden", str(args.hidden), "--heads", str(args.heads),
-        "--vocab", str(args.vocab),
+        "--vocab", str(args.vocab), "--loss-chunk", str(args.loss_chunk),
     ]  # fmt: skip
 
 
@@ -148,6 +150,9 @@ def main():
     parser.add_argument("--hidden", type=int, default=64, help="hidden size (default 64)")
     parser.add_argument("--heads", type=int, default=4, help="attention heads (default 4)")
     parser.add_argument("--vocab", type=int, default=VOCAB, help=f"vocabulary (default {VOCAB})")
+    parser.add_argument(
+        "--loss-chunk", type=int, default=512, help="roundpipe's loss chunk (default 512 tokens)"
+    )
     parser.add_argument("--step", type=int, default=512, help="length resolution (default 512)")
     parser.add_argument(
         "--max-length", type=int, default=1 << 18, help="stop growing here (default 262144)"

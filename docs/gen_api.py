@@ -72,6 +72,11 @@ def _method_entries(cls) -> list[tuple[str, object]]:
             continue
         if isinstance(member, (staticmethod, classmethod)):
             member = member.__func__
+        wrapped = getattr(member, "__wrapped__", None)
+        if getattr(member, "hooked", False) and any(
+            base.__dict__.get(name) is wrapped for base in cls.__mro__[1:]
+        ):
+            continue  # torch.optim's profiling wrapper of an inherited step(), put here at runtime
         if isinstance(member, property) or inspect.isfunction(member):
             entries.append((name, member))
     return entries

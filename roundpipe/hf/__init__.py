@@ -14,7 +14,7 @@ except ImportError as exc:  # pragma: no cover - exercised in a subprocess test
 
 from roundpipe.hf.families import Family, families, family_of, register_family
 from roundpipe.hf.loss import chunked_causal_lm_loss
-from roundpipe.hf.wrap import DEFAULT_LOSS_CHUNK_TOKENS, HFRoundPipe, wrap
+from roundpipe.hf.wrap import HFRoundPipe, default_loss_chunk_tokens, wrap
 
 __all__ = [
     "wrap",
@@ -24,5 +24,5 @@ __all__ = [
     "families",
     "family_of",
     "chunked_causal_lm_loss",
-    "DEFAULT_LOSS_CHUNK_TOKENS",
+    "default_loss_chunk_tokens",
 ]

@@ -12,11 +12,19 @@ from roundpipe.hf.families import Family, family_of
 from roundpipe.hf.stages import IGNORE_INDEX, Decoder, Embed, Head, shift_labels
 from roundpipe.runtime import RoundPipe, RoundPipeRunConfig
 
-__all__ = ["wrap", "HFRoundPipe", "DEFAULT_LOSS_CHUNK_TOKENS"]
+__all__ = ["wrap", "HFRoundPipe", "default_loss_chunk_tokens"]
 
-# Tokens per chunk of the loss head: 4096 tokens x a 152k vocabulary is 2.5 GB of fp32 logits
-# (and as much again for their gradient) at the peak, against 9.7 GB for 16k tokens at once.
-DEFAULT_LOSS_CHUNK_TOKENS = 4096
+# The loss head's chunk, by default: as many tokens as make this many bytes of fp32 logits (the
+# chunk's logits and their gradient exist at once), at least 128. A 152k vocabulary gets 1024
+# tokens (0.6 GB of logits), where 16k tokens at once would take 9.7 GB.
+LOSS_CHUNK_BYTES = 1 << 30
+
+
+def default_loss_chunk_tokens(vocab_size: int) -> int:
+    """Tokens per chunk of the loss head for ``vocab_size``: a power of two whose fp32 logits
+    take at most :data:`LOSS_CHUNK_BYTES`, at least 128."""
+    tokens = max(LOSS_CHUNK_BYTES // (4 * max(vocab_size, 1)), 128)
+    return 1 << (tokens.bit_length() - 1)
 
 
 def _identity_loss(loss: torch.Tensor, label: Any) -> torch.Tensor:
@@ -93,7 +101,7 @@ def wrap(
     model: nn.Module,
     *,
     family: Family | None = None,
-    loss_chunk_tokens: int = DEFAULT_LOSS_CHUNK_TOKENS,
+    loss_chunk_tokens: int | None = None,
     **kwargs: Any,
 ) -> HFRoundPipe:
     """Wrap a HuggingFace causal LM (``AutoModelForCausalLM``, or a peft model around one) as a
@@ -105,7 +113,7 @@ def wrap(
         family: where the model keeps its parts; default: the family registered for
             ``model.config.model_type`` (see :func:`roundpipe.hf.register_family`).
         loss_chunk_tokens: tokens per chunk of the loss head (the fp32 logits of this many
-            tokens exist at once).
+            tokens exist at once); default :func:`default_loss_chunk_tokens` of the vocabulary.
         **kwargs: RoundPipe's (``optim_dtype``, ``model_run_config``, ``devices``, ``name``).
 
     HF's own gradient checkpointing is turned off (roundpipe recomputes each stage itself) and
@@ -113,12 +121,14 @@ def wrap(
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"roundpipe.hf.wrap takes a transformers model, got {type(model)!r}")
-    if not isinstance(loss_chunk_tokens, int) or loss_chunk_tokens < 1:
-        raise ValueError(f"loss_chunk_tokens must be a positive int, got {loss_chunk_tokens!r}")
     base: Any = _base_model(model)
     family = family or family_of(base)
     parts = family.parts(base)
     config = base.config
+    if loss_chunk_tokens is None:
+        loss_chunk_tokens = default_loss_chunk_tokens(int(getattr(config, "vocab_size", 0) or 0))
+    if not isinstance(loss_chunk_tokens, int) or loss_chunk_tokens < 1:
+        raise ValueError(f"loss_chunk_tokens must be a positive int, got {loss_chunk_tokens!r}")
     checkpointing = getattr(base, "is_activation_checkpointing", None)
     if checkpointing is None:  # transformers before 5.x
         checkpointing = getattr(base, "is_gradient_checkpointing", False)
