@@ -327,3 +327,50 @@ def test_forward_backward_without_labels_says_what_it_needs():
     with pytest.raises(ValueError, match=r"needs input_kwargs\['labels'\]"):
         model.forward_backward(input_kwargs={"input_ids": ids})
     assert emu.is_installed()
+
+
+@pytest.mark.parametrize("devices", ["emu", "emu:2"])
+def test_memory_plan_of_a_wrapped_model_matches_the_measured_peak(devices):
+    """model.memory_plan(batch) before the first step: each device's planned peak against what
+    the emulated device measures for the same forward_backward. Known gap: for HF decoder
+    layers the trace overestimates (by 3-10% here at 256 tokens, about 20% at 512), never
+    under; the generic shapes of tests/test_memory_plan.py are within 10%."""
+    cfg = config("llama", vocab_size=512, max_position_embeddings=256)
+    model = roundpipe.hf.wrap(
+        build(cfg, torch.bfloat16),
+        devices=devices,
+        loss_chunk_tokens=128,
+        model_run_config=RoundPipeRunConfig(num_microbatch=2),
+    )
+    ids = torch.randint(512, (2, 256), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+    plan = model.memory_plan(batch)
+    assert "Largest term" in str(plan)
+    memory = torch.get_device_module("emu")
+    count = 2 if devices == "emu:2" else 1
+    gc.collect()
+    bases = [memory.memory_allocated(i) for i in range(count)]
+    for i in range(count):
+        memory.reset_peak_memory_stats(i)
+    model.forward_backward(input_kwargs=batch)
+    for i, dev in enumerate(plan.devices[:count]):
+        measured = memory.max_memory_allocated(i) - bases[i]
+        assert 0.95 * measured <= dev.peak <= 1.15 * measured, (i, dev.peak, measured)
+
+
+def test_lora_host_bytes_per_frozen_parameter_are_its_own_dtype():
+    """The frozen base of a LoRA model keeps its bf16 bytes on the host (pinned from the pool,
+    measured with the pinned allocator's rounding) and gets no master."""
+    peft = pytest.importorskip("peft")
+    hf = build(config("llama", hidden_size=128, intermediate_size=256), torch.bfloat16)
+    frozen = sum(p.numel() for n, p in hf.named_parameters())
+    lora = peft.get_peft_model(hf, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    before = emu.pinned_memory_stats().allocated_bytes
+    model = roundpipe.hf.wrap(lora, devices="emu:2")
+    pinned = emu.pinned_memory_stats().allocated_bytes - before
+    adapters = sum(p.numel() for n, p in lora.named_parameters() if "lora_" in n)
+    masters = sum(p.numel() for p in model.optim_parameters())
+    assert masters == adapters  # no master for a frozen weight
+    per_param = pinned / (frozen + adapters)
+    print(f"pinned host bytes per parameter: {per_param:.3f} (bf16: 2)")
+    assert 2.0 <= per_param <= 2.0 * 1.05

@@ -58,15 +58,7 @@ class HFRoundPipe(RoundPipe):
         for name, master in super().optim_named_parameters():
             yield self._hf_names.get(name, name), master
 
-    def forward_backward(
-        self,
-        input_args: Sequence[Any] = (),
-        input_kwargs: dict[str, Any] | None = None,
-        label: Any = None,
-        loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
-        return_outputs: bool = False,
-        run_config: RoundPipeRunConfig | None = None,
-    ) -> Any:
+    def _hf_kwargs(self, input_kwargs: dict[str, Any] | None, input_args: Sequence[Any]) -> dict:
         kwargs = dict(input_kwargs or {})
         labels = kwargs.get("labels")
         if labels is None:
@@ -82,8 +74,35 @@ class HFRoundPipe(RoundPipe):
         # Counted over the whole batch before it is split: each microbatch's loss is its token
         # losses' sum over this, so the microbatches add up to transformers' batch loss.
         kwargs["num_items_in_batch"] = int((shift_labels(labels) != IGNORE_INDEX).sum())
+        return kwargs
+
+    def memory_plan(  # type: ignore[override]
+        self,
+        batch: dict[str, Any] | None = None,
+        run_config: RoundPipeRunConfig | None = None,
+    ) -> Any:
+        """What ``forward_backward(input_kwargs=batch)`` would take, host and devices, without
+        running it (see :meth:`RoundPipe.memory_plan`); ``batch`` as for
+        :meth:`forward_backward` (None: the host terms and the weights only)."""
+        if batch is None:
+            return super().memory_plan(run_config=run_config)
+        return super().memory_plan(
+            input_kwargs=self._hf_kwargs(batch, ()),
+            loss_fn=_identity_loss,
+            run_config=run_config,
+        )
+
+    def forward_backward(
+        self,
+        input_args: Sequence[Any] = (),
+        input_kwargs: dict[str, Any] | None = None,
+        label: Any = None,
+        loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+        return_outputs: bool = False,
+        run_config: RoundPipeRunConfig | None = None,
+    ) -> Any:
         return super().forward_backward(
-            input_kwargs=kwargs,
+            input_kwargs=self._hf_kwargs(input_kwargs, input_args),
             label=label,
             loss_fn=loss_fn or _identity_loss,
             return_outputs=return_outputs,

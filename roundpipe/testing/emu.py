@@ -914,10 +914,25 @@ def _attention(
     (query x key) scores, else the math composite. Without this, torch decomposes the call into
     the math path for any PrivateUse1 device, and the emulated device would count a scores
     matrix that an accelerator's fused kernels never allocate."""
-    choice = torch.ops.aten._fused_sdp_choice(
-        query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa
-    )
-    if choice != torch.nn.attention.SDPBackend.FLASH_ATTENTION.value:
+    from torch._subclasses.fake_tensor import is_fake
+
+    if is_fake(query):  # a memory trace: the CPU's choice for these shapes without dropout
+        fused = dropout_p == 0.0
+    else:
+        fused = (
+            torch.ops.aten._fused_sdp_choice(
+                query,
+                key,
+                value,
+                attn_mask,
+                dropout_p,
+                is_causal,
+                scale=scale,
+                enable_gqa=enable_gqa,
+            )
+            == torch.nn.attention.SDPBackend.FLASH_ATTENTION.value
+        )
+    if not fused:
         return torch.ops.aten._scaled_dot_product_attention_math(
             query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa
         )[0]
