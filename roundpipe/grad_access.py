@@ -8,11 +8,13 @@ See [Note: guarded master gradients] and [Note: gradients of the wrapped model].
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import threading
 import warnings
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -134,6 +136,21 @@ _WRAP_COUNTS: dict[int, int] = {}
 _WRAP_LOCK = threading.Lock()
 
 
+_INTERNAL = threading.local()  # .on: this thread's .grad reads are roundpipe's own
+
+
+@contextlib.contextmanager
+def internal_grad_reads() -> Iterator[None]:
+    """On this thread, reads of a wrapped parameter's ``.grad`` are roundpipe's own (a
+    fake-tensor trace copies each parameter's metadata, its ``.grad`` included): no warning."""
+    before = getattr(_INTERNAL, "on", False)
+    _INTERNAL.on = True
+    try:
+        yield
+    finally:
+        _INTERNAL.on = before
+
+
 def _warn_none_grad() -> None:
     warnings.warn(
         "the .grad of a parameter of a module wrapped by RoundPipe was read, and it is None: "
@@ -157,8 +174,10 @@ class WrappedParameter(nn.Parameter):
     @property
     def grad(self) -> torch.Tensor | None:
         value = _get_grad(self)
-        if value is None and not sys._getframe(1).f_globals.get("__name__", "").startswith(
-            _ROUNDPIPE_PREFIX
+        if (
+            value is None
+            and not getattr(_INTERNAL, "on", False)
+            and not sys._getframe(1).f_globals.get("__name__", "").startswith(_ROUNDPIPE_PREFIX)
         ):
             _warn_none_grad()
         return value

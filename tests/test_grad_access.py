@@ -376,3 +376,21 @@ def test_the_wrapped_parameters_stay_parameters_everywhere_else():
 
     gc.collect()
     assert type(weight) is nn.Parameter  # the RoundPipe is gone: nothing wraps it any more
+
+
+def test_roundpipes_own_fake_tensor_probe_does_not_warn_about_grad_reads():
+    """device_memory_budget="auto" probes the stage inputs on fake tensors, which copies each
+    parameter's metadata (its .grad included): roundpipe's own read, no warning."""
+    model = RoundPipe(
+        nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 2)),
+        devices="emu",
+        model_run_config=RoundPipeRunConfig(num_microbatch=2, device_memory_budget="auto"),
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.forward_backward(
+            input_args=(torch.randn(4, 8),),
+            label=torch.randint(0, 2, (4,)),
+            loss_fn=F.cross_entropy,
+        )
+    assert not [w for w in caught if ".grad" in str(w.message)], [str(w.message) for w in caught]

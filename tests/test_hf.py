@@ -32,10 +32,12 @@ def config(family, **extra):
     common.update(extra)
     if family == "llama":
         return transformers.LlamaConfig(**common)
-    if family == "mistral":
-        return transformers.MistralConfig(**common, sliding_window=None)
-    if family == "qwen2":
-        return transformers.Qwen2Config(**common)
+    if family == "mistral":  # a window shorter than the batch's rows: the mask matters
+        return transformers.MistralConfig(**common, sliding_window=5)
+    if family == "qwen2":  # the second layer slides, the first attends to everything
+        return transformers.Qwen2Config(
+            **common, use_sliding_window=True, sliding_window=5, max_window_layers=1
+        )
     if family == "qwen3":
         return transformers.Qwen3Config(**common, head_dim=16)
     if family == "qwen3_moe":

@@ -19,7 +19,7 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["Family", "register_family", "families", "family_of"]
+__all__ = ["Family", "register_family", "families", "family_of", "layer_attention_types"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +66,17 @@ class Family:
                 f"({exc}); register a Family with its attribute paths (docs/hf.md)"
             ) from None
         return found
+
+
+def layer_attention_types(config: Any) -> list[str]:
+    """Per decoder layer, the mask it takes: ``config.layer_types`` where the config has it
+    (Qwen2, Qwen3), else ``"sliding_attention"`` for every layer when ``config.sliding_window``
+    is set (Mistral), else ``"full_attention"`` (Llama)."""
+    types = getattr(config, "layer_types", None)
+    if types is not None:
+        return list(types)[: config.num_hidden_layers]
+    sliding = getattr(config, "sliding_window", None) is not None
+    return ["sliding_attention" if sliding else "full_attention"] * config.num_hidden_layers
 
 
 _FAMILIES: dict[str, Family] = {}

@@ -8,6 +8,7 @@ through them trains the HF model the user passed.
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -29,11 +30,12 @@ class Embed(nn.Module):
     SDPA's causal kernel needs none), position ids, the rotary (cos, sin), and for training the
     shifted labels and the batch's count of predicted tokens."""
 
-    def __init__(self, parts: dict[str, Any], config: Any) -> None:
+    def __init__(self, parts: dict[str, Any], config: Any, kinds: Sequence[str]) -> None:
         super().__init__()
         self.embed_tokens = parts["embed"]
         self.rotary_emb = parts["rotary"]
         self.config = config
+        self.kinds = sorted(set(kinds))  # the attention types the layers take masks for
 
     def forward(
         self,
@@ -43,20 +45,27 @@ class Embed(nn.Module):
         position_ids: torch.Tensor | None = None,
         num_items_in_batch: int | None = None,
     ) -> WithContext:
-        from transformers.masking_utils import create_causal_mask
+        from transformers import masking_utils
 
+        builders = {
+            "full_attention": masking_utils.create_causal_mask,
+            "sliding_attention": masking_utils.create_sliding_window_causal_mask,
+        }
         hidden = self.embed_tokens(input_ids)
         if position_ids is None:  # as the HF decoder does without a cache
             position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
-        mask = create_causal_mask(
-            config=self.config,
-            inputs_embeds=hidden,
-            attention_mask=attention_mask,
-            cache=None,
-            position_ids=position_ids,
-        )
+        masks = {
+            kind: builders[kind](
+                config=self.config,
+                inputs_embeds=hidden,
+                attention_mask=attention_mask,
+                cache=None,
+                position_ids=position_ids,
+            )
+            for kind in self.kinds
+        }
         context: dict[str, Any] = {
-            "attention_mask": mask,
+            "attention_masks": masks,
             "position_ids": position_ids,
             "position_embeddings": self.rotary_emb(hidden, position_ids=position_ids),
             "padding_mask": attention_mask,
@@ -100,9 +109,10 @@ class Decoder(nn.Module):
 
     takes_context = True
 
-    def __init__(self, layer: nn.Module, family: Family, config: Any) -> None:
+    def __init__(self, layer: nn.Module, family: Family, config: Any, kind: str) -> None:
         super().__init__()
         self.layer = layer
+        self.kind = kind  # its attention type: which of the context's masks it takes
         self._tap: _RouterTap | None = None
         if family.router is not None:
             self._tap = _RouterTap()
@@ -120,7 +130,7 @@ class Decoder(nn.Module):
             self._tap.start()
         out = self.layer(
             x,
-            attention_mask=context["attention_mask"],
+            attention_mask=context["attention_masks"][self.kind],
             position_ids=context["position_ids"],
             position_embeddings=context["position_embeddings"],
             use_cache=False,

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from roundpipe.hf.families import Family, family_of
+from roundpipe.hf.families import Family, family_of, layer_attention_types
 from roundpipe.hf.stages import IGNORE_INDEX, Decoder, Embed, Head, shift_labels
 from roundpipe.runtime import RoundPipe, RoundPipeRunConfig
 
@@ -154,9 +154,18 @@ def wrap(
     if checkpointing:
         base.gradient_checkpointing_disable()
     config.use_cache = False
+    layers = list(parts["layers"])[: config.num_hidden_layers]
+    kinds = layer_attention_types(config)
+    unknown = set(kinds) - {"full_attention", "sliding_attention"}
+    if unknown or len(kinds) != len(layers):
+        raise NotImplementedError(
+            f"{type(base).__name__}: attention types {sorted(set(kinds))} for {len(layers)} "
+            f"layers; roundpipe.hf builds masks for full_attention and sliding_attention, one "
+            f"type per layer (config.layer_types)"
+        )
     stages = nn.Sequential(
-        Embed(parts, config),
-        *(Decoder(layer, family, config) for layer in parts["layers"]),
+        Embed(parts, config, kinds),
+        *(Decoder(layer, family, config, kind) for layer, kind in zip(layers, kinds)),
         Head(parts, config, loss_chunk_tokens),
     )
     kwargs.setdefault("name", type(base).__name__)

@@ -24,6 +24,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from roundpipe.context import WithContext
+from roundpipe.grad_access import internal_grad_reads
 from roundpipe.plan import Plan, PlanSizes, build_plan
 from roundpipe.runtime.params import ParamRecord, Params
 
@@ -236,7 +237,11 @@ def _probe_one(
     nbytes: Any,
 ) -> tuple[int, ...]:
     sizes = [nbytes(chunk)]
-    with fake_mode_cls(allow_non_fake_inputs=True) as mode, torch.no_grad():
+    with (
+        internal_grad_reads(),
+        fake_mode_cls(allow_non_fake_inputs=True) as mode,
+        torch.no_grad(),
+    ):
         args, kwargs = pytree.tree_map(
             lambda x: mode.from_tensor(x) if isinstance(x, torch.Tensor) else x, chunk
         )
