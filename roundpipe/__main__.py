@@ -193,11 +193,17 @@ def _self_check(
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["plan"]:  # python -m roundpipe plan CONFIG ...: a HuggingFace model's plan
+        from roundpipe.hf.plan import main as plan_main
+
+        return plan_main(argv[1:])
     parser = argparse.ArgumentParser(
         prog="python -m roundpipe",
         description="Print the versions and the device pool, then run a short self-check "
         "training loop and say whether it PASSED (exit code 0) or FAILED (exit code "
-        "1), and why.",
+        "1), and why. `python -m roundpipe plan CONFIG --seq-len N` prints the memory plan "
+        "of fine-tuning a transformers causal LM instead (see `plan --help`).",
     )
     parser.add_argument(
         "--quick", action="store_true", help="a short check (a few seconds), for the test suite"

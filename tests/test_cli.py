@@ -1,5 +1,6 @@
 """`python -m roundpipe`: versions, device pool and the self-check, run as a user runs it."""
 
+import json
 import os
 import subprocess
 import sys
@@ -85,3 +86,32 @@ def test_help_is_plain_text():
     assert "``" not in proc.stdout  # reST markup of the module docstring showed through before
     text = " ".join(proc.stdout.split())  # argparse wraps lines
     assert "self-check training loop" in text and "PASSED (exit code 0)" in text
+
+
+@pytest.mark.parametrize("lora", [0, 4])
+def test_plan_of_a_transformers_config_reports_host_and_device(tmp_path, lora):
+    pytest.importorskip("transformers")
+    if lora:
+        pytest.importorskip("peft")
+    config = {
+        "model_type": "llama",
+        "vocab_size": 512,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 6,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 256,
+    }
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    proc = run_cli("plan", str(path), "--seq-len", "128", "--lora", str(lora), "--devices", "emu")
+    out = proc.stdout
+    assert proc.returncode == 0, out + proc.stderr
+    assert "Host RAM" in out and "Device emu:0: peak" in out and "Largest term" in out
+    # The host terms count all six layers (the device plan uses a two-layer cut).
+    layer = 4 * 64 * 64 // 2 + 2 * 64 * 16 * 2 + 3 * 64 * 128 + 2 * 64  # q,o + k,v + mlp + norms
+    total = 2 * 512 * 64 + 64 + 6 * layer
+    # LoRA: A (4 x in) and B (out x 4) on q, o (64 -> 64) and k, v (64 -> 32) of six layers.
+    trained = 6 * (2 * (4 * 64 + 64 * 4) + 2 * (4 * 64 + 32 * 4)) if lora else total
+    assert f"({trained / 1e3:.2f}K trainable params" in out, out
