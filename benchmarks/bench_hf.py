@@ -68,7 +68,9 @@ def peak_read(device, base):
 
 def run_plain(args, device):
     model = build(args, torch.float32).to(device)
-    model.gradient_checkpointing_enable()
+    # transformers 5.24 renamed it; older versions have only the first name
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    (enable or model.gradient_checkpointing_enable)()
     model.config.use_cache = False
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     times, losses = [], []

@@ -66,7 +66,9 @@ def probe(args):
     try:
         if args.impl == "plain":
             model = build(args, torch.float32).to("emu")
-            model.gradient_checkpointing_enable()
+            # transformers 5.24 renamed it; older versions have only the first name
+            enable = getattr(model, "activation_checkpointing_enable", None)
+            (enable or model.gradient_checkpointing_enable)()
             model.config.use_cache = False
             opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
             with torch.autocast("emu", dtype=torch.bfloat16):

@@ -376,3 +376,14 @@ def test_lora_host_bytes_per_frozen_parameter_are_its_own_dtype():
     per_param = pinned / (frozen + adapters)
     print(f"pinned host bytes per parameter: {per_param:.3f} (bf16: 2)")
     assert 2.0 <= per_param <= 2.0 * 1.05
+
+
+def test_wrap_turns_off_hfs_own_checkpointing_and_cache():
+    hf = build(config("llama"))
+    enable = getattr(hf, "activation_checkpointing_enable", None)
+    (enable or hf.gradient_checkpointing_enable)()
+    hf.config.use_cache = True
+    roundpipe.hf.wrap(hf, devices="cpu")
+    checkpointing = getattr(hf, "is_activation_checkpointing", None)
+    assert not (hf.is_gradient_checkpointing if checkpointing is None else checkpointing)
+    assert hf.config.use_cache is False

@@ -152,7 +152,8 @@ def wrap(
     if checkpointing is None:  # transformers before 5.x
         checkpointing = getattr(base, "is_gradient_checkpointing", False)
     if checkpointing:
-        base.gradient_checkpointing_disable()
+        disable = getattr(base, "activation_checkpointing_disable", None)  # transformers >= 5.24
+        (disable or base.gradient_checkpointing_disable)()
     config.use_cache = False
     layers = list(parts["layers"])[: config.num_hidden_layers]
     kinds = layer_attention_types(config)
