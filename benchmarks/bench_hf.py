@@ -52,18 +52,22 @@ def batches(args):
 
 
 def peak_reset(device):
+    """Device memory in use now (after resetting the peak); 0 on the CPU."""
     gc.collect()
-    if device.startswith("emu"):
-        memory = torch.get_device_module("emu")
-        memory.reset_peak_memory_stats(0)
-        return memory.memory_allocated(0)
-    return 0
+    if device == "cpu":
+        return 0
+    memory = torch.get_device_module(torch.device(device).type)
+    index = torch.device(device).index or 0
+    memory.reset_peak_memory_stats(index)
+    return memory.memory_allocated(index)
 
 
 def peak_read(device, base):
-    if device.startswith("emu"):
-        return torch.get_device_module("emu").max_memory_allocated(0) - base
-    return None
+    """The peak device memory since :func:`peak_reset`, above ``base``; None on the CPU."""
+    if device == "cpu":
+        return None
+    memory = torch.get_device_module(torch.device(device).type)
+    return memory.max_memory_allocated(torch.device(device).index or 0) - base
 
 
 def run_plain(args, device):
@@ -115,7 +119,9 @@ def run_roundpipe(args, device):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--devices", nargs="+", default=["cpu", "emu"], help="cpu and/or emu")
+    parser.add_argument(
+        "--devices", nargs="+", default=["cpu", "emu"], help="cpu, emu and/or cuda:0"
+    )
     parser.add_argument("--layers", type=int, default=4, help="decoder layers (default 4)")
     parser.add_argument("--hidden", type=int, default=256, help="hidden size (default 256)")
     parser.add_argument("--vocab", type=int, default=8192, help="vocabulary (default 8192)")
