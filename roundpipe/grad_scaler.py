@@ -735,30 +735,19 @@ class GradScaler:
         overflow = found_inf > 0
         skipped += overflow
         plain = hyper.hysteresis == 1 and hyper.min_scale is None and hyper.max_scale is None
-        if plain:
-            before = scale.clone() if stale else None
-            torch._amp_update_scale_(
-                scale,
-                tracker,
-                found_inf,
-                hyper.growth_factor,
-                hyper.backoff_factor,
-                hyper.growth_interval,
-            )
-            if before is not None:  # stale
-                self._cap_stale_backoff(scale, before, overflow)
-            return
-        # The extras need the overflow on the host (one sync on the thread that runs U).
-        if bool(overflow):
-            self._hysteresis_left = max(self._hysteresis_left - 1, 0)
-            if self._hysteresis_left > 0:
-                tracker.zero_()  # tolerated: the step is skipped, the scale kept
-                return
-            at_min = hyper.min_scale is not None and scale.item() <= hyper.min_scale
-            self._collapse_streak = self._collapse_streak + 1 if at_min else 0
-        else:
-            self._hysteresis_left = hyper.hysteresis
-            self._collapse_streak = 0
+        # torch's rule alone needs no host sync; the extras need the overflow on the host (one
+        # sync on the thread that runs U).
+        if not plain:
+            if bool(overflow):
+                self._hysteresis_left = max(self._hysteresis_left - 1, 0)
+                if self._hysteresis_left > 0:
+                    tracker.zero_()  # tolerated: the step is skipped, the scale kept
+                    return
+                at_min = hyper.min_scale is not None and scale.item() <= hyper.min_scale
+                self._collapse_streak = self._collapse_streak + 1 if at_min else 0
+            else:
+                self._hysteresis_left = hyper.hysteresis
+                self._collapse_streak = 0
         before = scale.clone() if stale else None
         torch._amp_update_scale_(
             scale,

@@ -285,11 +285,13 @@ def _groups(tensors: Iterable[torch.Tensor]) -> list[_Group]:
         start = int(t.storage_offset()) * size
         end = start + (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))) * size
         end = int(end)
-        group = by_storage.get(storage.data_ptr())
+        # A storage without an address (a meta tensor's: shapes only) is its tensor's own.
+        key = storage.data_ptr() if t.device.type != "meta" else -id(t)
+        group = by_storage.get(key)
         if group is None:
             # 16: every dtype's item size divides it, so each tensor's offset stays a whole
             # number of items from the span's start.
-            by_storage[storage.data_ptr()] = _Group(storage, [t], start // 16 * 16, end)
+            by_storage[key] = _Group(storage, [t], start // 16 * 16, end)
         else:
             group.tensors.append(t)
             group.lo = min(group.lo, start // 16 * 16)

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from roundpipe.host_memory import HostTerms, host_memory_available
+from roundpipe.host_memory import host_memory_available, host_terms
 
 __all__ = ["main", "plan_config"]
 
@@ -49,28 +49,6 @@ def _with_lora(model: Any, rank: int) -> Any:
     return get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets))
 
 
-def _host_terms(model: torch.nn.Module, optim_dtype: torch.dtype) -> HostTerms:
-    """What wrapping the whole model takes from the host, from its shapes (a meta model)."""
-    seen: dict[int, torch.Tensor] = {}
-    for t in list(model.parameters()) + list(model.buffers()):
-        seen[id(t)] = t
-    weights = sum(t.numel() * t.element_size() for t in seen.values())
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
-    masters = trainable * optim_dtype.itemsize
-    return HostTerms(
-        weights=weights,
-        masters=masters,
-        grads=masters,
-        optimizer=2 * masters,
-        pinned_overhead=0,
-        trainable_numel=trainable,
-        frozen_numel=frozen,
-        master_dtype=optim_dtype,
-        available=host_memory_available(),
-    )
-
-
 def plan_config(
     path: str,
     *,
@@ -94,7 +72,8 @@ def plan_config(
     config = _load_config(path)
     with torch.device("meta"):
         whole = _with_lora(AutoModelForCausalLM.from_config(config, dtype=dtype), lora)
-    host = _host_terms(whole, optim_dtype)
+    # Shapes only: the meta model's terms are the whole model's (nothing pinned is counted).
+    host = host_terms(whole, optim_dtype, None, host_memory_available())
     layers = int(config.num_hidden_layers)
 
     cut = copy.deepcopy(config)

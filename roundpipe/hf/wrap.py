@@ -43,15 +43,16 @@ class HFRoundPipe(RoundPipe):
     :meth:`synchronize` its parameters hold the trained weights.
     """
 
+    # The head divides each microbatch's token losses by the batch's count of predicted tokens,
+    # so uneven microbatches are weighted right: no UnevenMicrobatchWarning.
+    warns_uneven_microbatches = False
+
     def __init__(self, hf_model: nn.Module, stages: nn.Sequential, **kwargs: Any) -> None:
         super().__init__(stages, **kwargs)
         self.hf_model = hf_model
         by_object = {id(p): name for name, p in hf_model.named_parameters()}
         # The stages' parameter names ("1.layer.self_attn.q_proj.weight") -> the HF model's.
         self._hf_names = {name: by_object.get(id(p), name) for name, p in stages.named_parameters()}
-        # The head divides each microbatch's token losses by the batch's count of predicted
-        # tokens, so uneven microbatches are weighted right: no UnevenMicrobatchWarning.
-        self._warned_uneven = True
 
     def optim_named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         """The masters, under the HF model's parameter names (``model.layers.0.mlp...``)."""

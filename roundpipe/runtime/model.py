@@ -103,6 +103,10 @@ class RoundPipe(nn.Module):
     :mod:`roundpipe.runtime` docstring.
     """
 
+    # Whether a two-argument loss_fn on microbatches of different sizes warns
+    # (UnevenMicrobatchWarning); False for a subclass whose model weights its loss itself.
+    warns_uneven_microbatches = True
+
     def __init__(
         self,
         model: nn.Module,
@@ -427,7 +431,12 @@ class RoundPipe(nn.Module):
         )
         if self._device_check_pending:
             self._check_device_memory(spec, cfg)
-        if len(set(spec.sizes)) > 1 and not spec.loss_takes_microbatch and not self._warned_uneven:
+        if (
+            self.warns_uneven_microbatches
+            and len(set(spec.sizes)) > 1
+            and not spec.loss_takes_microbatch
+            and not self._warned_uneven
+        ):
             self._warned_uneven = True
             warnings.warn(
                 f"a batch of {sum(spec.sizes)} samples splits into microbatches of "

@@ -57,6 +57,7 @@ from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
+from torch._subclasses.fake_tensor import is_fake
 
 __all__ = [
     "NAME",
@@ -914,8 +915,6 @@ def _attention(
     (query x key) scores, else the math composite. Without this, torch decomposes the call into
     the math path for any PrivateUse1 device, and the emulated device would count a scores
     matrix that an accelerator's fused kernels never allocate."""
-    from torch._subclasses.fake_tensor import is_fake
-
     if is_fake(query):  # a memory trace: the CPU's choice for these shapes without dropout
         fused = dropout_p == 0.0
     else:
