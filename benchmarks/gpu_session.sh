@@ -1,0 +1,71 @@
+#!/bin/bash
+# A whole GPU session in one device call (about 8 minutes): smoke, the side-by-side benchmark
+# against the public RoundPipe, one profiled iteration beside the plan's price, the CUDA tests.
+# Prepare .peer/ first where pip works (python benchmarks/peer_setup.py; a transformers wheel the
+# GPU machine lacks goes in .peer/whl-extra), carry .peer, and run from the project's root:
+#
+#     bash benchmarks/gpu_session.sh
+#
+# Everything lands under $OUT (or /tmp/gpu_out), eight files at most: summary.txt, smoke.log,
+# peer.jsonl, bench_err.log, profile.log, trace.json.gz, timeline.json, tests.log. Each part has
+# its own timeout and the order puts what matters most first, so a hang costs only its part.
+cd "$(dirname "$0")/.." || exit 1
+out=${OUT:-/tmp/gpu_out}; mkdir -p "$out"
+export PYTHONUNBUFFERED=1 ROUNDPIPE_DEVICES=cuda:0 TOKENIZERS_PARALLELISM=false
+sum="$out/summary.txt"; : > "$sum"
+note() { echo "$*" | tee -a "$sum"; }
+part() {  # seconds log command...
+  local s=$1 log=$2; shift 2
+  local t0=$(date +%s)
+  echo "== $*" >> "$out/$log"
+  timeout "$s" "$@" >> "$out/$log" 2>&1; local rc=$?
+  note "$log: rc=$rc in $(( $(date +%s) - t0 )) s (limit $s) :: $*"
+}
+
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$sum"
+grep -m1 'model name' /proc/cpuinfo | tee -a "$sum"; nproc | tee -a "$sum"
+python3 -c "import torch, sys; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'python', sys.version.split()[0])" | tee -a "$sum"
+python3 -c "import transformers, peft; print('machine transformers', transformers.__version__, 'peft', peft.__version__)" 2>&1 | tail -1 | tee -a "$sum"
+# roundpipe's own path: the checkout, and the wheels in .peer/whl-extra (a transformers inside the
+# supported range); the public RoundPipe gets its own folder and the machine's transformers.
+ours="$PWD"
+if ls .peer/whl-extra/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/extra .peer/whl-extra/*.whl \
+    && ours="$PWD:/tmp/extra"
+fi
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/upstream .peer/whl/*.whl \
+  || note "peer wheels missing: run python benchmarks/peer_setup.py"
+export PYTHONPATH="$ours"
+python3 -c "import transformers; print('roundpipe runs with transformers', transformers.__version__)" | tee -a "$sum"
+
+bench() {  # model impl pythonpath seconds [flags]
+  local model=$1 impl=$2 path=$3 s=$4; shift 4
+  local t0=$(date +%s)
+  echo "== $model $impl $*" >> "$out/bench_err.log"
+  PYTHONPATH=$path timeout "$s" python3 .peer/peer_bench.py --model "$model" --impl "$impl" \
+    --warmup 2 --iters 3 "$@" 2>>"$out/bench_err.log" | tail -1 | tee -a "$out/peer.jsonl"
+  note "bench $model $impl $*: $(( $(date +%s) - t0 )) s"
+}
+
+# 1. Smoke: the self-check and the HF example on cuda:0.
+part 60 smoke.log python3 -m roundpipe
+part 75 smoke.log python3 examples/finetune_hf.py --steps 5
+# 2. Side by side, GPT 12 blocks: plain PyTorch with recompute, the public RoundPipe, roundpipe
+#    at 4 and 8 microbatches.
+bench gpt torch    "$ours"        70 --ckpt --layers 12
+bench gpt upstream /tmp/upstream  75 --layers 12
+bench gpt ours     "$ours"        75 --layers 12
+bench gpt ours     "$ours"        75 --layers 12 --mb 8
+# 3. One iteration under torch.profiler beside the plan's priced timeline (same GPT).
+part 100 profile.log python3 benchmarks/profile_gpu.py --layers 12 --out "$out"
+# 4. Qwen3-1.7B's shape, 8 layers: the public RoundPipe and roundpipe.hf.wrap.
+bench qwen3 upstream /tmp/upstream 75 --layers 8
+bench qwen3 ours     "$ours"       75 --layers 8
+# 5. The CUDA tests, in a process that never installs the emulated device.
+part 120 tests.log python3 -m pytest -q -p no:cacheprovider --noconftest --timeout 100 tests/test_cuda.py
+# 6. What is left: plain PyTorch without recompute, Qwen3 with transformers' checkpointing, bf16.
+bench gpt torch   "$ours" 60 --layers 12
+bench qwen3 torch "$ours" 75 --ckpt --layers 8
+part 75 smoke.log python3 examples/finetune_hf.py --steps 5 --dtype bf16
+part 60 smoke.log python3 examples/digits_classifier.py --steps 50
+note "done; files under $out"

@@ -1,0 +1,161 @@
+"""On a CUDA GPU: the streaming path held to the real device (skipped without one).
+
+The suite's conftest.py installs the emulated device, which then is torch's accelerator for the
+whole process, so these tests run in a process that never installs it:
+
+    ROUNDPIPE_DEVICES=cuda:0 python -m pytest --noconftest -p no:cacheprovider tests/test_cuda.py
+
+What they check: training on the GPU follows the CPU pool (losses and parameters); the model's
+state stays in pinned host memory and a call leaves nothing on the device; HF wrap equals plain
+transformers (loss and every gradient); the memory plan's device peak against the allocator's
+measured one; a checkpoint resumes bit for bit on the GPU (tiny_lm).
+"""
+
+import gc
+import os
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import roundpipe
+from roundpipe import OptimizerCtx, RoundPipe, RoundPipeRunConfig
+from roundpipe.testing import emu
+
+pytestmark = [
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.skipif(
+        emu.is_installed(),
+        reason="the emulated device is installed in this process: run with --noconftest",
+    ),
+]
+
+DEVICE = os.environ.get("ROUNDPIPE_DEVICES", "cuda:0")
+if not DEVICE.startswith("cuda"):
+    DEVICE = "cuda:0"
+
+
+@pytest.fixture(autouse=True)
+def exact_fp32():
+    """fp32 matmuls in full precision on the GPU (no TF32), so the CPU is a fair reference."""
+    old = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
+
+
+def mlp(seed=0, width=256, depth=4):
+    torch.manual_seed(seed)
+    layers = [nn.Sequential(nn.Linear(width, width), nn.GELU()) for _ in range(depth)]
+    return nn.Sequential(*layers, nn.Linear(width, 10))
+
+
+def train(devices, steps=3, M=4, dtype=torch.float32):
+    model = RoundPipe(
+        mlp().to(dtype),
+        optim_dtype=torch.float32,
+        devices=devices,
+        model_run_config=RoundPipeRunConfig(num_microbatch=M),
+    )
+    with OptimizerCtx():
+        opt = roundpipe.optim.Adam(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(steps):
+        x = torch.randn(32, 256, generator=g).to(dtype)
+        y = torch.randint(10, (32,), generator=g)
+        loss = model.forward_backward(
+            input_args=(x,),
+            label=y,
+            loss_fn=lambda out, lbl: F.cross_entropy(out.float(), lbl.to(out.device)) / M,
+        )
+        model.step(lambda: (opt.step(), opt.zero_grad()))
+        losses.append(loss.item())
+    model.synchronize()
+    with OptimizerCtx():
+        masters = [p.detach().clone() for p in model.parameters()]
+    return losses, masters, model
+
+
+def test_training_on_the_gpu_follows_the_cpu_pool():
+    gpu_losses, gpu_masters, _ = train(DEVICE)
+    cpu_losses, cpu_masters, _ = train("cpu")
+    assert gpu_losses == pytest.approx(cpu_losses, rel=1e-4)
+    for a, b in zip(gpu_masters, cpu_masters):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_state_stays_in_pinned_host_memory_and_a_call_leaves_the_device_empty(dtype):
+    gc.collect()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    losses, _, model = train(DEVICE, steps=2, dtype=dtype)
+    assert all(torch.isfinite(torch.tensor(losses)))
+    for name, p in model.named_parameters():
+        assert p.device.type == "cpu" and p.is_pinned(), name
+    torch.cuda.synchronize()
+    left = torch.cuda.memory_allocated() - base
+    assert left <= 64 * 1024, f"{left} bytes stay allocated on the device after the calls"
+
+
+def test_the_memory_plan_matches_the_allocators_peak():
+    seq = mlp(width=1024, depth=6).half()
+    model = RoundPipe(
+        seq,
+        optim_dtype=torch.float32,
+        devices=DEVICE,
+        model_run_config=RoundPipeRunConfig(num_microbatch=2),
+    )
+    x, y = torch.randn(512, 1024).half(), torch.randint(10, (512,))
+    loss_fn = lambda out, lbl: F.cross_entropy(out.float(), lbl.to(out.device))  # noqa: E731
+    plan = model.memory_plan(input_args=(x,), label=y, loss_fn=loss_fn)
+    gc.collect()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    model.forward_backward(input_args=(x,), label=y, loss_fn=loss_fn)
+    torch.cuda.synchronize()
+    measured = torch.cuda.max_memory_allocated() - base
+    planned = plan.devices[0].peak
+    print(f"planned {planned} measured {measured} ratio {planned / measured:.3f}")
+    assert 0.9 * measured <= planned <= 1.15 * measured, (planned, measured)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_moe"])
+@pytest.mark.parametrize("M,side", [(1, "right"), (4, "left")])
+def test_hf_wrap_equals_plain_transformers_on_the_gpu(family, M, side):
+    pytest.importorskip("transformers")
+    from test_hf import config, master_grads, padded_batch, twins
+
+    wrapped, plain = twins(config(family))
+    batch = padded_batch(side)
+    ref = plain(**batch)
+    ref.loss.backward()
+    model = roundpipe.hf.wrap(
+        wrapped, devices=DEVICE, model_run_config=RoundPipeRunConfig(num_microbatch=M)
+    )
+    loss = model.forward_backward(input_kwargs=batch)
+    torch.testing.assert_close(loss, ref.loss.detach(), rtol=1e-4, atol=1e-5)
+    grads = master_grads(model)
+    for name, p in plain.named_parameters():
+        if p.grad is not None:
+            torch.testing.assert_close(grads[name], p.grad, rtol=1e-3, atol=1e-5, msg=name)
+
+
+def test_a_checkpoint_resumes_bit_for_bit_on_the_gpu(tmp_path):
+    from test_examples import TINY, _iteration_losses, run_example
+
+    n = 3
+    full, _ = run_example("tiny_lm.py", "--steps", 2 * n, *TINY, devices=DEVICE)
+    ckpt = tmp_path / "ckpt.pt"
+    run_example("tiny_lm.py", "--steps", n, "--save", ckpt, *TINY, devices=DEVICE)
+    second, _ = run_example("tiny_lm.py", "--steps", 2 * n, "--resume", ckpt, *TINY, devices=DEVICE)
+    resumed = _iteration_losses(second)
+    assert sorted(map(int, resumed)) == list(range(n, 2 * n))
+    full_losses = _iteration_losses(full)
+    assert {k: full_losses[k] for k in resumed} == resumed
+    digest = lambda out: re.search(r"params sha256: (\w+)", out)[1]  # noqa: E731
+    assert digest(second) == digest(full)
