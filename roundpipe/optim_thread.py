@@ -9,6 +9,9 @@ Public API (``roundpipe.optim_thread``):
 * :func:`launch` queues a callable and returns at once.
 * :func:`synchronize` waits for everything launched so far and re-raises a captured error.
 * :func:`on_optimizer_thread` tells whether the caller is the optimizer thread.
+* :func:`set_num_threads` / :func:`get_num_threads`: the intra-op threads its ops use (see
+  [Note: the optimizer thread's cores]); :func:`use_default_num_threads` is what a model on an
+  accelerator pool calls.
 
 The client API that roundpipe's own modules (the scaler, the runtime, data parallelism, the
 optimizers) build on, public so that no module reaches into this one's internals:
@@ -30,12 +33,15 @@ call that depends on it (see [Note: error reporting]). The thread keeps serving 
 from __future__ import annotations
 
 import functools
+import os
 import sys
 import threading
 import traceback
 from _thread import get_ident
 from collections.abc import Callable
 from typing import Any
+
+import torch
 
 from roundpipe.workers import Future, WorkerThread
 
@@ -55,6 +61,11 @@ __all__ = [
     "last_launch",
     "failure_count",
     "register_launch_check",
+    "set_num_threads",
+    "get_num_threads",
+    "default_num_threads",
+    "use_default_num_threads",
+    "THREADS_ENV_VAR",
 ]
 
 
@@ -409,3 +420,83 @@ def failure_count() -> int:
     """How many launched calls have failed so far, reported or not. Any thread; never blocks."""
     with _EXECUTOR._lock:
         return _EXECUTOR._failure_total
+
+
+# [Note: the optimizer thread's cores]
+# On an accelerator the step (unscale, Adam, the master->model copy) is host work over every
+# parameter, and it runs while the next iteration computes. That iteration needs host threads
+# too: each device's worker enqueues its stages' kernels and autograd's thread for the device
+# enqueues the backward's. If the step's ops spread over every core (torch's default intra-op
+# count), those threads are descheduled, the device starves, and every parallel region of the
+# step waits for its slowest, descheduled thread as well. So a model on an accelerator pool
+# leaves 2 cores per device to them: the optimizer thread's ops use ``torch.get_num_threads() -
+# 2 * devices`` threads (at least 1), ``$ROUNDPIPE_OPTIMIZER_THREADS`` if set, or what
+# :func:`set_num_threads` was given (which wins over both). The count is per thread in torch
+# (OpenMP's is a per-thread setting): no other thread's count changes, and the process default
+# that new threads start with is put back.
+
+THREADS_ENV_VAR = "ROUNDPIPE_OPTIMIZER_THREADS"
+
+_threads_lock = threading.Lock()
+_threads: dict[str, int | bool | None] = {"count": None, "explicit": False}
+
+
+def _apply_num_threads(n: int) -> None:
+    """On a thread other than the optimizer thread: set that thread's count, then put the
+    process default back as the caller's own count (unchanged by that)."""
+    default = torch.get_num_threads()
+    launch_item(torch.set_num_threads, n).wait(report=False)
+    torch.set_num_threads(default)
+    _threads["count"] = n
+
+
+def set_num_threads(n: int | None) -> None:
+    """How many intra-op threads the optimizer thread's ops use (``torch.set_num_threads`` on
+    that thread only; see [Note: the optimizer thread's cores]). ``None``: back to roundpipe's
+    default (the next model on an accelerator pool sets it). Any thread but the optimizer
+    thread; waits for the work launched before."""
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+        raise ValueError(f"the optimizer thread's thread count must be an int >= 1, got {n!r}")
+    if on_optimizer_thread():
+        raise RuntimeError("set_num_threads is called from the main thread, not from a step")
+    with _threads_lock:
+        _threads["explicit"] = n is not None
+        _apply_num_threads(torch.get_num_threads() if n is None else n)
+
+
+def get_num_threads() -> int:
+    """The intra-op threads of the optimizer thread's ops: what was set, else the process's
+    count (the thread has not been given its own). Any thread; never blocks."""
+    count = _threads["count"]
+    return int(count) if count is not None else torch.get_num_threads()
+
+
+def default_num_threads(num_devices: int) -> int:
+    """The optimizer thread's count beside ``num_devices`` accelerators: ``$ROUNDPIPE_OPTIMIZER_
+    THREADS`` if set, else the caller's ``torch.get_num_threads()`` less 2 per device, at least
+    1 (see [Note: the optimizer thread's cores]). Raises ``ValueError`` on a bad variable."""
+    raw = os.environ.get(THREADS_ENV_VAR, "").strip()
+    if raw:
+        try:
+            n = int(raw)
+        except ValueError:
+            n = 0
+        if n < 1:
+            raise ValueError(
+                f"${THREADS_ENV_VAR}={raw!r}: expected a whole number of threads >= 1 (unset it "
+                f"for the default, the process's threads less 2 per accelerator)"
+            )
+        return n
+    return max(1, torch.get_num_threads() - 2 * num_devices)
+
+
+def use_default_num_threads(num_devices: int) -> None:
+    """Main thread, when a model on ``num_devices`` accelerators is made: give the optimizer
+    thread its default count, unless :func:`set_num_threads` chose one. Waits for the work
+    launched before only when the count changes."""
+    with _threads_lock:
+        if _threads["explicit"]:
+            return
+        n = default_num_threads(num_devices)
+        if _threads["count"] != n:
+            _apply_num_threads(n)

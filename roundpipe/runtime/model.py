@@ -132,6 +132,8 @@ class RoundPipe(nn.Module):
         self.name = name
         self.model_run_config = model_run_config or RoundPipeRunConfig()
         self._pool = DevicePool(devices)
+        if self._pool.streaming:  # leave the device threads their cores during a step
+            optim_thread.use_default_num_threads(len(self._pool))
         self._memory_check = bool(memory_check) and not skip_memory_check()
         if self._memory_check:  # before anything is allocated
             check_host_memory(
