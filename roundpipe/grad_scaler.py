@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
-from roundpipe import distributed, optim_thread
+from roundpipe import distributed, finite_check, optim_thread
 from roundpipe.host_copy import HostCopy
 from roundpipe.optim_thread import on_optimizer_thread
 from roundpipe.step_context import check_optimizer_params
@@ -419,10 +419,15 @@ class GradScaler:
         inv_scale: torch.Tensor,
         found_inf: torch.Tensor,
         allow_fp16: bool,
+        check_only: bool = False,
     ) -> dict[torch.device, torch.Tensor]:
+        """Unscale the gradients by ``inv_scale`` and flag inf/NaN, per device (torch's pass).
+        ``check_only`` (``inv_scale`` is 1): a gradient the device already checked is not read
+        again (see [Note: checked on the device] in :mod:`roundpipe.finite_check`)."""
         grads: dict[torch.device, dict[torch.dtype, list[torch.Tensor]]] = defaultdict(
             lambda: defaultdict(list)
         )
+        checked: dict[torch.device, bool] = {}
         with torch.no_grad():
             for group in optimizer.param_groups:
                 for param in group["params"]:
@@ -431,6 +436,10 @@ class GradScaler:
                         continue
                     if not allow_fp16 and grad.dtype == torch.float16:
                         raise ValueError("Attempting to unscale FP16 gradients.")
+                    known = finite_check.nonfinite(grad) if check_only else None
+                    if known is not None:
+                        checked[grad.device] = checked.get(grad.device, False) or known
+                        continue
                     if grad.is_sparse:
                         # Duplicate fp16 indices could overflow when summed later: coalesce first.
                         if grad.dtype is torch.float16:
@@ -438,11 +447,17 @@ class GradScaler:
                         grad = grad._values()
                     grads[grad.device][grad.dtype].append(grad)
             found_per_device: dict[torch.device, torch.Tensor] = {}
+            for device in [*grads, *checked]:
+                if device not in found_per_device:
+                    found_per_device[device] = found_inf.to(device, copy=True)
             for device, per_dtype in grads.items():
-                found = found_per_device[device] = found_inf.to(device, copy=True)
+                found = found_per_device[device]
                 inv = inv_scale.to(device)
                 for same_dtype in per_dtype.values():
                     torch._amp_foreach_non_finite_check_and_unscale_(same_dtype, found, inv)
+            for device, any_nonfinite in checked.items():
+                if any_nonfinite:
+                    found_per_device[device].fill_(1.0)
         # Under data parallelism every rank must skip the same steps: agree on the flag.
         return distributed.agree_found_inf(found_per_device, found_inf)
 
@@ -539,7 +554,9 @@ class GradScaler:
             back = self._back_scale()
             one = torch.ones((), dtype=torch.float32, device=back.device)
             found = torch.zeros((), dtype=torch.float32, device=back.device)
-            state.found_inf_per_device = self._unscale_grads_(optimizer, one, found, True)
+            state.found_inf_per_device = self._unscale_grads_(
+                optimizer, one, found, True, check_only=True
+            )
             optimizer.grad_scale = back * getattr(optimizer, "grad_scale", 1)  # type: ignore[attr-defined]
         else:
             optimizer.grad_scale = getattr(optimizer, "grad_scale", None)  # type: ignore[attr-defined]

@@ -441,11 +441,19 @@ _threads_lock = threading.Lock()
 _threads: dict[str, int | bool | None] = {"count": None, "explicit": False}
 
 
+def _set_own_num_threads(n: int) -> None:
+    """Optimizer thread: its own count. torch initialises a thread's count from the process
+    default at the thread's first parallel op or count query; done first here, so that it
+    cannot overwrite this setting later."""
+    torch.get_num_threads()
+    torch.set_num_threads(n)
+
+
 def _apply_num_threads(n: int) -> None:
     """On a thread other than the optimizer thread: set that thread's count, then put the
     process default back as the caller's own count (unchanged by that)."""
     default = torch.get_num_threads()
-    launch_item(torch.set_num_threads, n).wait(report=False)
+    launch_item(_set_own_num_threads, n).wait(report=False)
     torch.set_num_threads(default)
     _threads["count"] = n
 

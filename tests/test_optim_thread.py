@@ -9,6 +9,7 @@ import threading
 import traceback
 
 import pytest
+import torch
 
 from roundpipe import optim_thread
 
@@ -258,3 +259,47 @@ def test_no_module_outside_the_runtime_uses_a_private_name_of_optim_thread():
             if "optim_thread._" in line:
                 offenders.append(f"{path.relative_to(root)}:{lineno}: {line.strip()}")
     assert offenders == []
+
+
+def test_a_model_on_an_accelerator_leaves_two_cores_per_device_to_the_device_threads(
+    monkeypatch,
+):
+    from torch import nn
+
+    from roundpipe import RoundPipe
+
+    monkeypatch.delenv(optim_thread.THREADS_ENV_VAR, raising=False)
+    on_thread = lambda: optim_thread.launch_item(torch.get_num_threads).result()  # noqa: E731
+    own = torch.get_num_threads()
+    torch.set_num_threads(6)
+    try:
+        optim_thread.set_num_threads(None)
+        RoundPipe(nn.Sequential(nn.Linear(4, 4)), devices="emu:2")
+        assert on_thread() == optim_thread.get_num_threads() == 6 - 2 * 2
+        # Only that thread's count changed: this one's, and a new thread's, are the default.
+        assert torch.get_num_threads() == 6
+        seen = []
+        t = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
+        t.start()
+        t.join()
+        assert seen == [6]
+        RoundPipe(nn.Sequential(nn.Linear(4, 4)), devices="emu")
+        assert on_thread() == 4
+        RoundPipe(nn.Sequential(nn.Linear(4, 4)), devices="cpu")  # a CPU pool leaves it be
+        assert on_thread() == 4
+        optim_thread.set_num_threads(3)  # the user's choice wins over a model's default
+        RoundPipe(nn.Sequential(nn.Linear(4, 4)), devices="emu:2")
+        assert on_thread() == 3
+        optim_thread.set_num_threads(None)
+        monkeypatch.setenv(optim_thread.THREADS_ENV_VAR, "5")
+        RoundPipe(nn.Sequential(nn.Linear(4, 4)), devices="emu")
+        assert on_thread() == 5
+        monkeypatch.setenv(optim_thread.THREADS_ENV_VAR, "all")
+        with pytest.raises(ValueError, match="ROUNDPIPE_OPTIMIZER_THREADS='all'"):
+            RoundPipe(nn.Sequential(nn.Linear(4, 4)), devices="emu")
+        with pytest.raises(ValueError, match=">= 1"):
+            optim_thread.set_num_threads(0)
+    finally:
+        monkeypatch.delenv(optim_thread.THREADS_ENV_VAR, raising=False)
+        torch.set_num_threads(own)
+        optim_thread.set_num_threads(None)

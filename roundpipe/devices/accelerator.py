@@ -233,6 +233,25 @@ class AcceleratorBackend:
         done.record(down)
         return host, done
 
+    def download_grads(
+        self, tensors: list[torch.Tensor | None]
+    ) -> tuple[list[torch.Tensor | None], torch.Tensor, torch.Event]:
+        down = self.download_stream
+        down.wait_stream(self.stream)
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        with down:
+            for t in tensors:
+                if t is not None and t.device.type != "cpu" and t.is_floating_point():
+                    by_dtype.setdefault(t.dtype, []).append(t.detach())
+            found = torch.zeros((), dtype=torch.float32, device=self.torch_device)
+            one = torch.ones((), dtype=torch.float32, device=self.torch_device)
+            for same in by_dtype.values():  # times 1.0: the values stay as they are
+                torch._amp_foreach_non_finite_check_and_unscale_(same, found, one)
+        host, done = self.download([*tensors, found])  # done: after every copy, the flag's too
+        flag = host.pop()
+        assert flag is not None
+        return host, flag, done
+
     def record_event(self) -> torch.Event:
         return self._event()
 

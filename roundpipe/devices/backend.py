@@ -141,6 +141,14 @@ class StreamingBackend(Backend, Protocol):
         so far; returns them and the event of their arrival."""
         ...
 
+    def download_grads(
+        self, tensors: list[torch.Tensor | None]
+    ) -> tuple[list[torch.Tensor | None], torch.Tensor, torch.Event]:
+        """``D`` of gradient sums: :meth:`download`, plus a one-element host tensor, arrived
+        with them, that is 1.0 if any of them holds an inf or NaN (checked on the device; see
+        [Note: checked on the device] in :mod:`roundpipe.finite_check`)."""
+        ...
+
     def wait_for(self, event: torch.Event) -> None:
         """A host wait (``S`` of a stage): block until ``event`` has completed."""
         ...

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from roundpipe import optim_thread
+from roundpipe import finite_check, optim_thread
 from roundpipe.devices import StreamingBackend
 from roundpipe.runtime.params import ParamRecord
 
@@ -59,19 +59,28 @@ __all__ = [
 
 
 def move_grads(
-    pairs: list[tuple[nn.Parameter, torch.Tensor]], arrived: torch.Event | None = None
+    pairs: list[tuple[nn.Parameter, torch.Tensor]],
+    arrived: torch.Event | None = None,
+    nonfinite_flag: torch.Tensor | None = None,
 ) -> None:
     """Optimizer thread: hand a stage's summed gradients of a call (tensors nobody else holds)
-    to the masters; first wait for their download (``arrived``) from an accelerator."""
+    to the masters; first wait for their download (``arrived``) from an accelerator, with
+    ``nonfinite_flag``, the device's inf/NaN check of them (see [Note: checked on the device]
+    in :mod:`roundpipe.finite_check`)."""
     if arrived is not None:
         arrived.synchronize()
+    found = None if nonfinite_flag is None else bool(nonfinite_flag.item())
     for master, grad in pairs:
         if master.grad is not None:
+            before = finite_check.nonfinite(master.grad)
             master.grad.add_(grad)
-        elif grad.dtype == master.dtype:
+            # finite + finite may still overflow fp32: only a known inf/NaN stays known.
+            finite_check.mark(master.grad, True if before or found else None)
+        else:
+            if grad.dtype != master.dtype:  # summed on the device in device_grad_dtype
+                grad = grad.to(master.dtype)
             master.grad = grad
-        else:  # summed on the device in device_grad_dtype
-            master.grad = grad.to(master.dtype)
+            finite_check.mark(grad, found)
 
 
 def accumulate_grad(master: nn.Parameter, grad: torch.Tensor) -> None:
@@ -187,9 +196,9 @@ class CallGrads:
         their move, which waits for the download on the optimizer thread."""
         pairs = self.take(stages)
         if pairs:
-            host, arrived = backend.download([g for _, g in pairs])
+            host, flag, arrived = backend.download_grads([g for _, g in pairs])
             moved = [(master, g) for (master, _), g in zip(pairs, host) if g is not None]
-            self.moves.append(optim_thread.launch_item(move_grads, moved, arrived))
+            self.moves.append(optim_thread.launch_item(move_grads, moved, arrived, flag))
 
 
 def stash_grads(params: Sequence[Sequence[ParamRecord]]) -> list[tuple[nn.Parameter, torch.Tensor]]:
