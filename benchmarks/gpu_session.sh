@@ -27,7 +27,8 @@ grep -m1 'model name' /proc/cpuinfo | tee -a "$sum"; nproc | tee -a "$sum"
 python3 -c "import torch, sys; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'python', sys.version.split()[0])" | tee -a "$sum"
 python3 -c "import transformers, peft; print('machine transformers', transformers.__version__, 'peft', peft.__version__)" 2>&1 | tail -1 | tee -a "$sum"
 # roundpipe's own path: the checkout, and the wheels in .peer/whl-extra (a transformers inside the
-# supported range); the public RoundPipe gets its own folder and the machine's transformers.
+# supported range); the public RoundPipe gets its own folder, with the transformers 4.57 it
+# runs on (benchmarks/peer_setup.py downloads both).
 ours="$PWD"
 if ls .peer/whl-extra/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/extra .peer/whl-extra/*.whl \
@@ -43,7 +44,7 @@ bench() {  # model impl pythonpath seconds [flags]
   local t0=$(date +%s)
   echo "== $model $impl $*" >> "$out/bench_err.log"
   PYTHONPATH=$path timeout "$s" python3 .peer/peer_bench.py --model "$model" --impl "$impl" \
-    --warmup 2 --iters 3 "$@" 2>>"$out/bench_err.log" | tail -1 | tee -a "$out/peer.jsonl"
+    --warmup 2 --iters 5 "$@" 2>>"$out/bench_err.log" | tail -1 | tee -a "$out/peer.jsonl"
   note "bench $model $impl $*: $(( $(date +%s) - t0 )) s"
 }
 

@@ -1,12 +1,16 @@
 """Prepare the side-by-side GPU harness (../shared/gpu) in .peer/ for a GPU run, in one command:
 
     python benchmarks/peer_setup.py            # where pip can reach the package index
-    # then, on the GPU machine, from the project's root (carry .peer):
-    bash .peer/run.sh gpt && bash .peer/run.sh qwen3
+    # then, on the GPU machine, from the project's root (carry .peer), one call of ~7 minutes:
+    bash benchmarks/gpu_session.sh
 
 It copies the harness into .peer/ (in .gitignore), points its ``ours_wrap_hf`` at
 ``roundpipe.hf.wrap`` with the documented HuggingFace loop (fp16 model, fp32 masters, roundpipe's
-GradScaler and Adam), and downloads the public RoundPipe's wheels for the GPU machine's Python.
+GradScaler and Adam), and downloads for the GPU machine's Python: the public RoundPipe's wheels
+with a transformers it runs on (4.57: it is written for the 4.5x API, and the GPU machine's 5.x
+fails inside its Qwen3 model), all installed into the peer's own folder there; and, with
+``--carry-transformers VERSION``, a transformers wheel for roundpipe's side (.peer/whl-extra),
+for a machine whose own transformers roundpipe does not support.
 """
 
 import argparse
@@ -16,6 +20,15 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+# The public RoundPipe and what it runs on that the GPU machine lacks: a 4.5x transformers and
+# the tokenizers and huggingface_hub that version takes (installed with --no-deps beside it).
+PEER_WHEELS = (
+    "roundpipe==0.1.1",
+    "beartype==0.23.1",
+    "transformers==4.57.6",
+    "tokenizers==0.22.2",
+    "huggingface_hub==0.36.2",
+)
 
 OURS_WRAP_HF = '''def ours_wrap_hf(model, mb):
     """roundpipe.hf.wrap with the documented HuggingFace loop (set by benchmarks/peer_setup.py)."""
@@ -49,6 +62,11 @@ def main():
         "--python-version", default="3.12", help="the GPU machine's Python (default 3.12)"
     )
     parser.add_argument("--no-download", action="store_true", help="copy and patch only")
+    parser.add_argument(
+        "--carry-transformers",
+        metavar="VERSION",
+        help="also download this transformers for roundpipe's side (.peer/whl-extra)",
+    )
     args = parser.parse_args()
 
     src, peer = Path(args.shared), ROOT / ".peer"
@@ -69,10 +87,17 @@ def main():
             [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
              "--python-version", args.python_version, "--implementation", "cp",
              "--platform", "manylinux_2_28_x86_64", "--platform", "manylinux_2_17_x86_64",
-             "-d", str(peer / "whl"), "roundpipe==0.1.1", "beartype==0.23.1"],
+             "--platform", "manylinux2014_x86_64",
+             "-d", str(peer / "whl"), *PEER_WHEELS],
             check=True,
         )  # fmt: skip
-    print(f"ready: {peer} (carry .peer; run bash .peer/run.sh gpt, then qwen3)")
+        if args.carry_transformers:
+            subprocess.run(
+                [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+                 "-d", str(peer / "whl-extra"), f"transformers=={args.carry_transformers}"],
+                check=True,
+            )  # fmt: skip
+    print(f"ready: {peer} (carry .peer; on the GPU machine: bash benchmarks/gpu_session.sh)")
 
 
 if __name__ == "__main__":

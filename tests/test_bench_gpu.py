@@ -125,3 +125,47 @@ def test_without_cuda_it_says_so_and_exits_0():
     out = run_bench("--allow-cpu", "--microbatches", "2", *TIGHT)
     assert "NOT A GPU RUN: a tiny configuration on cpu" in out
     assert {name for name, *_ in ROW.findall(out)} == set(VARIANTS)
+
+
+def test_profile_gpu_prices_the_plan_and_writes_a_trace_and_a_timeline(tmp_path):
+    """benchmarks/profile_gpu.py in its tiny mode on the emulated device: the measured and the
+    priced iteration, the profile's thread and device split, and its two files."""
+    import gzip
+    import json
+
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env.pop("ROUNDPIPE_DEVICES", None)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "profile_gpu.py"), "--devices", "emu"]
+        + ["--warmup", "1", "--iters", "1", "--out", str(tmp_path)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    measured = float(re.search(r"^measured: ([\d.]+) s/iteration", proc.stdout, re.M)[1])
+    priced = re.search(
+        r"^priced: +([\d.]+) s/iteration \(devices ([\d.]+) s, optimizer thread ([\d.]+) s: "
+        r"(optimizer|device)-bound\).*measured/priced ([\d.]+)",
+        proc.stdout,
+        re.M,
+    )
+    assert priced is not None, proc.stdout
+    total, devices, step = (float(priced[i]) for i in (1, 2, 3))
+    assert total == pytest.approx(max(devices, step), abs=1e-4)
+    assert float(priced[5]) == pytest.approx(measured / total, abs=0.01)
+    assert re.search(r"^  host thread \d+: [\d.]+ s in top-level ops", proc.stdout, re.M)
+    timeline = json.loads((tmp_path / "timeline.json").read_text())
+    assert timeline["iteration_time"] == pytest.approx(total, abs=1e-4)
+    assert {s["stream"] for s in timeline["spans"]} >= {"compute"}
+    trace = json.load(gzip.open(tmp_path / "trace.json.gz"))
+    assert any(e.get("name", "").startswith("Optimizer.step") for e in trace["traceEvents"])
+
+
+def test_the_gpu_session_script_is_valid_bash():
+    proc = subprocess.run(
+        ["bash", "-n", str(ROOT / "benchmarks" / "gpu_session.sh")], capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr

@@ -2,6 +2,7 @@
 kernels run at once. Which uploads hide behind compute, and how close the iteration comes to
 the compute alone."""
 
+import dataclasses
 import itertools
 
 import pytest
@@ -110,3 +111,17 @@ def test_costs_are_checked():
     plan = build_plan(3, 1, 1, training=True, stage_major=True)
     with pytest.raises(ValueError, match="one value per stage"):
         price(plan, _costs(2, forward=0.01))
+
+
+def test_the_optimizer_threads_step_bounds_the_iteration_from_below():
+    plan = build_plan(4, 4, 1, training=True, stage_major=True)
+    devices = price(plan, _costs(4, forward=0.01))
+    assert devices.iteration_time == devices.device_time and not devices.optimizer_bound
+    short = price(plan, dataclasses.replace(_costs(4, forward=0.01), optimizer=0.1))
+    assert short.iteration_time == short.device_time == devices.device_time
+    long = dataclasses.replace(_costs(4, forward=0.01), optimizer=10 * devices.device_time)
+    bound = price(plan, long)
+    assert bound.optimizer_bound and bound.iteration_time == pytest.approx(long.optimizer)
+    assert bound.spans == devices.spans  # the devices' timeline itself is the same
+    with pytest.raises(ValueError, match="optimizer"):
+        price(plan, dataclasses.replace(long, optimizer=-1.0))

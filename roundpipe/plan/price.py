@@ -34,8 +34,13 @@ __all__ = ["Costs", "Span", "Timeline", "price"]
 #   H, R              events at the compute stream's current end (an R's is what a later S of
 #                     that stage waits for on the host);
 #   W                 the master->model copy is taken as done (its cost is the optimizer
-#                     thread's, hidden behind the previous iteration).
-# The iteration ends when every device's final S returns. Host wait S of a stage is the bound on
+#                     thread's, priced as a whole below).
+# The iteration ends when every device's final S returns, and no sooner than the optimizer
+# thread's work of one step (``optimizer``: the step and the master->model copy): with the
+# asynchronous step that work overlaps the next iteration, so a steady run takes the longer of
+# the two per iteration. On a GPU with a host-side Adam the optimizer thread is often the longer
+# (host memory traffic: about 28 bytes per parameter for Adam and 6 for the copy), which is why
+# it is priced at all. Host wait S of a stage is the bound on
 # how far the worker runs ahead: a prefetch that reuses the memory a run released is issued only
 # once the device has finished that run.
 
@@ -49,6 +54,8 @@ class Costs:
     its weights and buffers; ``grad_bytes``: its gradient sums. ``bandwidth``: the host link,
     each way. ``peer_bandwidth``: between devices (None: ``bandwidth``). ``issue``: per stage,
     the host time to enqueue one of its compute actions (0: the host is never the limit).
+    ``optimizer``: the optimizer thread's seconds per step (the step and the master->model
+    copy); a steady run's iteration takes at least that long (0: never the limit).
     Stage inputs (offloads, hand-offs) have the sizes the plan was lowered with (none without
     them)."""
 
@@ -59,6 +66,7 @@ class Costs:
     bandwidth: float
     peer_bandwidth: float | None = None
     issue: Sequence[float] | None = None
+    optimizer: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,10 +83,18 @@ class Span:
 
 @dataclasses.dataclass(frozen=True)
 class Timeline:
-    """A priced plan: every action with a duration, and when the iteration ends."""
+    """A priced plan: every action with a duration, when the devices are done
+    (``device_time``), and when the iteration ends (``iteration_time``: no sooner than the
+    optimizer thread's step, see [Note: pricing])."""
 
     spans: tuple[Span, ...]
     iteration_time: float
+    device_time: float = 0.0
+
+    @property
+    def optimizer_bound(self) -> bool:
+        """Whether the optimizer thread, not the devices, sets the iteration time."""
+        return self.iteration_time > self.device_time
 
     def on(self, device: int, stream: str) -> list[Span]:
         """The spans of one stream, in time order."""
@@ -120,6 +136,8 @@ def price(plan: Plan, costs: Costs) -> Timeline:
             )
     if costs.bandwidth <= 0:
         raise ValueError(f"bandwidth must be positive, got {costs.bandwidth}")
+    if costs.optimizer < 0:
+        raise ValueError(f"optimizer seconds must be >= 0, got {costs.optimizer}")
     assert plan.program is not None
     peer = costs.peer_bandwidth or costs.bandwidth
     issue = list(costs.issue) if costs.issue is not None else [0.0] * S
@@ -217,4 +235,4 @@ def price(plan: Plan, costs: Costs) -> Timeline:
         if not progressed:
             raise RuntimeError(f"plan deadlocks; cannot price it\n{plan}")
     end = max(host + [t for f in free for t in f.values()])
-    return Timeline(tuple(spans), end)
+    return Timeline(tuple(spans), max(end, costs.optimizer), end)
