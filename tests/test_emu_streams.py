@@ -214,7 +214,7 @@ def _without_producer_wait(self, tree, after=None):
     return _original_to_device(self, tree)
 
 
-def _moves_without_host_wait(pairs, arrived=None):
+def _moves_without_host_wait(pairs, arrived=None, nonfinite_flag=None):
     # Host threads count as one (see [Note: emulated streams]): the optimizer thread's wait
     # for a gradient download would also order the offloaded inputs downloaded before it, on
     # the same stream, for the worker, if it came first. Without it only the reload's own
@@ -240,3 +240,21 @@ def test_each_runtime_ordering_is_needed(monkeypatch, devices, offload, method, 
         monkeypatch.setattr(grad_router, "move_grads", _moves_without_host_wait)
     with pytest.raises(StreamOrderError, match="stream race"):
         _train(devices, offload, inputs_on=EMU)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda d: torch.arange(5, device=d),
+        lambda d: torch.arange(1, 6, device=d, dtype=torch.float32),
+        lambda d: torch.arange(0, 10, 2, device=d),
+        lambda d: torch.eye(3, device=d),
+        lambda d: torch.eye(2, 4, device=d),
+    ],
+)
+def test_factories_that_fill_an_out_tensor_have_their_shape_on_the_device(make):
+    # arange and eye fill an empty tensor through their out= overload; on the emulated device
+    # they once handed back a 0-element tensor whose storage held the values.
+    on_device, on_host = make("emu:0"), make("cpu")
+    assert on_device.shape == on_host.shape and on_device.device.type == "emu"
+    assert torch.equal(on_device.cpu(), on_host)

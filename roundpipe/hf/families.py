@@ -36,9 +36,10 @@ class Family:
         rotary: the rotary position embedding module, in ``body`` (called
             ``rotary(hidden, position_ids=...) -> (cos, sin)``).
         head: the output projection, in the ``*ForCausalLM``.
-        router: the class name of a mixture-of-experts router module inside each layer whose
-            forward returns the router logits first (``Qwen3MoeTopKRouter``), or None for a
-            dense model. With it, the head adds the load-balancing loss (see docs/hf.md).
+        router: the attribute path, from a decoder layer, of its mixture-of-experts router
+            (``mlp.gate``: a linear gate that returns the router logits, or a router module
+            that returns them first), or None for a dense model. With it, the head adds the
+            load-balancing loss (see docs/hf.md).
     """
 
     name: str
@@ -66,6 +67,18 @@ class Family:
                 f"({exc}); register a Family with its attribute paths (docs/hf.md)"
             ) from None
         return found
+
+
+    def router_of(self, layer: nn.Module) -> nn.Module:
+        """The router module of one decoder layer; raises ``TypeError`` naming the path."""
+        assert self.router is not None
+        try:
+            return operator.attrgetter(self.router)(layer)
+        except AttributeError:
+            raise TypeError(
+                f"{type(layer).__name__} has no router at {self.router!r} (family "
+                f"{self.name!r}); give the Family the path of the layer's router module"
+            ) from None
 
 
 def layer_attention_types(config: Any) -> list[str]:
@@ -115,4 +128,4 @@ def family_of(model: nn.Module) -> Family:
 
 for _name in ("llama", "mistral", "qwen2", "qwen3"):
     register_family(Family(_name, (_name,)))
-register_family(Family("qwen3_moe", ("qwen3_moe",), router="Qwen3MoeTopKRouter"))
+register_family(Family("qwen3_moe", ("qwen3_moe",), router="mlp.gate"))

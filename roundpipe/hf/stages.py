@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from roundpipe.context import WithContext
+from roundpipe.hf import compat
 from roundpipe.hf.families import Family
 from roundpipe.hf.loss import chunked_causal_lm_loss
 
@@ -45,22 +46,13 @@ class Embed(nn.Module):
         position_ids: torch.Tensor | None = None,
         num_items_in_batch: int | None = None,
     ) -> WithContext:
-        from transformers import masking_utils
-
-        builders = {
-            "full_attention": masking_utils.create_causal_mask,
-            "sliding_attention": masking_utils.create_sliding_window_causal_mask,
-        }
+        builders = compat.mask_builders()
         hidden = self.embed_tokens(input_ids)
         if position_ids is None:  # as the HF decoder does without a cache
             position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
         masks = {
-            kind: builders[kind](
-                config=self.config,
-                inputs_embeds=hidden,
-                attention_mask=attention_mask,
-                cache=None,
-                position_ids=position_ids,
+            kind: compat.build_mask(
+                builders[kind], self.config, hidden, attention_mask, position_ids
             )
             for kind in self.kinds
         }
@@ -94,7 +86,7 @@ class _RouterTap:
     def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
         found = getattr(self._local, "logits", None)
         if found is not None:
-            found.append(output[0] if isinstance(output, tuple) else output)
+            found.append(compat.router_logits(output))
 
     def take(self) -> list[torch.Tensor]:
         found, self._local.logits = self._local.logits, None
@@ -118,9 +110,7 @@ class Decoder(nn.Module):
             self._tap = _RouterTap()
             self.num_experts = int(config.num_experts)
             self.top_k = int(config.num_experts_per_tok)
-            for module in layer.modules():
-                if type(module).__name__ == family.router:
-                    module.register_forward_hook(self._tap)
+            family.router_of(layer).register_forward_hook(self._tap)
 
     def forward(self, x: Any, context: dict[str, Any]) -> Any:
         sums = None

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from roundpipe.hf import compat
 from roundpipe.hf.families import Family, family_of, layer_attention_types
 from roundpipe.hf.stages import IGNORE_INDEX, Decoder, Embed, Head, shift_labels
 from roundpipe.runtime import RoundPipe, RoundPipeRunConfig
@@ -149,21 +150,17 @@ def wrap(
         loss_chunk_tokens = default_loss_chunk_tokens(int(getattr(config, "vocab_size", 0) or 0))
     if not isinstance(loss_chunk_tokens, int) or loss_chunk_tokens < 1:
         raise ValueError(f"loss_chunk_tokens must be a positive int, got {loss_chunk_tokens!r}")
-    checkpointing = getattr(base, "is_activation_checkpointing", None)
-    if checkpointing is None:  # transformers before 5.x
-        checkpointing = getattr(base, "is_gradient_checkpointing", False)
-    if checkpointing:
-        disable = getattr(base, "activation_checkpointing_disable", None)  # transformers >= 5.24
-        (disable or base.gradient_checkpointing_disable)()
+    compat.disable_checkpointing(base)
     config.use_cache = False
     layers = list(parts["layers"])[: config.num_hidden_layers]
     kinds = layer_attention_types(config)
-    unknown = set(kinds) - {"full_attention", "sliding_attention"}
+    known = compat.mask_builders()
+    unknown = set(kinds) - set(known)
     if unknown or len(kinds) != len(layers):
         raise NotImplementedError(
             f"{type(base).__name__}: attention types {sorted(set(kinds))} for {len(layers)} "
-            f"layers; roundpipe.hf builds masks for full_attention and sliding_attention, one "
-            f"type per layer (config.layer_types)"
+            f"layers; roundpipe.hf builds the masks transformers has builders for "
+            f"({', '.join(sorted(known))}), one type per layer (config.layer_types)"
         )
     stages = nn.Sequential(
         Embed(parts, config, kinds),

@@ -760,6 +760,27 @@ def _empty_strided(size: Any, stride: Any, **kwargs: Any) -> EmuTensor:
     return EmuTensor(elem, index)
 
 
+# Factories whose ATen kernel makes an empty tensor and fills it through their out= overload,
+# which resizes it: a wrapper's shape cannot change, so on the emulated device they would hand
+# back a 0-element wrapper around the filled storage. They run on the host and are wrapped.
+_RESIZING_FACTORIES = ("arange", "arange.start", "arange.start_step", "eye", "eye.m")
+
+
+def _host_factory(overload: str) -> Any:
+    op = getattr(aten, overload.split(".")[0])
+    op = getattr(op, overload.split(".")[1] if "." in overload else "default")
+
+    def factory(*args: Any, **kwargs: Any) -> EmuTensor:
+        index = _device_index(kwargs)
+        kwargs.update(device="cpu", pin_memory=False)
+        elem = op(*args, **kwargs)
+        _allocated(elem, index)
+        return EmuTensor(elem, index)
+
+    factory.__name__ = f"_{overload.replace('.', '_')}"
+    return factory
+
+
 class _DeviceModule:
     """``torch.emu``: what ``torch.amp``, ``torch.utils.checkpoint``, ``torch.random.fork_rng``
     and ``torch.get_device_module`` look up. Random ops on emu tensors draw from the CPU
@@ -992,6 +1013,8 @@ def install() -> None:
         any_lib = torch.library.Library("_", "IMPL")
         aten_lib.impl("empty.memory_format", _empty, "PrivateUse1")
         aten_lib.impl("empty_strided", _empty_strided, "PrivateUse1")
+        for overload in _RESIZING_FACTORIES:
+            aten_lib.impl(overload, _host_factory(overload), "PrivateUse1")
         aten_lib.impl("dropout", _dropout, "AutogradPrivateUse1")
         aten_lib.impl("scaled_dot_product_attention", _attention, "AutogradPrivateUse1")
         _install_autocast(aten_lib, any_lib)

@@ -1,0 +1,91 @@
+"""Every difference between the transformers versions roundpipe.hf supports, in one place.
+
+roundpipe asks the installed transformers what it offers (a function's parameters, a model's
+methods, what a module returns) rather than comparing version numbers, so a release that keeps
+an interface keeps working. The differences met from 4.56 to 5.24:
+
+* the mask builders of ``transformers.masking_utils`` name the embeddings ``input_embeds``
+  (to 5.1) or ``inputs_embeds``, the cache ``past_key_values`` (to 5.23) or ``cache``, and
+  require ``cache_position`` until 5.2 (:func:`build_mask`);
+* the decoder layers take ``cache_position`` until 5.2 (never needed without a cache);
+* a mixture-of-experts block's router is a plain ``nn.Linear`` returning the logits (4.x) or a
+  router module returning ``(logits, scores, indices)`` (5.x), both at ``mlp.gate``
+  (:func:`router_logits`);
+* gradient checkpointing is ``is_gradient_checkpointing`` / ``gradient_checkpointing_disable``,
+  and from 5.24 ``is_activation_checkpointing`` / ``activation_checkpointing_disable`` (the old
+  names warn there) (:func:`disable_checkpointing`).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["build_mask", "mask_builders", "router_logits", "disable_checkpointing"]
+
+
+@functools.cache
+def _parameters(fn: Callable) -> frozenset[str]:
+    return frozenset(inspect.signature(fn).parameters)
+
+
+def mask_builders() -> dict[str, Callable]:
+    """transformers' mask builder per attention type this version has."""
+    from transformers import masking_utils
+
+    builders = {"full_attention": masking_utils.create_causal_mask}
+    sliding = getattr(masking_utils, "create_sliding_window_causal_mask", None)
+    if sliding is not None:
+        builders["sliding_attention"] = sliding
+    chunked = getattr(masking_utils, "create_chunked_causal_mask", None)
+    if chunked is not None:
+        builders["chunked_attention"] = chunked
+    return builders
+
+
+def build_mask(
+    builder: Callable,
+    config: Any,
+    embeds: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    position_ids: torch.Tensor,
+) -> Any:
+    """``builder(config, embeddings, attention_mask, no cache, position_ids)`` under the
+    parameter names this transformers gives them; the mask the model's attention takes (None
+    where its kernel needs none)."""
+    names = _parameters(builder)
+    kwargs: dict[str, Any] = {
+        "config": config,
+        "attention_mask": attention_mask,
+        "position_ids": position_ids,
+    }
+    kwargs["inputs_embeds" if "inputs_embeds" in names else "input_embeds"] = embeds
+    for cache in ("cache", "past_key_values"):
+        if cache in names:
+            kwargs[cache] = None
+    if "cache_position" in names:
+        kwargs["cache_position"] = torch.arange(embeds.shape[1], device=embeds.device)
+    return builder(**kwargs)
+
+
+def router_logits(output: Any) -> torch.Tensor:
+    """The router logits from what a router module returned: the tensor itself (a linear
+    gate) or the first item (a router that also returns its top-k)."""
+    return output[0] if isinstance(output, tuple) else output
+
+
+def disable_checkpointing(model: nn.Module) -> None:
+    """Turn off transformers' own gradient (activation) checkpointing, by the names this
+    version has, without a deprecation warning."""
+    on = getattr(model, "is_activation_checkpointing", None)
+    disable = getattr(model, "activation_checkpointing_disable", None)
+    if on is None or disable is None:
+        on = getattr(model, "is_gradient_checkpointing", False)
+        disable = getattr(model, "gradient_checkpointing_disable", None)
+    if on and disable is not None:
+        disable()
