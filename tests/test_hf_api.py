@@ -1,6 +1,6 @@
-"""A wrapped HF model called like the HF model: ``model(**batch)`` returns transformers' output
-(logits and the exact batch loss), and the batch's keys are checked with errors that say what to
-do."""
+"""A wrapped HF model called and named like the HF model: ``model(**batch)`` returns
+transformers' output (logits and the exact batch loss), the batch's keys are checked with errors
+that say what to do, and the state dicts and parameters have the HF names."""
 
 import pytest
 import torch
@@ -230,3 +230,112 @@ def test_moe_without_router_logits_calls_match_transformers():
         theirs = plain(**batch)
     torch.testing.assert_close(ours.loss, theirs.loss, rtol=1e-6, atol=0.0)
     torch.testing.assert_close(ours.logits, theirs.logits, rtol=1e-5, atol=1e-6)
+
+
+# -- HF names in and out -------------------------------------------------------------------------
+def test_state_dicts_and_parameters_have_the_hf_names():
+    hf = build(config("llama"))
+    plain = build(config("llama"), seed=1)
+    model = wrap(hf)
+    train(model, padded_batch("right"))
+    model.synchronize()
+    assert list(model.state_dict()) == list(hf.state_dict())
+    assert [n for n, _ in model.named_parameters()] == [n for n, _ in hf.named_parameters()]
+    with OptimizerCtx():
+        assert [n for n, _ in model.named_parameters()] == [n for n, _ in hf.named_parameters()]
+    masters = model.master_state_dict()
+    assert "model.layers.0.self_attn.q_proj.weight" in masters
+    plain.load_state_dict(masters)  # strict: every key, and nothing else
+    for name, p in plain.named_parameters():
+        assert torch.equal(p, masters[name]), name
+        assert torch.equal(p, hf.get_parameter(name)), name  # fp32: the masters are the model's
+
+
+def test_tied_embeddings_are_under_both_names_as_in_hfs_state_dict():
+    hf = build(config("llama", tie_word_embeddings=True))
+    model = wrap(hf)
+    train(model, padded_batch("right"))
+    masters = model.master_state_dict()
+    assert set(masters) == set(hf.state_dict())
+    assert masters["lm_head.weight"] is masters["model.embed_tokens.weight"]
+    plain = build(config("llama", tie_word_embeddings=True), seed=1)
+    plain.load_state_dict(masters)
+    assert plain.lm_head.weight is plain.model.embed_tokens.weight
+    assert torch.equal(plain.lm_head.weight, masters["lm_head.weight"])
+    # Either name loads the one master; two different values are refused.
+    one_name = {k: v for k, v in masters.items() if k != "model.embed_tokens.weight"}
+    one_name["lm_head.weight"] = torch.zeros_like(masters["lm_head.weight"])
+    model.load_master_state_dict(one_name)
+    assert torch.equal(
+        model.master_state_dict()["model.embed_tokens.weight"], one_name["lm_head.weight"]
+    )
+    masters["lm_head.weight"] = masters["lm_head.weight"] + 1
+    with pytest.raises(ValueError, match="one tied parameter"):
+        model.load_master_state_dict(masters)
+
+
+def test_a_master_state_dict_that_does_not_match_names_the_keys_in_hf_names():
+    model = wrap(build(config("llama")))
+    masters = model.master_state_dict()
+    masters.pop("model.norm.weight")
+    masters["model.extra.weight"] = torch.zeros(1)
+    with pytest.raises(
+        ValueError, match=r"missing \['model.norm.weight'\].*\['model.extra.weight'\]"
+    ):
+        model.load_master_state_dict(masters)
+
+
+def test_state_dicts_with_the_stages_names_still_load():
+    """Checkpoints written when the state dicts had the stages' names."""
+    source = wrap(build(config("llama")))
+    train(source, padded_batch("right"))
+    stage_params = source.module.state_dict()
+    stage_masters = dict(roundpipe.RoundPipe.master_state_dict(source))
+    assert "0.embed_tokens.weight" in stage_params and "0.embed_tokens.weight" in stage_masters
+    hf = build(config("llama"), seed=1)
+    model = wrap(hf)
+    model.load_state_dict(stage_params)
+    model.load_master_state_dict(stage_masters)
+    for name, value in source.state_dict().items():
+        assert torch.equal(hf.state_dict()[name], value), name
+    for name, value in source.master_state_dict().items():
+        assert torch.equal(model.master_state_dict()[name], value), name
+
+
+def test_a_checkpoint_from_one_wrap_resumes_exactly_in_another(tmp_path):
+    """docs/checkpointing.md's exact resume with the HF names: 2 + 2 iterations in two wraps
+    give the losses and masters of 4 in one, bit for bit."""
+    cfg = config("llama", tie_word_embeddings=True)
+    batches = [padded_batch(side, seed=s) for s, side in enumerate(["right", "left"] * 2)]
+
+    def start(seed):
+        model = wrap(build(cfg, seed=seed))
+        with OptimizerCtx():
+            opt = roundpipe.optim.AdamW(model.parameters(), lr=1e-2)
+        return model, opt
+
+    model, opt = start(0)
+    whole = [model_step(model, opt, b) for b in batches]
+    expected = model.master_state_dict()
+
+    model, opt = start(0)
+    first = [model_step(model, opt, b) for b in batches[:2]]
+    path = tmp_path / "ckpt.pt"
+    torch.save(
+        {
+            "model": model.state_dict(),
+            "masters": model.master_state_dict(),
+            "optimizer": opt.state_dict(),
+        },
+        path,
+    )
+    state = torch.load(path, weights_only=True)
+    assert "model.embed_tokens.weight" in state["model"] and "lm_head.weight" in state["masters"]
+    model, opt = start(1)  # other initial weights: everything comes from the checkpoint
+    model.load_state_dict(state["model"])
+    model.load_master_state_dict(state["masters"])
+    opt.load_state_dict(state["optimizer"])
+    second = [model_step(model, opt, b) for b in batches[2:]]
+    assert [x.item() for x in first + second] == [x.item() for x in whole]
+    for name, value in model.master_state_dict().items():
+        assert torch.equal(value, expected[name]), name

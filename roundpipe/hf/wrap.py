@@ -9,10 +9,14 @@ import torch
 from torch import nn
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from roundpipe import optim_thread
 from roundpipe.hf.calls import causal_lm_loss, count_predicted, parse_batch, positional_batch
 from roundpipe.hf.families import Family, family_of, layer_attention_types
+from roundpipe.hf.names import HFNames
 from roundpipe.hf.stages import Decoder, Embed, Head
+from roundpipe.main_thread import check_main_thread
 from roundpipe.runtime import RoundPipe, RoundPipeRunConfig
+from roundpipe.runtime.optimizer_ctx import in_optimizer_ctx
 
 __all__ = ["wrap", "HFRoundPipe", "default_loss_chunk_tokens"]
 
@@ -46,6 +50,8 @@ class HFRoundPipe(RoundPipe):
       the batch's ``logits`` and, given ``labels``, transformers' ``loss``.
     * The batch's keys are HF's: those roundpipe cannot honour raise ``ValueError`` naming the
       accepted ones (:data:`roundpipe.hf.calls.ACCEPTED_KEYS`).
+    * ``state_dict()``, ``master_state_dict()``, their loads and ``named_parameters()`` use the
+      HF model's names (``model.layers.0.self_attn.q_proj.weight``), as ``hf_model.state_dict()``.
 
     ``hf_model`` is the model that was wrapped: after :meth:`synchronize` its parameters hold the
     trained weights. Every public method is for the main thread, as RoundPipe's, except where
@@ -60,20 +66,80 @@ class HFRoundPipe(RoundPipe):
         super().__init__(stages, **kwargs)
         self.hf_model = hf_model
         self._config = _base_model(hf_model).config
-        by_object = {id(p): name for name, p in hf_model.named_parameters()}
-        # The stages' parameter names ("1.layer.self_attn.q_proj.weight") -> the HF model's.
-        self._hf_names = {name: by_object.get(id(p), name) for name, p in stages.named_parameters()}
+        # The stages' parameter names ("1.layer.self_attn.q_proj.weight") <-> the HF model's.
+        self._names = HFNames(hf_model, stages)
+        self._hf_names = self._names.hf_name
         self._is_moe = int(getattr(self._config, "num_experts", 0) or 0) > 0
         # Whether the head adds the load-balancing term (decided when the stages were built).
         self._router_aux = self._is_moe and bool(
             getattr(self._config, "output_router_logits", False)
         )
 
+    # -- names ------------------------------------------------------------------------------------
     def optim_named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
-        """The masters, under the HF model's parameter names (``model.layers.0.mlp...``)."""
+        """The masters, under the HF model's parameter names (``model.layers.0.mlp...``); a
+        tied parameter under its first name. Any thread; never blocks."""
         for name, master in super().optim_named_parameters():
             yield self._hf_names.get(name, name), master
 
+    def named_parameters(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, nn.Parameter]]:
+        """``hf_model.named_parameters()``; inside :class:`roundpipe.OptimizerCtx`, the masters
+        under the same names (:meth:`optim_named_parameters`). Decided at the call."""
+        if in_optimizer_ctx():
+            sep = "." if prefix else ""
+            return iter([(prefix + sep + n, m) for n, m in self.optim_named_parameters()])
+        return self.hf_model.named_parameters(
+            prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate
+        )
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
+        """``hf_model.state_dict()``: the HF model's names (a tied parameter under each of its
+        names, one tensor), the low-precision values the model holds now. Main thread; waits for
+        a pending master->model copy, not for the step."""
+        check_main_thread("state_dict", "HFRoundPipe")
+        self._params.wait_ready()
+        return self.hf_model.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        """Load a state dict with the HF model's names (:meth:`state_dict`'s, or
+        ``hf_model.state_dict()``'s) into the HF model, then refresh the masters from the loaded
+        parameters; a state dict with the stages' names (``"1.layer..."``, as this method took
+        before) is translated. For an exact resume, call :meth:`load_master_state_dict`
+        afterwards (docs/checkpointing.md). Main thread; blocks until the optimizer thread has
+        run everything launched before."""
+        check_main_thread("load_state_dict", "HFRoundPipe")
+        if assign:
+            raise ValueError(
+                "load_state_dict(assign=True) would replace the parameter objects "
+                "that RoundPipe's masters shadow; load with assign=False"
+            )
+        optim_thread.synchronize()
+        self._params.wait_ready()
+        state = self._names.translate_stage_names(state_dict)
+        result = self.hf_model.load_state_dict(state, strict=strict)
+        self._params.refresh_masters()
+        return result
+
+    def master_state_dict(self) -> dict[str, torch.Tensor]:
+        """``{HF name: clone of the master}``, a tied master under each of its names (one
+        tensor), so ``hf_model.load_state_dict(model.master_state_dict())`` loads them into an
+        HF model of the masters' dtype. Any thread (inside a step function, the masters as the
+        step sees them); waits for the optimizer thread, except on it."""
+        return self._names.masters_out(super().master_state_dict().items())
+
+    def load_master_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Copy :meth:`master_state_dict`'s values (HF names; a tied master under any of its
+        names; the stages' names are translated) into the masters in place. The model params
+        are not touched: :meth:`synchronize` or the next step copies them. Main thread; blocks
+        until the optimizer thread has applied it. ``ValueError`` names, in HF names, the
+        masters missing and the keys that name no master."""
+        check_main_thread("load_master_state_dict", "HFRoundPipe")
+        stage_names = [name for name, _ in super().optim_named_parameters()]
+        super().load_master_state_dict(self._names.masters_in(state_dict, stage_names))
+
+    # -- calls ------------------------------------------------------------------------------------
     def _hf_kwargs(
         self, input_kwargs: Any, input_args: Any, call: str = "forward_backward"
     ) -> dict[str, Any]:
