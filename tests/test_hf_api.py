@@ -1,6 +1,9 @@
 """A wrapped HF model called and named like the HF model: ``model(**batch)`` returns
 transformers' output (logits and the exact batch loss), the batch's keys are checked with errors
-that say what to do, and the state dicts and parameters have the HF names."""
+that say what to do, the state dicts use the HF names, and ``save_pretrained`` writes a
+directory plain transformers (or peft) loads."""
+
+import json
 
 import pytest
 import torch
@@ -339,3 +342,70 @@ def test_a_checkpoint_from_one_wrap_resumes_exactly_in_another(tmp_path):
     assert [x.item() for x in first + second] == [x.item() for x in whole]
     for name, value in model.master_state_dict().items():
         assert torch.equal(value, expected[name]), name
+
+
+# -- save_pretrained -----------------------------------------------------------------------------
+@pytest.mark.parametrize("tied", [False, True])
+def test_save_pretrained_writes_what_plain_transformers_loads(tmp_path, tied):
+    hf = build(config("qwen3", tie_word_embeddings=tied))
+    model = wrap(hf)
+    batch = padded_batch("right")
+    train(model, batch)
+    model.save_pretrained(tmp_path)
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    with torch.no_grad():
+        ours = model(**batch)
+        theirs = reloaded(**batch)
+    torch.testing.assert_close(ours.logits, theirs.logits, rtol=1e-6, atol=1e-6)
+    for name, value in model.master_state_dict().items():
+        assert torch.equal(reloaded.get_parameter(name), value), name
+    assert (reloaded.lm_head.weight is reloaded.model.embed_tokens.weight) == tied
+
+
+def test_save_pretrained_of_an_fp16_model_writes_the_fp32_masters_or_the_fp16_weights(tmp_path):
+    hf = build(config("llama", hidden_size=32, intermediate_size=64), torch.float16)
+    model = wrap(hf, optim_dtype=torch.float32)
+    train(model, padded_batch("right"), lr=1e-3)
+    masters = model.master_state_dict()
+    # The masters hold more than fp16 does, so writing the fp16 weights would fail below.
+    assert any(not torch.equal(m, m.half().float()) for m in masters.values())
+    model.save_pretrained(tmp_path / "fp32")
+    assert json.loads((tmp_path / "fp32" / "config.json").read_text())["dtype"] == "float32"
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "fp32")
+    for name, value in masters.items():
+        assert reloaded.get_parameter(name).dtype == torch.float32
+        assert torch.equal(reloaded.get_parameter(name), value), name
+    model.save_pretrained(tmp_path / "fp16", dtype=torch.float16)
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "fp16")
+    for name, value in model.state_dict().items():
+        assert torch.equal(reloaded.get_parameter(name), value), name
+    assert hf.config.dtype == torch.float16  # the wrapped model's config is unchanged
+
+
+def test_save_pretrained_of_a_lora_model_writes_the_trained_adapter(tmp_path):
+    peft = pytest.importorskip("peft")
+    lora_config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+    lora = peft.get_peft_model(build(config("llama")), lora_config)
+    model = wrap(lora)
+    batch = padded_batch("right")
+    train(model, batch)
+    model.save_pretrained(tmp_path)
+    assert (tmp_path / "adapter_config.json").exists()
+    assert not (tmp_path / "config.json").exists()  # the adapter only, as peft saves it
+    reloaded = peft.PeftModel.from_pretrained(build(config("llama")), tmp_path)
+    with torch.no_grad():
+        ours = model(**batch)
+        theirs = reloaded(**batch)
+    torch.testing.assert_close(ours.logits, theirs.logits, rtol=1e-5, atol=1e-6)
+    adapters = dict(model.optim_named_parameters())
+    assert adapters and all("lora_" in n for n in adapters)
+    for name, value in adapters.items():
+        assert torch.equal(reloaded.get_parameter(name), value), name
+
+
+def test_save_pretrained_refuses_a_state_dict_of_its_own(tmp_path):
+    model = wrap(build(config("llama")))
+    with pytest.raises(ValueError, match="writes the masters' values itself"):
+        model.save_pretrained(tmp_path, state_dict={})
+    with pytest.raises(ValueError, match="floating torch.dtype"):
+        model.save_pretrained(tmp_path, dtype=torch.int8)

@@ -1,6 +1,6 @@
 """HF names in and out: the wrapped model's tensors under the HF model's own names
 (``model.layers.0.self_attn.q_proj.weight``) rather than the stages' (``1.layer.self_attn...``),
-for the state dicts and their loads (:class:`HFNames`).
+for the state dicts, their loads and the export (:class:`HFNames`, :func:`export_state_dict`).
 
 A tied parameter (the input and output embeddings) is one tensor with several HF names; like
 ``hf_model.state_dict()``, a state dict here lists it under every name, each the same tensor.
@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["HFNames"]
+__all__ = ["HFNames", "export_state_dict"]
 
 
 def _names_by_object(module: nn.Module) -> dict[int, list[str]]:
@@ -109,3 +109,32 @@ class HFNames:
                 f"{unexpected}"
             )
         return out
+
+
+def export_state_dict(
+    hf_model: nn.Module, masters: Mapping[str, torch.Tensor], dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
+    """``hf_model.state_dict()`` with each trainable parameter's value taken from its master
+    (``masters``: by HF name, each tied master under its first name) and every floating
+    parameter in ``dtype``; buffers as they are. A tied parameter is one tensor under each of its
+    names. Where a parameter already has ``dtype`` and no master, or the master's rounding to
+    ``dtype`` is what the parameter holds (after ``synchronize``), no copy is made."""
+    state = hf_model.state_dict()
+    values: dict[int, torch.Tensor] = {}
+    canonical: dict[int, str] = {}
+    for name, p in hf_model.named_parameters(remove_duplicate=False):
+        first = canonical.setdefault(id(p), name)
+        if name not in state:
+            continue
+        if id(p) not in values:
+            source = masters.get(first)
+            if source is None or (p.dtype == dtype and source.dtype != dtype):
+                # No master, or the parameter holds the master rounded to dtype (the
+                # master->model copy rounds as a cast does): the parameter itself.
+                source = p
+            value = source.detach()
+            if value.is_floating_point() and value.dtype != dtype:
+                value = value.to(dtype)
+            values[id(p)] = value
+        state[name] = values[id(p)]
+    return state

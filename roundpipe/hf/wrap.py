@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -12,7 +13,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from roundpipe import optim_thread
 from roundpipe.hf.calls import causal_lm_loss, count_predicted, parse_batch, positional_batch
 from roundpipe.hf.families import Family, family_of, layer_attention_types
-from roundpipe.hf.names import HFNames
+from roundpipe.hf.names import HFNames, export_state_dict
 from roundpipe.hf.stages import Decoder, Embed, Head
 from roundpipe.main_thread import check_main_thread
 from roundpipe.runtime import RoundPipe, RoundPipeRunConfig
@@ -52,6 +53,8 @@ class HFRoundPipe(RoundPipe):
       accepted ones (:data:`roundpipe.hf.calls.ACCEPTED_KEYS`).
     * ``state_dict()``, ``master_state_dict()``, their loads and ``named_parameters()`` use the
       HF model's names (``model.layers.0.self_attn.q_proj.weight``), as ``hf_model.state_dict()``.
+    * :meth:`save_pretrained` writes the trained weights as a directory that transformers'
+      ``from_pretrained`` loads.
 
     ``hf_model`` is the model that was wrapped: after :meth:`synchronize` its parameters hold the
     trained weights. Every public method is for the main thread, as RoundPipe's, except where
@@ -138,6 +141,50 @@ class HFRoundPipe(RoundPipe):
         check_main_thread("load_master_state_dict", "HFRoundPipe")
         stage_names = [name for name, _ in super().optim_named_parameters()]
         super().load_master_state_dict(self._names.masters_in(state_dict, stage_names))
+
+    def save_pretrained(
+        self,
+        save_directory: str | os.PathLike,
+        *,
+        dtype: torch.dtype = torch.float32,
+        **kwargs: Any,
+    ) -> None:
+        """Write the trained model as a directory that transformers' ``from_pretrained`` loads:
+        :meth:`synchronize`, then the HF model's own ``save_pretrained(save_directory,
+        state_dict=...)`` with every weight in ``dtype`` (default fp32: the masters' values;
+        the model's dtype, e.g. ``torch.float16``: the low-precision weights the model holds
+        after synchronizing) and the config's ``dtype`` set to it. A peft model saves its
+        adapter as peft does (``adapter_config.json`` and the adapter's weights, with their
+        trained values in ``dtype``), loaded with ``PeftModel.from_pretrained(base,
+        save_directory)``. ``kwargs`` go to the HF model's ``save_pretrained`` (e.g.
+        ``max_shard_size``). Main thread; blocks until every launched step has run; like
+        :meth:`synchronize`, the next iteration computes with the newest weights, so save a
+        checkpoint for an exact resume before calling it (docs/checkpointing.md)."""
+        check_main_thread("save_pretrained", "HFRoundPipe")
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise ValueError(f"save_pretrained(dtype=) takes a floating torch.dtype, got {dtype!r}")
+        for key in ("state_dict", "push_to_hub"):
+            if key in kwargs and (key == "state_dict" or kwargs[key]):
+                raise ValueError(
+                    f"save_pretrained({key}=...) is not taken: it writes the masters' values "
+                    f"itself; save, then upload the directory"
+                )
+        self.synchronize()
+        masters = dict(self.optim_named_parameters())
+        state = export_state_dict(self.hf_model, masters, dtype)
+        hf_model: Any = self.hf_model
+        config = self._config
+        before = config.dtype  # the HF model's save writes its own dtype into its config
+        try:
+            hf_model.save_pretrained(save_directory, state_dict=state, **kwargs)
+            config_file = os.path.join(save_directory, "config.json")
+            if not _is_peft(hf_model) and os.path.exists(config_file):
+                # The weights are in dtype, and from_pretrained loads them in the config's.
+                config.dtype = dtype
+                if kwargs.get("is_main_process", True):
+                    config.save_pretrained(save_directory)
+        finally:
+            config.dtype = before
 
     # -- calls ------------------------------------------------------------------------------------
     def _hf_kwargs(
@@ -257,6 +304,10 @@ class HFRoundPipe(RoundPipe):
         if return_dict is None:
             return_dict = bool(getattr(self._config, "return_dict", True))
         return out if return_dict else out.to_tuple()
+
+
+def _is_peft(model: nn.Module) -> bool:
+    return callable(getattr(model, "get_base_model", None))
 
 
 def _base_model(model: nn.Module) -> Any:
