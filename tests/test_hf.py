@@ -216,7 +216,7 @@ def test_save_pretrained_round_trip_gives_the_wrapped_models_logits(tmp_path):
     hf.save_pretrained(tmp_path)
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
     with torch.no_grad():
-        ours = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+        ours = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
         theirs = reloaded(
             input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]
         ).logits
@@ -252,7 +252,7 @@ def test_lora_trains_only_the_adapters_and_merges_to_the_same_logits():
         not torch.equal(p, torch.zeros_like(p)) for n, p in lora.named_parameters() if "lora_B" in n
     )  # the adapters did (B starts at zero)
     with torch.no_grad():
-        ours = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+        ours = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
         merged = lora.merge_and_unload()
         theirs = merged(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
     real = batch["attention_mask"].bool()

@@ -2,16 +2,23 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+import os
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
+from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from roundpipe import optim_thread
 from roundpipe.hf import compat
+from roundpipe.hf.calls import causal_lm_loss, count_predicted, parse_batch, positional_batch
 from roundpipe.hf.families import Family, family_of, layer_attention_types
-from roundpipe.hf.stages import IGNORE_INDEX, Decoder, Embed, Head, shift_labels
+from roundpipe.hf.names import HFNames, export_state_dict
+from roundpipe.hf.stages import Decoder, Embed, Head
+from roundpipe.main_thread import check_main_thread
 from roundpipe.runtime import RoundPipe, RoundPipeRunConfig
+from roundpipe.runtime.optimizer_ctx import in_optimizer_ctx
 
 __all__ = ["wrap", "HFRoundPipe", "default_loss_chunk_tokens"]
 
@@ -33,15 +40,26 @@ def _identity_loss(loss: torch.Tensor, label: Any) -> torch.Tensor:
 
 
 class HFRoundPipe(RoundPipe):
-    """A RoundPipe over the stages of a HuggingFace causal LM (made by :func:`wrap`).
+    """A RoundPipe over the stages of a HuggingFace causal LM (made by :func:`wrap`), called and
+    named like the HF model (docs/hf.md).
 
-    ``forward_backward(input_kwargs=batch)`` takes the batch as HF's collators make it
-    (``input_ids``, ``attention_mask``, ``labels`` with -100 where no loss is taken) and, without
-    a ``loss_fn``, backpropagates and returns the loss transformers computes for the whole batch.
-    A ``loss_fn(loss, label)`` receives each microbatch's share of it (the microbatches add up
-    to the batch's loss), e.g. ``lambda loss, _: scaler.scale(loss)``. ``model(input_ids=...,
-    attention_mask=...)`` returns the logits. ``hf_model`` is the model that was wrapped: after
-    :meth:`synchronize` its parameters hold the trained weights.
+    * ``forward_backward(input_kwargs=batch)`` takes the batch as HF's collators make it
+      (``input_ids``, ``attention_mask``, ``labels`` with -100 where no loss is taken) and,
+      without a ``loss_fn``, backpropagates and returns the loss transformers computes for the
+      whole batch. A ``loss_fn(loss, label)`` receives each microbatch's share of it (the
+      microbatches add up to the batch's loss), e.g. ``lambda loss, _: scaler.scale(loss)``.
+    * ``model(**batch)`` returns what the HF model returns: a ``CausalLMOutputWithPast`` with
+      the batch's ``logits`` and, given ``labels``, transformers' ``loss``.
+    * The batch's keys are HF's: those roundpipe cannot honour raise ``ValueError`` naming the
+      accepted ones (:data:`roundpipe.hf.calls.ACCEPTED_KEYS`).
+    * ``state_dict()``, ``master_state_dict()``, their loads and ``named_parameters()`` use the
+      HF model's names (``model.layers.0.self_attn.q_proj.weight``), as ``hf_model.state_dict()``.
+    * :meth:`save_pretrained` writes the trained weights as a directory that transformers'
+      ``from_pretrained`` loads.
+
+    ``hf_model`` is the model that was wrapped: after :meth:`synchronize` its parameters hold the
+    trained weights. Every public method is for the main thread, as RoundPipe's, except where
+    its docstring says otherwise.
     """
 
     # The head divides each microbatch's token losses by the batch's count of predicted tokens,
@@ -51,31 +69,164 @@ class HFRoundPipe(RoundPipe):
     def __init__(self, hf_model: nn.Module, stages: nn.Sequential, **kwargs: Any) -> None:
         super().__init__(stages, **kwargs)
         self.hf_model = hf_model
-        by_object = {id(p): name for name, p in hf_model.named_parameters()}
-        # The stages' parameter names ("1.layer.self_attn.q_proj.weight") -> the HF model's.
-        self._hf_names = {name: by_object.get(id(p), name) for name, p in stages.named_parameters()}
+        self._config = _base_model(hf_model).config
+        # The stages' parameter names ("1.layer.self_attn.q_proj.weight") <-> the HF model's.
+        self._names = HFNames(hf_model, stages)
+        self._hf_names = self._names.hf_name
+        self._is_moe = int(getattr(self._config, "num_experts", 0) or 0) > 0
+        # Whether the head adds the load-balancing term (decided when the stages were built).
+        self._router_aux = self._is_moe and bool(
+            getattr(self._config, "output_router_logits", False)
+        )
 
+    # -- names ------------------------------------------------------------------------------------
     def optim_named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
-        """The masters, under the HF model's parameter names (``model.layers.0.mlp...``)."""
+        """The masters, under the HF model's parameter names (``model.layers.0.mlp...``); a
+        tied parameter under its first name. Any thread; never blocks."""
         for name, master in super().optim_named_parameters():
             yield self._hf_names.get(name, name), master
 
-    def _hf_kwargs(self, input_kwargs: dict[str, Any] | None, input_args: Sequence[Any]) -> dict:
-        kwargs = dict(input_kwargs or {})
-        labels = kwargs.get("labels")
-        if labels is None:
+    def named_parameters(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, nn.Parameter]]:
+        """``hf_model.named_parameters()``; inside :class:`roundpipe.OptimizerCtx`, the masters
+        under the same names (:meth:`optim_named_parameters`). Decided at the call."""
+        if in_optimizer_ctx():
+            sep = "." if prefix else ""
+            return iter([(prefix + sep + n, m) for n, m in self.optim_named_parameters()])
+        return self.hf_model.named_parameters(
+            prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate
+        )
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
+        """``hf_model.state_dict()``: the HF model's names (a tied parameter under each of its
+        names, one tensor), the low-precision values the model holds now. Main thread; waits for
+        a pending master->model copy, not for the step."""
+        check_main_thread("state_dict", "HFRoundPipe")
+        self._params.wait_ready()
+        return self.hf_model.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        """Load a state dict with the HF model's names (:meth:`state_dict`'s, or
+        ``hf_model.state_dict()``'s) into the HF model, then refresh the masters from the loaded
+        parameters; a state dict with the stages' names (``"1.layer..."``, as this method took
+        before) is translated. For an exact resume, call :meth:`load_master_state_dict`
+        afterwards (docs/checkpointing.md). Main thread; blocks until the optimizer thread has
+        run everything launched before."""
+        check_main_thread("load_state_dict", "HFRoundPipe")
+        if assign:
             raise ValueError(
-                "forward_backward of a wrapped HF model needs input_kwargs['labels'] (the "
-                "input_ids, with -100 where no loss is taken, as HF's collators make them)"
+                "load_state_dict(assign=True) would replace the parameter objects "
+                "that RoundPipe's masters shadow; load with assign=False"
+            )
+        optim_thread.synchronize()
+        self._params.wait_ready()
+        state = self._names.translate_stage_names(state_dict)
+        result = self.hf_model.load_state_dict(state, strict=strict)
+        self._params.refresh_masters()
+        return result
+
+    def master_state_dict(self) -> dict[str, torch.Tensor]:
+        """``{HF name: clone of the master}``, a tied master under each of its names (one
+        tensor), so ``hf_model.load_state_dict(model.master_state_dict())`` loads them into an
+        HF model of the masters' dtype. Any thread (inside a step function, the masters as the
+        step sees them); waits for the optimizer thread, except on it."""
+        return self._names.masters_out(super().master_state_dict().items())
+
+    def load_master_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Copy :meth:`master_state_dict`'s values (HF names; a tied master under any of its
+        names; the stages' names are translated) into the masters in place. The model params
+        are not touched: :meth:`synchronize` or the next step copies them. Main thread; blocks
+        until the optimizer thread has applied it. ``ValueError`` names, in HF names, the
+        masters missing and the keys that name no master."""
+        check_main_thread("load_master_state_dict", "HFRoundPipe")
+        stage_names = [name for name, _ in super().optim_named_parameters()]
+        super().load_master_state_dict(self._names.masters_in(state_dict, stage_names))
+
+    def save_pretrained(
+        self,
+        save_directory: str | os.PathLike,
+        *,
+        dtype: torch.dtype = torch.float32,
+        **kwargs: Any,
+    ) -> None:
+        """Write the trained model as a directory that transformers' ``from_pretrained`` loads:
+        :meth:`synchronize`, then the HF model's own ``save_pretrained(save_directory,
+        state_dict=...)`` with every weight in ``dtype`` (default fp32: the masters' values;
+        the model's dtype, e.g. ``torch.float16``: the low-precision weights the model holds
+        after synchronizing) and the config's ``dtype`` set to it. A peft model saves its
+        adapter as peft does (``adapter_config.json`` and the adapter's weights, with their
+        trained values in ``dtype``), loaded with ``PeftModel.from_pretrained(base,
+        save_directory)``. ``kwargs`` go to the HF model's ``save_pretrained`` (e.g.
+        ``max_shard_size``). Main thread; blocks until every launched step has run; like
+        :meth:`synchronize`, the next iteration computes with the newest weights, so save a
+        checkpoint for an exact resume before calling it (docs/checkpointing.md)."""
+        check_main_thread("save_pretrained", "HFRoundPipe")
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise ValueError(f"save_pretrained(dtype=) takes a floating torch.dtype, got {dtype!r}")
+        for key in ("state_dict", "push_to_hub"):
+            if key in kwargs and (key == "state_dict" or kwargs[key]):
+                raise ValueError(
+                    f"save_pretrained({key}=...) is not taken: it writes the masters' values "
+                    f"itself; save, then upload the directory"
+                )
+        self.synchronize()
+        masters = dict(self.optim_named_parameters())
+        state = export_state_dict(self.hf_model, masters, dtype)
+        hf_model: Any = self.hf_model
+        config = self._config
+        before = config.dtype  # the HF model's save writes its own dtype into its config
+        try:
+            hf_model.save_pretrained(save_directory, state_dict=state, **kwargs)
+            config_file = os.path.join(save_directory, "config.json")
+            if not _is_peft(hf_model) and os.path.exists(config_file):
+                # The weights are in dtype, and from_pretrained loads them in the config's.
+                config.dtype = dtype
+                if kwargs.get("is_main_process", True):
+                    config.save_pretrained(save_directory)
+        finally:
+            config.dtype = before
+
+    # -- calls ------------------------------------------------------------------------------------
+    def _hf_kwargs(
+        self, input_kwargs: Any, input_args: Any, call: str = "forward_backward"
+    ) -> dict[str, Any]:
+        """The first stage's kwargs for ``call`` of ``input_kwargs``, with the labels and the
+        batch's count of predicted tokens; ``ValueError`` for anything else."""
+        if isinstance(input_args, Mapping) or (
+            isinstance(input_args, (tuple, list))
+            and any(isinstance(a, Mapping) for a in input_args)
+        ):
+            raise ValueError(
+                f"{call} got the batch (a dict) as input_args: pass it as input_kwargs=batch, "
+                f"e.g. model.{call}(input_kwargs=batch)"
             )
         if input_args:
             raise ValueError(
-                "pass the batch as input_kwargs (input_ids=..., attention_mask=..., labels=...), "
-                "not input_args"
+                f"{call}: pass the batch as input_kwargs (input_ids=..., attention_mask=..., "
+                f"labels=...), not input_args"
             )
+        batch = parse_batch(input_kwargs or {}, f"{call}(input_kwargs=batch)")
+        if batch.labels is None:
+            raise ValueError(
+                f"{call} of a wrapped HF model needs input_kwargs['labels'] (the "
+                "input_ids, with -100 where no loss is taken, as HF's collators make them)"
+            )
+        wanted = batch.output_router_logits
+        if self._is_moe and wanted is not None and wanted != self._router_aux:
+            raise ValueError(
+                f"{call}: output_router_logits={wanted} differs from the model's "
+                f"{self._router_aux}, with which the stages were built (the head adds the "
+                f"load-balancing term or not); set config.output_router_logits before "
+                f"roundpipe.hf.wrap, or leave the key out"
+            )
+        kwargs = dict(batch.stage_kwargs, labels=batch.labels)
+        num_items = batch.num_items_in_batch
         # Counted over the whole batch before it is split: each microbatch's loss is its token
         # losses' sum over this, so the microbatches add up to transformers' batch loss.
-        kwargs["num_items_in_batch"] = int((shift_labels(labels) != IGNORE_INDEX).sum())
+        kwargs["num_items_in_batch"] = (
+            count_predicted(batch.labels) if num_items is None else num_items
+        )
         return kwargs
 
     def memory_plan(  # type: ignore[override]
@@ -89,7 +240,7 @@ class HFRoundPipe(RoundPipe):
         if batch is None:
             return super().memory_plan(run_config=run_config)
         return super().memory_plan(
-            input_kwargs=self._hf_kwargs(batch, ()),
+            input_kwargs=self._hf_kwargs(batch, (), "memory_plan"),
             loss_fn=_identity_loss,
             run_config=run_config,
         )
@@ -103,6 +254,11 @@ class HFRoundPipe(RoundPipe):
         return_outputs: bool = False,
         run_config: RoundPipeRunConfig | None = None,
     ) -> Any:
+        """:meth:`RoundPipe.forward_backward` of an HF batch (``input_kwargs=batch``, the keys
+        of :meth:`forward`): without a ``loss_fn``, backpropagates transformers' loss of the
+        whole batch and returns it; the token losses are summed over ``num_items_in_batch``
+        where the batch gives it (a count over several batches, for gradient accumulation),
+        else over the batch's count of predicted tokens. Main thread; blocks as RoundPipe's."""
         return super().forward_backward(
             input_kwargs=self._hf_kwargs(input_kwargs, input_args),
             label=label,
@@ -110,6 +266,49 @@ class HFRoundPipe(RoundPipe):
             return_outputs=return_outputs,
             run_config=run_config,
         )
+
+    def forward(
+        self, *args: Any, run_config: RoundPipeRunConfig | None = None, **kwargs: Any
+    ) -> Any:
+        """``model(**batch)`` as the HF model's forward: a
+        ``transformers.modeling_outputs.CausalLMOutputWithPast`` whose ``logits`` are the whole
+        batch's (the microbatches' merged) and, given ``labels``, whose ``loss`` is
+        transformers' (the fp32 token losses summed over ``num_items_in_batch``, default the
+        batch's count of predicted tokens); ``return_dict=False``: the tuple ``(loss, logits)``
+        or ``(logits,)``. Positional arguments are taken in the HF model's order
+        (``model(input_ids)``). Differentiable under grad mode, as :meth:`RoundPipe.forward`
+        (``out.loss.backward()`` moves the gradients into the masters); under
+        ``torch.no_grad()`` an evaluation. A mixture-of-experts model with
+        ``output_router_logits`` raises ``NotImplementedError`` when given labels (the
+        load-balancing term is ``forward_backward``'s). Main thread; blocks until the output is
+        computed."""
+        batch = parse_batch(positional_batch(self.hf_model.forward, args, kwargs), "model(**batch)")
+        if batch.labels is not None and self._is_moe:
+            router = batch.output_router_logits
+            if router is None:
+                router = bool(getattr(self._config, "output_router_logits", False))
+            if router:
+                raise NotImplementedError(
+                    "model(**batch) with labels, of a mixture-of-experts model with "
+                    "output_router_logits=True: transformers adds the router load-balancing "
+                    "term to this loss, and roundpipe's forward computes the cross-entropy "
+                    "only. Train with model.forward_backward(input_kwargs=batch), which adds "
+                    "the term (docs/hf.md), or pass output_router_logits=False for the "
+                    "cross-entropy loss alone"
+                )
+        logits = super().forward(run_config=run_config, **batch.stage_kwargs)
+        loss = None
+        if batch.labels is not None:
+            loss = causal_lm_loss(logits, batch.labels, batch.num_items_in_batch)
+        out = CausalLMOutputWithPast(loss=loss, logits=logits)
+        return_dict = batch.return_dict
+        if return_dict is None:
+            return_dict = bool(getattr(self._config, "return_dict", True))
+        return out if return_dict else out.to_tuple()
+
+
+def _is_peft(model: nn.Module) -> bool:
+    return callable(getattr(model, "get_base_model", None))
 
 
 def _base_model(model: nn.Module) -> Any:
