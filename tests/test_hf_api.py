@@ -365,6 +365,7 @@ def test_save_pretrained_writes_what_plain_transformers_loads(tmp_path, tied):
 def test_save_pretrained_of_an_fp16_model_writes_the_fp32_masters_or_the_fp16_weights(tmp_path):
     hf = build(config("llama", hidden_size=32, intermediate_size=64), torch.float16)
     model = wrap(hf, optim_dtype=torch.float32)
+    config_dtype = hf.config.dtype  # None where from_config does not record it (before 5.x)
     train(model, padded_batch("right"), lr=1e-3)
     masters = model.master_state_dict()
     # The masters hold more than fp16 does, so writing the fp16 weights would fail below.
@@ -376,10 +377,11 @@ def test_save_pretrained_of_an_fp16_model_writes_the_fp32_masters_or_the_fp16_we
         assert reloaded.get_parameter(name).dtype == torch.float32
         assert torch.equal(reloaded.get_parameter(name), value), name
     model.save_pretrained(tmp_path / "fp16", dtype=torch.float16)
-    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "fp16")
+    # dtype="auto": the config's dtype (transformers 4.x loads fp32 without it).
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "fp16", dtype="auto")
     for name, value in model.state_dict().items():
         assert torch.equal(reloaded.get_parameter(name), value), name
-    assert hf.config.dtype == torch.float16  # the wrapped model's config is unchanged
+    assert hf.config.dtype == config_dtype  # the wrapped model's config is unchanged
 
 
 def test_save_pretrained_of_a_lora_model_writes_the_trained_adapter(tmp_path):
