@@ -275,7 +275,10 @@ def test_a_registered_family_with_other_attribute_paths_is_used():
 
     inner, plain = twins(config("llama"))
     family = roundpipe.hf.Family("renamed", ("llama",), body="decoder", head="output")
-    model = roundpipe.hf.wrap(Renamed(inner), family=family, devices="cpu")
+    # A module without a forward of its own: the self-check has nothing to compare with.
+    with pytest.raises(roundpipe.hf.WrapCheckError, match="forward did not run.*check=False"):
+        roundpipe.hf.wrap(Renamed(inner), family=family, devices="cpu")
+    model = roundpipe.hf.wrap(Renamed(inner), family=family, devices="cpu", check=False)
     batch = padded_batch("right")
     ref = plain(**batch)
     loss = model.forward_backward(input_kwargs=batch)

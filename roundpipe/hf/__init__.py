@@ -12,7 +12,8 @@ except ImportError as exc:  # pragma: no cover - exercised in a subprocess test
         'pip install -e ".[hf]" in the roundpipe checkout)'
     ) from exc
 
-from roundpipe.hf.families import Family, families, family_of, register_family
+from roundpipe.hf.check import CheckReport, WrapCheckError, check_stages
+from roundpipe.hf.families import Family, families, family_of, register_family, softcap_logits
 from roundpipe.hf.loss import chunked_causal_lm_loss
 from roundpipe.hf.wrap import HFRoundPipe, default_loss_chunk_tokens, wrap
 
@@ -25,4 +26,8 @@ __all__ = [
     "family_of",
     "chunked_causal_lm_loss",
     "default_loss_chunk_tokens",
+    "check_stages",
+    "CheckReport",
+    "WrapCheckError",
+    "softcap_logits",
 ]

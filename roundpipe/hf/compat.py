@@ -13,7 +13,12 @@ an interface keeps working. The differences met from 4.56 to 5.24:
   (:func:`router_logits`);
 * gradient checkpointing is ``is_gradient_checkpointing`` / ``gradient_checkpointing_disable``,
   and from 5.24 ``is_activation_checkpointing`` / ``activation_checkpointing_disable`` (the old
-  names warn there) (:func:`disable_checkpointing`).
+  names warn there) (:func:`disable_checkpointing`);
+* a model whose attention types take different rotary embeddings (Gemma 3) keeps a second
+  rotary module for its sliding layers and passes both to every layer
+  (``position_embeddings_global`` / ``_local``) on 4.x, and has one rotary module that takes
+  the layer type, with each layer given its own, on 5.x (:func:`position_embeddings`,
+  :func:`layer_kwargs`).
 """
 
 from __future__ import annotations
@@ -26,7 +31,14 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["build_mask", "mask_builders", "router_logits", "disable_checkpointing"]
+__all__ = [
+    "build_mask",
+    "mask_builders",
+    "router_logits",
+    "disable_checkpointing",
+    "position_embeddings",
+    "layer_kwargs",
+]
 
 
 @functools.cache
@@ -89,3 +101,41 @@ def disable_checkpointing(model: nn.Module) -> None:
         disable = getattr(model, "gradient_checkpointing_disable", None)
     if on and disable is not None:
         disable()
+
+
+def position_embeddings(
+    rotary: nn.Module,
+    rotary_local: nn.Module | None,
+    hidden: torch.Tensor,
+    position_ids: torch.Tensor,
+    kinds: list[str],
+) -> dict[str, Any]:
+    """Per attention type in ``kinds``, the rotary ``(cos, sin)`` its layers take: one for all
+    (most models), one per type from a rotary that takes the layer type, or the second rotary's
+    for the sliding layers (both types are then given, see :func:`layer_kwargs`)."""
+    if "layer_type" in _parameters(type(rotary).forward):
+        return {kind: rotary(hidden, position_ids, kind) for kind in kinds}
+    shared = rotary(hidden, position_ids=position_ids)
+    found = {kind: shared for kind in kinds}
+    if rotary_local is not None:
+        found["full_attention"] = shared
+        found["sliding_attention"] = rotary_local(hidden, position_ids=position_ids)
+    return found
+
+
+def layer_kwargs(
+    layer: nn.Module, kind: str, mask: Any, position_ids: torch.Tensor, found: dict[str, Any]
+) -> dict[str, Any]:
+    """The keyword arguments of one decoder layer's call without a cache: its attention type's
+    mask and rotary embedding (see :func:`position_embeddings`)."""
+    kwargs: dict[str, Any] = {
+        "attention_mask": mask,
+        "position_ids": position_ids,
+        "use_cache": False,
+    }
+    if "position_embeddings_global" in _parameters(type(layer).forward):
+        kwargs["position_embeddings_global"] = found["full_attention"]
+        kwargs["position_embeddings_local"] = found["sliding_attention"]
+    else:
+        kwargs["position_embeddings"] = found[kind]
+    return kwargs

@@ -14,12 +14,23 @@ and return the new hidden states (a tensor, or a tuple whose first item is); see
 from __future__ import annotations
 
 import dataclasses
+import functools
 import operator
+from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import nn
 
-__all__ = ["Family", "register_family", "families", "family_of", "layer_attention_types"]
+__all__ = [
+    "Family",
+    "register_family",
+    "families",
+    "family_of",
+    "layer_attention_types",
+    "softcap_logits",
+    "OUTSIDE_LAYER_FEATURES",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +51,16 @@ class Family:
             (``mlp.gate``: a linear gate that returns the router logits, or a router module
             that returns them first), or None for a dense model. With it, the head adds the
             load-balancing loss (see docs/hf.md).
+        rotary_local: the rotary embedding of the sliding-window layers, in ``body``, where a
+            model keeps a second one (Gemma 3 on transformers 4.x); looked up only if present.
+        embed_scale: ``embed_scale(config)``, the factor the model multiplies its token
+            embeddings by before the first layer (Gemma's square root of the hidden size,
+            Granite's ``embedding_multiplier``), in the embeddings' dtype; None: no factor.
+        logits: ``logits(config)``, a function the model applies to the head's logits before
+            its loss (soft-capping, scaling), or None where the config turns it off.
+        handles: the config features outside the decoder layers that this family's
+            ``embed_scale`` and ``logits`` implement (see :data:`OUTSIDE_LAYER_FEATURES`); a
+            model with another one turned on is refused at wrap, naming it.
     """
 
     name: str
@@ -51,6 +72,10 @@ class Family:
     rotary: str = "rotary_emb"
     head: str = "lm_head"
     router: str | None = None
+    rotary_local: str | None = None
+    embed_scale: Callable[[Any], float] | None = None
+    logits: Callable[[Any], Callable[[torch.Tensor], torch.Tensor] | None] | None = None
+    handles: tuple[str, ...] = ()
 
     def parts(self, model: nn.Module) -> dict[str, Any]:
         """The parts of ``model`` (a ``*ForCausalLM``), by field name; raises ``TypeError``
@@ -62,12 +87,29 @@ class Family:
                 found[field] = operator.attrgetter(getattr(self, field))(body)
             found["head"] = operator.attrgetter(self.head)(model)
         except AttributeError as exc:
+            hint = ""
+            if "rotary" not in found and "embed" in found:
+                hint = (
+                    " A decoder without a rotary embedding (learned positions, as GPT-2's wpe) "
+                    "is not supported by roundpipe.hf."
+                )
             raise TypeError(
                 f"{type(model).__name__} does not have the layout of family {self.name!r} "
-                f"({exc}); register a Family with its attribute paths (docs/hf.md)"
+                f"({exc}); register a Family with its attribute paths (docs/hf.md).{hint}"
             ) from None
+        local = self.rotary_local and getattr(found["body"], self.rotary_local, None)
+        found["rotary_local"] = local or None
         return found
 
+    def unhandled_features(self, config: Any) -> list[str]:
+        """The features of :data:`OUTSIDE_LAYER_FEATURES` that ``config`` turns on and this
+        family does not implement, as ``name=value``."""
+        found = []
+        for name, off in OUTSIDE_LAYER_FEATURES.items():
+            value = getattr(config, name, None)
+            if name not in self.handles and value is not None and value not in off:
+                found.append(f"{name}={value!r}")
+        return found
 
     def router_of(self, layer: nn.Module) -> nn.Module:
         """The router module of one decoder layer; raises ``TypeError`` naming the path."""
@@ -79,6 +121,29 @@ class Family:
                 f"{type(layer).__name__} has no router at {self.router!r} (family "
                 f"{self.name!r}); give the Family the path of the layer's router module"
             ) from None
+
+
+# Config attributes that change a model's arithmetic outside its decoder layers (where the
+# stages, not the HF layer modules, run it), with the values that mean "off". A family
+# implements the ones it lists in ``handles``; any other one turned on is refused at wrap.
+OUTSIDE_LAYER_FEATURES: dict[str, tuple[Any, ...]] = {
+    "final_logit_softcapping": (0, 0.0),
+    "logit_scale": (1, 1.0),
+    "logits_scaling": (1, 1.0),
+    "embedding_multiplier": (1, 1.0),
+}
+
+
+def softcap_logits(config: Any) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """``cap * tanh(logits / cap)`` with ``config.final_logit_softcapping`` (Gemma 2 and 3)."""
+    cap = getattr(config, "final_logit_softcapping", None)
+    if not cap:
+        return None
+    return functools.partial(_softcap, cap=float(cap))
+
+
+def _softcap(logits: torch.Tensor, cap: float) -> torch.Tensor:
+    return torch.tanh(logits / cap) * cap
 
 
 def layer_attention_types(config: Any) -> list[str]:

@@ -19,7 +19,7 @@ from roundpipe.hf import compat
 from roundpipe.hf.families import Family
 from roundpipe.hf.loss import chunked_causal_lm_loss
 
-__all__ = ["Embed", "Decoder", "Head", "IGNORE_INDEX"]
+__all__ = ["Embed", "Decoder", "Head", "IGNORE_INDEX", "num_experts"]
 
 IGNORE_INDEX = -100
 
@@ -31,12 +31,16 @@ class Embed(nn.Module):
     SDPA's causal kernel needs none), position ids, the rotary (cos, sin), and for training the
     shifted labels and the batch's count of predicted tokens."""
 
-    def __init__(self, parts: dict[str, Any], config: Any, kinds: Sequence[str]) -> None:
+    def __init__(
+        self, parts: dict[str, Any], config: Any, kinds: Sequence[str], family: Family
+    ) -> None:
         super().__init__()
         self.embed_tokens = parts["embed"]
         self.rotary_emb = parts["rotary"]
+        self.rotary_local = parts.get("rotary_local")
         self.config = config
         self.kinds = sorted(set(kinds))  # the attention types the layers take masks for
+        self.scale = None if family.embed_scale is None else float(family.embed_scale(config))
 
     def forward(
         self,
@@ -48,6 +52,8 @@ class Embed(nn.Module):
     ) -> WithContext:
         builders = compat.mask_builders()
         hidden = self.embed_tokens(input_ids)
+        if self.scale is not None:  # in the embeddings' dtype, as the HF models multiply
+            hidden = hidden * torch.tensor(self.scale, dtype=hidden.dtype)
         if position_ids is None:  # as the HF decoder does without a cache
             position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
         masks = {
@@ -59,13 +65,24 @@ class Embed(nn.Module):
         context: dict[str, Any] = {
             "attention_masks": masks,
             "position_ids": position_ids,
-            "position_embeddings": self.rotary_emb(hidden, position_ids=position_ids),
+            "position_embeddings": compat.position_embeddings(
+                self.rotary_emb, self.rotary_local, hidden, position_ids, self.kinds
+            ),
             "padding_mask": attention_mask,
         }
         if labels is not None:
             context["shift_labels"] = shift_labels(labels)
             context["num_items"] = num_items_in_batch
         return WithContext(hidden, context)
+
+
+def num_experts(config: Any) -> int:
+    """The experts of a mixture-of-experts config (``num_experts``, or Mixtral's and GPT-OSS's
+    ``num_local_experts``)."""
+    count = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
+    if not count:
+        raise TypeError(f"{type(config).__name__} names no number of experts")
+    return int(count)
 
 
 def shift_labels(labels: torch.Tensor) -> torch.Tensor:
@@ -108,7 +125,7 @@ class Decoder(nn.Module):
         self._tap: _RouterTap | None = None
         if family.router is not None:
             self._tap = _RouterTap()
-            self.num_experts = int(config.num_experts)
+            self.num_experts = num_experts(config)
             self.top_k = int(config.num_experts_per_tok)
             family.router_of(layer).register_forward_hook(self._tap)
 
@@ -120,10 +137,13 @@ class Decoder(nn.Module):
             self._tap.start()
         out = self.layer(
             x,
-            attention_mask=context["attention_masks"][self.kind],
-            position_ids=context["position_ids"],
-            position_embeddings=context["position_embeddings"],
-            use_cache=False,
+            **compat.layer_kwargs(
+                self.layer,
+                self.kind,
+                context["attention_masks"][self.kind],
+                context["position_ids"],
+                context["position_embeddings"],
+            ),
         )
         hidden = out[0] if isinstance(out, tuple) else out
         if self._tap is None:
@@ -162,14 +182,18 @@ class Head(nn.Module):
 
     takes_context = True
 
-    def __init__(self, parts: dict[str, Any], config: Any, chunk_tokens: int) -> None:
+    def __init__(
+        self, parts: dict[str, Any], config: Any, chunk_tokens: int, family: Family
+    ) -> None:
         super().__init__()
         self.norm = parts["norm"]
         self.lm_head = parts["head"]
         self.chunk_tokens = chunk_tokens
         self.aux_coef = float(getattr(config, "router_aux_loss_coef", 0.0))
         self.aux_on = bool(getattr(config, "output_router_logits", False))
-        self.num_experts = int(getattr(config, "num_experts", 0) or 0)
+        self.num_experts = num_experts(config) if family.router is not None else 0
+        # What the model does to the logits before its loss (soft-capping, scaling).
+        self.transform = None if family.logits is None else family.logits(config)
 
     def forward(self, x: Any, context: dict[str, Any]) -> torch.Tensor:
         sums = None
@@ -178,9 +202,15 @@ class Head(nn.Module):
         hidden = self.norm(x)
         labels = context.get("shift_labels")
         if labels is None:
-            return self.lm_head(hidden)
+            logits = self.lm_head(hidden)
+            return logits if self.transform is None else self.transform(logits)
         loss = chunked_causal_lm_loss(
-            hidden, self.lm_head, labels, context["num_items"], self.chunk_tokens
+            hidden,
+            self.lm_head,
+            labels,
+            context["num_items"],
+            self.chunk_tokens,
+            transform=self.transform,
         )
         if sums is not None and self.aux_on:
             counts, probs, rows = sums

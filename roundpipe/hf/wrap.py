@@ -13,6 +13,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from roundpipe import optim_thread
 from roundpipe.hf import compat
 from roundpipe.hf.calls import causal_lm_loss, count_predicted, parse_batch, positional_batch
+from roundpipe.hf.check import check_stages
 from roundpipe.hf.families import Family, family_of, layer_attention_types
 from roundpipe.hf.names import HFNames, export_state_dict
 from roundpipe.hf.stages import Decoder, Embed, Head
@@ -322,6 +323,7 @@ def wrap(
     *,
     family: Family | None = None,
     loss_chunk_tokens: int | None = None,
+    check: bool = True,
     **kwargs: Any,
 ) -> HFRoundPipe:
     """Wrap a HuggingFace causal LM (``AutoModelForCausalLM``, or a peft model around one) as a
@@ -334,6 +336,10 @@ def wrap(
             ``model.config.model_type`` (see :func:`roundpipe.hf.register_family`).
         loss_chunk_tokens: tokens per chunk of the loss head (the fp32 logits of this many
             tokens exist at once); default :func:`default_loss_chunk_tokens` of the vocabulary.
+        check: before anything else, compare the stages with the model's own forward on a
+            cut of it (:func:`roundpipe.hf.check_stages`) and raise ``WrapCheckError`` naming
+            the part that differs; a few seconds and a copy of the cut in fp32. ``False``
+            skips it.
         **kwargs: RoundPipe's (``optim_dtype``, ``model_run_config``, ``devices``, ``name``).
 
     HF's own gradient checkpointing is turned off (roundpipe recomputes each stage itself) and
@@ -345,6 +351,21 @@ def wrap(
     family = family or family_of(base)
     parts = family.parts(base)
     config = base.config
+    unhandled = family.unhandled_features(config)
+    if unhandled:
+        raise NotImplementedError(
+            f"{type(base).__name__}: {', '.join(unhandled)} change the model outside its "
+            f"decoder layers, which family {family.name!r} does not implement, so the stages "
+            f"would train another model. Register a Family with embed_scale=, logits= and "
+            f"handles= (docs/hf.md, 'Adding a family'), or report it"
+        )
+    if getattr(config, "output_router_logits", False) and family.router is None:
+        raise NotImplementedError(
+            f"{type(base).__name__}: config.output_router_logits adds the router's "
+            f"load-balancing loss, and family {family.name!r} names no router (Family(router="
+            f"'mlp.gate'), the router's path in a decoder layer); or set "
+            f"config.output_router_logits = False to train without that loss"
+        )
     if loss_chunk_tokens is None:
         loss_chunk_tokens = default_loss_chunk_tokens(int(getattr(config, "vocab_size", 0) or 0))
     if not isinstance(loss_chunk_tokens, int) or loss_chunk_tokens < 1:
@@ -361,10 +382,12 @@ def wrap(
             f"layers; roundpipe.hf builds the masks transformers has builders for "
             f"({', '.join(sorted(known))}), one type per layer (config.layer_types)"
         )
+    if check:
+        check_stages(base, family, kinds, loss_chunk_tokens)
     stages = nn.Sequential(
-        Embed(parts, config, kinds),
+        Embed(parts, config, kinds, family),
         *(Decoder(layer, family, config, kind) for layer, kind in zip(layers, kinds)),
-        Head(parts, config, loss_chunk_tokens),
+        Head(parts, config, loss_chunk_tokens, family),
     )
     kwargs.setdefault("name", type(base).__name__)
     return HFRoundPipe(model, stages, **kwargs)
