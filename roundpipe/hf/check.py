@@ -77,12 +77,15 @@ def _same(ours: Any, reference: Any) -> bool:
     """Tensors (or tuples of them) within :data:`TOLERANCE`; other objects (None, a flex
     attention BlockMask) are not compared."""
     if isinstance(ours, torch.Tensor) or isinstance(reference, torch.Tensor):
-        return (
+        if not (
             isinstance(ours, torch.Tensor)
             and isinstance(reference, torch.Tensor)
             and ours.shape == reference.shape
-            and _relative(ours, reference) <= TOLERANCE
-        )
+        ):
+            return False
+        if not reference.is_floating_point():  # a boolean mask
+            return torch.equal(ours, reference)
+        return _relative(ours, reference) <= TOLERANCE
     if isinstance(ours, (tuple, list)) and isinstance(reference, (tuple, list)):
         return len(ours) == len(reference) and all(map(_same, ours, reference))
     return True
