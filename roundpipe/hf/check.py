@@ -1,28 +1,32 @@
 """The wrap's self-check: roundpipe's stages against the model's own forward, before any training.
 
 A cut of the model (the embedding, the first two decoder layers of each attention type, the
-final norm and the head) is copied to fp32 on the CPU, and the same tiny padded batch of random
-tokens goes through transformers' forward of the cut and through roundpipe's stages built on the
-same copies. The embedding's output, every layer's output, the logits and the loss must agree
+final norm and the head) computes in fp32 on the CPU (its weights swapped for fp32 copies for
+the check's duration), and the same tiny padded batch of random tokens goes through
+transformers' forward of the cut and through roundpipe's stages built on the same modules. The
+embedding's output, every layer's output, the logits and the loss must agree
 (:data:`TOLERANCE`); if they do not, :class:`WrapCheckError` names the first part that differs
 (the embedding's scaling, a layer's mask or rotary embedding, the head's soft-capping or
 scaling, the router's load-balancing loss) and what to do. So a family that is not listed, or a
 transformers release that changed a model, can never train a model other than the one loaded.
 
-Cost: the copies of the cut in fp32 (for an 8B Llama about 2.6 GB, mostly the embedding and
-the head) and a forward of 2 x 16 tokens through it twice: a few seconds (docs/hf.md).
+Cost: the fp32 copies of the cut's weights (for an 8B Llama 5.5 GiB, mostly the embedding and
+the head) and a forward of 2 x 16 tokens through it twice (docs/hf.md has the measured time).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import time
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.utils.stateless import _reparametrize_module
 
 from roundpipe.context import WithContext
 from roundpipe.hf.families import Family
@@ -139,7 +143,8 @@ def check_stages(
     """Compare roundpipe's stages with ``base``'s own forward (a ``*ForCausalLM``) on a cut of
     it; raise :class:`WrapCheckError` naming the first part that differs. Returns what was
     compared, or None (with a warning) where it cannot run: weights on the meta device, or
-    parts at nested attribute paths. Main thread; allocates only the cut's fp32 copy."""
+    parts at nested attribute paths. Main thread; allocates the fp32 copies of the cut's weights
+    for its duration."""
     parts = family.parts(base)
     paths = [family.embed, family.layers, family.norm, family.rotary, family.head]
     if not all(map(_simple_path, paths)) or not _simple_path(family.body):
@@ -172,11 +177,10 @@ def check_stages(
         )
         return None
     start = time.perf_counter()
-    with torch.no_grad():
-        copies = copy.deepcopy(held).float().eval()  # one deepcopy keeps tied weights tied
-        cut, config = _cut_model(base, family, copies, [kinds[i] for i in chosen])
+    with torch.no_grad(), _in_fp32_eval(held):
+        cut, config = _cut_model(base, family, held, [kinds[i] for i in chosen])
         batch = _batch(int(config.vocab_size), rows, tokens)
-        capture = _Capture(layers_of(copies))
+        capture = _Capture(layers_of(held))
         try:
             reference = cut(**batch, use_cache=False)
         except Exception as exc:
@@ -188,23 +192,48 @@ def check_stages(
         finally:
             capture.remove()
         report = _compare(
-            family, config, copies, chosen, [kinds[i] for i in chosen], loss_chunk_tokens,
+            family, config, held, chosen, [kinds[i] for i in chosen], loss_chunk_tokens,
             batch, capture, reference,
         )  # fmt: skip
     return dataclasses.replace(report, seconds=time.perf_counter() - start)
 
 
-def layers_of(copies: nn.ModuleDict) -> nn.ModuleList:
-    layers = copies["layers"]
+@contextlib.contextmanager
+def _in_fp32_eval(held: nn.Module) -> Iterator[None]:
+    """``held``'s modules in eval mode, their floating parameters and buffers swapped for fp32
+    copies (one per tensor: tied weights stay tied), put back afterwards: the model itself is
+    never written, and no module is copied."""
+    swapped: dict[str, torch.Tensor] = {}
+    made: dict[int, torch.Tensor] = {}
+    for name, t in [
+        *held.named_parameters(remove_duplicate=False),
+        *held.named_buffers(remove_duplicate=False),
+    ]:
+        if t.is_floating_point():
+            if id(t) not in made:
+                made[id(t)] = t.detach().float()
+            swapped[name] = made[id(t)]
+    modes = [(m, m.training) for m in held.modules()]
+    held.eval()
+    try:
+        with _reparametrize_module(held, swapped):
+            yield
+    finally:
+        for module, mode in modes:
+            module.training = mode
+
+
+def layers_of(held: nn.ModuleDict) -> nn.ModuleList:
+    layers = held["layers"]
     assert isinstance(layers, nn.ModuleList)
     return layers
 
 
 def _cut_model(
-    base: nn.Module, family: Family, copies: nn.ModuleDict, kinds: list[str]
+    base: nn.Module, family: Family, held: nn.ModuleDict, kinds: list[str]
 ) -> tuple[nn.Module, Any]:
-    """A shallow copy of ``base`` whose body holds the copied parts and only the cut's layers,
-    with a config that says so; ``base`` itself is not touched."""
+    """A shallow copy of ``base`` whose body holds only the cut's parts and layers, with a
+    config that says so; ``base`` itself is not touched."""
     config: Any = copy.deepcopy(base.config)
     config.num_hidden_layers = len(kinds)
     if getattr(config, "layer_types", None) is not None:
@@ -214,14 +243,14 @@ def _cut_model(
     body._modules = dict(body._modules)
     body.config = config
     for name in ("embed", "norm", "rotary", "layers"):
-        body._modules[getattr(family, name)] = copies[name]
-    if "rotary_local" in copies:
+        body._modules[getattr(family, name)] = held[name]
+    if "rotary_local" in held:
         assert family.rotary_local is not None
-        body._modules[family.rotary_local] = copies["rotary_local"]
+        body._modules[family.rotary_local] = held["rotary_local"]
     cut = copy.copy(base)
     cut._modules = dict(base._modules)
     cut._modules[family.body] = body
-    cut._modules[family.head] = copies["head"]
+    cut._modules[family.head] = held["head"]
     cut.config = config
     return cut, config
 
@@ -229,7 +258,7 @@ def _cut_model(
 def _compare(
     family: Family,
     config: Any,
-    copies: nn.ModuleDict,
+    held: nn.ModuleDict,
     chosen: list[int],
     kinds: list[str],
     loss_chunk_tokens: int,
@@ -238,11 +267,11 @@ def _compare(
     reference: Any,
 ) -> CheckReport:
     parts = {
-        "embed": copies["embed"],
-        "norm": copies["norm"],
-        "head": copies["head"],
-        "rotary": copies["rotary"],
-        "rotary_local": copies["rotary_local"] if "rotary_local" in copies else None,
+        "embed": held["embed"],
+        "norm": held["norm"],
+        "head": held["head"],
+        "rotary": held["rotary"],
+        "rotary_local": held["rotary_local"] if "rotary_local" in held else None,
     }
     count = int((shift_labels(batch["labels"]) != IGNORE_INDEX).sum())
     embed = Embed(parts, config, kinds, family)
@@ -251,7 +280,7 @@ def _compare(
     )
     assert isinstance(out, WithContext)
     x, context = out.output, out.context
-    name = type(copies["embed"]).__name__
+    name = type(held["embed"]).__name__
     if not capture.inputs or not _same(x, capture.inputs[0][0]):
         raise WrapCheckError(
             f"roundpipe.hf self-check: the embedding's output differs from the model's own "
@@ -259,7 +288,7 @@ def _compare(
             f"or shifts its token embeddings ({name}) in a way family {family.name!r} does not "
             f"(embed_scale=). {_REPORT}"
         )
-    for j, (layer, kind) in enumerate(zip(layers_of(copies), kinds)):
+    for j, (layer, kind) in enumerate(zip(layers_of(held), kinds)):
         decoder = Decoder(layer, family, config, kind)
         hidden_in = x[0] if isinstance(x, tuple) else x
         x = decoder(x, context)
