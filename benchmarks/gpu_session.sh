@@ -44,7 +44,7 @@ bench() {  # model impl pythonpath seconds [flags]
   local t0=$(date +%s)
   echo "== $model $impl $*" >> "$out/bench_err.log"
   PYTHONPATH=$path timeout "$s" python3 .peer/peer_bench.py --model "$model" --impl "$impl" \
-    --warmup 2 --iters 5 "$@" 2>>"$out/bench_err.log" | tail -1 | tee -a "$out/peer.jsonl"
+    --warmup 2 --iters 8 "$@" 2>>"$out/bench_err.log" | tail -1 | tee -a "$out/peer.jsonl"
   note "bench $model $impl $*: $(( $(date +%s) - t0 )) s"
 }
 
