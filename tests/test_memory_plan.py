@@ -374,3 +374,39 @@ def test_the_check_can_be_skipped(capacity, monkeypatch):
         with pytest.raises(torch.OutOfMemoryError) as info:
             model.forward_backward(input_args=(x,), label=y, loss_fn=_ce)
         assert not isinstance(info.value, DeviceMemoryError)
+
+
+def test_the_check_leaves_the_devices_reserve_free(capacity, monkeypatch):
+    # A device whose reserve (on a GPU: cuBLAS's workspaces, the allocator's rounding) does not
+    # fit beside a peak that alone would: refused, and the reserve is named in the message.
+    from roundpipe.devices.accelerator import AcceleratorBackend
+
+    x, y = _mlp_batch()
+    plain = _mlp_model().memory_plan(input_args=(x,), label=y, loss_fn=_ce).devices[0]
+    assert plain.reserve == 0 and plain.reserve_note == ""  # the emulated device's default
+    monkeypatch.setattr(
+        AcceleratorBackend, "reserve", lambda self, peak: (peak // 2, "test workspaces")
+    )
+    model = _mlp_model(name="reserved")
+    planned = model.memory_plan(input_args=(x,), label=y, loss_fn=_ce)
+    assert planned.devices[0].reserve == plain.peak // 2
+    assert "reserve (test workspaces)" in str(planned)
+    gc.collect()
+    capacity(memory.memory_allocated(0) + int(plain.peak * 1.2))  # the peak alone fits
+    with pytest.raises(DeviceMemoryError, match=r"(?s)reserve \(test workspaces\)"):
+        model.forward_backward(input_args=(x,), label=y, loss_fn=_ce)
+
+
+@pytest.mark.parametrize(
+    "major, env, expected_mib",
+    [
+        (9, {}, 32 + 1),  # Hopper: torch's 4096 KiB x 8, plus cuBLASLt's 1 MiB
+        (8, {}, 8.125 + 1),  # before: 4096 KiB x 2 + 16 KiB x 8
+        (9, {"CUBLAS_WORKSPACE_CONFIG": ":4096:2"}, 8 + 1),
+        (8, {"CUBLAS_WORKSPACE_CONFIG": ":16:8", "TORCH_CUBLASLT_WORKSPACE_SIZE": "0"}, 0.125),
+    ],
+)
+def test_cublas_workspace_bytes_follow_torchs_defaults_and_settings(major, env, expected_mib):
+    from roundpipe.devices.accelerator import cublas_workspace_bytes
+
+    assert cublas_workspace_bytes(major, env) == int(expected_mib * 2**20)

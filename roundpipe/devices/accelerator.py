@@ -12,6 +12,7 @@ into pinned host memory.
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -21,7 +22,35 @@ from torch.utils import _pytree as pytree
 from roundpipe.devices.backend import WorkerDevice
 from roundpipe.host_memory import TORCH_PINNED, PinnedAllocator, pin_module, pinned_empty
 
-__all__ = ["AcceleratorBackend", "Resident"]
+__all__ = ["AcceleratorBackend", "Resident", "cublas_workspace_bytes"]
+
+# [Note: the device reserve]
+# What a call takes on a CUDA device beyond the tensors the memory plan counts, which the check
+# leaves free: cuBLAS's workspaces, which torch allocates in its caching allocator once per
+# (handle, stream) that runs a matmul and keeps for the process's life (measured on an H200:
+# 65 MiB allocated after a first call, two 32 MiB workspaces and cuBLASLt's), and the
+# allocator's rounding (512-byte blocks carved from 2 MiB and 20 MiB segments, which a freed
+# block of another size cannot always reuse). The CUDA context needs no reserve: it exists
+# before the check, and mem_get_info's free memory already excludes it.
+CUBLAS_STREAMS = 2
+ALLOCATOR_SLACK = 0.03
+
+
+def cublas_workspace_bytes(major: int, env: dict[str, str] | None = None) -> int:
+    """torch's cuBLAS workspace per stream on a GPU of compute capability ``major``:
+    ``$CUBLAS_WORKSPACE_CONFIG`` (``:SIZE_KiB:COUNT`` pairs) if set, else torch's default (32
+    MiB from Hopper, 8 MiB + 128 KiB before), plus cuBLASLt's
+    (``$TORCH_CUBLASLT_WORKSPACE_SIZE`` KiB, default 1 MiB)."""
+    env = dict(os.environ) if env is None else env
+    config = env.get("CUBLAS_WORKSPACE_CONFIG", "")
+    pairs = [int(x) for x in config.split(":")[1:] if x.strip().isdigit()] if config else []
+    if pairs and len(pairs) % 2 == 0:
+        kib = sum(size * count for size, count in zip(pairs[::2], pairs[1::2]))
+    else:
+        kib = 4096 * 8 if major >= 9 else 4096 * 2 + 16 * 8
+    lt = env.get("TORCH_CUBLASLT_WORKSPACE_SIZE", "").strip()
+    kib += int(lt) if lt.isdigit() else 1024
+    return kib * 1024
 
 
 class Resident:
@@ -92,6 +121,20 @@ class AcceleratorBackend:
         # Blocks torch's caching allocator holds but no tensor uses are free to this process.
         return int(
             free + self._module.memory_reserved(index) - self._module.memory_allocated(index)
+        )
+
+    def reserve(self, peak: int) -> tuple[int, str]:
+        """Bytes a call with a planned ``peak`` of tensors needs beside them on this device, and
+        what they are (see [Note: the device reserve]). Any thread."""
+        if self.device_type != "cuda":
+            reserve = getattr(self._module, "planning_reserve", None)
+            return reserve(peak) if callable(reserve) else (0, "")
+        major, _ = self._module.get_device_capability(self.torch_device.index)
+        workspaces = CUBLAS_STREAMS * cublas_workspace_bytes(major)
+        slack = int(ALLOCATOR_SLACK * peak)
+        return workspaces + slack, (
+            f"cuBLAS workspaces {CUBLAS_STREAMS} x {workspaces // CUBLAS_STREAMS / 2**20:.1f} MiB, "
+            f"allocator rounding {ALLOCATOR_SLACK:.0%}"
         )
 
     def drain(self) -> None:

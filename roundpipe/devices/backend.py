@@ -141,6 +141,12 @@ class StreamingBackend(Backend, Protocol):
         so far; returns them and the event of their arrival."""
         ...
 
+    def reserve(self, peak: int) -> tuple[int, str]:
+        """Bytes a call whose tensors peak at ``peak`` needs beside them on this device (a GPU's
+        library workspaces and allocator rounding), and a description; ``(0, "")`` where
+        nothing is reserved. Any thread."""
+        ...
+
     def download_grads(
         self, tensors: list[torch.Tensor | None]
     ) -> tuple[list[torch.Tensor | None], torch.Tensor, torch.Event]:

@@ -54,19 +54,23 @@ class DeviceMemoryError(torch.OutOfMemoryError):
 
 @dataclasses.dataclass(frozen=True)
 class DeviceMemory:
-    """One device's planned peak: ``peak`` bytes during ``at`` (an action of the plan's
-    program, as ``print(plan)`` writes it), made of ``terms`` ((description, bytes), largest
-    first); ``available``: what the device had free when planned (None: unknown)."""
+    """One device's planned peak: ``peak`` bytes of tensors during ``at`` (an action of the
+    plan's program, as ``print(plan)`` writes it), made of ``terms`` ((description, bytes),
+    largest first); ``available``: what the device had free when planned (None: unknown);
+    ``reserve``: what the device needs beside the tensors (a GPU's library workspaces and
+    allocator rounding, ``reserve_note`` says which), left free by the check."""
 
     device: str
     peak: int
     at: str
     terms: tuple[tuple[str, int], ...]
     available: int | None
+    reserve: int = 0
+    reserve_note: str = ""
 
     @property
     def fits(self) -> bool:
-        return self.available is None or self.peak <= self.available
+        return self.available is None or self.peak + self.reserve <= self.available
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,6 +204,9 @@ class MemoryPlan:
             )
             for term, nbytes in dev.terms:
                 lines.append(f"  {term:<{width}} {format_bytes(nbytes):>11}")
+            if dev.reserve:
+                label = f"reserve ({dev.reserve_note})"
+                lines.append(f"  {label:<{width}} {format_bytes(dev.reserve):>11}")
         if not self.devices:
             lines.append("No accelerator: the stages compute in host memory (counted above).")
         if self.stages:
@@ -270,7 +277,8 @@ def plan_devices(call: PlannedCall, traces: StageTraces | None) -> tuple[DeviceM
         return_outputs=call.return_outputs,
     )
     out = []
-    for peak, device, backend in zip(peaks, call.pool.devices, call.pool.backends):
+    for peak, device, backend in zip(peaks, call.pool.devices, call.pool.accelerators):
+        reserve, note = backend.reserve(peak.peak)
         out.append(
             DeviceMemory(
                 str(device),
@@ -278,6 +286,8 @@ def plan_devices(call: PlannedCall, traces: StageTraces | None) -> tuple[DeviceM
                 str(peak.at) if peak.at is not None else "-",
                 tuple((TERMS[t], b) for t, b in peak.terms),
                 backend.memory_available(),
+                reserve,
+                note,
             )
         )
     return tuple(out)
@@ -383,12 +393,15 @@ def check_device_memory(devices: Sequence[DeviceMemory], what: str, cfg: Any) ->
     dev = over[0]
     assert dev.available is not None
     lines = [
-        f"{what}: this forward_backward would need about {format_bytes(dev.peak)} on "
-        f"{dev.device}, which has {format_bytes(dev.available)} free (planned before "
+        f"{what}: this forward_backward would need about {format_bytes(dev.peak + dev.reserve)} "
+        f"on {dev.device}, which has {format_bytes(dev.available)} free (planned before "
         f"allocating anything; the peak is during {dev.at}):"
     ]
-    width = max(len(t) for t, _ in dev.terms) if dev.terms else 10
-    for term, nbytes in dev.terms:
+    terms = list(dev.terms)
+    if dev.reserve:
+        terms.append((f"reserve ({dev.reserve_note})", dev.reserve))
+    width = max(len(t) for t, _ in terms) if terms else 10
+    for term, nbytes in terms:
         lines.append(f"  {term:<{width}}  {format_bytes(nbytes):>10}")
     for other in over[1:]:
         lines.append(
