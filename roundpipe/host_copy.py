@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import torch
 
+from roundpipe.devices import kind
+
 __all__ = ["HostCopy"]
 
 
@@ -64,7 +66,7 @@ class HostCopy:
         if device.type == "cpu":
             self._value = packed
             return
-        stream = torch.accelerator.current_stream(device)
+        stream = kind.current_stream(device)
         self._value = packed.to("cpu", non_blocking=True)
         self._event = torch.Event(device=device)
         self._event.record(stream)

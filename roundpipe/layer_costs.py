@@ -20,7 +20,7 @@ from torch import nn
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils import _pytree as pytree
 
-from roundpipe.devices import resolve_devices
+from roundpipe.devices import kind, resolve_devices
 from roundpipe.optim_thread import add_note
 
 __all__ = ["measure_layer_costs"]
@@ -93,7 +93,7 @@ def measure_layer_costs(
 
     def sync() -> None:
         if accelerator:
-            torch.accelerator.synchronize(target)
+            kind.synchronize(target)
 
     x = _to_device(sample_input, target, dtype)
     costs: list[float] = []

@@ -145,3 +145,23 @@ def test_the_checks_see_the_package():
         t == "roundpipe.plan"
         for t, _, _ in _imports("roundpipe.runtime.call", MODULES["roundpipe.runtime.call"])
     )
+
+
+def test_no_device_reaches_torch_accelerator():
+    # torch.accelerator serves the process's one accelerator (an installed emulated device is
+    # chosen before CUDA) and refuses a device of another type: roundpipe asks each device's own
+    # module instead (roundpipe/devices/kind.py), so CUDA devices work beside the emulated one.
+    calls = []
+    for module, tree in MODULES.items():
+        if module.startswith("roundpipe.testing"):
+            continue  # the emulated device is the accelerator it registers
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Attribute)
+                and node.value.attr == "accelerator"
+                and isinstance(node.value.value, ast.Name)
+                and node.value.value.id == "torch"
+            ):
+                calls.append(f"{module}:{node.lineno} torch.accelerator.{node.attr}")
+    assert calls == []

@@ -1,5 +1,5 @@
 """Every accelerator's backend (CUDA, the emulated ``emu``), on torch's device-agnostic APIs
-(``torch.get_device_module``, ``torch.Stream``, ``torch.Event``, ``torch.accelerator``).
+(``torch.get_device_module``, ``torch.Stream``, ``torch.Event``; see :mod:`roundpipe.devices.kind`).
 
 What the device does for each action of a plan's program (see [Note: the program] in
 :mod:`roundpipe.plan.actions`) is here, one method per move: the model stays in pinned host
@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
+from roundpipe.devices import kind
 from roundpipe.devices.backend import WorkerDevice
 from roundpipe.host_memory import TORCH_PINNED, PinnedAllocator, pin_module, pinned_empty
 
@@ -107,13 +108,13 @@ class AcceleratorBackend:
 
     @contextlib.contextmanager
     def action_context(self) -> Iterator[None]:
-        with torch.accelerator.device_index(self.torch_device.index), self.stream:
+        with kind.device_index(self.torch_device), self.stream:
             yield
 
     def begin_call(self) -> None:
         # The caller's stream (where it made the inputs, where the scaler updated the scale)
         # is not the compute stream: without this wait a kernel could read them half-written.
-        self.stream.wait_stream(torch.accelerator.current_stream(self.torch_device))
+        self.stream.wait_stream(kind.current_stream(self.torch_device))
 
     def memory_available(self) -> int | None:
         index = self.torch_device.index
@@ -162,7 +163,7 @@ class AcceleratorBackend:
             if after is not None and x.device.type == self.device_type:
                 # From another device of the pool: torch copies it on that device's current
                 # stream (on this thread), which must first wait for the producer's event.
-                source = torch.accelerator.current_stream(x.device)
+                source = kind.current_stream(x.device)
                 source.wait_event(after)
                 x.record_stream(source)
             return x.to(self.torch_device, non_blocking=True)
@@ -339,7 +340,7 @@ class AcceleratorBackend:
         index = self.torch_device.index
         with (
             torch.random.fork_rng(devices=[index], device_type=self.device_type),
-            torch.accelerator.device_index(index),
+            kind.device_index(self.torch_device),
         ):
             self._module.manual_seed(seed)
             return self._module.get_rng_state(index)

@@ -17,7 +17,6 @@ the head) and a forward of 2 x 16 tokens through it twice (docs/hf.md has the me
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import time
 import warnings
@@ -177,12 +176,15 @@ def check_stages(
         )
         return None
     start = time.perf_counter()
-    with torch.no_grad(), _in_fp32_eval(held):
-        cut, config = _cut_model(base, family, held, [kinds[i] for i in chosen])
+    with (
+        torch.no_grad(),
+        _in_fp32_eval(held),
+        _cut_in_place(base, family, layers_of(held), [kinds[i] for i in chosen]) as config,
+    ):
         batch = _batch(int(config.vocab_size), rows, tokens)
         capture = _Capture(layers_of(held))
         try:
-            reference = cut(**batch, use_cache=False)
+            reference = base(**batch, use_cache=False)
         except Exception as exc:
             raise WrapCheckError(
                 f"roundpipe.hf self-check: the model's own forward did not run on a cut of it "
@@ -229,30 +231,30 @@ def layers_of(held: nn.ModuleDict) -> nn.ModuleList:
     return layers
 
 
-def _cut_model(
-    base: nn.Module, family: Family, held: nn.ModuleDict, kinds: list[str]
-) -> tuple[nn.Module, Any]:
-    """A shallow copy of ``base`` whose body holds only the cut's parts and layers, with a
-    config that says so; ``base`` itself is not touched."""
-    config: Any = copy.deepcopy(base.config)
-    config.num_hidden_layers = len(kinds)
+@contextlib.contextmanager
+def _cut_in_place(
+    base: nn.Module, family: Family, layers: nn.ModuleList, kinds: list[str]
+) -> Iterator[Any]:
+    """``base`` with only the cut's decoder layers, and a config that says so, for the
+    context's duration: the body's layer list and three config fields are swapped, then put
+    back (the check runs on the main thread before the model is wrapped, nothing else runs
+    it meanwhile)."""
+    body = getattr(base, family.body)
+    config = base.config
+    saved_layers = getattr(body, family.layers)
+    fields: dict[str, Any] = {"num_hidden_layers": len(kinds), "use_cache": False}
     if getattr(config, "layer_types", None) is not None:
-        config.layer_types = list(kinds)
-    config.use_cache = False
-    body = copy.copy(getattr(base, family.body))
-    body._modules = dict(body._modules)
-    body.config = config
-    for name in ("embed", "norm", "rotary", "layers"):
-        body._modules[getattr(family, name)] = held[name]
-    if "rotary_local" in held:
-        assert family.rotary_local is not None
-        body._modules[family.rotary_local] = held["rotary_local"]
-    cut = copy.copy(base)
-    cut._modules = dict(base._modules)
-    cut._modules[family.body] = body
-    cut._modules[family.head] = held["head"]
-    cut.config = config
-    return cut, config
+        fields["layer_types"] = list(kinds)
+    saved = {name: getattr(config, name) for name in fields}
+    try:
+        for name, value in fields.items():
+            setattr(config, name, value)
+        setattr(body, family.layers, layers)
+        yield config
+    finally:
+        setattr(body, family.layers, saved_layers)
+        for name, value in saved.items():
+            setattr(config, name, value)
 
 
 def _compare(
