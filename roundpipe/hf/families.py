@@ -33,6 +33,9 @@ __all__ = [
 ]
 
 
+Transform = Callable[[torch.Tensor], torch.Tensor]
+
+
 @dataclasses.dataclass(frozen=True)
 class Family:
     """Where one architecture keeps its parts (attribute paths from the ``*ForCausalLM``).
@@ -53,9 +56,12 @@ class Family:
             load-balancing loss (see docs/hf.md).
         rotary_local: the rotary embedding of the sliding-window layers, in ``body``, where a
             model keeps a second one (Gemma 3 on transformers 4.x); looked up only if present.
-        embed_scale: ``embed_scale(config)``, the factor the model multiplies its token
-            embeddings by before the first layer (Gemma's square root of the hidden size,
-            Granite's ``embedding_multiplier``), in the embeddings' dtype; None: no factor.
+        embed_scale: ``embed_scale(config)``, what the model does to its token embeddings
+            before the first layer: a factor, multiplied as a tensor of the embeddings' dtype
+            (Gemma's square root of the hidden size), or a function of the embeddings
+            (Granite's ``embedding_multiplier``, a Python float); None: nothing. Not applied
+            where the embedding module already multiplies its output by its own factor (a
+            scaled embedding, see ``compat.embedding_scales_itself``).
         logits: ``logits(config)``, a function the model applies to the head's logits before
             its loss (soft-capping, scaling), or None where the config turns it off.
         handles: the config features outside the decoder layers that this family's
@@ -73,8 +79,8 @@ class Family:
     head: str = "lm_head"
     router: str | None = None
     rotary_local: str | None = None
-    embed_scale: Callable[[Any], float] | None = None
-    logits: Callable[[Any], Callable[[torch.Tensor], torch.Tensor] | None] | None = None
+    embed_scale: Callable[[Any], float | Transform | None] | None = None
+    logits: Callable[[Any], Transform | None] | None = None
     handles: tuple[str, ...] = ()
 
     def parts(self, model: nn.Module) -> dict[str, Any]:
