@@ -18,7 +18,10 @@ an interface keeps working. The differences met from 4.56 to 5.24:
   rotary module for its sliding layers and passes both to every layer
   (``position_embeddings_global`` / ``_local``) on 4.x, and has one rotary module that takes
   the layer type, with each layer given its own, on 5.x (:func:`position_embeddings`,
-  :func:`layer_kwargs`).
+  :func:`layer_kwargs`);
+* Gemma 2 multiplies its token embeddings by the square root of the hidden size in its model's
+  forward (4.x and 5.0), or in a scaled embedding module that holds the factor as
+  ``embed_scale`` (by 5.5), as Gemma 3's does on every version (:func:`embedding_scales_itself`).
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ __all__ = [
     "disable_checkpointing",
     "position_embeddings",
     "layer_kwargs",
+    "embedding_scales_itself",
 ]
 
 
@@ -139,3 +143,13 @@ def layer_kwargs(
     else:
         kwargs["position_embeddings"] = found[kind]
     return kwargs
+
+
+def embedding_scales_itself(embed: nn.Module) -> bool:
+    """Whether the token embedding module multiplies its output by its own factor (a scaled
+    embedding holding an ``embed_scale`` tensor, or peft's wrapper around one), so that the
+    factor the family names is already in the embeddings."""
+    for module in (embed, getattr(embed, "base_layer", None)):
+        if isinstance(getattr(module, "embed_scale", None), torch.Tensor):
+            return True
+    return False

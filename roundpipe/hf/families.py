@@ -29,8 +29,15 @@ __all__ = [
     "family_of",
     "layer_attention_types",
     "softcap_logits",
+    "gemma_embed_scale",
+    "granite_embeddings",
+    "granite_logits",
+    "cohere_logits",
     "OUTSIDE_LAYER_FEATURES",
 ]
+
+
+Transform = Callable[[torch.Tensor], torch.Tensor]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,9 +60,12 @@ class Family:
             load-balancing loss (see docs/hf.md).
         rotary_local: the rotary embedding of the sliding-window layers, in ``body``, where a
             model keeps a second one (Gemma 3 on transformers 4.x); looked up only if present.
-        embed_scale: ``embed_scale(config)``, the factor the model multiplies its token
-            embeddings by before the first layer (Gemma's square root of the hidden size,
-            Granite's ``embedding_multiplier``), in the embeddings' dtype; None: no factor.
+        embed_scale: ``embed_scale(config)``, what the model does to its token embeddings
+            before the first layer: a factor, multiplied as a tensor of the embeddings' dtype
+            (Gemma's square root of the hidden size), or a function of the embeddings
+            (Granite's ``embedding_multiplier``, a Python float); None: nothing. Not applied
+            where the embedding module already multiplies its output by its own factor (a
+            scaled embedding, see ``compat.embedding_scales_itself``).
         logits: ``logits(config)``, a function the model applies to the head's logits before
             its loss (soft-capping, scaling), or None where the config turns it off.
         handles: the config features outside the decoder layers that this family's
@@ -73,8 +83,8 @@ class Family:
     head: str = "lm_head"
     router: str | None = None
     rotary_local: str | None = None
-    embed_scale: Callable[[Any], float] | None = None
-    logits: Callable[[Any], Callable[[torch.Tensor], torch.Tensor] | None] | None = None
+    embed_scale: Callable[[Any], float | Transform | None] | None = None
+    logits: Callable[[Any], Transform | None] | None = None
     handles: tuple[str, ...] = ()
 
     def parts(self, model: nn.Module) -> dict[str, Any]:
@@ -131,6 +141,8 @@ OUTSIDE_LAYER_FEATURES: dict[str, tuple[Any, ...]] = {
     "logit_scale": (1, 1.0),
     "logits_scaling": (1, 1.0),
     "embedding_multiplier": (1, 1.0),
+    # Gemma 3 as an encoder (EmbeddingGemma): masks that see ahead, built outside the layers.
+    "use_bidirectional_attention": (False,),
 }
 
 
@@ -144,6 +156,39 @@ def softcap_logits(config: Any) -> Callable[[torch.Tensor], torch.Tensor] | None
 
 def _softcap(logits: torch.Tensor, cap: float) -> torch.Tensor:
     return torch.tanh(logits / cap) * cap
+
+
+def gemma_embed_scale(config: Any) -> float:
+    """Gemma's embedding normalizer: the square root of the hidden size (multiplied in the
+    embeddings' dtype, so bf16 rounds sqrt(3072) to 55.5, as Gemma does)."""
+    return float(config.hidden_size) ** 0.5
+
+
+def granite_embeddings(config: Any) -> Transform | None:
+    """``embeddings * config.embedding_multiplier``, the Python number as Granite multiplies."""
+    factor = config.embedding_multiplier
+    return None if factor == 1 else functools.partial(_times, factor=factor)
+
+
+def granite_logits(config: Any) -> Transform | None:
+    """``logits / config.logits_scaling``, a division as Granite's (not a product by the
+    reciprocal, which rounds differently)."""
+    scaling = config.logits_scaling
+    return None if scaling == 1 else functools.partial(_divided, by=scaling)
+
+
+def cohere_logits(config: Any) -> Transform | None:
+    """``logits * config.logit_scale`` (Cohere)."""
+    scale = config.logit_scale
+    return None if scale == 1 else functools.partial(_times, factor=scale)
+
+
+def _times(x: torch.Tensor, factor: float) -> torch.Tensor:
+    return x * factor
+
+
+def _divided(x: torch.Tensor, by: float) -> torch.Tensor:
+    return x / by
 
 
 def layer_attention_types(config: Any) -> list[str]:
@@ -194,3 +239,35 @@ def family_of(model: nn.Module) -> Family:
 for _name in ("llama", "mistral", "qwen2", "qwen3"):
     register_family(Family(_name, (_name,)))
 register_family(Family("qwen3_moe", ("qwen3_moe",), router="mlp.gate"))
+for _name in ("phi3", "olmo2"):  # their differences from Llama are inside the decoder layers
+    register_family(Family(_name, (_name,)))
+_SOFTCAP = ("final_logit_softcapping",)
+register_family(
+    Family(
+        "gemma2",
+        ("gemma2",),
+        embed_scale=gemma_embed_scale,
+        logits=softcap_logits,
+        handles=_SOFTCAP,
+    )
+)
+register_family(
+    Family(
+        "gemma3_text",
+        ("gemma3_text",),
+        rotary_local="rotary_emb_local",
+        embed_scale=gemma_embed_scale,  # in its scaled embedding module, so never applied twice
+        logits=softcap_logits,
+        handles=_SOFTCAP,
+    )
+)
+register_family(
+    Family(
+        "granite",
+        ("granite",),
+        embed_scale=granite_embeddings,
+        logits=granite_logits,
+        handles=("embedding_multiplier", "logits_scaling"),
+    )
+)
+register_family(Family("cohere", ("cohere",), logits=cohere_logits, handles=("logit_scale",)))

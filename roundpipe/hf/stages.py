@@ -7,8 +7,9 @@ through them trains the HF model the user passed.
 
 from __future__ import annotations
 
+import functools
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -40,7 +41,8 @@ class Embed(nn.Module):
         self.rotary_local = parts.get("rotary_local")
         self.config = config
         self.kinds = sorted(set(kinds))  # the attention types the layers take masks for
-        self.scale = None if family.embed_scale is None else float(family.embed_scale(config))
+        # What the model does to its token embeddings before the first layer (Gemma, Granite).
+        self.transform = _embed_transform(family, config, self.embed_tokens)
 
     def forward(
         self,
@@ -52,8 +54,8 @@ class Embed(nn.Module):
     ) -> WithContext:
         builders = compat.mask_builders()
         hidden = self.embed_tokens(input_ids)
-        if self.scale is not None:  # in the embeddings' dtype, as the HF models multiply
-            hidden = hidden * torch.tensor(self.scale, dtype=hidden.dtype)
+        if self.transform is not None:
+            hidden = self.transform(hidden)
         if position_ids is None:  # as the HF decoder does without a cache
             position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
         masks = {
@@ -74,6 +76,24 @@ class Embed(nn.Module):
             context["shift_labels"] = shift_labels(labels)
             context["num_items"] = num_items_in_batch
         return WithContext(hidden, context)
+
+
+def _embed_transform(
+    family: Family, config: Any, embed: nn.Module
+) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """The family's ``embed_scale`` as a function of the embeddings, or None: where the
+    embedding module multiplies by its own factor already, or the family has none."""
+    if family.embed_scale is None or compat.embedding_scales_itself(embed):
+        return None
+    scale = family.embed_scale(config)
+    if scale is None or callable(scale):
+        return scale
+    return functools.partial(_times_in_dtype, factor=float(scale))
+
+
+def _times_in_dtype(hidden: torch.Tensor, factor: float) -> torch.Tensor:
+    # The factor rounded to the embeddings' dtype first, as Gemma multiplies.
+    return hidden * torch.tensor(factor, dtype=hidden.dtype)
 
 
 def num_experts(config: Any) -> int:
