@@ -138,15 +138,7 @@ def test_loss_and_every_gradient_equal_plain_transformers(family, devices, M, si
     "devices",
     [
         "cpu",
-        pytest.param(
-            "emu:2",
-            marks=pytest.mark.xfail(
-                raises=NotImplementedError,
-                strict=True,
-                reason="the emulated device cannot run torch.tensor(list, device=emu), which "
-                "transformers' LongRoPE calls for its long factors (a CUDA device can)",
-            ),
-        ),
+        "emu:2",
     ],
 )
 def test_phi3_longrope_takes_its_long_factors_beyond_the_original_length(devices):
