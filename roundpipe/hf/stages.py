@@ -19,7 +19,7 @@ from roundpipe.hf import compat
 from roundpipe.hf.families import Family
 from roundpipe.hf.loss import chunked_causal_lm_loss
 
-__all__ = ["Embed", "Decoder", "Head", "IGNORE_INDEX", "num_experts"]
+__all__ = ["Embed", "Decoder", "Head", "IGNORE_INDEX", "num_experts", "has_experts"]
 
 IGNORE_INDEX = -100
 
@@ -74,6 +74,11 @@ class Embed(nn.Module):
             context["shift_labels"] = shift_labels(labels)
             context["num_items"] = num_items_in_batch
         return WithContext(hidden, context)
+
+
+def has_experts(config: Any) -> bool:
+    """Whether ``config`` is a mixture of experts (:func:`num_experts` would find some)."""
+    return bool(getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None))
 
 
 def num_experts(config: Any) -> int:
