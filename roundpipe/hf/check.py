@@ -185,8 +185,8 @@ def check_stages(
         finally:
             capture.remove()
         report = _compare(
-            family, config, copies, chosen, [kinds[i] for i in chosen], loss_chunk_tokens,
-            batch, capture, reference,
+            family, config, copies, getattr(cut, family.body), chosen,
+            [kinds[i] for i in chosen], loss_chunk_tokens, batch, capture, reference,
         )  # fmt: skip
     return dataclasses.replace(report, seconds=time.perf_counter() - start)
 
@@ -227,6 +227,7 @@ def _compare(
     family: Family,
     config: Any,
     copies: nn.ModuleDict,
+    body: nn.Module,
     chosen: list[int],
     kinds: list[str],
     loss_chunk_tokens: int,
@@ -235,6 +236,7 @@ def _compare(
     reference: Any,
 ) -> CheckReport:
     parts = {
+        "body": body,  # the cut's: a body that builds its own mask builds the cut's
         "embed": copies["embed"],
         "norm": copies["norm"],
         "head": copies["head"],

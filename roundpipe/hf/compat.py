@@ -11,6 +11,10 @@ an interface keeps working. The differences met from 4.56 to 5.24:
 * a mixture-of-experts block's router is a plain ``nn.Linear`` returning the logits (4.x) or a
   router module returning ``(logits, scores, indices)`` (5.x), both at ``mlp.gate``
   (:func:`router_logits`);
+* Qwen2-MoE on 4.x builds its attention mask itself (``_update_causal_mask``, one mask for every
+  layer) rather than with ``masking_utils``; the two differ for the padding queries of a
+  left-padded row, and the last of those predicts the first real token, a term of the loss
+  (:func:`own_mask_builder`);
 * gradient checkpointing is ``is_gradient_checkpointing`` / ``gradient_checkpointing_disable``,
   and from 5.24 ``is_activation_checkpointing`` / ``activation_checkpointing_disable`` (the old
   names warn there) (:func:`disable_checkpointing`);
@@ -35,6 +39,7 @@ __all__ = [
     "build_mask",
     "mask_builders",
     "router_logits",
+    "own_mask_builder",
     "disable_checkpointing",
     "position_embeddings",
     "layer_kwargs",
@@ -89,6 +94,23 @@ def router_logits(output: Any) -> torch.Tensor:
     """The router logits from what a router module returned: the tensor itself (a linear
     gate) or the first item (a router that also returns its top-k)."""
     return output[0] if isinstance(output, tuple) else output
+
+
+def own_mask_builder(body: nn.Module | None) -> Callable[[Any, torch.Tensor], Any] | None:
+    """``build(attention_mask, embeddings)``, the mask of every layer as the decoder ``body``
+    builds it itself (``_update_causal_mask``, without a cache), where it has such a method;
+    None where it leaves its masks to ``masking_utils`` (:func:`build_mask`)."""
+    method = getattr(body, "_update_causal_mask", None)
+    if method is None:
+        return None
+    names = _parameters(method.__func__)  # the function, not the bound method: no body cached
+
+    def build(attention_mask: Any, embeds: torch.Tensor) -> Any:
+        cache_position = torch.arange(embeds.shape[1], device=embeds.device)
+        kwargs = {"output_attentions": False} if "output_attentions" in names else {}
+        return method(attention_mask, embeds, cache_position, None, **kwargs)
+
+    return build
 
 
 def disable_checkpointing(model: nn.Module) -> None:

@@ -41,6 +41,9 @@ class Embed(nn.Module):
         self.config = config
         self.kinds = sorted(set(kinds))  # the attention types the layers take masks for
         self.scale = None if family.embed_scale is None else float(family.embed_scale(config))
+        # A body that builds its mask itself (Qwen2-MoE on 4.x) gives every layer that one; a
+        # plain callable, so the body's modules are not this stage's.
+        self.own_mask = compat.own_mask_builder(parts.get("body"))
 
     def forward(
         self,
@@ -56,12 +59,16 @@ class Embed(nn.Module):
             hidden = hidden * torch.tensor(self.scale, dtype=hidden.dtype)
         if position_ids is None:  # as the HF decoder does without a cache
             position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
-        masks = {
-            kind: compat.build_mask(
-                builders[kind], self.config, hidden, attention_mask, position_ids
-            )
-            for kind in self.kinds
-        }
+        if self.own_mask is not None:
+            mask = self.own_mask(attention_mask, hidden)
+            masks = dict.fromkeys(self.kinds, mask)
+        else:
+            masks = {
+                kind: compat.build_mask(
+                    builders[kind], self.config, hidden, attention_mask, position_ids
+                )
+                for kind in self.kinds
+            }
         context: dict[str, Any] = {
             "attention_masks": masks,
             "position_ids": position_ids,
