@@ -261,7 +261,13 @@ def _compare(
     for j, (layer, kind) in enumerate(zip(layers_of(copies), kinds)):
         decoder = Decoder(layer, family, config, kind)
         hidden_in = x[0] if isinstance(x, tuple) else x
-        x = decoder(x, context)
+        try:
+            x = decoder(x, context)
+        except Exception as exc:  # where the model's own forward ran: the stage is wrong
+            raise WrapCheckError(
+                f"roundpipe.hf self-check: decoder layer {chosen[j]} ({kind}) raised where the "
+                f"model's own forward ran ({type(exc).__name__}: {exc}). {_REPORT}"
+            ) from exc
         hidden = x[0] if isinstance(x, tuple) else x
         if not _same(hidden, capture.outputs[j]):
             part = _layer_part(decoder, kind, context, capture.inputs[j][1], hidden_in)
