@@ -261,7 +261,7 @@ def test_lora_trains_only_the_adapters_and_merges_to_the_same_logits():
 
 def test_an_unsupported_architecture_names_the_families_and_the_adapter():
     cfg = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=VOCAB)
-    with pytest.raises(NotImplementedError, match=r"gpt2.*supported: llama.*register_family"):
+    with pytest.raises(NotImplementedError, match=r"gpt2.*supported: .*llama.*register_family"):
         roundpipe.hf.wrap(transformers.AutoModelForCausalLM.from_config(cfg), devices="cpu")
 
 

@@ -203,3 +203,10 @@ def family_of(model: nn.Module) -> Family:
 for _name in ("llama", "mistral", "qwen2", "qwen3"):
     register_family(Family(_name, (_name,)))
 register_family(Family("qwen3_moe", ("qwen3_moe",), router="mlp.gate"))
+
+# More mixture-of-experts families: where each layer keeps its router. Everything else of theirs
+# (Qwen2-MoE's shared expert and its gate, GPT-OSS's attention sinks and its sliding and full
+# layers by config.layer_types) runs inside the HF layer modules.
+register_family(Family("mixtral", ("mixtral",), router="mlp.gate"))
+register_family(Family("qwen2_moe", ("qwen2_moe",), router="mlp.gate"))
+register_family(Family("gpt_oss", ("gpt_oss",), router="mlp.router"))
