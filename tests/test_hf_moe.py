@@ -95,12 +95,20 @@ def plain_loss_backward(plain, batch, microbatches):
     return loss.detach()
 
 
+# Each device pool with 1 and 4 microbatches, each padding side on both pools; without the
+# load-balancing term (the stages then carry no router sums) both pools, both counts, both sides.
+CASES = [
+    pytest.param(True, "cpu", 1, "right", id="router_logits-cpu-1-right"),
+    pytest.param(True, "cpu", 4, "left", id="router_logits-cpu-4-left"),
+    pytest.param(True, "emu:2", 1, "left", id="router_logits-emu:2-1-left"),
+    pytest.param(True, "emu:2", 4, "right", id="router_logits-emu:2-4-right"),
+    pytest.param(False, "cpu", 4, "left", id="no_router_logits-cpu-4-left"),
+    pytest.param(False, "emu:2", 1, "right", id="no_router_logits-emu:2-1-right"),
+]
+
+
 @pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("aux", [True, False], ids=["router_logits", "no_router_logits"])
-@pytest.mark.parametrize(
-    "devices,M,side",
-    [("cpu", 1, "right"), ("cpu", 4, "left"), ("emu:2", 1, "left"), ("emu:2", 4, "right")],
-)
+@pytest.mark.parametrize("aux,devices,M,side", CASES)
 def test_loss_and_every_gradient_equal_plain_transformers(family, aux, devices, M, side):
     wrapped, plain = twins(config(family, output_router_logits=aux))
     batch = padded_batch(side)
