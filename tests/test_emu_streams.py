@@ -258,3 +258,13 @@ def test_factories_that_fill_an_out_tensor_have_their_shape_on_the_device(make):
     on_device, on_host = make("emu:0"), make("cpu")
     assert on_device.shape == on_host.shape and on_device.device.type == "emu"
     assert torch.equal(on_device.cpu(), on_host)
+
+
+@pytest.mark.parametrize("data", [0.5, [1.0, 2.0], [[1, 2], [3, 4]]])
+def test_torch_tensor_of_host_data_lands_on_the_device(data):
+    # torch.tensor(data, device=...) copies the host data with the Python dispatch key excluded,
+    # through the backend's _copy_from, which the emulated device once lacked (transformers 4.x
+    # makes the fill value of its eager attention masks so).
+    on_device = torch.tensor(data, device="emu:1")
+    assert on_device.device == torch.device("emu:1")
+    assert torch.equal(on_device.cpu(), torch.tensor(data))

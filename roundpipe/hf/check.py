@@ -194,8 +194,8 @@ def check_stages(
         finally:
             capture.remove()
         report = _compare(
-            family, config, held, chosen, [kinds[i] for i in chosen], loss_chunk_tokens,
-            batch, capture, reference,
+            family, config, held, getattr(base, family.body), chosen,
+            [kinds[i] for i in chosen], loss_chunk_tokens, batch, capture, reference,
         )  # fmt: skip
     return dataclasses.replace(report, seconds=time.perf_counter() - start)
 
@@ -261,6 +261,7 @@ def _compare(
     family: Family,
     config: Any,
     held: nn.ModuleDict,
+    body: nn.Module,
     chosen: list[int],
     kinds: list[str],
     loss_chunk_tokens: int,
@@ -269,6 +270,7 @@ def _compare(
     reference: Any,
 ) -> CheckReport:
     parts = {
+        "body": body,  # the cut's: a body that builds its own mask builds the cut's
         "embed": held["embed"],
         "norm": held["norm"],
         "head": held["head"],
@@ -293,7 +295,13 @@ def _compare(
     for j, (layer, kind) in enumerate(zip(layers_of(held), kinds)):
         decoder = Decoder(layer, family, config, kind)
         hidden_in = x[0] if isinstance(x, tuple) else x
-        x = decoder(x, context)
+        try:
+            x = decoder(x, context)
+        except Exception as exc:  # where the model's own forward ran: the stage is wrong
+            raise WrapCheckError(
+                f"roundpipe.hf self-check: decoder layer {chosen[j]} ({kind}) raised where the "
+                f"model's own forward ran ({type(exc).__name__}: {exc}). {_REPORT}"
+            ) from exc
         hidden = x[0] if isinstance(x, tuple) else x
         if not _same(hidden, capture.outputs[j]):
             part = _layer_part(decoder, kind, context, capture.inputs[j][1], hidden_in)

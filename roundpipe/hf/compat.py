@@ -9,8 +9,15 @@ an interface keeps working. The differences met from 4.56 to 5.24:
   require ``cache_position`` until 5.2 (:func:`build_mask`);
 * the decoder layers take ``cache_position`` until 5.2 (never needed without a cache);
 * a mixture-of-experts block's router is a plain ``nn.Linear`` returning the logits (4.x) or a
-  router module returning ``(logits, scores, indices)`` (5.x), both at ``mlp.gate``
-  (:func:`router_logits`);
+  router module returning ``(logits, scores, indices)`` (5.x), both at ``mlp.gate``; GPT-OSS's
+  router returns ``(scores, indices)`` on 4.x, and transformers' load-balancing loss takes those
+  scores where 5.x takes the logits (:func:`router_logits`);
+* Mixtral's mixture-of-experts block is ``block_sparse_moe`` on 4.x and ``mlp`` on 5.x
+  (:func:`submodule`);
+* Qwen2-MoE on 4.x builds its attention mask itself (``_update_causal_mask``, one mask for every
+  layer) rather than with ``masking_utils``; the two differ for the padding queries of a
+  left-padded row, and the last of those predicts the first real token, a term of the loss
+  (:func:`own_mask_builder`);
 * gradient checkpointing is ``is_gradient_checkpointing`` / ``gradient_checkpointing_disable``,
   and from 5.24 ``is_activation_checkpointing`` / ``activation_checkpointing_disable`` (the old
   names warn there) (:func:`disable_checkpointing`);
@@ -28,6 +35,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import operator
 from collections.abc import Callable
 from typing import Any
 
@@ -38,6 +46,8 @@ __all__ = [
     "build_mask",
     "mask_builders",
     "router_logits",
+    "submodule",
+    "own_mask_builder",
     "disable_checkpointing",
     "position_embeddings",
     "layer_kwargs",
@@ -90,9 +100,45 @@ def build_mask(
 
 
 def router_logits(output: Any) -> torch.Tensor:
-    """The router logits from what a router module returned: the tensor itself (a linear
-    gate) or the first item (a router that also returns its top-k)."""
+    """What transformers' load-balancing loss takes as the router logits, from what a router
+    module returned: the tensor itself (a linear gate) or the first item (a router that also
+    returns its top-k; transformers records that item, GPT-OSS's top-k scores on 4.x)."""
     return output[0] if isinstance(output, tuple) else output
+
+
+# Submodules of a decoder layer that transformers renamed: the current name, then the older
+# ones a layer of an older version has instead.
+_RENAMED = {"mlp": ("block_sparse_moe",)}  # Mixtral's mixture-of-experts block, 4.x
+
+
+def submodule(layer: nn.Module, path: str) -> Any:
+    """The attribute at ``path`` (dotted) of ``layer``, or at the same path with its first name
+    replaced by the older name this version gives it; ``AttributeError`` if neither exists."""
+    try:
+        return operator.attrgetter(path)(layer)
+    except AttributeError:
+        first, dot, rest = path.partition(".")
+        for older in _RENAMED.get(first, ()):
+            if hasattr(layer, older):
+                return operator.attrgetter(older + dot + rest)(layer)
+        raise
+
+
+def own_mask_builder(body: nn.Module | None) -> Callable[[Any, torch.Tensor], Any] | None:
+    """``build(attention_mask, embeddings)``, the mask of every layer as the decoder ``body``
+    builds it itself (``_update_causal_mask``, without a cache), where it has such a method;
+    None where it leaves its masks to ``masking_utils`` (:func:`build_mask`)."""
+    method = getattr(body, "_update_causal_mask", None)
+    if method is None:
+        return None
+    names = _parameters(method.__func__)  # the function, not the bound method: no body cached
+
+    def build(attention_mask: Any, embeds: torch.Tensor) -> Any:
+        cache_position = torch.arange(embeds.shape[1], device=embeds.device)
+        kwargs = {"output_attentions": False} if "output_attentions" in names else {}
+        return method(attention_mask, embeds, cache_position, None, **kwargs)
+
+    return build
 
 
 def disable_checkpointing(model: nn.Module) -> None:

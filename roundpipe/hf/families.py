@@ -22,6 +22,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from roundpipe.hf import compat
+
 __all__ = [
     "Family",
     "register_family",
@@ -57,7 +59,8 @@ class Family:
         router: the attribute path, from a decoder layer, of its mixture-of-experts router
             (``mlp.gate``: a linear gate that returns the router logits, or a router module
             that returns them first), or None for a dense model. With it, the head adds the
-            load-balancing loss (see docs/hf.md).
+            load-balancing loss (see docs/hf.md). A layer without a module there is a dense
+            one (Qwen2-MoE's ``mlp_only_layers``); at least one layer must have it.
         rotary_local: the rotary embedding of the sliding-window layers, in ``body``, where a
             model keeps a second one (Gemma 3 on transformers 4.x); looked up only if present.
         embed_scale: ``embed_scale(config)``, what the model does to its token embeddings
@@ -109,6 +112,12 @@ class Family:
             ) from None
         local = self.rotary_local and getattr(found["body"], self.rotary_local, None)
         found["rotary_local"] = local or None
+        if self.router is not None and not any(map(self.router_of, found["layers"])):
+            layer = type(found["layers"][0]).__name__ if len(found["layers"]) else "no layer"
+            raise TypeError(
+                f"{layer} has no router module at {self.router!r} (family {self.name!r}); "
+                f"give the Family the path of the layer's router module (router=)"
+            )
         return found
 
     def unhandled_features(self, config: Any) -> list[str]:
@@ -121,16 +130,16 @@ class Family:
                 found.append(f"{name}={value!r}")
         return found
 
-    def router_of(self, layer: nn.Module) -> nn.Module:
-        """The router module of one decoder layer; raises ``TypeError`` naming the path."""
+    def router_of(self, layer: nn.Module) -> nn.Module | None:
+        """The router module of one decoder layer at :attr:`router` (under an older name where
+        this transformers has one, see :func:`roundpipe.hf.compat.submodule`), or None for a
+        dense layer (no module there)."""
         assert self.router is not None
         try:
-            return operator.attrgetter(self.router)(layer)
+            found = compat.submodule(layer, self.router)
         except AttributeError:
-            raise TypeError(
-                f"{type(layer).__name__} has no router at {self.router!r} (family "
-                f"{self.name!r}); give the Family the path of the layer's router module"
-            ) from None
+            return None
+        return found if isinstance(found, nn.Module) else None
 
 
 # Config attributes that change a model's arithmetic outside its decoder layers (where the
@@ -271,3 +280,10 @@ register_family(
     )
 )
 register_family(Family("cohere", ("cohere",), logits=cohere_logits, handles=("logit_scale",)))
+
+# More mixture-of-experts families: where each layer keeps its router. Everything else of theirs
+# (Qwen2-MoE's shared expert and its gate, GPT-OSS's attention sinks and its sliding and full
+# layers by config.layer_types) runs inside the HF layer modules.
+register_family(Family("mixtral", ("mixtral",), router="mlp.gate"))
+register_family(Family("qwen2_moe", ("qwen2_moe",), router="mlp.gate"))
+register_family(Family("gpt_oss", ("gpt_oss",), router="mlp.router"))

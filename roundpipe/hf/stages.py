@@ -20,7 +20,7 @@ from roundpipe.hf import compat
 from roundpipe.hf.families import Family
 from roundpipe.hf.loss import chunked_causal_lm_loss
 
-__all__ = ["Embed", "Decoder", "Head", "IGNORE_INDEX", "num_experts"]
+__all__ = ["Embed", "Decoder", "Head", "IGNORE_INDEX", "num_experts", "has_experts"]
 
 IGNORE_INDEX = -100
 
@@ -43,6 +43,9 @@ class Embed(nn.Module):
         self.kinds = sorted(set(kinds))  # the attention types the layers take masks for
         # What the model does to its token embeddings before the first layer (Gemma, Granite).
         self.transform = _embed_transform(family, config, self.embed_tokens)
+        # A body that builds its mask itself (Qwen2-MoE on 4.x) gives every layer that one; a
+        # plain callable, so the body's modules are not this stage's.
+        self.own_mask = compat.own_mask_builder(parts.get("body"))
 
     def forward(
         self,
@@ -58,12 +61,16 @@ class Embed(nn.Module):
             hidden = self.transform(hidden)
         if position_ids is None:  # as the HF decoder does without a cache
             position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
-        masks = {
-            kind: compat.build_mask(
-                builders[kind], self.config, hidden, attention_mask, position_ids
-            )
-            for kind in self.kinds
-        }
+        if self.own_mask is not None:
+            mask = self.own_mask(attention_mask, hidden)
+            masks = dict.fromkeys(self.kinds, mask)
+        else:
+            masks = {
+                kind: compat.build_mask(
+                    builders[kind], self.config, hidden, attention_mask, position_ids
+                )
+                for kind in self.kinds
+            }
         context: dict[str, Any] = {
             "attention_masks": masks,
             "position_ids": position_ids,
@@ -94,6 +101,11 @@ def _embed_transform(
 def _times_in_dtype(hidden: torch.Tensor, factor: float) -> torch.Tensor:
     # The factor rounded to the embeddings' dtype first, as Gemma multiplies.
     return hidden * torch.tensor(factor, dtype=hidden.dtype)
+
+
+def has_experts(config: Any) -> bool:
+    """Whether ``config`` is a mixture of experts (:func:`num_experts` would find some)."""
+    return bool(getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None))
 
 
 def num_experts(config: Any) -> int:
@@ -132,9 +144,10 @@ class _RouterTap:
 
 class Decoder(nn.Module):
     """One decoder layer, called with the microbatch's context. In a mixture-of-experts family
-    the hidden states travel with the running sums the load-balancing loss needs
-    (``(hidden, tokens_per_expert, router_prob, rows)``), so the head computes it for the
-    microbatch over every layer, as transformers does over the batch."""
+    whose head adds the load-balancing loss (``config.output_router_logits``), the hidden states
+    travel with the running sums that loss needs (``(hidden, tokens_per_expert, router_prob,
+    rows)``), so the head computes it for the microbatch over every layer, as transformers does
+    over the batch; a layer without a router (a dense one) passes them on."""
 
     takes_context = True
 
@@ -143,11 +156,15 @@ class Decoder(nn.Module):
         self.layer = layer
         self.kind = kind  # its attention type: which of the context's masks it takes
         self._tap: _RouterTap | None = None
-        if family.router is not None:
+        router = None
+        if family.router is not None and getattr(config, "output_router_logits", False):
+            router = family.router_of(layer)
+        if router is not None:
             self._tap = _RouterTap()
+            self._router_path = f"{family.router!r} (family {family.name!r})"
             self.num_experts = num_experts(config)
             self.top_k = int(config.num_experts_per_tok)
-            family.router_of(layer).register_forward_hook(self._tap)
+            router.register_forward_hook(self._tap)
 
     def forward(self, x: Any, context: dict[str, Any]) -> Any:
         sums = None
@@ -167,15 +184,35 @@ class Decoder(nn.Module):
         )
         hidden = out[0] if isinstance(out, tuple) else out
         if self._tap is None:
-            return hidden
-        return (hidden, *self._add_router_sums(sums, self._tap.take(), context["padding_mask"]))
+            return hidden if sums is None else (hidden, *sums)
+        logits = self._router_logits(self._tap.take(), x.shape[:-1].numel())
+        return (hidden, *self._add_router_sums(sums, logits, context["padding_mask"]))
+
+    def _router_logits(self, found: list[Any], tokens: int) -> torch.Tensor:
+        """The one call's router logits as ``(tokens, experts)``; ``ValueError`` naming the
+        router path where the module there is not called once per layer call or returns
+        something of another shape (it is not the router)."""
+        if len(found) != 1:
+            raise ValueError(
+                f"the router module at {self._router_path} ran {len(found)} times in one call "
+                f"of its decoder layer, not once: give the Family the path of the router "
+                f"(router=), the module that returns the router logits"
+            )
+        (logits,) = found
+        shape = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits)
+        if not isinstance(logits, torch.Tensor) or logits.numel() != tokens * self.num_experts:
+            raise ValueError(
+                f"the module at router path {self._router_path} returned {shape}, not router "
+                f"logits of {tokens} tokens x {self.num_experts} experts, which the "
+                f"load-balancing loss takes: give the Family the path of the router (router=)"
+            )
+        return logits.reshape(tokens, self.num_experts)
 
     def _add_router_sums(
-        self, sums: list[torch.Tensor] | None, logits: list[torch.Tensor], mask: Any
+        self, sums: list[torch.Tensor] | None, layer_logits: torch.Tensor, mask: Any
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Add one layer's expert counts, router probabilities and rows (padding excluded),
         as transformers' load_balancing_loss_func sums them layer by layer."""
-        (layer_logits,) = logits
         device = layer_logits.device
         if sums is None:
             zeros = torch.zeros(self.num_experts, dtype=torch.float32, device=device)

@@ -16,7 +16,7 @@ from roundpipe.hf.calls import causal_lm_loss, count_predicted, parse_batch, pos
 from roundpipe.hf.check import check_stages
 from roundpipe.hf.families import Family, family_of, layer_attention_types
 from roundpipe.hf.names import HFNames, export_state_dict
-from roundpipe.hf.stages import Decoder, Embed, Head
+from roundpipe.hf.stages import Decoder, Embed, Head, has_experts
 from roundpipe.main_thread import check_main_thread
 from roundpipe.runtime import RoundPipe, RoundPipeRunConfig
 from roundpipe.runtime.optimizer_ctx import in_optimizer_ctx
@@ -74,7 +74,7 @@ class HFRoundPipe(RoundPipe):
         # The stages' parameter names ("1.layer.self_attn.q_proj.weight") <-> the HF model's.
         self._names = HFNames(hf_model, stages)
         self._hf_names = self._names.hf_name
-        self._is_moe = int(getattr(self._config, "num_experts", 0) or 0) > 0
+        self._is_moe = has_experts(self._config)
         # Whether the head adds the load-balancing term (decided when the stages were built).
         self._router_aux = self._is_moe and bool(
             getattr(self._config, "output_router_logits", False)

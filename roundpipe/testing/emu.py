@@ -781,6 +781,13 @@ def _host_factory(overload: str) -> Any:
     return factory
 
 
+def _copy_from(src: torch.Tensor, dst: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
+    """``aten::_copy_from`` on the emulated device. ``torch.tensor(data, device="emu")`` copies
+    its host data with the Python dispatch key excluded, so the copy reaches the backend's kernel
+    rather than :meth:`EmuTensor.__torch_dispatch__`; it is handed to the same copy there."""
+    return EmuTensor.__torch_dispatch__(aten.copy_.default, (EmuTensor,), (dst, src, non_blocking))
+
+
 class _DeviceModule:
     """``torch.emu``: what ``torch.amp``, ``torch.utils.checkpoint``, ``torch.random.fork_rng``
     and ``torch.get_device_module`` look up. Random ops on emu tensors draw from the CPU
@@ -1015,6 +1022,7 @@ def install() -> None:
         aten_lib.impl("empty_strided", _empty_strided, "PrivateUse1")
         for overload in _RESIZING_FACTORIES:
             aten_lib.impl(overload, _host_factory(overload), "PrivateUse1")
+        aten_lib.impl("_copy_from", _copy_from, "PrivateUse1")
         aten_lib.impl("dropout", _dropout, "AutogradPrivateUse1")
         aten_lib.impl("scaled_dot_product_attention", _attention, "AutogradPrivateUse1")
         _install_autocast(aten_lib, any_lib)
