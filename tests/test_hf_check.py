@@ -127,3 +127,17 @@ def test_learned_positions_are_named_in_the_layout_error():
     family = Family("gpt2", ("gpt2",), body="transformer", embed="wte", layers="h", norm="ln_f")
     with pytest.raises(TypeError, match="learned positions"):
         roundpipe.hf.wrap(model, family=family, devices="cpu")
+
+
+def test_a_cut_of_dense_layers_takes_the_first_layer_with_a_router_too():
+    # Qwen2-MoE whose first two layers are dense (mlp_only_layers): the first two layers of
+    # their attention type have no router, so the load-balancing loss needs one more layer.
+    from test_hf_moe import config as moe_config
+
+    cfg = moe_config("qwen2_moe", mlp_only_layers=[0, 1], output_router_logits=True)
+    cfg.max_window_layers = 3  # one attention type, so the cut is layers 0 and 1 otherwise
+    model = build(cfg)
+    kinds = layer_attention_types(model.config)
+    report = check_stages(model, roundpipe.hf.family_of(model), kinds, 128)
+    assert report is not None and report.layers == (0, 1, 2)
+    assert report.loss == pytest.approx(report.reference_loss, rel=1e-6)

@@ -154,8 +154,13 @@ def check_stages(
             stacklevel=3,
         )
         return None
-    chosen = _cut_layers(kinds)
     layers = list(parts["layers"])
+    chosen = _cut_layers(kinds)
+    if family.router is not None and not any(family.router_of(layers[i]) for i in chosen):
+        # Dense layers first (Qwen2-MoE's mlp_only_layers): the cut takes the first layer with
+        # a router too, so the load-balancing loss has something to compare.
+        routed = [i for i, layer in enumerate(layers) if family.router_of(layer) is not None]
+        chosen = sorted(chosen + routed[:1])
     held = nn.ModuleDict(
         {
             "embed": parts["embed"],
