@@ -134,10 +134,12 @@ def test_a_cut_of_dense_layers_takes_the_first_layer_with_a_router_too():
     # their attention type have no router, so the load-balancing loss needs one more layer.
     from test_hf_moe import config as moe_config
 
-    cfg = moe_config("qwen2_moe", mlp_only_layers=[0, 1], output_router_logits=True)
-    cfg.max_window_layers = 3  # one attention type, so the cut is layers 0 and 1 otherwise
+    cfg = moe_config(
+        "qwen2_moe", mlp_only_layers=[0, 1], use_sliding_window=False, output_router_logits=True
+    )
     model = build(cfg)
     kinds = layer_attention_types(model.config)
+    assert set(kinds) == {"full_attention"}  # one type: the cut would be layers 0 and 1
     report = check_stages(model, roundpipe.hf.family_of(model), kinds, 128)
     assert report is not None and report.layers == (0, 1, 2)
     assert report.loss == pytest.approx(report.reference_loss, rel=1e-6)
