@@ -75,6 +75,20 @@ Clock host_seen;                                // what the host has waited for
 std::map<int64_t, Pending> pending;             // id -> copy; ids grow
 std::unordered_set<int64_t> finished;           // ids whose host side ran, until asked for
 int64_t next_pending = 1;
+// Whether Event.query() and Stream.query() answer as a GPU may: done only once the host has
+// waited for that work (see [Note: emulated event queries] in emu.py). Else they wait first.
+std::atomic<bool> honest_queries{false};
+// The streams autograd's engine handed gradients to (recordDataPtrOnStream).
+std::unordered_set<int64_t> autograd_recorded;
+
+// Whether the host knows every op in `clock` done (clock_mutex held).
+bool host_knows_locked(const Clock& clock) {
+  for (const auto& [key, count] : clock) {
+    auto known = host_seen.find(key);
+    if (count > 0 && (known == host_seen.end() || known->second < count)) return false;
+  }
+  return true;
+}
 
 // Run the host side of every pending copy the host now knows is done (clock_mutex held).
 // A download writes its data; an upload checks that the host left its source alone.
@@ -152,6 +166,11 @@ struct EmuGuard final : impl::DeviceGuardImplInterface {
           static_cast<EventState*>(event)->clock);
   }
   bool queryEvent(void* event) const override {
+    if (event == nullptr) return true;  // never recorded: complete, as on CUDA
+    if (honest_queries) {
+      std::lock_guard<std::mutex> lock(clock_mutex);
+      return host_knows_locked(static_cast<EventState*>(event)->clock);
+    }
     synchronizeEvent(event);  // done at once; whoever asks may then read the results
     return true;
   }
@@ -160,6 +179,13 @@ struct EmuGuard final : impl::DeviceGuardImplInterface {
     delete static_cast<EventState*>(event);
   }
   bool queryStream(const Stream& stream) const override {
+    if (honest_queries) {
+      std::lock_guard<std::mutex> lock(clock_mutex);
+      int64_t key = stream_key(indexed(stream.device()).index(), stream.id());
+      auto known = host_seen.find(key);
+      int64_t count = enqueued[key];
+      return count == 0 || (known != host_seen.end() && known->second >= count);
+    }
     synchronizeStream(stream);
     return true;
   }
@@ -183,6 +209,14 @@ struct EmuGuard final : impl::DeviceGuardImplInterface {
     settle_locked();
   }
   double elapsedTime(void*, void*, const DeviceIndex) const override { return 0.0; }
+  // torch's autograd engine records a gradient it hands from one stream to another on the
+  // consumer stream (record_stream_any_impl), through this. An emulated tensor's own storage
+  // is a placeholder without data, so the tensor cannot be named here: the stream is
+  // remembered instead (see [Note: emulated allocator reuse] in emu.py).
+  void recordDataPtrOnStream(const c10::DataPtr&, const Stream& stream) const override {
+    std::lock_guard<std::mutex> lock(clock_mutex);
+    autograd_recorded.insert(stream_key(indexed(stream.device()).index(), stream.id()));
+  }
 };
 C10_REGISTER_GUARD_IMPL(PrivateUse1, EmuGuard);
 
@@ -225,6 +259,21 @@ int64_t roundpipe_emu_known(int64_t device, int64_t stream, int64_t wdevice, int
   if (key == wkey) return enqueued[key];
   auto it = seen[key].find(wkey);
   return it == seen[key].end() ? 0 : it->second;
+}
+
+// How many ops of stream (device, stream) the host has waited for.
+int64_t roundpipe_emu_host_known(int64_t device, int64_t stream) {
+  std::lock_guard<std::mutex> lock(clock_mutex);
+  auto it = host_seen.find(stream_key(device, stream));
+  return it == host_seen.end() ? 0 : it->second;
+}
+
+void roundpipe_emu_set_honest_queries(int on) { honest_queries = on != 0; }
+
+// Whether autograd's engine recorded gradients it handed to this stream.
+int roundpipe_emu_autograd_recorded(int64_t device, int64_t stream) {
+  std::lock_guard<std::mutex> lock(clock_mutex);
+  return autograd_recorded.count(stream_key(device, stream)) > 0 ? 1 : 0;
 }
 
 // Each stream waits for the other (a copy between devices orders both current streams).
@@ -378,3 +427,4 @@ void roundpipe_emu_pinned_stats(int64_t* out, int reset) {
   out[3] = pinned_count;
 }
 }  // extern "C"
+

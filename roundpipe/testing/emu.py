@@ -49,7 +49,9 @@ import contextlib
 import ctypes
 import dataclasses
 import hashlib
+import itertools
 import os
+import sys
 import threading
 import weakref
 from collections.abc import Iterator
@@ -65,6 +67,10 @@ __all__ = [
     "EmuTensor",
     "Copy",
     "StreamOrderError",
+    "Rules",
+    "rules",
+    "set_rules",
+    "rules_set",
     "record_copies",
     "set_memory_capacity",
     "PinnedMemoryStats",
@@ -98,9 +104,7 @@ _CROSS_DEVICE_OK = frozenset(
         aten._index_put_impl_.default,
     }
 )
-# Ops that only concern streams or memory placement; nothing to compute on the host.
-_NO_OPS = frozenset({aten.record_stream.default})
-# Ops that autocast runs in the lower-precision dtype, as CUDA's autocast does.
+# Ops that the lenient autocast runs in the lower-precision dtype (see [Note: emulated autocast]).
 _AUTOCAST_LOWER = (
     "mm",
     "bmm",
@@ -174,8 +178,9 @@ def _log_copy(direction: str, host: torch.Tensor | None, emu: torch.Tensor) -> N
 # * Every op is enqueued on its device's current stream and counted there. The native guard
 #   keeps a vector clock per stream (how far each other stream is known done) that events carry
 #   (``record``), waits merge (``wait_event``/``wait_stream``) and host waits merge into the
-#   host's clock (``synchronize``, ``query``, a blocking copy to the host, ``.item()``). An op
-#   enqueued after a host wait may rely on what the host waited for.
+#   host's clock (``synchronize``, a blocking copy to the host, ``.item()``; ``query`` only
+#   reports, see [Note: emulated event queries]). An op enqueued after a host wait may rely on
+#   what the host waited for.
 # * Per device storage, the last write and the newest read per stream. An op that reads a
 #   storage last written on another stream, or writes one another stream wrote or read, without
 #   the clocks ordering the two, raises: on a GPU it would race.
@@ -184,8 +189,20 @@ def _log_copy(direction: str, host: torch.Tensor | None, emu: torch.Tensor) -> N
 #   for floats) until the host waits for the copy's stream or an event after it; host code that
 #   reads it sooner computes with NaN. A non-blocking upload from pinned memory remembers its
 #   source; if the host changed it by the time the host waits for the copy, the wait raises.
-# * Not modelled: the caching allocator's reuse of freed blocks across streams (so a missing
-#   ``record_stream`` goes unseen), and host-side races between host threads.
+# * Freed device memory goes back to the allocating stream's pool: see [Note: emulated allocator
+#   reuse]. Not modelled: host-side races between host threads (host threads count as one: a
+#   host wait on one thread orders later work that any thread enqueues).
+
+
+# [Note: emulated event queries]
+# On a GPU, Event.query() and Stream.query() answer False while the device has not reached the
+# event (the end of the stream), which code that must not wait (a monitor converting losses
+# that have arrived, HostCopy.ready) has to handle. Kernels here run at once, so "reached" is
+# defined by what the host has waited for: a query answers True only once a host wait
+# (synchronize of the event, its stream or its device, a blocking copy, .item()) covered the
+# event, and never waits itself. A device-side wait (Stream.wait_event) tells the host nothing.
+# An event never recorded is done, as on CUDA. With Rules.event_queries off, a query waits for
+# the event and answers True (the lenient behaviour the emulated device had first).
 
 
 # [Note: emulated device memory]
@@ -249,7 +266,9 @@ def _give_back(key: int, index: int, nbytes: int) -> None:
     with _memory_lock:
         _allocated_bytes[index] -= nbytes
         _live_storages.pop(key, None)
-    _accesses.pop(key, None)  # its stream order ends with it (one dict op: no lock needed)
+    access = _accesses.pop(key, None)  # its stream order ends with it (one dict op: no lock)
+    if access is not None and access.foreign and _rules.allocator_reuse:
+        _note_freed(access, index, nbytes)
 
 
 def _index_of(device: Any) -> int:
@@ -263,6 +282,74 @@ def _index_of(device: Any) -> int:
 class StreamOrderError(RuntimeError):
     """Two accesses to one emulated device's memory that no stream order, event or host wait
     puts in order: on a GPU they would race."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Rules:
+    """Which of CUDA's stricter behaviours the emulated device imitates; all on by default (the
+    test suite runs with every one), each switchable (:func:`set_rules`, :func:`rules_set`, or
+    ``ROUNDPIPE_EMU_LENIENT=name,name`` at install) to see whether a failure comes from it.
+
+    ``allocator_reuse``: freed device memory goes back to the pool of the stream that allocated
+    it, and an allocation on that stream raises :class:`StreamOrderError` if another stream may
+    still use that memory (no ``record_stream``, no event or host wait); see [Note: emulated
+    allocator reuse]. ``cuda_attention``: ``scaled_dot_product_attention`` runs the math path
+    (and holds its scores) where CUDA would (:func:`roundpipe.testing.cuda_attention.
+    cuda_sdpa_backend`); see [Note: emulated attention]. ``cuda_autocast``: ``torch.autocast
+    ("emu")`` applies CUDA's cast policy, its fp32 and promote lists too; see [Note: emulated
+    autocast]. ``event_queries``: ``Event.query()`` and ``Stream.query()`` say done only once
+    the host has waited for that work; see [Note: emulated event queries]."""
+
+    allocator_reuse: bool = True
+    cuda_attention: bool = True
+    cuda_autocast: bool = True
+    event_queries: bool = True
+
+
+_rules = Rules()
+
+
+def rules() -> Rules:
+    """The rules in force. Any thread."""
+    return _rules
+
+
+def set_rules(**changes: bool) -> Rules:
+    """Switch rules by name (``set_rules(allocator_reuse=False)``); returns the previous
+    :class:`Rules`, which ``set_rules(**dataclasses.asdict(previous))`` restores. Any thread,
+    between steps: a rule switched while another thread runs ops on the device applies from
+    that thread's next op on. ``cuda_autocast`` and ``event_queries`` need :func:`install`."""
+    global _rules
+    unknown = sorted(set(changes) - {f.name for f in dataclasses.fields(Rules)})
+    if unknown:
+        raise ValueError(
+            f"unknown emulated-device rule(s) {unknown}; the rules are "
+            f"{[f.name for f in dataclasses.fields(Rules)]}"
+        )
+    with _INSTALL_LOCK:
+        previous = _rules
+        new = dataclasses.replace(previous, **{k: bool(v) for k, v in changes.items()})
+        if _installed:
+            _apply_native_rules(new)
+        _rules = new
+    return previous
+
+
+@contextlib.contextmanager
+def rules_set(**changes: bool) -> Iterator[Rules]:
+    """Switch rules for the block (see :func:`set_rules`), then restore them; yields the rules
+    in force inside. For tests."""
+    previous = set_rules(**changes)
+    try:
+        yield _rules
+    finally:
+        set_rules(**dataclasses.asdict(previous))
+
+
+def _apply_native_rules(new: Rules) -> None:
+    """The rules the native libraries carry (the caller holds _INSTALL_LOCK, after install)."""
+    _native.roundpipe_emu_set_honest_queries(int(new.event_queries))
+    _set_cuda_autocast(new.cuda_autocast)
 
 
 # [Note: emulated pinned memory]
@@ -332,15 +419,161 @@ _writes_cache: dict[Any, tuple[tuple[int, ...], tuple[str, ...]]] = {}
 
 
 class _Access:
-    """The stream order of one device storage: its last write and newest read per stream."""
+    """The stream order of one device storage: its last write and newest read per stream, and
+    for the allocator (see [Note: emulated allocator reuse]) the stream that allocated it, the
+    other streams that used it since and those ``record_stream`` named."""
 
-    __slots__ = ("writer", "written", "wrote", "reads")
+    __slots__ = ("writer", "written", "wrote", "reads", "made_on", "made_by", "foreign", "recorded")
 
     def __init__(self, writer: tuple[int, int] | None, written: int, wrote: Any) -> None:
         self.writer = writer  # (device, stream) or None (written before anything was tracked)
         self.written = written
         self.wrote = wrote  # the op that wrote it, for the error message
         self.reads: dict[tuple[int, int], tuple[int, Any]] = {}  # stream -> (count, op)
+        self.made_on: tuple[int, int] | None = None  # the allocating stream (None: untracked)
+        self.made_by: tuple[Any, Any, str] | None = None  # (op, call site, thread)
+        # Other streams that used it: stream -> (its newest use's count, op).
+        self.foreign: dict[tuple[int, int], tuple[int, Any]] = {}
+        self.recorded: set[tuple[int, int]] = set()  # streams given to record_stream
+
+
+# [Note: emulated allocator reuse]
+# CUDA's caching allocator gives every block to the stream current when it was allocated, and a
+# freed block goes straight back to that stream's pool (small blocks, up to 1 MiB, and large
+# ones are pooled apart), to be handed to the next allocation on that stream: safe for that
+# stream's own work, which runs in order, but not for another stream that used the tensor,
+# unless ``t.record_stream(other)`` told the allocator (then it waits for an event on the other
+# stream before reusing the block). So a tensor made on stream A and read on stream B, dropped
+# on the host while B's read may still be pending, can be overwritten by A's next allocation.
+#
+# The emulated device keeps, per device storage, the stream that allocated it (the op's current
+# stream on the storage's device), every other stream that used it (its newest use there), and
+# the streams record_stream named. When the storage is freed, each other stream's use that is
+# neither recorded nor ordered before the free (the allocating stream or the host waited for
+# it) leaves a hazard in the pool of (device, allocating stream, small/large); the next
+# allocation from that pool whose stream still does not know that use done raises
+# StreamOrderError naming both streams and where the tensor was made. Any allocation from the
+# pool counts, whatever its size: freed blocks coalesce with their free neighbours, so a
+# larger request can land on the same bytes. A use ordered by the time of that allocation
+# (the allocating stream waited for an event after it, or the host for the stream) is safe, as
+# on a GPU. Rules.allocator_reuse switches it.
+#
+# torch's autograd engine records on the consumer stream every gradient it hands from one stream
+# to another (its record_stream_any_impl), through the device guard, which gets the storage of
+# the emulated tensor's wrapper (a placeholder without data) and so cannot name the tensor. The
+# guard remembers the streams the engine handed gradients to, and a use on such a stream by an
+# op the engine runs (a backward) counts as recorded. So a tensor saved in the forward on
+# another stream and read by the backward on such a stream goes unseen (its forward use still
+# counts).
+_SMALL_BLOCK = 1 << 20  # CUDA's small pool: requests up to 1 MiB, rounded to 512 bytes
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
+_THIS_FILE = os.path.abspath(__file__)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Hazard:
+    """Freed memory in a stream's pool that other streams may still use."""
+
+    pool: tuple[int, int, bool]  # (device, allocating stream, small pool)
+    uses: tuple[tuple[tuple[int, int], int, Any], ...]  # (stream, count, op) not ordered yet
+    made_by: tuple[Any, Any, str] | None
+    nbytes: int
+
+
+_hazards: dict[int, _Hazard] = {}  # written by finalizers (one dict op each), no lock
+_hazard_ids = itertools.count()
+_hazard_lock = threading.Lock()  # the checkers' (never taken by a finalizer)
+
+
+def _small_pool(nbytes: int) -> bool:
+    return nbytes <= _SMALL_BLOCK
+
+
+def _call_site() -> Any:
+    """The innermost caller outside torch and this module, as (code, line), or None (an op
+    autograd's engine ran). Cheap: the message formats it only if it is ever shown."""
+    frame: Any = sys._getframe(2)
+    while frame is not None:
+        code = frame.f_code
+        if not code.co_filename.startswith(_TORCH_DIR) and code.co_filename != _THIS_FILE:
+            return code, frame.f_lineno
+        frame = frame.f_back
+    return None
+
+
+def _describe_made(made_by: tuple[Any, Any, str] | None) -> str:
+    if made_by is None:
+        return "before the emulated device tracked it"
+    op, site, thread = made_by
+    where = (
+        f"at {site[0].co_filename}:{site[1]} in {site[0].co_name}"
+        if site is not None
+        else "in a backward autograd's engine ran, no Python caller"
+    )
+    return f"by {op} {where}, thread {thread!r}"
+
+
+def _recorded_by_autograd(stream: tuple[int, int]) -> bool:
+    """Whether an op that autograd's engine runs on ``stream`` reads gradients the engine
+    recorded there (see [Note: emulated allocator reuse])."""
+    return torch._C._current_graph_task_id() != -1 and bool(
+        _native.roundpipe_emu_autograd_recorded(stream[0], stream[1])
+    )
+
+
+def _record_stream(t: Any, stream: torch.Stream) -> None:
+    """``t.record_stream(stream)``: the allocator will not reuse ``t``'s memory before the work
+    ``stream`` has at the free is done."""
+    if isinstance(t, EmuTensor) and t.numel() > 0:
+        access = _accesses.get(_storage_key(t._elem))
+        if access is not None:
+            access.recorded.add((stream.device_index, stream.stream_id))
+
+
+def _note_freed(access: _Access, index: int, nbytes: int) -> None:
+    """A device storage is freed (a finalizer, any thread): leave a hazard in its allocating
+    stream's pool for each other stream's use that nothing recorded or ordered yet."""
+    made_on = access.made_on
+    if made_on is None or _native is None:
+        return
+    uses = tuple(
+        (other, count, op)
+        for other, (count, op) in access.foreign.items()
+        if other not in access.recorded
+        and _known(made_on, other) < count
+        and _native.roundpipe_emu_host_known(other[0], other[1]) < count
+    )
+    if uses:
+        hazard = _Hazard((index, made_on[1], _small_pool(nbytes)), uses, access.made_by, nbytes)
+        _hazards[next(_hazard_ids)] = hazard
+
+
+def _check_reuse(op: Any, stream: tuple[int, int], nbytes: int) -> None:
+    """An allocation of ``nbytes`` on ``stream``: raise if the pool it draws from holds freed
+    memory another stream may still use (see [Note: emulated allocator reuse])."""
+    pool = (stream[0], stream[1], _small_pool(nbytes))
+    with _hazard_lock:
+        for ident, hazard in list(_hazards.items()):
+            if hazard.pool != pool:
+                continue
+            del _hazards[ident]
+            pending = [u for u in hazard.uses if _known(stream, u[0]) < u[1]]
+            if not pending:
+                continue
+            (other, _, use), device = pending[0], stream[0]
+            raise StreamOrderError(
+                f"caching allocator reuse on {NAME}:{device}: {op} allocates {nbytes} bytes on "
+                f"stream {stream[1]}, from its pool of {'small' if pool[2] else 'large'} blocks, "
+                f"where a tensor of {hazard.nbytes} bytes made on stream {stream[1]} "
+                f"({_describe_made(hazard.made_by)}) was freed while stream {other[1]} of "
+                f"{NAME}:{other[0]} may still be using it ({use} there). On a GPU the allocator "
+                f"can hand that memory to this allocation, whose writes then race with stream "
+                f"{other[1]}. Call t.record_stream(stream) for stream {other[1]} where it starts "
+                f"using the tensor (the allocator then waits for that stream's work before "
+                f"reusing the memory), or order that use before the free: stream {stream[1]} "
+                f"waits for an event recorded on stream {other[1]} after the use, or the host "
+                f"waits for it"
+            )
 
 
 _accesses: dict[int, _Access] = {}  # storage data pointer -> its order
@@ -414,6 +647,12 @@ def _enqueue(
             access = _accesses.get(key)
             if access is None:
                 access = _accesses[key] = _Access(None, 0, None)
+            if (
+                access.made_on is not None
+                and access.made_on != stream
+                and not _recorded_by_autograd(stream)
+            ):
+                access.foreign[stream] = (count, func)
             writer = access.writer
             if writer is not None and writer != stream and _known(stream, writer) < access.written:
                 raise _race(func, stream, writer, "uses memory written", access.wrote)
@@ -438,25 +677,44 @@ def _record_outputs(
     index: int,
 ) -> None:
     """An op's outputs in fresh device memory were written by it, on its stream, and take
-    device memory on ``index``."""
+    device memory on ``index``, allocated on that device's current stream (a copy from another
+    device runs on the source's stream)."""
+    made_on: tuple[int, int] | None = None
     for t in outputs:
         if isinstance(t, torch.Tensor) and t.numel() > 0:
             key = _storage_key(t)
             if key in touched or any(leaf is t for leaf in leaves):
                 continue
             _charge(t, index)
-            _accesses[key] = _Access(stream, count, func)
+            access = _accesses[key] = _Access(stream, count, func)
+            if made_on is None:
+                made_on = stream if stream[0] == index else _current(index)
+            _track_allocation(access, func, made_on, t.untyped_storage().nbytes())
+            if made_on != stream:
+                access.foreign[stream] = (count, func)
 
 
-def _allocated(t: torch.Tensor, index: int) -> None:
-    """Fresh device memory: charged, and what a previous storage at its address saw no longer
-    applies."""
+def _track_allocation(access: _Access, op: Any, made_on: tuple[int, int], nbytes: int) -> None:
+    """A new device storage, allocated on ``made_on``: check the pool it comes from and start
+    its allocator record (see [Note: emulated allocator reuse])."""
+    if not _rules.allocator_reuse:
+        return
+    if _hazards:
+        _check_reuse(op, made_on, nbytes)
+    access.made_on = made_on
+    access.made_by = (op, _call_site(), threading.current_thread().name)
+
+
+def _allocated(t: torch.Tensor, index: int, op: Any) -> None:
+    """Fresh device memory, made by ``op``: charged, and what a previous storage at its
+    address saw no longer applies."""
     _charge(t, index)
     if _native is not None and t.numel() > 0:
         stream = _current(index)
         with _order_lock:
             count = _native.roundpipe_emu_enqueue(stream[0], stream[1])
-            _accesses[_storage_key(t)] = _Access(stream, count, "an allocation")
+        access = _accesses[_storage_key(t)] = _Access(stream, count, op)
+        _track_allocation(access, op, stream, t.untyped_storage().nbytes())
 
 
 def _keep_until_settled(
@@ -605,7 +863,8 @@ class EmuTensor(torch.Tensor):
         kwargs: Any = None,
     ) -> Any:
         kwargs = kwargs or {}
-        if func in _NO_OPS:
+        if func is aten.record_stream.default:  # nothing to compute: the allocator's business
+            _record_stream(args[0], args[1])
             return None
         leaves = pytree.tree_leaves((args, kwargs))
         index = _check_devices(func, leaves)
@@ -747,7 +1006,7 @@ def _empty(size: Any, **kwargs: Any) -> EmuTensor:
     index = _device_index(kwargs)
     kwargs.update(device="cpu", pin_memory=False)
     elem = aten.empty.memory_format(size, **kwargs)
-    _allocated(elem, index)
+    _allocated(elem, index, aten.empty.memory_format)
     return EmuTensor(elem, index)
 
 
@@ -756,7 +1015,7 @@ def _empty_strided(size: Any, stride: Any, **kwargs: Any) -> EmuTensor:
     index = _device_index(kwargs)
     kwargs.update(device="cpu", pin_memory=False)
     elem = aten.empty_strided(size, stride, **kwargs)
-    _allocated(elem, index)
+    _allocated(elem, index, aten.empty_strided.default)
     return EmuTensor(elem, index)
 
 
@@ -774,7 +1033,7 @@ def _host_factory(overload: str) -> Any:
         index = _device_index(kwargs)
         kwargs.update(device="cpu", pin_memory=False)
         elem = op(*args, **kwargs)
-        _allocated(elem, index)
+        _allocated(elem, index, op)
         return EmuTensor(elem, index)
 
     factory.__name__ = f"_{overload.replace('.', '_')}"
@@ -882,10 +1141,44 @@ class _DeviceModule:
         return max(total - _allocated_bytes[_index_of(device)], 0), total
 
 
-def _install_autocast(aten_lib: torch.library.Library, any_lib: torch.library.Library) -> None:
-    """``torch.autocast("emu")``: matmul-like ops cast their floating inputs to the autocast
-    dtype; every other op passes through untouched."""
-    any_lib.fallback(torch.library.fallthrough_kernel, dispatch_key="AutocastPrivateUse1")
+# [Note: emulated autocast]
+# torch.autocast("emu") runs CUDA's cast policy (Rules.cuda_autocast): the op lists torch
+# registers for AutocastCUDA, which ATen/autocast_mode.h keeps for other backends to share,
+# registered for the emulated device by a small C++ library (_emu_autocast.cpp) with torch's own
+# wrappers. So matmul-like ops run in the autocast dtype; softmax, log_softmax, layer_norm,
+# rms_norm, sum, pow, exp, the losses (nll_loss, mse_loss, ...) and the norms run in fp32;
+# addcmul, dot, index_put, scatter_add and the like promote mixed inputs to the widest dtype;
+# binary_cross_entropy is refused; fp32 leaf weights' casts are cached for the autocast region,
+# as on CUDA. Only device tensors are cast (a host tensor in the call is left alone, as CUDA's
+# policy leaves it). Switched off, only the matmul-like ops (_AUTOCAST_LOWER) are lowered, by a
+# Python kernel: the lenient policy the emulated device had first.
+_autocast_native: Any = None  # the autocast library, through ctypes (set by install)
+_lenient_autocast: torch.library.Library | None = None
+
+
+def _set_cuda_autocast(on: bool) -> None:
+    """Register CUDA's autocast policy, or the lenient one, for the emulated device (the caller
+    holds _INSTALL_LOCK)."""
+    global _lenient_autocast
+    if on:
+        if _lenient_autocast is not None:
+            _lenient_autocast._destroy()
+            _lenient_autocast = None
+        if _autocast_native.roundpipe_emu_cuda_autocast(1):
+            raise RuntimeError(
+                "could not register CUDA's autocast policy for the emulated device: "
+                + _autocast_native.roundpipe_emu_autocast_error().decode()
+            )
+        return
+    _autocast_native.roundpipe_emu_cuda_autocast(0)
+    if _lenient_autocast is None:
+        _lenient_autocast = torch.library.Library("aten", "IMPL")
+        _lower_matmuls(_lenient_autocast)
+
+
+def _lower_matmuls(aten_lib: torch.library.Library) -> None:
+    """The lenient ``torch.autocast("emu")``: matmul-like ops cast their floating inputs to the
+    autocast dtype; every other op passes through untouched."""
     excluded = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastPrivateUse1)  # type: ignore[attr-defined]
     for name in _AUTOCAST_LOWER:
         packet = getattr(aten, name, None)
@@ -975,7 +1268,7 @@ def install() -> None:
     """Register the ``emu`` device in this process (idempotent; any thread). Builds the C++
     guard on first use (a few seconds, cached under torch's extension directory, which needs a
     C++ compiler and ninja). Must run before the process's first ``backward()``."""
-    global _installed, _late_error
+    global _installed, _late_error, _rules
     with _INSTALL_LOCK:
         if _late_error is not None:
             raise RuntimeError(str(_late_error))
@@ -988,17 +1281,28 @@ def install() -> None:
             )
         from torch.utils import cpp_extension
 
-        source = os.path.join(_HERE, "_emu_guard.cpp")
-        with open(source, "rb") as f:
-            # Named by its source, so checkouts with different guards share torch's build cache.
-            digest = hashlib.sha256(f.read()).hexdigest()[:16]
-        path = cpp_extension.load(
-            name=f"roundpipe_emu_guard_{digest}",
-            sources=[source],
-            is_python_module=False,
-            verbose=False,
-        )
-        _bind_native(path)
+        def build(name: str) -> str:
+            source = os.path.join(_HERE, f"_{name}.cpp")
+            with open(source, "rb") as f:
+                # Named by its source, so checkouts with different sources share torch's cache.
+                digest = hashlib.sha256(f.read()).hexdigest()[:16]
+            return cpp_extension.load(
+                name=f"roundpipe_{name}_{digest}",
+                sources=[source],
+                is_python_module=False,
+                verbose=False,
+            )
+
+        _bind_native(build("emu_guard"), build("emu_autocast"))
+        lenient = os.environ.get("ROUNDPIPE_EMU_LENIENT", "")
+        names = [n.strip() for n in lenient.split(",") if n.strip()]
+        try:
+            _rules = dataclasses.replace(_rules, **dict.fromkeys(names, False))
+        except TypeError:
+            raise ValueError(
+                f"ROUNDPIPE_EMU_LENIENT={lenient!r} names an unknown rule; the rules are "
+                f"{[f.name for f in dataclasses.fields(Rules)]}"
+            ) from None
         # The pinned allocator rounds as CUDA's would under the same allocator config.
         from roundpipe.host_memory import cuda_pinned_round_limit
 
@@ -1017,8 +1321,10 @@ def install() -> None:
             aten_lib.impl(overload, _host_factory(overload), "PrivateUse1")
         aten_lib.impl("dropout", _dropout, "AutogradPrivateUse1")
         aten_lib.impl("scaled_dot_product_attention", _attention, "AutogradPrivateUse1")
-        _install_autocast(aten_lib, any_lib)
+        # Ops on neither autocast list pass through; the lists are the rule's (_set_cuda_autocast).
+        any_lib.fallback(torch.library.fallthrough_kernel, dispatch_key="AutocastPrivateUse1")
         _libraries.extend((aten_lib, any_lib))
+        _apply_native_rules(_rules)
         _installed = True
         try:
             _check_backward_threads()
@@ -1027,15 +1333,25 @@ def install() -> None:
             raise
 
 
-def _bind_native(path: str) -> None:
-    """The guard's C functions that the dispatcher calls (see [Note: emulated streams])."""
-    global _native
+def _bind_native(path: str, autocast_path: str) -> None:
+    """The guard's C functions that the dispatcher calls (see [Note: emulated streams]), and the
+    autocast library's (see [Note: emulated autocast])."""
+    global _native, _autocast_native
+    autocast = ctypes.CDLL(autocast_path)
+    autocast.roundpipe_emu_cuda_autocast.restype = ctypes.c_int
+    autocast.roundpipe_emu_cuda_autocast.argtypes = [ctypes.c_int]
+    autocast.roundpipe_emu_autocast_error.restype = ctypes.c_char_p
+    autocast.roundpipe_emu_autocast_error.argtypes = []
+    _autocast_native = autocast
     lib = ctypes.CDLL(path)
     i64, vp = ctypes.c_int64, ctypes.c_void_p
     for name, restype, argtypes in (
         ("roundpipe_emu_current_stream", i64, [i64]),
         ("roundpipe_emu_enqueue", i64, [i64, i64]),
         ("roundpipe_emu_known", i64, [i64, i64, i64, i64]),
+        ("roundpipe_emu_host_known", i64, [i64, i64]),
+        ("roundpipe_emu_set_honest_queries", None, [ctypes.c_int]),
+        ("roundpipe_emu_autograd_recorded", ctypes.c_int, [i64, i64]),
         ("roundpipe_emu_join", None, [i64, i64, i64, i64]),
         ("roundpipe_emu_host_waits", ctypes.c_int, [i64, i64]),
         ("roundpipe_emu_pending", i64, [ctypes.c_int, vp, vp, i64, i64, i64, i64]),
