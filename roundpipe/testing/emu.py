@@ -60,6 +60,9 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import is_fake
+from torch.nn.attention import SDPBackend
+
+from roundpipe.testing.cuda_attention import cuda_sdpa_backend
 
 __all__ = [
     "NAME",
@@ -1214,6 +1217,17 @@ def _dropout(input: torch.Tensor, p: float, train: bool) -> torch.Tensor:
     return input * noise
 
 
+# [Note: emulated attention]
+# torch decomposes scaled_dot_product_attention into its math path for any PrivateUse1 device,
+# which holds the (query x key) scores that a GPU's fused kernels never allocate. The emulated
+# device instead computes what the CPU computes, with the CPU's fused (flash) kernel where the
+# CPU takes it (no scores), else the math composite. Under Rules.cuda_attention it also takes
+# the math path wherever CUDA would (roundpipe.testing.cuda_attention, [Note: CUDA's attention
+# backends]: a mask with a head dim that is no multiple of 8 in fp16, 3-D inputs, fp64, ...),
+# so device memory holds the scores exactly where a GPU's does; the results then are the math
+# path's, which may differ from the CPU's fused kernel in the last bits. Where CUDA would fuse
+# but the CPU would not (dropout: the CPU's fused kernel draws no dropout), the math path runs
+# and its scores are counted, more than a GPU holds.
 def _attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -1224,15 +1238,12 @@ def _attention(
     scale: float | None = None,
     enable_gqa: bool = False,
 ) -> torch.Tensor:
-    """``aten::scaled_dot_product_attention`` on emu tensors, with the kernel torch picks for CPU
-    tensors: its fused (flash) CPU kernel where the CPU would take it, which never holds the
-    (query x key) scores, else the math composite. Without this, torch decomposes the call into
-    the math path for any PrivateUse1 device, and the emulated device would count a scores
-    matrix that an accelerator's fused kernels never allocate."""
-    if is_fake(query):  # a memory trace: the CPU's choice for these shapes without dropout
-        fused = dropout_p == 0.0
-    else:
-        fused = (
+    """``aten::scaled_dot_product_attention`` on emu tensors (see [Note: emulated attention]):
+    the math path where CUDA would take it, else the CPU's fused kernel where the CPU takes it,
+    which never holds the (query x key) scores."""
+    cpu_fused = dropout_p == 0.0  # a memory trace (fake tensors): the CPU's choice, roughly
+    if not is_fake(query):
+        cpu_fused = (
             torch.ops.aten._fused_sdp_choice(
                 query,
                 key,
@@ -1243,8 +1254,21 @@ def _attention(
                 scale=scale,
                 enable_gqa=enable_gqa,
             )
-            == torch.nn.attention.SDPBackend.FLASH_ATTENTION.value
+            == SDPBackend.FLASH_ATTENTION.value
         )
+    fused = cpu_fused
+    if _rules.cuda_attention:
+        backend = cuda_sdpa_backend(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa)
+        if backend == SDPBackend.ERROR:
+            raise RuntimeError(
+                "scaled_dot_product_attention: no kernel CUDA would run takes these inputs "
+                f"(query {tuple(query.shape)} {query.dtype}, attn_mask "
+                f"{'none' if attn_mask is None else tuple(attn_mask.shape)}), and the math path "
+                "is switched off (torch.nn.attention.sdpa_kernel or torch.backends.cuda); allow "
+                "SDPBackend.MATH, or see roundpipe.testing.cuda_attention for what the fused "
+                "kernels take"
+            )
+        fused = cpu_fused and backend != SDPBackend.MATH
     if not fused:
         return torch.ops.aten._scaled_dot_product_attention_math(
             query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa
