@@ -268,6 +268,12 @@ int64_t roundpipe_emu_host_known(int64_t device, int64_t stream) {
   return it == host_seen.end() ? 0 : it->second;
 }
 
+// How many ops have been enqueued on stream (device, stream).
+int64_t roundpipe_emu_enqueued(int64_t device, int64_t stream) {
+  std::lock_guard<std::mutex> lock(clock_mutex);
+  return enqueued[stream_key(device, stream)];
+}
+
 void roundpipe_emu_set_honest_queries(int on) { honest_queries = on != 0; }
 
 // Whether autograd's engine recorded gradients it handed to this stream.

@@ -45,6 +45,7 @@ conftest does so at start. It is test infrastructure, not a backend to train on.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import ctypes
 import dataclasses
@@ -62,6 +63,7 @@ import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import is_fake
 from torch.nn.attention import SDPBackend
 
+from roundpipe.testing.caching_allocator import Block, DeviceAllocator, NoRoom
 from roundpipe.testing.cuda_attention import cuda_sdpa_backend
 
 __all__ = [
@@ -76,6 +78,10 @@ __all__ = [
     "rules_set",
     "record_copies",
     "set_memory_capacity",
+    "GpuOverheads",
+    "HOPPER_CUBLAS_WORKSPACE",
+    "set_gpu_overheads",
+    "overheads_held",
     "PinnedMemoryStats",
     "pinned_memory_stats",
     "pinned_round_limit",
@@ -212,22 +218,95 @@ def _log_copy(direction: str, host: torch.Tensor | None, emu: torch.Tensor) -> N
 # Device memory is counted per device: every storage an op or an allocation makes on the device
 # is charged when it is made and given back when torch frees it (a finalizer on the storage,
 # which torch keeps as one Python object for its whole life), so ``torch.emu.memory_allocated``
-# and ``max_memory_allocated`` are exact, as CUDA's are for its caching allocator's live blocks.
+# and ``max_memory_allocated`` are exact, as CUDA's are for its caching allocator's live blocks
+# (which CUDA rounds to 512 bytes; the emulated counter does not).
+#
+# What a GPU reserves for them is modelled too (Rules.reserved_memory; see [Note: the caching
+# allocator's reserve] in roundpipe.testing.caching_allocator): each storage takes a block of a
+# segment of its allocating stream's pool, so ``memory_reserved``/``max_memory_reserved`` hold
+# the segments, ``empty_cache`` gives the free ones back, and ``mem_get_info`` reports
+# ``capacity - reserved - overheads``, the overheads being the ones set_gpu_overheads gives:
+# the CUDA context and a cuBLAS workspace per stream that ran a matmul (none by default).
+#
 # With a capacity (set_memory_capacity, or ROUNDPIPE_EMU_MEMORY=bytes before install), a
-# storage that would not fit raises torch.OutOfMemoryError as CUDA's allocator does, and
-# ``mem_get_info`` reports what is left; without one, the capacity is the host's memory.
+# storage that would not fit raises torch.OutOfMemoryError as CUDA's allocator does: by default
+# when the live storages would exceed it (the emulated device then fits what a GPU's rounding,
+# segments and overheads would not); with ``counts_reserved=True`` when a new segment would not
+# fit beside the reserved ones and the overheads, after the cached segments went back, as on a
+# GPU. Without one, the capacity is the host's memory.
 
 _memory_lock = threading.RLock()  # finalizers may run on any thread, inside a charge
 _allocated_bytes = [0] * DEVICE_COUNT
 _peak_bytes = [0] * DEVICE_COUNT
 _live_storages: dict[int, int] = {}  # storage data pointer -> its bytes
 _capacity: int | None = None
+_capacity_counts_reserved = False
+_allocators = [DeviceAllocator() for _ in range(DEVICE_COUNT)]
+# Blocks whose storages were freed, for the allocators (finalizers append, one deque op each;
+# a charge or a query settles them under _memory_lock): (device, block, what it waits for).
+_freed_blocks: collections.deque[tuple[int, Block, tuple]] = collections.deque()
+_matmul_streams: list[set[int]] = [set() for _ in range(DEVICE_COUNT)]
+# Ops whose CUDA kernels come from cuBLAS, which keeps a workspace per stream that runs one.
+_CUBLAS_OPS = frozenset(
+    {
+        aten.mm.default,
+        aten.addmm.default,
+        aten._addmm_activation.default,
+        aten.bmm.default,
+        aten.baddbmm.default,
+        aten.addbmm.default,
+        aten.mv.default,
+        aten.addmv.default,
+    }
+)
+
+# What a GPU holds outside torch's counters (see set_gpu_overheads); measured on an H200.
+HOPPER_CUBLAS_WORKSPACE = 32 << 20  # per stream that ran a matmul
 
 
-def set_memory_capacity(nbytes: int | None) -> int | None:
+@dataclasses.dataclass(frozen=True)
+class GpuOverheads:
+    """Device memory a GPU process holds beside torch's live tensors and cached segments:
+    ``context`` bytes per device (the CUDA context, a few hundred MiB: measure it with
+    ``nvidia-smi`` against ``torch.cuda.memory_reserved``) and ``cublas_workspace`` bytes per
+    stream that ran a matmul (:data:`HOPPER_CUBLAS_WORKSPACE` on Hopper, 8 MiB before)."""
+
+    context: int = 0
+    cublas_workspace: int = 0
+
+
+_overheads = GpuOverheads()
+
+
+def set_gpu_overheads(context: int = 0, cublas_workspace: int = 0) -> GpuOverheads:
+    """Count ``context`` bytes per emulated device and ``cublas_workspace`` bytes per stream that
+    ran a matmul as held (see [Note: emulated device memory]); returns the previous
+    :class:`GpuOverheads`. They count in ``mem_get_info`` and, with a capacity that counts
+    reserved memory, against it; never in ``memory_allocated`` or ``memory_reserved``. Any
+    thread."""
+    global _overheads
+    for name, value in (("context", context), ("cublas_workspace", cublas_workspace)):
+        if not isinstance(value, int) or value < 0:
+            raise ValueError(f"{name} must be a number of bytes >= 0, got {value!r}")
+    with _memory_lock:
+        previous, _overheads = _overheads, GpuOverheads(context, cublas_workspace)
+    return previous
+
+
+def overheads_held(device: Any = None) -> int:
+    """The overhead bytes an emulated device holds now: the context and a workspace per stream
+    that ran a matmul on it (see :func:`set_gpu_overheads`). Any thread."""
+    index = _index_of(device)
+    return _overheads.context + _overheads.cublas_workspace * len(_matmul_streams[index])
+
+
+def set_memory_capacity(nbytes: int | None, *, counts_reserved: bool = False) -> int | None:
     """Give every emulated device ``nbytes`` of memory (None: the host's); returns the previous
-    setting. A device allocation beyond it raises ``torch.OutOfMemoryError``. Any thread."""
-    global _capacity
+    setting. A device allocation beyond it raises ``torch.OutOfMemoryError``: by default when
+    the live storages would exceed it; ``counts_reserved=True``: when a new segment of the
+    caching allocator would not fit beside the reserved ones and the overheads, as on a GPU
+    (see [Note: emulated device memory]). Any thread."""
+    global _capacity, _capacity_counts_reserved
     if nbytes is not None and (not isinstance(nbytes, int) or nbytes < 1):
         raise ValueError(
             f"the emulated device's memory capacity must be None or a positive int "
@@ -235,6 +314,7 @@ def set_memory_capacity(nbytes: int | None) -> int | None:
         )
     with _memory_lock:
         previous, _capacity = _capacity, nbytes
+        _capacity_counts_reserved = bool(counts_reserved) and nbytes is not None
     return previous
 
 
@@ -244,8 +324,38 @@ def _capacity_of_device() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def _charge(t: torch.Tensor, index: int) -> None:
-    """Device memory for ``t``'s storage (a plain CPU tensor that an emu tensor wraps)."""
+def _settle_blocks(index: int) -> None:
+    """Hand the freed blocks to their allocators, and return to its pool every held block whose
+    streams the host knows done (_memory_lock held)."""
+    while _freed_blocks:
+        device, block, held_for = _freed_blocks.popleft()
+        _allocators[device].free(block, held_for)
+    _allocators[index].settle(
+        lambda held_for: all(
+            _native.roundpipe_emu_host_known(d, s) >= count for (d, s), count in held_for
+        )
+    )
+
+
+def _room_for(index: int) -> Any:
+    def room(extra: int) -> bool:
+        if not _capacity_counts_reserved:
+            return True
+        assert _capacity is not None  # counts_reserved needs a capacity
+        held = _allocators[index].reserved + overheads_held(index)
+        return held + extra <= _capacity
+
+    return room
+
+
+def _wait_for_held(held_for: tuple) -> None:
+    for stream, _ in held_for:  # the allocator synchronizes on their events
+        _host_waits(stream)
+
+
+def _charge(t: torch.Tensor, index: int, stream: tuple[int, int]) -> None:
+    """Device memory for ``t``'s storage (a plain CPU tensor that an emu tensor wraps),
+    allocated on ``stream``."""
     storage = t.untyped_storage()
     key, nbytes = storage.data_ptr(), storage.nbytes()
     if nbytes == 0:
@@ -253,23 +363,50 @@ def _charge(t: torch.Tensor, index: int) -> None:
     with _memory_lock:
         if key in _live_storages:
             return
-        if _capacity is not None and _allocated_bytes[index] + nbytes > _capacity:
+        if (
+            _capacity is not None
+            and not _capacity_counts_reserved
+            and _allocated_bytes[index] + nbytes > _capacity
+        ):
             raise torch.OutOfMemoryError(
                 f"{NAME}:{index} out of memory: tried to allocate {nbytes} bytes with "
                 f"{_allocated_bytes[index]} of {_capacity} bytes in use (the emulated capacity, "
                 f"roundpipe.testing.emu.set_memory_capacity)"
             )
+        _settle_blocks(index)
+        allocator = _allocators[index]
+        try:
+            block = allocator.malloc(stream[1], nbytes, _room_for(index), _wait_for_held)
+        except NoRoom as exc:
+            raise torch.OutOfMemoryError(
+                f"{NAME}:{index} out of memory: tried to allocate {nbytes} bytes, for which the "
+                f"caching allocator needs a new segment of {exc.wanted} bytes, with "
+                f"{allocator.reserved} bytes reserved ({_allocated_bytes[index]} in live "
+                f"tensors) and {overheads_held(index)} held by the context and cuBLAS "
+                f"workspaces, of {_capacity} (the emulated capacity counting reserved memory, "
+                f"roundpipe.testing.emu.set_memory_capacity); the difference is what a GPU's "
+                f"caching allocator keeps cached for other streams and pools, or cannot use"
+            ) from None
         _allocated_bytes[index] += nbytes
         _peak_bytes[index] = max(_peak_bytes[index], _allocated_bytes[index])
         _live_storages[key] = nbytes
-    weakref.finalize(storage, _give_back, key, index, nbytes)
+    weakref.finalize(storage, _give_back, key, index, nbytes, block)
 
 
-def _give_back(key: int, index: int, nbytes: int) -> None:
+def _give_back(key: int, index: int, nbytes: int, block: Block) -> None:
     with _memory_lock:
         _allocated_bytes[index] -= nbytes
         _live_storages.pop(key, None)
     access = _accesses.pop(key, None)  # its stream order ends with it (one dict op: no lock)
+    held_for: tuple = ()
+    if access is not None and access.recorded and _native is not None:
+        # record_stream: the block waits for those streams' work at the free (an event each).
+        held_for = tuple(
+            (other, _native.roundpipe_emu_enqueued(other[0], other[1]))
+            for other in access.recorded
+            if other != access.made_on
+        )
+    _freed_blocks.append((index, block, held_for))  # one deque op: no lock
     if access is not None and access.foreign and _rules.allocator_reuse:
         _note_freed(access, index, nbytes)
 
@@ -301,12 +438,16 @@ class Rules:
     cuda_sdpa_backend`); see [Note: emulated attention]. ``cuda_autocast``: ``torch.autocast
     ("emu")`` applies CUDA's cast policy, its fp32 and promote lists too; see [Note: emulated
     autocast]. ``event_queries``: ``Event.query()`` and ``Stream.query()`` say done only once
-    the host has waited for that work; see [Note: emulated event queries]."""
+    the host has waited for that work; see [Note: emulated event queries]. ``reserved_memory``:
+    ``memory_reserved`` and ``mem_get_info`` report the segments CUDA's caching allocator would
+    hold and the overheads :func:`set_gpu_overheads` gives, not only the live storages; see
+    [Note: emulated device memory]."""
 
     allocator_reuse: bool = True
     cuda_attention: bool = True
     cuda_autocast: bool = True
     event_queries: bool = True
+    reserved_memory: bool = True
 
 
 _rules = Rules()
@@ -688,10 +829,10 @@ def _record_outputs(
             key = _storage_key(t)
             if key in touched or any(leaf is t for leaf in leaves):
                 continue
-            _charge(t, index)
-            access = _accesses[key] = _Access(stream, count, func)
             if made_on is None:
                 made_on = stream if stream[0] == index else _current(index)
+            _charge(t, index, made_on)
+            access = _accesses[key] = _Access(stream, count, func)
             _track_allocation(access, func, made_on, t.untyped_storage().nbytes())
             if made_on != stream:
                 access.foreign[stream] = (count, func)
@@ -711,9 +852,9 @@ def _track_allocation(access: _Access, op: Any, made_on: tuple[int, int], nbytes
 def _allocated(t: torch.Tensor, index: int, op: Any) -> None:
     """Fresh device memory, made by ``op``: charged, and what a previous storage at its
     address saw no longer applies."""
-    _charge(t, index)
+    stream = _current(index) if _native is not None else (index, 0)
+    _charge(t, index, stream)
     if _native is not None and t.numel() > 0:
-        stream = _current(index)
         with _order_lock:
             count = _native.roundpipe_emu_enqueue(stream[0], stream[1])
         access = _accesses[_storage_key(t)] = _Access(stream, count, op)
@@ -937,6 +1078,8 @@ class EmuTensor(torch.Tensor):
         out = _DEVICE_KERNELS.get(func, func)(*unwrapped_args, **unwrapped_kwargs)
         if upload_from is not None and _asynchronous_host(upload_from, non_blocking):
             _watch_upload(upload_from, stream, count)
+        if func in _CUBLAS_OPS and stream[1] not in _matmul_streams[stream[0]]:
+            _matmul_streams[stream[0]].add(stream[1])  # a set add: atomic
         outputs = [out] if isinstance(out, torch.Tensor) else pytree.tree_leaves(out)
         if not all(isinstance(t, torch.Tensor) or t is None for t in outputs):
             _host_waits(stream)  # a number for the host: .item() and the like
@@ -1126,7 +1269,19 @@ class _DeviceModule:
 
     @staticmethod
     def memory_reserved(device: Any = None) -> int:
-        return _allocated_bytes[_index_of(device)]  # no cache: what is live is what is held
+        index = _index_of(device)
+        if not _rules.reserved_memory:
+            return _allocated_bytes[index]  # no cache: what is live is what is held
+        with _memory_lock:
+            _settle_blocks(index)
+            return _allocators[index].reserved
+
+    @staticmethod
+    def max_memory_reserved(device: Any = None) -> int:
+        index = _index_of(device)
+        if not _rules.reserved_memory:
+            return _peak_bytes[index]
+        return _allocators[index].peak_reserved
 
     @staticmethod
     def max_memory_allocated(device: Any = None) -> int:
@@ -1137,11 +1292,29 @@ class _DeviceModule:
         index = _index_of(device)
         with _memory_lock:
             _peak_bytes[index] = _allocated_bytes[index]
+            _settle_blocks(index)
+            _allocators[index].reset_peak()
+
+    @staticmethod
+    def empty_cache() -> None:
+        """Give every device's fully free segments back (as torch.cuda.empty_cache)."""
+        with _memory_lock:
+            for index, allocator in enumerate(_allocators):
+                _settle_blocks(index)
+                allocator.empty_cache()
 
     @staticmethod
     def mem_get_info(device: Any = None) -> tuple[int, int]:
-        total = _capacity_of_device()
-        return max(total - _allocated_bytes[_index_of(device)], 0), total
+        """(free, total) as the driver reports them: the capacity less what the process holds,
+        which is the reserved segments and the overheads (see [Note: emulated device
+        memory]) under Rules.reserved_memory, else the live storages. So ``free +
+        memory_reserved - memory_allocated`` is what a run may still allocate, as on CUDA. A
+        capacity that counts live storages only may be smaller than one segment: ``free`` is
+        then negative, which a GPU's never is, and that sum still right."""
+        index, total = _index_of(device), _capacity_of_device()
+        if not _rules.reserved_memory:
+            return max(total - _allocated_bytes[index], 0), total
+        return total - _DeviceModule.memory_reserved(index) - overheads_held(index), total
 
 
 # [Note: emulated autocast]
@@ -1374,6 +1547,7 @@ def _bind_native(path: str, autocast_path: str) -> None:
         ("roundpipe_emu_enqueue", i64, [i64, i64]),
         ("roundpipe_emu_known", i64, [i64, i64, i64, i64]),
         ("roundpipe_emu_host_known", i64, [i64, i64]),
+        ("roundpipe_emu_enqueued", i64, [i64, i64]),
         ("roundpipe_emu_set_honest_queries", None, [ctypes.c_int]),
         ("roundpipe_emu_autograd_recorded", ctypes.c_int, [i64, i64]),
         ("roundpipe_emu_join", None, [i64, i64, i64, i64]),
