@@ -1,5 +1,5 @@
-"""The model of CUDA's caching allocator (roundpipe.testing.caching_allocator, see [Note: the
-caching allocator's reserve]): rounding, segments, per-stream pools, splitting and merging,
+"""The model of CUDA's caching allocator (roundpipe.testing.caching_allocator, see
+[Note: the caching allocator's reserve]): rounding, segments, per-stream pools, splitting and merging,
 blocks held for other streams, giving segments back."""
 
 import pytest

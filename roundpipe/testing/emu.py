@@ -8,7 +8,7 @@ and every op on it runs on the host. What it catches, as CUDA would:
   one or more dimensions (or with a tensor on another ``emu`` device) raises CUDA's
   ``RuntimeError: Expected all tensors to be on the same device ...``.
 * Thread-local state lost in backward: a small C++ device guard (``_emu_guard.cpp``, built once
-  with ``torch.utils.cpp_extension.load`` and cached) makes torch's autograd engine run the
+  with ``torch.utils.cpp_extension.load`` and cached, beside ``_emu_autocast.cpp``) makes torch's autograd engine run the
   backward of ``emu`` tensors on its own per-device thread, as it does for CUDA. Code that only
   works when backward runs on the thread that called it (Python thread-locals read during a
   checkpoint recompute, say) fails here as it would on a GPU.
@@ -19,23 +19,58 @@ and every op on it runs on the host. What it catches, as CUDA would:
   wait orders after another stream's raises :class:`StreamOrderError`, a non-blocking download
   into pinned memory holds NaN until the host waits for it, and changing the pinned source of a
   non-blocking upload before waiting for it raises at the wait.
-* Attention: ``scaled_dot_product_attention`` takes the kernel torch takes for CPU tensors (the
-  fused one, which never holds the scores, where the CPU would), not torch's generic math path
-  for other devices, so device memory counts what a GPU's fused attention allocates.
+* The caching allocator's reuse (see [Note: emulated allocator reuse]): a tensor used on a
+  stream other than the one that allocated it, without ``record_stream`` and without that use
+  being ordered before its free, raises :class:`StreamOrderError` at the next allocation that
+  could take its memory, naming both streams and where the tensor was made.
+* Attention (see [Note: emulated attention]): ``scaled_dot_product_attention`` takes the math
+  path, and holds its (query x key) scores, exactly where CUDA would
+  (:func:`roundpipe.testing.cuda_attention.cuda_sdpa_backend`), else the CPU's fused kernel,
+  which holds none, as a GPU's fused kernels hold none.
+* Autocast (see [Note: emulated autocast]): ``torch.autocast("emu")`` applies CUDA's cast
+  policy, registered from torch's own op lists: matmul-like ops in the autocast dtype, softmax,
+  norms, sums, pow and the losses in fp32, mixed inputs of the promote list widened.
+* Event queries (see [Note: emulated event queries]): ``Event.query()``/``Stream.query()`` say
+  done only once the host has waited for that work, so code's not-ready branches run.
 * The device APIs: ``torch.Stream``/``torch.Event``, ``torch.accelerator``,
-  ``torch.get_device_module("emu")``, ``pin_memory()``/``is_pinned()`` and
-  ``torch.autocast("emu")`` (matmul-like ops run in the autocast dtype) all work.
-
-* Device memory: counted per storage (``memory_allocated``, ``max_memory_allocated``,
-  ``mem_get_info`` on ``torch.get_device_module("emu")``), with an optional capacity beyond
-  which allocations raise ``torch.OutOfMemoryError`` (see [Note: emulated device memory]).
+  ``torch.get_device_module("emu")``, ``pin_memory()``/``is_pinned()`` and ``torch.autocast``.
+* Device memory (see [Note: emulated device memory]): counted per storage
+  (``memory_allocated``, ``max_memory_allocated``), and what CUDA's caching allocator would
+  reserve for it (``memory_reserved``, ``max_memory_reserved``, ``empty_cache``: segments,
+  rounding, per-stream pools; :mod:`roundpipe.testing.caching_allocator`); ``mem_get_info``
+  leaves out the segments and the context and cuBLAS workspaces :func:`set_gpu_overheads`
+  gives; an optional capacity beyond which allocations raise ``torch.OutOfMemoryError``, for
+  the live storages or, with ``counts_reserved=True``, for the segments as on a GPU.
 * Pinned host memory: each allocation takes the next power of two of its size, as CUDA's
   caching host allocator rounds it, and is counted (:func:`pinned_memory_stats`; see
   [Note: emulated pinned memory]).
 
-What it cannot catch: the caching allocator's reuse of freed memory across streams (a missing
-``record_stream``) and its rounding and fragmentation; a CUDA kernel's own numerics (TF32, fused
-kernels, other reduction orders); and it is slow (a Python call per op).
+Each of the stricter behaviours is a rule (:class:`Rules`), all on by default and in the test
+suite, each switchable (:func:`set_rules`, :func:`rules_set`, ``ROUNDPIPE_EMU_LENIENT``).
+
+What it cannot catch:
+
+* A CUDA kernel's own numerics (TF32, cuBLAS and cuDNN algorithms, other reduction orders): the
+  results are the CPU's. Where the attention rule takes the math path the CPU would not, the
+  last bits are the math path's.
+* Host-side races between host threads: host threads count as one (a host wait on one thread
+  orders later work that any thread enqueues).
+* Allocator reuse through a tensor that autograd saved in the forward and a backward reads on a
+  stream autograd handed gradients to (autograd's own record cannot name the tensor here); and
+  which block the allocator hands out: a hazard raises at any allocation from the same pool,
+  not only the one a GPU would give those bytes to.
+* Memory: ``memory_allocated`` is not rounded to 512 bytes and leaves out cuBLAS workspaces
+  (CUDA's counts both); the allocator model leaves out ``expandable_segments``,
+  ``max_split_size_mb`` and the driver's granularity; kernels' internal scratch space (cuDNN,
+  fused attention's) and NCCL buffers are not counted; the context's and workspaces' sizes are
+  what :func:`set_gpu_overheads` is told. Dropout in attention takes the math path (the CPU's
+  fused kernel draws no dropout), so its scores are counted where a GPU's fused kernels hold
+  none.
+* Streams: every ``torch.Stream()`` is a new stream (CUDA hands out 32 per device round-robin,
+  so a later one may be an earlier one); freed pinned host blocks are returned at once (CUDA
+  caches them per size).
+* Speed: a Python call per op, several times slower than the CPU backend; timings say nothing
+  about a GPU.
 
 Call :func:`install` before the first ``backward()`` of the process: the autograd engine starts
 its device threads once, on the first backward, and only for the device types it knows then.
@@ -198,9 +233,10 @@ def _log_copy(direction: str, host: torch.Tensor | None, emu: torch.Tensor) -> N
 #   for floats) until the host waits for the copy's stream or an event after it; host code that
 #   reads it sooner computes with NaN. A non-blocking upload from pinned memory remembers its
 #   source; if the host changed it by the time the host waits for the copy, the wait raises.
-# * Freed device memory goes back to the allocating stream's pool: see [Note: emulated allocator
-#   reuse]. Not modelled: host-side races between host threads (host threads count as one: a
-#   host wait on one thread orders later work that any thread enqueues).
+# * Freed device memory goes back to the allocating stream's pool: see
+#   [Note: emulated allocator reuse]. Not modelled: host-side races between host threads (host
+#   threads count as one: a host wait on one thread orders later work that any thread
+#   enqueues).
 
 
 # [Note: emulated event queries]
@@ -221,12 +257,13 @@ def _log_copy(direction: str, host: torch.Tensor | None, emu: torch.Tensor) -> N
 # and ``max_memory_allocated`` are exact, as CUDA's are for its caching allocator's live blocks
 # (which CUDA rounds to 512 bytes; the emulated counter does not).
 #
-# What a GPU reserves for them is modelled too (Rules.reserved_memory; see [Note: the caching
-# allocator's reserve] in roundpipe.testing.caching_allocator): each storage takes a block of a
-# segment of its allocating stream's pool, so ``memory_reserved``/``max_memory_reserved`` hold
-# the segments, ``empty_cache`` gives the free ones back, and ``mem_get_info`` reports
-# ``capacity - reserved - overheads``, the overheads being the ones set_gpu_overheads gives:
-# the CUDA context and a cuBLAS workspace per stream that ran a matmul (none by default).
+# What a GPU reserves for them is modelled too (Rules.reserved_memory; see
+# [Note: the caching allocator's reserve] in roundpipe.testing.caching_allocator): each
+# storage takes a block of a segment of its allocating stream's pool, so ``memory_reserved``
+# and ``max_memory_reserved`` hold the segments, ``empty_cache`` gives the free ones back, and
+# ``mem_get_info`` reports ``capacity - reserved - overheads``, the overheads being the ones
+# set_gpu_overheads gives: the CUDA context and a cuBLAS workspace per stream that ran a matmul
+# (none by default).
 #
 # With a capacity (set_memory_capacity, or ROUNDPIPE_EMU_MEMORY=bytes before install), a
 # storage that would not fit raises torch.OutOfMemoryError as CUDA's allocator does: by default
@@ -1395,10 +1432,11 @@ def _dropout(input: torch.Tensor, p: float, train: bool) -> torch.Tensor:
 # which holds the (query x key) scores that a GPU's fused kernels never allocate. The emulated
 # device instead computes what the CPU computes, with the CPU's fused (flash) kernel where the
 # CPU takes it (no scores), else the math composite. Under Rules.cuda_attention it also takes
-# the math path wherever CUDA would (roundpipe.testing.cuda_attention, [Note: CUDA's attention
-# backends]: a mask with a head dim that is no multiple of 8 in fp16, 3-D inputs, fp64, ...),
-# so device memory holds the scores exactly where a GPU's does; the results then are the math
-# path's, which may differ from the CPU's fused kernel in the last bits. Where CUDA would fuse
+# the math path wherever CUDA would (roundpipe.testing.cuda_attention,
+# [Note: CUDA's attention backends]: a mask with a head dim that is no multiple of 8 in fp16,
+# 3-D inputs, fp64, ...), so device memory holds the scores exactly where a GPU's does; the
+# results then are the math path's, which may differ from the CPU's fused kernel in the last
+# bits. Where CUDA would fuse
 # but the CPU would not (dropout: the CPU's fused kernel draws no dropout), the math path runs
 # and its scores are counted, more than a GPU holds.
 def _attention(
@@ -1462,9 +1500,10 @@ def is_installed() -> bool:
 
 
 def install() -> None:
-    """Register the ``emu`` device in this process (idempotent; any thread). Builds the C++
-    guard on first use (a few seconds, cached under torch's extension directory, which needs a
-    C++ compiler and ninja). Must run before the process's first ``backward()``."""
+    """Register the ``emu`` device in this process (idempotent; any thread). Builds its two C++
+    libraries on first use (the guard in seconds, CUDA's autocast policy in about a minute of
+    one core; cached under torch's extension directory; needs a C++ compiler and ninja). Must
+    run before the process's first ``backward()``."""
     global _installed, _late_error, _rules
     with _INSTALL_LOCK:
         if _late_error is not None:
