@@ -8,10 +8,11 @@ and every op on it runs on the host. What it catches, as CUDA would:
   one or more dimensions (or with a tensor on another ``emu`` device) raises CUDA's
   ``RuntimeError: Expected all tensors to be on the same device ...``.
 * Thread-local state lost in backward: a small C++ device guard (``_emu_guard.cpp``, built once
-  with ``torch.utils.cpp_extension.load`` and cached, beside ``_emu_autocast.cpp``) makes torch's autograd engine run the
-  backward of ``emu`` tensors on its own per-device thread, as it does for CUDA. Code that only
-  works when backward runs on the thread that called it (Python thread-locals read during a
-  checkpoint recompute, say) fails here as it would on a GPU.
+  with ``torch.utils.cpp_extension.load`` and cached, as ``_emu_autocast.cpp`` is) makes
+  torch's autograd engine run the backward of ``emu`` tensors on its own per-device thread, as
+  it does for CUDA. Code that only works when backward runs on the thread that called it
+  (Python thread-locals read during a checkpoint recompute, say) fails here as it would on a
+  GPU.
 * Results: random ops draw from the CPU generator and dropout draws as on the CPU, so a model
   on ``emu`` computes what it computes on the CPU, bit for bit, which the tests compare.
 * Stream races: kernels run at once, but the order a GPU would guarantee is tracked (see
@@ -467,18 +468,20 @@ class Rules:
     test suite runs with every one), each switchable (:func:`set_rules`, :func:`rules_set`, or
     ``ROUNDPIPE_EMU_LENIENT=name,name`` at install) to see whether a failure comes from it.
 
-    ``allocator_reuse``: freed device memory goes back to the pool of the stream that allocated
-    it, and an allocation on that stream raises :class:`StreamOrderError` if another stream may
-    still use that memory (no ``record_stream``, no event or host wait); see [Note: emulated
-    allocator reuse]. ``cuda_attention``: ``scaled_dot_product_attention`` runs the math path
-    (and holds its scores) where CUDA would (:func:`roundpipe.testing.cuda_attention.
-    cuda_sdpa_backend`); see [Note: emulated attention]. ``cuda_autocast``: ``torch.autocast
-    ("emu")`` applies CUDA's cast policy, its fp32 and promote lists too; see [Note: emulated
-    autocast]. ``event_queries``: ``Event.query()`` and ``Stream.query()`` say done only once
-    the host has waited for that work; see [Note: emulated event queries]. ``reserved_memory``:
-    ``memory_reserved`` and ``mem_get_info`` report the segments CUDA's caching allocator would
-    hold and the overheads :func:`set_gpu_overheads` gives, not only the live storages; see
-    [Note: emulated device memory]."""
+    * ``allocator_reuse``: freed device memory goes back to the pool of the stream that
+      allocated it, and an allocation on that stream raises :class:`StreamOrderError` if another
+      stream may still use that memory (no ``record_stream``, no event or host wait); see
+      [Note: emulated allocator reuse].
+    * ``cuda_attention``: ``scaled_dot_product_attention`` runs the math path (and holds its
+      scores) where CUDA would (``roundpipe.testing.cuda_attention.cuda_sdpa_backend``); see
+      [Note: emulated attention].
+    * ``cuda_autocast``: ``torch.autocast("emu")`` applies CUDA's cast policy, its fp32 and
+      promote lists too; see [Note: emulated autocast].
+    * ``event_queries``: ``Event.query()`` and ``Stream.query()`` say done only once the host
+      has waited for that work; see [Note: emulated event queries].
+    * ``reserved_memory``: ``memory_reserved`` and ``mem_get_info`` report the segments CUDA's
+      caching allocator would hold and the overheads :func:`set_gpu_overheads` gives, not only
+      the live storages; see [Note: emulated device memory]."""
 
     allocator_reuse: bool = True
     cuda_attention: bool = True
@@ -661,7 +664,8 @@ class _Hazard:
     nbytes: int
 
 
-_hazards: dict[int, _Hazard] = {}  # written by finalizers (one dict op each), no lock
+# pool -> hazard id -> hazard; finalizers add (a setdefault and a store: no lock)
+_hazards: dict[tuple[int, int, bool], dict[int, _Hazard]] = {}
 _hazard_ids = itertools.count()
 _hazard_lock = threading.Lock()  # the checkers' (never taken by a finalizer)
 
@@ -725,19 +729,22 @@ def _note_freed(access: _Access, index: int, nbytes: int) -> None:
         and _native.roundpipe_emu_host_known(other[0], other[1]) < count
     )
     if uses:
-        hazard = _Hazard((index, made_on[1], _small_pool(nbytes)), uses, access.made_by, nbytes)
-        _hazards[next(_hazard_ids)] = hazard
+        pool = (index, made_on[1], _small_pool(nbytes))
+        _hazards.setdefault(pool, {})[next(_hazard_ids)] = _Hazard(
+            pool, uses, access.made_by, nbytes
+        )
 
 
 def _check_reuse(op: Any, stream: tuple[int, int], nbytes: int) -> None:
     """An allocation of ``nbytes`` on ``stream``: raise if the pool it draws from holds freed
     memory another stream may still use (see [Note: emulated allocator reuse])."""
     pool = (stream[0], stream[1], _small_pool(nbytes))
+    bucket = _hazards.get(pool)
+    if not bucket:
+        return
     with _hazard_lock:
-        for ident, hazard in list(_hazards.items()):
-            if hazard.pool != pool:
-                continue
-            del _hazards[ident]
+        for ident, hazard in list(bucket.items()):
+            del bucket[ident]
             pending = [u for u in hazard.uses if _known(stream, u[0]) < u[1]]
             if not pending:
                 continue
@@ -1436,9 +1443,8 @@ def _dropout(input: torch.Tensor, p: float, train: bool) -> torch.Tensor:
 # [Note: CUDA's attention backends]: a mask with a head dim that is no multiple of 8 in fp16,
 # 3-D inputs, fp64, ...), so device memory holds the scores exactly where a GPU's does; the
 # results then are the math path's, which may differ from the CPU's fused kernel in the last
-# bits. Where CUDA would fuse
-# but the CPU would not (dropout: the CPU's fused kernel draws no dropout), the math path runs
-# and its scores are counted, more than a GPU holds.
+# bits. Where CUDA would fuse but the CPU would not (dropout: the CPU's fused kernel draws no
+# dropout), the math path runs and its scores are counted, more than a GPU holds.
 def _attention(
     query: torch.Tensor,
     key: torch.Tensor,
