@@ -110,6 +110,24 @@ def test_an_event_is_done_only_once_the_host_waited_for_it():
     assert (y + 0).sum().item() == 24
 
 
+def test_new_streams_come_round_robin_from_a_pool_of_32_as_on_cuda():
+    # (see [Note: emulated stream pool]) After 32 more streams, a new one is the first again,
+    # with the work its first holder left pending on it.
+    first = torch.Stream(device=EMU)
+    more = [torch.Stream(device=EMU) for _ in range(32)]
+    assert len({s.stream_id for s in more}) == 32 and 0 not in {s.stream_id for s in more}
+    assert more[-1].stream_id == first.stream_id
+    x = torch.ones(4, device=EMU)
+    first.wait_stream(torch.accelerator.current_stream(EMU))
+    with first:
+        y = x * 2
+    assert not more[-1].query()  # "a new stream" is busy with first's work
+    first.synchronize()
+    assert more[-1].query() and (y + 0).sum().item() == 8
+    with rules_set(stream_pool=False):
+        assert torch.Stream(device=EMU).stream_id > 32  # never handed out before
+
+
 def test_a_non_blocking_download_lands_when_the_host_waits():
     src = torch.arange(4.0, device=EMU)
     host = torch.empty(4).pin_memory()

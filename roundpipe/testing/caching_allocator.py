@@ -25,6 +25,16 @@ process and device) and a cuBLAS workspace per stream that ran a matmul (32 MiB 
 measured on an H200; torch keeps them in its allocator, for the process's life). A plan of a
 run on a GPU has to leave that much beside its peak of live tensors.
 
+What a plan of device memory adds to its peak of live tensors, per device, to fit a GPU:
+the overheads (the context, and a workspace per stream that runs matmuls: roundpipe's compute
+stream of the device, the caller's stream if the caller computes on the device); up to 511
+bytes of rounding per live tensor; the free space of the segments of each stream that
+allocates (the compute stream, the copy stream its prefetched uploads come from, the download
+stream), which no other stream can use: a stream's peak of small tensors is served by whole
+2 MiB segments, of 1 to 10 MiB tensors by 20 MiB ones; and blocks that ``record_stream`` keeps
+for another stream's work. On the emulated device, ``max_memory_reserved`` after a run measures
+all but the overheads, which ``roundpipe.testing.emu.overheads_held`` gives.
+
 :class:`DeviceAllocator` is the model for one device, on sizes only (no memory). Not modelled:
 ``expandable_segments``, ``max_split_size_mb``, ``roundup_power2_divisions``,
 ``garbage_collection_threshold``, CUDA graphs' private pools, and the driver's own granularity.

@@ -43,8 +43,10 @@ and every op on it runs on the host. What it catches, as CUDA would:
   gives; an optional capacity beyond which allocations raise ``torch.OutOfMemoryError``, for
   the live storages or, with ``counts_reserved=True``, for the segments as on a GPU.
 * Pinned host memory: each allocation takes the next power of two of its size, as CUDA's
-  caching host allocator rounds it, and is counted (:func:`pinned_memory_stats`; see
-  [Note: emulated pinned memory]).
+  caching host allocator rounds it, is counted, and is kept for reuse once freed
+  (:func:`pinned_memory_stats`, :func:`empty_pinned_cache`; see [Note: emulated pinned memory]).
+* Streams (see [Note: emulated stream pool]): ``torch.Stream()`` hands out a device's 32 pool
+  streams round-robin, as CUDA does, so a new stream may be one other code holds.
 
 Each of the stricter behaviours is a rule (:class:`Rules`), all on by default and in the test
 suite, each switchable (:func:`set_rules`, :func:`rules_set`, ``ROUNDPIPE_EMU_LENIENT``).
@@ -67,9 +69,6 @@ What it cannot catch:
   what :func:`set_gpu_overheads` is told. Dropout in attention takes the math path (the CPU's
   fused kernel draws no dropout), so its scores are counted where a GPU's fused kernels hold
   none.
-* Streams: every ``torch.Stream()`` is a new stream (CUDA hands out 32 per device round-robin,
-  so a later one may be an earlier one); freed pinned host blocks are returned at once (CUDA
-  caches them per size).
 * Speed: a Python call per op, several times slower than the CPU backend; timings say nothing
   about a GPU.
 
@@ -120,6 +119,7 @@ __all__ = [
     "overheads_held",
     "PinnedMemoryStats",
     "pinned_memory_stats",
+    "empty_pinned_cache",
     "pinned_round_limit",
     "set_pinned_round_limit",
     "install",
@@ -481,13 +481,21 @@ class Rules:
       has waited for that work; see [Note: emulated event queries].
     * ``reserved_memory``: ``memory_reserved`` and ``mem_get_info`` report the segments CUDA's
       caching allocator would hold and the overheads :func:`set_gpu_overheads` gives, not only
-      the live storages; see [Note: emulated device memory]."""
+      the live storages; see [Note: emulated device memory].
+    * ``stream_pool``: ``torch.Stream()`` hands out the 32 streams of a device round-robin, as
+      CUDA's pool does, so a new stream may be one handed out before; see
+      [Note: emulated stream pool].
+    * ``pinned_cache``: freed pinned host blocks are kept for reuse by a request of their size,
+      as CUDA's caching host allocator keeps them (:attr:`PinnedMemoryStats.cached_bytes`); see
+      [Note: emulated pinned memory]."""
 
     allocator_reuse: bool = True
     cuda_attention: bool = True
     cuda_autocast: bool = True
     event_queries: bool = True
     reserved_memory: bool = True
+    stream_pool: bool = True
+    pinned_cache: bool = True
 
 
 _rules = Rules()
@@ -533,7 +541,19 @@ def rules_set(**changes: bool) -> Iterator[Rules]:
 def _apply_native_rules(new: Rules) -> None:
     """The rules the native libraries carry (the caller holds _INSTALL_LOCK, after install)."""
     _native.roundpipe_emu_set_honest_queries(int(new.event_queries))
+    _native.roundpipe_emu_set_stream_pool(int(new.stream_pool))
+    _native.roundpipe_emu_set_pinned_cache(int(new.pinned_cache))
     _set_cuda_autocast(new.cuda_autocast)
+
+
+# [Note: emulated stream pool]
+# CUDA does not make a stream for each torch.Stream(): it hands out the 32 streams of a
+# per-device pool round-robin, so after 32 of them a new torch.Stream is one some other code
+# already holds, with that code's work pending on it. Code that takes a new stream for an
+# empty, private one (that queries it for being idle, or expects a wait on it to order only its
+# own work) is wrong on a GPU; the emulated device hands out streams the same way
+# (Rules.stream_pool), so two models' streams may be the same here too. The default stream
+# (0) is not in the pool.
 
 
 # [Note: emulated pinned memory]
@@ -544,8 +564,10 @@ def _apply_native_rules(new: Rules) -> None:
 # takes the same rounded bytes from the CPU allocator and counts them, so a test can measure
 # what pinning costs the host exactly. As torch's, it leaves allocations above
 # ``pinned_max_round_threshold_mb`` / ``pinned_max_cached_size_mb`` (PYTORCH_ALLOC_CONF, read
-# at install; set_pinned_round_limit) unrounded. Not modelled: CUDA keeps freed pinned blocks
-# in a cache for reuse; here they go back at once.
+# at install; set_pinned_round_limit) unrounded. A freed rounded block is kept, as CUDA keeps
+# it, for the next request of its size class (Rules.pinned_cache; empty_pinned_cache gives them
+# back); an unrounded one goes back at once. CUDA reuses a block only once the copies that used
+# it are done; here the pending copy holds the block until the host has waited for it.
 _pinned_limit = [1 << 62]  # the round limit in force (see roundpipe.host_memory.UNLIMITED)
 
 
@@ -572,13 +594,25 @@ def pinned_round_limit() -> int:
 class PinnedMemoryStats:
     """The emulated pinned host allocations alive now: ``allocated_bytes`` (what the host gives
     them, each rounded up to a power of two), ``requested_bytes`` (what was asked for),
-    ``peak_allocated_bytes`` (the most ``allocated_bytes`` has been since the last reset) and
-    ``allocations`` (how many)."""
+    ``peak_allocated_bytes`` (the most ``allocated_bytes`` has been since the last reset),
+    ``allocations`` (how many) and ``cached_bytes`` (freed blocks kept for reuse, which the host
+    holds too; see [Note: emulated pinned memory])."""
 
     allocated_bytes: int
     requested_bytes: int
     peak_allocated_bytes: int
     allocations: int
+    cached_bytes: int
+
+
+def empty_pinned_cache() -> None:
+    """Give the freed pinned blocks kept for reuse back to the host (as
+    ``torch._C._host_emptyCache``). Any thread; needs :func:`install`."""
+    if _native is None:
+        raise RuntimeError(
+            "the emulated device is not installed: call roundpipe.testing.emu.install() first"
+        )
+    _native.roundpipe_emu_empty_pinned_cache()
 
 
 def pinned_memory_stats(reset_peak: bool = False) -> PinnedMemoryStats:
@@ -589,7 +623,7 @@ def pinned_memory_stats(reset_peak: bool = False) -> PinnedMemoryStats:
         raise RuntimeError(
             "the emulated device is not installed: call roundpipe.testing.emu.install() first"
         )
-    out = (ctypes.c_int64 * 4)()
+    out = (ctypes.c_int64 * 5)()
     _native.roundpipe_emu_pinned_stats(ctypes.cast(out, ctypes.c_void_p), int(reset_peak))
     return PinnedMemoryStats(*(int(v) for v in out))
 
@@ -1594,6 +1628,9 @@ def _bind_native(path: str, autocast_path: str) -> None:
         ("roundpipe_emu_host_known", i64, [i64, i64]),
         ("roundpipe_emu_enqueued", i64, [i64, i64]),
         ("roundpipe_emu_set_honest_queries", None, [ctypes.c_int]),
+        ("roundpipe_emu_set_stream_pool", None, [ctypes.c_int]),
+        ("roundpipe_emu_set_pinned_cache", None, [ctypes.c_int]),
+        ("roundpipe_emu_empty_pinned_cache", None, []),
         ("roundpipe_emu_autograd_recorded", ctypes.c_int, [i64, i64]),
         ("roundpipe_emu_join", None, [i64, i64, i64, i64]),
         ("roundpipe_emu_host_waits", ctypes.c_int, [i64, i64]),
