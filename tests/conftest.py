@@ -8,9 +8,14 @@
   emu:0 .. emu:N-1). So each runtime behaviour is checked with backward on autograd's device
   thread and with host tensors rejected, as on CUDA. A test about the CPU pool itself is marked
   ``cpu_pool_only``.
+* Every rule of the emulated device is on (:class:`roundpipe.testing.emu.Rules`), and after
+  each test the host waits for every emulated device, so device work a test leaves unordered
+  (tests of races leave some on purpose) is not charged to the next test: a tensor the test
+  dropped while another stream still used it would otherwise fail the next test's allocation.
 """
 
 import pytest
+import torch
 
 import roundpipe.devices
 from roundpipe.testing import emu
@@ -48,6 +53,13 @@ def _on_emu(devices):
     return tuple(
         roundpipe.devices.WorkerDevice("emu", d.index) if d.type == "cpu" else d for d in devices
     )
+
+
+@pytest.fixture(autouse=True)
+def _devices_settle_after_each_test():
+    yield
+    for index in range(emu.DEVICE_COUNT):
+        torch.accelerator.synchronize(torch.device(emu.NAME, index))
 
 
 @pytest.fixture(autouse=True)

@@ -2,6 +2,7 @@
 roundpipe.testing.emu): what the streamed schedule keeps on a device, out-of-memory errors, and
 device_memory_budget="auto"."""
 
+import dataclasses
 import gc
 
 import pytest
@@ -79,7 +80,10 @@ def test_device_memory_is_counted_per_storage_until_torch_frees_it(capacity):
     assert memory.memory_allocated(1) == base
     assert memory.max_memory_allocated(1) == base + 4000
     capacity(base + 6000)
-    assert memory.mem_get_info(1) == (6000, base + 6000)
+    with emu.rules_set(reserved_memory=False):  # free: what the live storages leave
+        assert memory.mem_get_info(1) == (6000, base + 6000)
+    free, _ = memory.mem_get_info(1)  # what the segments leave (see the tests below)
+    assert free + memory.memory_reserved(1) - memory.memory_allocated(1) == 6000
     kept = torch.ones(1000, device="emu:1")
     with pytest.raises(
         torch.OutOfMemoryError,
@@ -232,3 +236,97 @@ def test_attention_on_emu_computes_what_the_cpu_does_without_holding_the_scores(
         assert peak < scores, (peak, scores)
     else:  # the math path, as on the CPU: the scores exist
         assert peak >= scores, (peak, scores)
+
+
+# -- what a GPU reserves (see [Note: emulated device memory]) -------------------------------
+
+MIB = 1 << 20
+SPARE = 3  # a device no other test of this file allocates on
+
+
+@pytest.fixture
+def overheads():
+    previous = emu.set_gpu_overheads()
+    yield emu.set_gpu_overheads
+    emu.set_gpu_overheads(**dataclasses.asdict(previous))
+
+
+def _spare_device_empty():
+    gc.collect()
+    memory.empty_cache()
+    assert memory.memory_allocated(SPARE) == 0 and memory.memory_reserved(SPARE) == 0
+
+
+def test_a_device_reserves_segments_as_cudas_caching_allocator_does():
+    _spare_device_empty()
+    memory.reset_peak_memory_stats(SPARE)
+    x = torch.ones(1000, device=f"emu:{SPARE}")  # a block of a 2 MiB segment
+    assert memory.memory_allocated(SPARE) == 4000
+    assert memory.memory_reserved(SPARE) == 2 * MIB
+    y = torch.ones(3 * MIB // 4, device=f"emu:{SPARE}")  # 3 MiB: a 20 MiB segment
+    assert memory.memory_reserved(SPARE) == 22 * MIB
+    del y
+    assert memory.memory_reserved(SPARE) == 22 * MIB  # cached, not given back
+    memory.empty_cache()
+    assert memory.memory_reserved(SPARE) == 2 * MIB
+    assert memory.max_memory_reserved(SPARE) == 22 * MIB
+    with emu.rules_set(reserved_memory=False):
+        assert memory.memory_reserved(SPARE) == memory.memory_allocated(SPARE) == 4000
+    del x
+
+
+def test_free_memory_leaves_out_the_reserve_the_context_and_the_workspaces(capacity, overheads):
+    _spare_device_empty()
+    capacity(1 << 30)
+    overheads(context=300 * MIB, cublas_workspace=emu.HOPPER_CUBLAS_WORKSPACE)
+    device = torch.device(f"emu:{SPARE}")
+    x = torch.ones(64, 64, device=device)
+    before = emu.overheads_held(device)
+    side = torch.Stream(device=device)
+    side.wait_stream(torch.accelerator.current_stream(device))
+    with side:  # a stream's first matmul: a workspace of its own
+        y = x @ x
+    assert emu.overheads_held(device) == before + 32 * MIB
+    free, total = memory.mem_get_info(device)
+    assert total == 1 << 30
+    assert free == total - memory.memory_reserved(device) - emu.overheads_held(device)
+    assert free <= total - 300 * MIB - 32 * MIB - 2 * MIB
+    side.synchronize()
+    del x, y
+
+
+def test_a_capacity_that_counts_reserved_memory_runs_out_where_a_gpu_would(capacity):
+    _spare_device_empty()
+    capacity(3 * MIB, counts_reserved=True)
+    device = torch.device(f"emu:{SPARE}")
+    kept = torch.empty(MIB // 4, device=device)  # 1 MiB: a 2 MiB segment of the current stream
+    other = torch.Stream(device=device)
+    other.wait_stream(torch.accelerator.current_stream(device))
+    with other, pytest.raises(torch.OutOfMemoryError, match="needs a new segment of 2097152"):
+        torch.empty(MIB // 4, device=device)  # 2 MiB live would fit; a second segment does not
+    del kept
+    with other:  # the first stream's free segment goes back, and then it fits
+        fits = torch.empty(MIB // 4, device=device)
+    assert memory.memory_reserved(device) == 2 * MIB
+    del fits
+
+
+def test_a_block_record_stream_gave_to_another_stream_waits_for_that_stream(capacity):
+    _spare_device_empty()
+    device = torch.device(f"emu:{SPARE}")
+    current = torch.accelerator.current_stream(device)
+    other = torch.Stream(device=device)
+    x = torch.ones(3 * MIB, device=device)  # 12 MiB: a segment of its own
+    other.wait_stream(current)
+    with other:
+        total = x.sum()
+    x.record_stream(other)
+    reserved = memory.memory_reserved(device)
+    del x
+    y = torch.empty(3 * MIB, device=device)  # the block still waits for `other`
+    assert memory.memory_reserved(device) == reserved + 12 * MIB
+    del y
+    other.synchronize()
+    z = torch.empty(3 * MIB, device=device)  # reused: no third segment
+    assert memory.memory_reserved(device) == reserved + 12 * MIB
+    del z, total

@@ -4,6 +4,7 @@ holds what a GPU could show, and the runtime loses none of the orderings it need
 
 import copy
 import math
+import sys
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ from torch import nn
 from roundpipe import OptimizerCtx, RoundPipe, RoundPipeRunConfig
 from roundpipe.devices import AcceleratorBackend
 from roundpipe.runtime import grad_router
-from roundpipe.testing.emu import StreamOrderError
+from roundpipe.testing.emu import StreamOrderError, rules_set
 
 EMU = torch.device("emu:0")
 
@@ -89,6 +90,44 @@ def test_events_carry_what_their_stream_waited_for():
     assert (y + 0).sum().item() == 12
 
 
+def test_an_event_is_done_only_once_the_host_waited_for_it():
+    x = torch.ones(8, device=EMU)
+    side = _side_stream()
+    with side:
+        y = x * 2
+    event = torch.Event(device=EMU)
+    event.record(side)
+    assert not event.query() and not side.query()  # a GPU may still be computing y
+    torch.accelerator.current_stream(EMU).wait_event(event)
+    assert not event.query()  # a device-side wait tells the host nothing
+    event.synchronize()
+    assert event.query() and side.query()
+    assert torch.Event(device=EMU).query()  # never recorded: done, as on CUDA
+    with rules_set(event_queries=False):
+        with side:
+            y = y + 1
+        assert side.query()  # the lenient rule: waits, then answers done
+    assert (y + 0).sum().item() == 24
+
+
+def test_new_streams_come_round_robin_from_a_pool_of_32_as_on_cuda():
+    # (see [Note: emulated stream pool]) After 32 more streams, a new one is the first again,
+    # with the work its first holder left pending on it.
+    first = torch.Stream(device=EMU)
+    more = [torch.Stream(device=EMU) for _ in range(32)]
+    assert len({s.stream_id for s in more}) == 32 and 0 not in {s.stream_id for s in more}
+    assert more[-1].stream_id == first.stream_id
+    x = torch.ones(4, device=EMU)
+    first.wait_stream(torch.accelerator.current_stream(EMU))
+    with first:
+        y = x * 2
+    assert not more[-1].query()  # "a new stream" is busy with first's work
+    first.synchronize()
+    assert more[-1].query() and (y + 0).sum().item() == 8
+    with rules_set(stream_pool=False):
+        assert torch.Stream(device=EMU).stream_id > 32  # never handed out before
+
+
 def test_a_non_blocking_download_lands_when_the_host_waits():
     src = torch.arange(4.0, device=EMU)
     host = torch.empty(4).pin_memory()
@@ -155,6 +194,96 @@ def test_a_copy_between_devices_orders_both_current_streams():
         z = y * 1
     with pytest.raises(StreamOrderError):
         z.to(EMU)  # z was written on a stream the copy's barrier does not include
+
+
+# -- the caching allocator's reuse (see [Note: emulated allocator reuse]) -------------------
+
+
+def _freed_while_a_side_stream_reads(fix=None):
+    """A tensor made on the current stream, read on a side stream, then dropped; ``fix``
+    (called with the tensor and the side stream) is what the code does about it first."""
+    x = torch.ones(256, device=EMU)  # 1 KiB: the small pool
+    side = _side_stream()
+    with side:
+        y = x * 2
+    if fix is not None:
+        fix(x, side)
+    del x
+    return y, side
+
+
+def test_memory_another_stream_still_reads_is_not_reused_by_the_stream_that_made_it():
+    _freed_while_a_side_stream_reads()
+    big = torch.empty(1 << 19, device=EMU)  # 2 MiB: the large pool, other blocks
+    with pytest.raises(
+        StreamOrderError,
+        match=r"caching allocator reuse on emu:0: aten.empty.memory_format allocates 64 bytes "
+        r"on stream 0, .* a tensor of 1024 bytes made on stream 0 \(by "
+        r"aten.empty.memory_format at .*test_emu_streams.py:\d+ in "
+        r"_freed_while_a_side_stream_reads, thread 'MainThread'\) was freed while stream \d+ "
+        r"of emu:0 may still be using it \(aten.mul.Tensor there\)",
+    ):
+        torch.empty(16, device=EMU)
+    del big
+
+
+def _record_the_side_stream(x, side):
+    x.record_stream(side)
+
+
+def _wait_for_the_side_stream(x, side):
+    _current_waits_for(side)
+
+
+def _host_waits_for_the_side_stream(x, side):
+    side.synchronize()
+
+
+@pytest.mark.parametrize(
+    "fix",
+    [_record_the_side_stream, _wait_for_the_side_stream, _host_waits_for_the_side_stream],
+    ids=["record_stream", "event", "host-wait"],
+)
+def test_record_stream_or_an_ordering_makes_the_reuse_safe(fix):
+    y, side = _freed_while_a_side_stream_reads(fix)
+    assert torch.zeros(16, device=EMU).sum().item() == 0
+    _current_waits_for(side)
+    assert y.cpu().tolist() == [2.0] * 256
+
+
+def test_the_order_may_also_come_after_the_free_and_the_rule_switches_off():
+    _freed_while_a_side_stream_reads()
+    torch.accelerator.synchronize(EMU)  # before the allocation that reuses: still safe
+    torch.empty(16, device=EMU)
+    with rules_set(allocator_reuse=False):
+        _freed_while_a_side_stream_reads()
+        torch.empty(16, device=EMU)
+
+
+def _dropping_record_stream_in(monkeypatch, function):
+    """The runtime's ``record_stream`` calls made from ``function`` do nothing."""
+    original = torch.Tensor.record_stream
+
+    def record_stream(self, stream):
+        if sys._getframe(1).f_code.co_name != function:
+            original(self, stream)
+
+    monkeypatch.setattr(torch.Tensor, "record_stream", record_stream)
+
+
+@pytest.mark.parametrize(
+    "devices, offload, function",
+    [("emu", True, "download"), ("emu:2", False, "move")],
+    ids=["offload-download", "device-hand-off"],
+)
+def test_each_runtime_record_stream_is_needed(monkeypatch, devices, offload, function):
+    # The offloaded stage inputs are read by the download stream; the hand-off between devices
+    # reads the producer's output on that device's current stream and the consumer's copy on
+    # its compute stream. Without their record_stream, the stream that made them reuses the
+    # memory while the other may still read it.
+    _dropping_record_stream_in(monkeypatch, function)
+    with pytest.raises(StreamOrderError, match="caching allocator reuse"):
+        _train(devices, offload, steps=3, inputs_on=EMU)
 
 
 # -- the runtime keeps the orderings it needs ----------------------------------------------

@@ -3,6 +3,7 @@ emulated device, whose pinned allocator rounds each allocation up to a power of 
 does (see [Note: emulated pinned memory]); what the OS says is available; the host RAM check
 at wrap time (HostMemoryError)."""
 
+import gc
 import random
 import weakref
 
@@ -290,3 +291,25 @@ def test_the_check_can_be_skipped(monkeypatch):
     monkeypatch.setenv("ROUNDPIPE_SKIP_MEMORY_CHECK", "0")
     with pytest.raises(HostMemoryError):
         RoundPipe(_big_model(), devices="emu")
+
+
+def test_freed_pinned_blocks_are_kept_for_reuse_as_cudas_host_allocator_keeps_them():
+    # (see [Note: emulated pinned memory]) A gradient pool freed after its step is kept, and the
+    # next iteration's pool of the same size class gets the very block back.
+    gc.collect()
+    emu.empty_pinned_cache()
+    before = emu.pinned_memory_stats()
+    first = torch.empty(1000).pin_memory()  # 4000 bytes: a 4 KiB block
+    address = first.data_ptr()
+    del first
+    stats = emu.pinned_memory_stats()
+    assert stats.allocated_bytes == before.allocated_bytes and stats.cached_bytes == 4096
+    second = torch.empty(700).pin_memory()  # 2800 bytes: the same size class
+    assert second.data_ptr() == address and emu.pinned_memory_stats().cached_bytes == 0
+    del second
+    emu.empty_pinned_cache()
+    assert emu.pinned_memory_stats().cached_bytes == 0
+    with emu.rules_set(pinned_cache=False):
+        third = torch.empty(1000).pin_memory()
+        del third
+        assert emu.pinned_memory_stats().cached_bytes == 0  # given back at once

@@ -33,7 +33,13 @@ constexpr DeviceIndex kDeviceCount = 4;
 
 thread_local DeviceIndex current_device = 0;
 thread_local StreamId current_stream[kDeviceCount] = {};
-std::atomic<StreamId> next_stream{1};
+// CUDA hands out the streams of a pool of 32 per device, round-robin, so a new torch.Stream may
+// be one handed out before (see [Note: emulated stream pool] in emu.py); without the rule, every
+// stream is new (ids above the pool's).
+constexpr StreamId kStreamsPerPool = 32;
+std::atomic<bool> stream_pool{false};
+std::atomic<int64_t> next_in_pool[kDeviceCount] = {};
+std::atomic<StreamId> next_stream{kStreamsPerPool + 1};
 
 // Happens-before between streams. A stream is keyed by (stream id, device); its ops are counted
 // in the order they are enqueued. A Clock says, per stream, how many of its ops are known done.
@@ -75,6 +81,20 @@ Clock host_seen;                                // what the host has waited for
 std::map<int64_t, Pending> pending;             // id -> copy; ids grow
 std::unordered_set<int64_t> finished;           // ids whose host side ran, until asked for
 int64_t next_pending = 1;
+// Whether Event.query() and Stream.query() answer as a GPU may: done only once the host has
+// waited for that work (see [Note: emulated event queries] in emu.py). Else they wait first.
+std::atomic<bool> honest_queries{false};
+// The streams autograd's engine handed gradients to (recordDataPtrOnStream).
+std::unordered_set<int64_t> autograd_recorded;
+
+// Whether the host knows every op in `clock` done (clock_mutex held).
+bool host_knows_locked(const Clock& clock) {
+  for (const auto& [key, count] : clock) {
+    auto known = host_seen.find(key);
+    if (count > 0 && (known == host_seen.end() || known->second < count)) return false;
+  }
+  return true;
+}
 
 // Run the host side of every pending copy the host now knows is done (clock_mutex held).
 // A download writes its data; an upload checks that the host left its source alone.
@@ -123,7 +143,11 @@ struct EmuGuard final : impl::DeviceGuardImplInterface {
     return Stream(Stream::UNSAFE, d, current_stream[d.index()]);
   }
   Stream getNewStream(Device d, int) const override {
-    return Stream(Stream::UNSAFE, indexed(d), next_stream++);
+    d = indexed(d);
+    if (stream_pool) {
+      return Stream(Stream::UNSAFE, d, 1 + next_in_pool[d.index()]++ % kStreamsPerPool);
+    }
+    return Stream(Stream::UNSAFE, d, next_stream++);
   }
   Stream exchangeStream(Stream s) const noexcept override {
     Device d = indexed(s.device());
@@ -152,6 +176,11 @@ struct EmuGuard final : impl::DeviceGuardImplInterface {
           static_cast<EventState*>(event)->clock);
   }
   bool queryEvent(void* event) const override {
+    if (event == nullptr) return true;  // never recorded: complete, as on CUDA
+    if (honest_queries) {
+      std::lock_guard<std::mutex> lock(clock_mutex);
+      return host_knows_locked(static_cast<EventState*>(event)->clock);
+    }
     synchronizeEvent(event);  // done at once; whoever asks may then read the results
     return true;
   }
@@ -160,6 +189,13 @@ struct EmuGuard final : impl::DeviceGuardImplInterface {
     delete static_cast<EventState*>(event);
   }
   bool queryStream(const Stream& stream) const override {
+    if (honest_queries) {
+      std::lock_guard<std::mutex> lock(clock_mutex);
+      int64_t key = stream_key(indexed(stream.device()).index(), stream.id());
+      auto known = host_seen.find(key);
+      int64_t count = enqueued[key];
+      return count == 0 || (known != host_seen.end() && known->second >= count);
+    }
     synchronizeStream(stream);
     return true;
   }
@@ -183,6 +219,14 @@ struct EmuGuard final : impl::DeviceGuardImplInterface {
     settle_locked();
   }
   double elapsedTime(void*, void*, const DeviceIndex) const override { return 0.0; }
+  // torch's autograd engine records a gradient it hands from one stream to another on the
+  // consumer stream (record_stream_any_impl), through this. An emulated tensor's own storage
+  // is a placeholder without data, so the tensor cannot be named here: the stream is
+  // remembered instead (see [Note: emulated allocator reuse] in emu.py).
+  void recordDataPtrOnStream(const c10::DataPtr&, const Stream& stream) const override {
+    std::lock_guard<std::mutex> lock(clock_mutex);
+    autograd_recorded.insert(stream_key(indexed(stream.device()).index(), stream.id()));
+  }
 };
 C10_REGISTER_GUARD_IMPL(PrivateUse1, EmuGuard);
 
@@ -225,6 +269,29 @@ int64_t roundpipe_emu_known(int64_t device, int64_t stream, int64_t wdevice, int
   if (key == wkey) return enqueued[key];
   auto it = seen[key].find(wkey);
   return it == seen[key].end() ? 0 : it->second;
+}
+
+// How many ops of stream (device, stream) the host has waited for.
+int64_t roundpipe_emu_host_known(int64_t device, int64_t stream) {
+  std::lock_guard<std::mutex> lock(clock_mutex);
+  auto it = host_seen.find(stream_key(device, stream));
+  return it == host_seen.end() ? 0 : it->second;
+}
+
+// How many ops have been enqueued on stream (device, stream).
+int64_t roundpipe_emu_enqueued(int64_t device, int64_t stream) {
+  std::lock_guard<std::mutex> lock(clock_mutex);
+  return enqueued[stream_key(device, stream)];
+}
+
+void roundpipe_emu_set_honest_queries(int on) { honest_queries = on != 0; }
+
+void roundpipe_emu_set_stream_pool(int on) { stream_pool = on != 0; }
+
+// Whether autograd's engine recorded gradients it handed to this stream.
+int roundpipe_emu_autograd_recorded(int64_t device, int64_t stream) {
+  std::lock_guard<std::mutex> lock(clock_mutex);
+  return autograd_recorded.count(stream_key(device, stream)) > 0 ? 1 : 0;
 }
 
 // Each stream waits for the other (a copy between devices orders both current streams).
@@ -284,10 +351,15 @@ namespace {
 // pin_memory() on the emulated accelerator: host memory from the CPU allocator, remembered so
 // that is_pinned() answers True for it and only for it. Each allocation takes the next power of
 // two of its size, as CUDA's caching host allocator rounds it (CachingHostAllocator.h, default
-// config), and is counted (see [Note: emulated pinned memory] in emu.py). Unlike CUDA's, a
-// freed block goes back to the CPU allocator at once (no cache).
+// config), and is counted (see [Note: emulated pinned memory] in emu.py). A freed rounded
+// block is kept for reuse by a request of its size, as CUDA's is (while the rule is on).
 std::mutex pinned_mutex;
 std::unordered_map<const void*, std::pair<int64_t, int64_t>> pinned;  // ptr -> (taken, asked)
+// Freed rounded blocks kept for reuse, by size, as CUDA's caching host allocator keeps them
+// (while the rule is on); a block is reused whole by a request of its size class.
+std::unordered_map<int64_t, std::vector<void*>> pinned_cache;
+bool pinned_caching = false;
+int64_t pinned_cached = 0;     // bytes in pinned_cache
 int64_t pinned_taken = 0;      // live bytes, rounded: what the host gives
 int64_t pinned_asked = 0;      // live bytes as requested
 int64_t pinned_peak = 0;       // the most pinned_taken has been since the last reset
@@ -306,13 +378,28 @@ void pinned_free(void* ptr) {
     std::lock_guard<std::mutex> lock(pinned_mutex);
     auto it = pinned.find(ptr);
     if (it != pinned.end()) {
-      pinned_taken -= it->second.first;
-      pinned_asked -= it->second.second;
+      const auto [taken, asked] = it->second;
+      pinned_taken -= taken;
+      pinned_asked -= asked;
       pinned_count -= 1;
       pinned.erase(it);
+      if (pinned_caching && taken > 0 && asked <= pinned_round_limit) {  // a rounded block
+        pinned_cache[taken].push_back(ptr);
+        pinned_cached += taken;
+        return;
+      }
     }
   }
   GetCPUAllocator()->raw_deallocate(ptr);
+}
+
+// Give the cached blocks back (pinned_mutex held).
+void pinned_empty_cache_locked() {
+  for (auto& [size, blocks] : pinned_cache) {
+    for (void* block : blocks) GetCPUAllocator()->raw_deallocate(block);
+  }
+  pinned_cache.clear();
+  pinned_cached = 0;
 }
 
 struct PinnedAllocator final : Allocator {
@@ -323,7 +410,17 @@ struct PinnedAllocator final : Allocator {
       taken = static_cast<int64_t>(nbytes) > pinned_round_limit ? nbytes : power_of_two_ceil(nbytes);
     }
     if (nbytes == 0) taken = 0;
-    void* ptr = GetCPUAllocator()->raw_allocate(taken ? taken : 1);
+    void* ptr = nullptr;
+    {
+      std::lock_guard<std::mutex> lock(pinned_mutex);
+      auto cached = pinned_cache.find(static_cast<int64_t>(taken));
+      if (taken > 0 && cached != pinned_cache.end() && !cached->second.empty()) {
+        ptr = cached->second.back();
+        cached->second.pop_back();
+        pinned_cached -= static_cast<int64_t>(taken);
+      }
+    }
+    if (ptr == nullptr) ptr = GetCPUAllocator()->raw_allocate(taken ? taken : 1);
     {
       std::lock_guard<std::mutex> lock(pinned_mutex);
       pinned[ptr] = {static_cast<int64_t>(taken), static_cast<int64_t>(nbytes)};
@@ -363,7 +460,8 @@ struct RegisterHooks {
 
 extern "C" {
 // The pinned host allocations: out[0] live bytes taken (rounded), out[1] live bytes asked,
-// out[2] peak of out[0] since the last reset, out[3] live allocations. reset: peak = live.
+// out[2] peak of out[0] since the last reset, out[3] live allocations, out[4] bytes cached for
+// reuse. reset: peak = live.
 void roundpipe_emu_set_pinned_round_limit(int64_t limit) {
   std::lock_guard<std::mutex> lock(pinned_mutex);
   pinned_round_limit = limit;
@@ -376,5 +474,19 @@ void roundpipe_emu_pinned_stats(int64_t* out, int reset) {
   out[1] = pinned_asked;
   out[2] = pinned_peak;
   out[3] = pinned_count;
+  out[4] = pinned_cached;
+}
+
+// Keep freed rounded pinned blocks for reuse (on != 0), or give them back at once.
+void roundpipe_emu_set_pinned_cache(int on) {
+  std::lock_guard<std::mutex> lock(pinned_mutex);
+  pinned_caching = on != 0;
+  if (!pinned_caching) pinned_empty_cache_locked();
+}
+
+void roundpipe_emu_empty_pinned_cache() {
+  std::lock_guard<std::mutex> lock(pinned_mutex);
+  pinned_empty_cache_locked();
 }
 }  // extern "C"
+
