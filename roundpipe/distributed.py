@@ -342,7 +342,9 @@ def _on_optimizer_thread(fn: Callable[[], Any]) -> Any:
 
 
 def _wait_result(item: Any) -> Any:
-    item.wait(report=False)  # its failure, if any, is raised by result() below, never lost
+    # Reported here, once: a wait that leaves the failure unclaimed raises it and leaves it in
+    # the optimizer thread's list too, which prints it again at exit as never waited for.
+    item.wait()
     return item.result()
 
 

@@ -407,6 +407,12 @@ class GradScaler:
         if not on_optimizer_thread():
             self._stepped_on_main = True
 
+    def _launch(self, fn: Any, *args: Any) -> optim_thread.WorkItem:
+        """The scaler's own back-side work, owned by it (see [Note: error reporting] in
+        roundpipe.optim_thread); it changes the scaler only, so a checkpoint's hold does not
+        stop it (its state was taken when the checkpoint's item ran)."""
+        return optim_thread.launch_work(fn, args, owners=(self,), touches=("scaler",))
+
     def _wait_last_item(self) -> None:
         item = self._last_item
         if item is not None:
@@ -649,7 +655,7 @@ class GradScaler:
             if launched:
                 optim_thread.wait_all()
             self._update_sync(new_value)
-        optim_thread.raise_failures()
+        optim_thread.raise_failures(self)
 
     def _check_new_scale(self, new_scale: float | torch.Tensor) -> torch.Tensor:
         assert self._front is not None  # update() checked the lazy init
@@ -685,9 +691,7 @@ class GradScaler:
             assert self._published is not None  # published by _lazy_init
             hand_out, copy = self._published.scale.clone(), self._published.numbers
         self._set_front(hand_out, copy)
-        self._pending = self._last_item = optim_thread.launch_item(
-            self._back_update, new_value, hand_out
-        )
+        self._pending = self._last_item = self._launch(self._back_update, new_value, hand_out)
 
     def _adopt(self, published: _Published) -> None:
         self._published = published
@@ -828,7 +832,8 @@ class GradScaler:
         what the pending update produced."""
         if on_optimizer_thread():
             return
-        optim_thread.synchronize()
+        optim_thread.wait_all()
+        optim_thread.raise_failures(self)
         item = self._last_item
         if item is not None:
             item.wait()
@@ -885,9 +890,7 @@ class GradScaler:
         if optim_thread.has_unwaited_launch() or (
             self._last_item is not None and not self._last_item.done()
         ):
-            self._last_item = optim_thread.launch_item(
-                self._apply_hyper, name, value, self._setter_seq
-            )
+            self._last_item = self._launch(self._apply_hyper, name, value, self._setter_seq)
         else:
             self._wait_last_item()
             self._apply_hyper(name, value, self._setter_seq)
