@@ -12,7 +12,7 @@ import math
 import threading
 import warnings
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -965,17 +965,45 @@ class GradScaler:
         if not self._enabled:
             return {}
         self._sync_back_side()
+        initialized = self._front is not None
+        return self._state_dict(
+            self._front_value() if initialized else self.get_scale(), initialized
+        )
+
+    def state_dict_in_order(self) -> Callable[[], dict[str, Any]]:
+        """For :mod:`roundpipe.checkpoint`, which takes the state without waiting: the front
+        side (the scale the next iteration multiplies by) now; the returned function, run on
+        the optimizer thread behind the work launched so far, returns what :meth:`state_dict`
+        would return now. Main thread; never blocks. Raises ``RuntimeError`` between a launched
+        step and :meth:`update` (the state then holds half an iteration: the step's overflow
+        check, which only ``update()`` consumes)."""
+        if not self._enabled:
+            return dict
+        if on_optimizer_thread():
+            raise RuntimeError("GradScaler.state_dict_in_order() is for the main thread")
+        if optim_thread.last_launch() != self._launch_mark or self._stepped_on_main:
+            raise RuntimeError(
+                "a checkpoint of this GradScaler was asked for between model.step() (or "
+                "scaler.step()) and scaler.update(): the scaler then holds half an iteration "
+                "that only update() completes. Save after scaler.update() (or before the step)"
+            )
+        initialized = self._front is not None
+        front = self._front_value() if initialized else self.get_scale()
+        return lambda: self._state_dict(front, initialized)
+
+    def _state_dict(self, front: float, initialized: bool) -> dict[str, Any]:
+        """The state dict with the front scale ``front``, where the back side may be read;
+        ``initialized``: whether the lazy init had run (read by the main thread)."""
         hyper = self._hyper
-        if self._front is None:
-            scale, front, tracker, skipped = (
+        if not initialized:
+            scale, tracker, skipped = (
                 self._init_scale,
-                self.get_scale(),
                 self._init_growth_tracker,
                 self._init_skipped,
             )
         else:
             newest, growth, skips = self._newest()
-            scale, front = newest.item(), self._front_value()
+            scale = newest.item()
             tracker, skipped = int(growth.item()), int(skips.item())
         return {
             "scale": scale,

@@ -46,7 +46,7 @@ from roundpipe.runtime.memory_plan import (
     trace_call,
 )
 from roundpipe.runtime.optimizer_ctx import ensure_optimizer_hook, in_optimizer_ctx, wrap_step
-from roundpipe.runtime.params import Params, check_state_dict
+from roundpipe.runtime.params import Params, StateAccess, check_state_dict
 from roundpipe.runtime.rng import RngMemo, learn_rng_use, restore_after_call
 from roundpipe.runtime.stage_ops import backward_to_inputs
 from roundpipe.runtime.stages import ModelStages, model_layers
@@ -243,6 +243,24 @@ class RoundPipe(nn.Module):
         Main thread; blocks until the optimizer thread has applied it."""
         check_main_thread("load_master_state_dict")
         self._params.load_masters(state_dict)
+
+    def state_access(self) -> StateAccess:
+        """For :mod:`roundpipe.checkpoint` (which saves and loads a model through it): the
+        wrapped module, the parameter records and masters, the device backends and the
+        pending-gradients flag. Main thread; never blocks."""
+        check_main_thread("state_access")
+
+        def set_pending(value: bool) -> None:
+            self._has_grads = bool(value)
+
+        return StateAccess(
+            module=self.module,
+            params=self._params,
+            backends=tuple(self._pool.backends),
+            owner=self,
+            pending_grads=lambda: self._has_grads,
+            set_pending_grads=set_pending,
+        )
 
     # -- config and plans ---------------------------------------------------------------------
     def plan(

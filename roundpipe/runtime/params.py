@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -29,6 +29,7 @@ __all__ = [
     "ParamsCopyFailed",
     "ParamsReady",
     "Params",
+    "StateAccess",
     "check_state_dict",
     "raise_copy_failure",
 ]
@@ -209,6 +210,22 @@ class Params:
             pairs.append((m, v))
         self.synchronize()
         self.launch(copy_pairs, pairs, touches=("masters",)).wait()
+
+
+@dataclasses.dataclass(frozen=True)
+class StateAccess:
+    """What :mod:`roundpipe.checkpoint` reads and restores of a model, without reaching into
+    it: the wrapped module, the parameter records and masters (``params``), the device
+    backends (their generators), and the model's main-thread flag "gradients accumulated since
+    the last step" (``pending_grads``/``set_pending_grads``). Made by
+    :meth:`roundpipe.RoundPipe.state_access`; main thread."""
+
+    module: nn.Module
+    params: Params
+    backends: Sequence[Any]
+    owner: Any
+    pending_grads: Callable[[], bool]
+    set_pending_grads: Callable[[bool], None]
 
 
 def check_state_dict(module: nn.Module, state_dict: Any, strict: bool) -> None:
