@@ -1020,6 +1020,7 @@ class GradScaler:
                 "steps": self._steps,
                 "skipped_steps": skipped,
                 "collapse_streak": self._collapse_streak,
+                "initialized": initialized,
             },
         }
 
@@ -1060,6 +1061,10 @@ class GradScaler:
             with self._init_lock:
                 self._front = None
             self._lazy_init(device)
+        elif extra.get("initialized", False):
+            # Saved after a scale() (e.g. between forward_backward and the step): the next call
+            # may be the step, which needs the scale before any scale() ran in this process.
+            self._lazy_init(torch.device(self._device))
 
     def __getstate__(self) -> dict[str, Any]:
         raise TypeError(

@@ -17,6 +17,7 @@ import json
 import os
 import platform
 import time
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -41,6 +42,7 @@ __all__ = [
     "verify_files",
     "version_problems",
     "list_checkpoints",
+    "fsync_tree",
     "roundpipe_version",
 ]
 
@@ -67,11 +69,19 @@ def write_manifest(directory: Path, manifest: dict[str, Any]) -> None:
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         **manifest,
     }
+    manifest["crc32"] = _body_crc32(manifest)
     data = json.dumps(manifest, indent=1).encode()
     with open(directory / MANIFEST, "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
+
+
+def _body_crc32(manifest: dict[str, Any]) -> int:
+    """The CRC-32 of the manifest without its own ``crc32`` entry, as JSON written the one way
+    (a flipped bit in a value that is still valid JSON is caught too)."""
+    body = {k: v for k, v in manifest.items() if k != "crc32"}
+    return zlib.crc32(json.dumps(body, indent=1).encode())
 
 
 class Checkpoint:
@@ -101,14 +111,23 @@ def read_manifest(path: Path) -> Checkpoint:
         raise CheckpointFormatError(
             f"{path} has no {MANIFEST}: it is not a complete roundpipe checkpoint (a save that "
             f"did not finish never has one; load the directory that holds the checkpoints to "
-            f"get the newest complete one)"
+            f"get the newest complete one); nothing was loaded"
         )
     try:
         manifest = json.loads(file.read_text())
     except ValueError as exc:
-        raise CheckpointFormatError(f"{file} is not valid JSON ({exc}): corrupt") from None
+        raise CheckpointFormatError(
+            f"{file} is not valid JSON ({exc}): corrupt; nothing was loaded"
+        ) from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise CheckpointFormatError(f"{file} is not a roundpipe checkpoint manifest")
+        raise CheckpointFormatError(
+            f"{file} is not a roundpipe checkpoint manifest; nothing was loaded"
+        )
+    if "crc32" in manifest and manifest["crc32"] != _body_crc32(manifest):
+        raise CheckpointFormatError(
+            f"{file} does not match its checksum: its contents changed after it was written; "
+            f"nothing was loaded"
+        )
     return Checkpoint(path, manifest)
 
 

@@ -166,7 +166,9 @@ def load(
 
 
 def _find(path: Path) -> Checkpoint:
-    if (path / MANIFEST).exists() or not path.is_dir():
+    """The checkpoint ``path`` names: itself (it has a manifest, or shards: an incomplete
+    one, refused by name), or the newest complete one in it."""
+    if (path / MANIFEST).exists() or not path.is_dir() or any(path.glob("*.safetensors")):
         return read_manifest(path)
     found = list_checkpoints(path)
     if not found:
