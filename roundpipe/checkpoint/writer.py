@@ -57,7 +57,8 @@ class PendingCheckpoint:
 
     Written by the writer thread (the byte counts, the future) and by the optimizer thread
     (``bytes_total``, the hand-over); read by any thread. On a data-parallel rank other than 0,
-    which writes nothing, it is done when the rank's state has been sent to rank 0.
+    which writes nothing, it is done when the rank's state has been sent to rank 0. Made by
+    :func:`save`, never by hand.
     """
 
     def __init__(self, path: Path, sequence: int, owners: tuple) -> None:
@@ -73,7 +74,7 @@ class PendingCheckpoint:
         self._listeners: list[Callable[[int, int], None]] = []
         self._listeners_lock = threading.Lock()
 
-    def attach(self, item: optim_thread.WorkItem) -> None:
+    def _attach(self, item: optim_thread.WorkItem) -> None:
         """Main thread, at the save: the work item that hands the state over."""
         self._item = item
 
@@ -92,8 +93,12 @@ class PendingCheckpoint:
             with self._listeners_lock:
                 self._listeners.append(listener)
         try:
-            if self._item is not None:
-                self._item.wait()  # the optimizer thread's part (raises its failure)
+            item = self._item
+            if item is not None and not item.wait():  # raises the hand-over's failure, once
+                raise RuntimeError(
+                    f"checkpoint {self.path} was not written: taking its state failed (the "
+                    f"error was reported earlier, by a call of the model)"
+                ) from item.exception()
             self._written.exception()
             failure = self._failure
             if failure is not None:
@@ -119,7 +124,7 @@ class PendingCheckpoint:
         return f"PendingCheckpoint({str(self.path)!r}, {state})"
 
     # -- writer thread --------------------------------------------------------------------
-    def advance(self, n: int) -> None:
+    def _advance(self, n: int) -> None:
         """Writer thread: ``n`` more bytes are written."""
         self.bytes_written += n
         with self._listeners_lock:
@@ -127,7 +132,7 @@ class PendingCheckpoint:
         for listener in listeners:
             listener(self.bytes_written, self.bytes_total)
 
-    def finish(self, exc: BaseException | None) -> None:
+    def _finish(self, exc: BaseException | None) -> None:
         """Writer (or optimizer) thread: settle the handle; a failure goes to the owners' next
         report too (see [Note: error reporting] in :mod:`roundpipe.optim_thread`)."""
         if exc is not None:
@@ -142,10 +147,11 @@ class PendingCheckpoint:
                 _PENDING.remove(self)
         self._written.set_result(None)
 
-    def fail_in_fork_child(self) -> None:
+    def _fail_in_fork_child(self) -> None:
         """In a fork child, where the writer thread does not exist: settle as failed."""
+        self._listeners_lock = threading.Lock()
         if not self._written.done():
-            self.finish(
+            self._finish(
                 optim_thread.ForkedWithPendingWork(
                     f"checkpoint {self.path} was being written when this process was forked; "
                     f"the write goes on in the parent only"
@@ -218,15 +224,14 @@ def save(
     if root_path.exists() and not root_path.is_dir():
         raise NotADirectoryError(f"save() writes checkpoints into a directory; {root} is a file")
     dp = distributed.data_parallel_rank()
-    rank = 0 if dp is None else dp[0]
-    capture = take_on_main_thread(model, optimizer, scheduler, scaler, extra, rank)
+    capture = take_on_main_thread(model, optimizer, scheduler, scaler, extra, dp[0] if dp else 0)
     path, sequence = _reserve(root_path, name)
     owners = tuple(o for o in (model, scaler) if o is not None)
     handle = PendingCheckpoint(path, sequence, owners)
     with _LOCK:
         _PENDING.append(handle)
-    job = _Job(handle, capture, export, keep_last, max_shard_bytes, dp)
-    handle.attach(optim_thread.launch_work(job.hand_over, owners=owners, touches=()))
+    job = _Job(handle, capture, export, keep_last, max_shard_bytes)
+    handle._attach(optim_thread.launch_work(job.hand_over, owners=owners, touches=()))
     _ensure_exit_hook()
     return handle
 
@@ -289,14 +294,12 @@ class _Job:
         export: hf_export.HFExport | None,
         keep_last: int | None,
         max_shard_bytes: int,
-        dp: tuple[int, int] | None,
     ) -> None:
         self.handle = handle
         self.capture: Capture | None = capture
         self.export = export
         self.keep_last = keep_last
         self.max_shard_bytes = max_shard_bytes
-        self.dp = dp
 
     def hand_over(self) -> None:
         """Optimizer thread, in launch order: complete the state, hold what the writer reads,
@@ -307,10 +310,10 @@ class _Job:
         try:
             completed = capture.complete(lambda data: distributed.gather_bytes(data, where))
         except BaseException:
-            self.handle.finish(None)  # the item's own failure is what wait() raises
+            self.handle._finish(None)  # the item's own failure is what wait() raises
             raise
         if completed.rank_files is None:  # a data-parallel rank other than 0 writes nothing
-            self.handle.finish(None)
+            self.handle._finish(None)
             return
         self.handle.writes = True
         self.handle.bytes_total = sum(
@@ -324,7 +327,7 @@ class _Job:
             _WRITER.enqueue(lambda: self.write(completed, capture, hold))
         except BaseException:
             hold.release()
-            self.handle.finish(None)
+            self.handle._finish(None)
             raise
 
     def write(self, completed: Completed, capture: Capture, hold: optim_thread.Hold) -> None:
@@ -342,7 +345,7 @@ class _Job:
                 index: dict[str, str] = {}
                 for group in GROUPS:
                     for fname, shard in self._shards(group, completed.groups[group], tmp):
-                        shard.write(handle.advance)
+                        shard.write(handle._advance)
                         files[fname] = {"bytes": shard.size, "crc32": shard.crc32}
                         index.update((key, fname) for key, _ in shard.tensors)
                     if group != "masters" or self.export is None:
@@ -388,9 +391,9 @@ class _Job:
             with contextlib.suppress(OSError):
                 if tmp.exists():
                     remove_dir(tmp)
-            handle.finish(exc)
+            handle._finish(exc)
         else:
-            handle.finish(None)
+            handle._finish(None)
 
     def _shards(
         self, group: str, tensors: list[tuple[str, torch.Tensor]], directory: Path
@@ -452,10 +455,13 @@ def _alive(pid: int) -> bool:
 
 
 def _after_fork_in_child() -> None:
-    with contextlib.suppress(Exception):
-        for handle in list(_PENDING):
-            handle.fail_in_fork_child()
+    """In a fork child (see [Note: fork] in roundpipe.optim_thread): fresh locks (the parent's
+    may have been held by a thread that is gone), and every pending checkpoint fails there."""
+    global _LOCK
+    _LOCK = threading.Lock()
     _EXIT_HOOK["registered"] = False
+    for handle in list(_PENDING):
+        handle._fail_in_fork_child()
 
 
 if hasattr(os, "register_at_fork"):
