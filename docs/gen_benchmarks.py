@@ -53,6 +53,15 @@ SECTIONS = [
         "work, and the gradient all-reduce's time per step on the optimizer thread.",
     ),
     (
+        "Checkpoints",
+        "checkpoint",
+        "benchmarks/bench_checkpoint.py",
+        "`roundpipe.checkpoint.save` (written behind the compute) against a synchronous "
+        "`torch.save` of the same state (with and without fsync), alternated in one run: the main "
+        "thread's stall per save, what the save costs the iterations after it, when the checkpoint "
+        "is complete, and the peak RSS during the save against the state's size (no second copy).",
+    ),
+    (
         "GPU",
         "gpu",
         "benchmarks/bench_gpu.py",

@@ -3,22 +3,22 @@ library's own source files (byte-level tokens; the corpus is already on every ma
 checkpoints that resume exactly.
 
     python examples/tiny_lm.py --steps 300                      # train, print losses, sample text
-    python examples/tiny_lm.py --steps 150 --save ckpt.pt       # stop at iteration 150 ...
-    python examples/tiny_lm.py --steps 300 --resume ckpt.pt     # ... continue to 300
+    python examples/tiny_lm.py --steps 150 --save ckpts         # stop at iteration 150 ...
+    python examples/tiny_lm.py --steps 300 --resume ckpts       # ... continue to 300
+    python examples/tiny_lm.py --steps 300 --save ckpts --save-every 50   # one every 50
 
 ``--steps`` is the iteration to stop at, counting the checkpoint's iterations: resuming a
 checkpoint at iteration 150 with ``--steps 100`` is refused, with the ``--steps`` that trains
 100 more.
 
 The two-part run prints the same losses and ends with the same parameters (the printed sha256)
-as the uninterrupted one, bit for bit. What that takes (docs/checkpointing.md):
-
-* the model's low-precision parameters (``model.state_dict()``) *and* the fp32 masters
-  (``model.master_state_dict()``): with the asynchronous step, iteration k computes with the
-  parameters of step k-2 while the masters already hold step k-1, so they differ;
-* the optimizer's and the scaler's state dicts, taken after ``scaler.update()``;
-* the global RNG state (dropout, and the per-call microbatch seed) and the data sampler's;
-* no ``model.synchronize()`` before saving: it would put step k-1 into the model early.
+as the uninterrupted one, bit for bit. ``roundpipe.checkpoint.save`` takes everything that
+takes (docs/checkpointing.md): the model's low-precision parameters as the next iteration
+computes with them and the fp32 masters (with the asynchronous step they differ), the optimizer
+and the scaler, the RNG states (dropout, the per-call microbatch seed), and ``extra``: here the
+iteration, the settings and the data sampler's generator. It writes while training goes on (a
+checkpoint every ``--save-every`` iterations costs the loop little), into a directory of
+checkpoints; ``roundpipe.checkpoint.load`` resumes from the newest one.
 
 The model is an ``nn.Sequential`` of stages: the embedding, ``--layers`` transformer blocks and
 the head, so each block is a stage that the pool's workers run in turn.
@@ -36,6 +36,7 @@ from torch import nn
 from tqdm import tqdm
 
 import roundpipe
+import roundpipe.checkpoint as ckpt
 from roundpipe import GradScaler, OptimizerCtx, RoundPipe, RoundPipeRunConfig
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
@@ -140,35 +141,32 @@ MODEL_KEYS = (
 )
 
 
-def save_checkpoint(path, iteration, args, model, opt, scaler, data_gen):
-    """Call after scaler.update() of iteration ``iteration - 1``, before model.synchronize()."""
-    state = {
-        "iteration": iteration,
-        "config": {k: getattr(args, k) for k in MODEL_KEYS},
-        "model": model.state_dict(),  # low-precision params the next iteration uses
-        "masters": model.master_state_dict(),  # fp32 masters after the newest step (waits)
-        "optimizer": opt.state_dict(),
-        "scaler": scaler.state_dict(),
-        "rng": {"torch": torch.get_rng_state(), "data": data_gen.get_state()},
-    }
-    torch.save(state, path)
+def save_checkpoint(root, iteration, args, model, opt, scaler, data_gen, keep_last=None):
+    """A checkpoint of the state before iteration ``iteration``, written in the background."""
+    return ckpt.save(
+        root,
+        model,
+        opt,
+        scaler=scaler,
+        extra={
+            "iteration": iteration,
+            "config": {k: getattr(args, k) for k in MODEL_KEYS},
+            "data": data_gen.get_state(),
+        },
+        keep_last=keep_last,
+    )
 
 
-def load_checkpoint(path, args, model, opt, scaler, data_gen):
-    state = torch.load(path, weights_only=True)
+def load_checkpoint(root, args, model, opt, scaler, data_gen):
+    """Resume from the newest checkpoint in ``root``; returns its iteration."""
+    extra = ckpt.load(root, model, opt, scaler=scaler)
     config = {k: getattr(args, k) for k in MODEL_KEYS}
-    if state["config"] != config:
-        diff = {
-            k: (state["config"].get(k), v) for k, v in config.items() if state["config"].get(k) != v
-        }
-        raise SystemExit(f"{path} was saved with other settings (checkpoint, now): {diff}")
-    model.load_state_dict(state["model"])  # the model's params, then ...
-    model.load_master_state_dict(state["masters"])  # ... the masters, which differ from them
-    opt.load_state_dict(state["optimizer"])
-    scaler.load_state_dict(state["scaler"])
-    torch.set_rng_state(state["rng"]["torch"])
-    data_gen.set_state(state["rng"]["data"])
-    return state["iteration"]
+    if extra["config"] != config:
+        saved = extra["config"]
+        diff = {k: (saved.get(k), v) for k, v in config.items() if saved.get(k) != v}
+        raise SystemExit(f"{root} was saved with other settings (checkpoint, now): {diff}")
+    data_gen.set_state(extra["data"])
+    return extra["iteration"]
 
 
 def params_digest(model):
@@ -224,8 +222,18 @@ def main():
         default=300,
         help="train until this iteration (total, counting a resumed run's earlier steps)",
     )
-    parser.add_argument("--save", metavar="PATH", help="save a checkpoint after the last step")
-    parser.add_argument("--resume", metavar="PATH", help="continue from a checkpoint")
+    parser.add_argument(
+        "--save", metavar="DIR", help="save a checkpoint into DIR (a directory of them) at the end"
+    )
+    parser.add_argument(
+        "--save-every",
+        type=int,
+        default=0,
+        help="with --save: also every N iterations, keeping the newest 2 (0: only at the end)",
+    )
+    parser.add_argument(
+        "--resume", metavar="DIR", help="continue from the newest checkpoint in DIR"
+    )
     parser.add_argument("--dim", type=int, default=64, help="model width (default 64)")
     parser.add_argument(
         "--heads", type=int, default=4, help="attention heads per block (default 4)"
@@ -339,12 +347,19 @@ def main():
             bar.set_postfix(loss=f"{value:.3f}", scale=f"{scaler.get_scale():g}")
         model.step(lambda: (scaler.step(opt), opt.zero_grad()))
         scaler.update()
+        if (
+            args.save
+            and args.save_every
+            and (it + 1) % args.save_every == 0
+            and it + 1 < args.steps
+        ):
+            save_checkpoint(args.save, it + 1, args, model, opt, scaler, data_gen, keep_last=2)
 
     if args.save:
-        save_checkpoint(args.save, args.steps, args, model, opt, scaler, data_gen)
-        print(f"saved checkpoint at iteration {args.steps} to {args.save}")
+        path = save_checkpoint(args.save, args.steps, args, model, opt, scaler, data_gen).wait()
+        print(f"saved checkpoint at iteration {args.steps} to {path}")
     print(f"params sha256: {params_digest(model)}")
-    model.synchronize()  # after saving: the model now holds the newest masters
+    model.synchronize()  # the model now holds the newest masters, for plain PyTorch below
     val = evaluate(model, val_tokens, args, dtype)
     print(f"validation loss: {val:.4f} ({val / math.log(2):.3f} bits per byte; uniform: 8)")
     if args.sample:

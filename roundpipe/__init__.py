@@ -6,7 +6,7 @@ the optimizer updates live in host memory; microbatches flow through the stages 
 thread. See README.md and docs/.
 """
 
-from roundpipe import distributed, optim, optim_thread
+from roundpipe import checkpoint, distributed, optim, optim_thread
 from roundpipe.context import WithContext
 from roundpipe.grad_scaler import GradScaler, ScaleCollapseWarning, ScalerSnapshot
 from roundpipe.host_memory import HostMemoryError, host_memory_available, pin_module
@@ -46,6 +46,7 @@ __all__ = [
     "StageNotTraceable",
     "host_memory_available",
     "pin_module",
+    "checkpoint",
     "distributed",
     "optim",
     "optim_thread",

@@ -41,6 +41,8 @@ __all__ = [
     "DataParallel",
     "DataParallelError",
     "Bucket",
+    "data_parallel_rank",
+    "gather_bytes",
     "init_process_group",
     "plan_buckets",
     "shard",
@@ -342,7 +344,9 @@ def _on_optimizer_thread(fn: Callable[[], Any]) -> Any:
 
 
 def _wait_result(item: Any) -> Any:
-    item.wait(report=False)  # its failure, if any, is raised by result() below, never lost
+    # Reported here, once: a wait that leaves the failure unclaimed raises it and leaves it in
+    # the optimizer thread's list too, which prints it again at exit as never waited for.
+    item.wait()
     return item.result()
 
 
@@ -404,6 +408,45 @@ def agree_found_inf(
     agreed = _on_optimizer_thread(reduce)
     # After the gradient all-reduce every rank has the same gradients, so the same devices.
     return {like.device: agreed} if found_per_device else {}
+
+
+def data_parallel_rank() -> tuple[int, int] | None:
+    """``(rank, world size)`` of this process's data-parallel group, None without one (no open
+    :class:`DataParallel`). Any thread; never blocks."""
+    group = _ACTIVE
+    return None if group is None else (group.rank, group.world)
+
+
+def gather_bytes(payload: bytes, what: str) -> list[bytes] | None:
+    """Every rank's ``payload`` on rank 0 (in rank order), None on the other ranks and
+    ``[payload]`` without data parallelism. A collective: every rank calls it at the same
+    point of its launched work (a checkpoint's work item), on the optimizer thread. Raises
+    :class:`DataParallelError` naming ``what`` if it fails."""
+    group = _ACTIVE
+    if group is None:
+        return [payload]
+    if not optim_thread.on_optimizer_thread():
+        raise RuntimeError("gather_bytes() runs on the optimizer thread (in launched work)")
+    group.check_usable(what)
+    try:
+        with group.device_scope():
+            sizes = [
+                torch.zeros(1, dtype=torch.int64, device=group.device) for _ in range(group.world)
+            ]
+            mine = torch.tensor([len(payload)], dtype=torch.int64, device=group.device)
+            group.wait(dist.all_gather(sizes, mine, group=group.pg, async_op=True))
+            longest = max(int(n.item()) for n in sizes)
+            data = torch.zeros(longest, dtype=torch.uint8)
+            if payload:
+                data[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+            data = data.to(group.device)
+            parts = [torch.empty_like(data) for _ in range(group.world)]
+            group.wait(dist.all_gather(parts, data, group=group.pg, async_op=True))
+    except Exception as exc:
+        raise group.failed(what, exc) from exc
+    if group.rank != 0:
+        return None
+    return [bytes(p[: int(n.item())].cpu().numpy()) for p, n in zip(parts, sizes)]
 
 
 # -- DataParallel -----------------------------------------------------------------------------

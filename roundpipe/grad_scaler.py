@@ -12,7 +12,7 @@ import math
 import threading
 import warnings
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -407,6 +407,12 @@ class GradScaler:
         if not on_optimizer_thread():
             self._stepped_on_main = True
 
+    def _launch(self, fn: Any, *args: Any) -> optim_thread.WorkItem:
+        """The scaler's own back-side work, owned by it (see [Note: error reporting] in
+        roundpipe.optim_thread); it changes the scaler only, so a checkpoint's hold does not
+        stop it (its state was taken when the checkpoint's item ran)."""
+        return optim_thread.launch_work(fn, args, owners=(self,), touches=("scaler",))
+
     def _wait_last_item(self) -> None:
         item = self._last_item
         if item is not None:
@@ -649,7 +655,7 @@ class GradScaler:
             if launched:
                 optim_thread.wait_all()
             self._update_sync(new_value)
-        optim_thread.raise_failures()
+        optim_thread.raise_failures(self)
 
     def _check_new_scale(self, new_scale: float | torch.Tensor) -> torch.Tensor:
         assert self._front is not None  # update() checked the lazy init
@@ -685,9 +691,7 @@ class GradScaler:
             assert self._published is not None  # published by _lazy_init
             hand_out, copy = self._published.scale.clone(), self._published.numbers
         self._set_front(hand_out, copy)
-        self._pending = self._last_item = optim_thread.launch_item(
-            self._back_update, new_value, hand_out
-        )
+        self._pending = self._last_item = self._launch(self._back_update, new_value, hand_out)
 
     def _adopt(self, published: _Published) -> None:
         self._published = published
@@ -828,7 +832,8 @@ class GradScaler:
         what the pending update produced."""
         if on_optimizer_thread():
             return
-        optim_thread.synchronize()
+        optim_thread.wait_all()
+        optim_thread.raise_failures(self)
         item = self._last_item
         if item is not None:
             item.wait()
@@ -885,9 +890,7 @@ class GradScaler:
         if optim_thread.has_unwaited_launch() or (
             self._last_item is not None and not self._last_item.done()
         ):
-            self._last_item = optim_thread.launch_item(
-                self._apply_hyper, name, value, self._setter_seq
-            )
+            self._last_item = self._launch(self._apply_hyper, name, value, self._setter_seq)
         else:
             self._wait_last_item()
             self._apply_hyper(name, value, self._setter_seq)
@@ -962,17 +965,45 @@ class GradScaler:
         if not self._enabled:
             return {}
         self._sync_back_side()
+        initialized = self._front is not None
+        return self._state_dict(
+            self._front_value() if initialized else self.get_scale(), initialized
+        )
+
+    def state_dict_in_order(self) -> Callable[[], dict[str, Any]]:
+        """For :mod:`roundpipe.checkpoint`, which takes the state without waiting: the front
+        side (the scale the next iteration multiplies by) now; the returned function, run on
+        the optimizer thread behind the work launched so far, returns what :meth:`state_dict`
+        would return now. Main thread; never blocks. Raises ``RuntimeError`` between a launched
+        step and :meth:`update` (the state then holds half an iteration: the step's overflow
+        check, which only ``update()`` consumes)."""
+        if not self._enabled:
+            return dict
+        if on_optimizer_thread():
+            raise RuntimeError("GradScaler.state_dict_in_order() is for the main thread")
+        if optim_thread.last_launch() != self._launch_mark or self._stepped_on_main:
+            raise RuntimeError(
+                "a checkpoint of this GradScaler was asked for between model.step() (or "
+                "scaler.step()) and scaler.update(): the scaler then holds half an iteration "
+                "that only update() completes. Save after scaler.update() (or before the step)"
+            )
+        initialized = self._front is not None
+        front = self._front_value() if initialized else self.get_scale()
+        return lambda: self._state_dict(front, initialized)
+
+    def _state_dict(self, front: float, initialized: bool) -> dict[str, Any]:
+        """The state dict with the front scale ``front``, where the back side may be read;
+        ``initialized``: whether the lazy init had run (read by the main thread)."""
         hyper = self._hyper
-        if self._front is None:
-            scale, front, tracker, skipped = (
+        if not initialized:
+            scale, tracker, skipped = (
                 self._init_scale,
-                self.get_scale(),
                 self._init_growth_tracker,
                 self._init_skipped,
             )
         else:
             newest, growth, skips = self._newest()
-            scale, front = newest.item(), self._front_value()
+            scale = newest.item()
             tracker, skipped = int(growth.item()), int(skips.item())
         return {
             "scale": scale,
@@ -989,6 +1020,7 @@ class GradScaler:
                 "steps": self._steps,
                 "skipped_steps": skipped,
                 "collapse_streak": self._collapse_streak,
+                "initialized": initialized,
             },
         }
 
@@ -1029,6 +1061,10 @@ class GradScaler:
             with self._init_lock:
                 self._front = None
             self._lazy_init(device)
+        elif extra.get("initialized", False):
+            # Saved after a scale() (e.g. between forward_backward and the step): the next call
+            # may be the step, which needs the scale before any scale() ran in this process.
+            self._lazy_init(torch.device(self._device))
 
     def __getstate__(self) -> dict[str, Any]:
         raise TypeError(

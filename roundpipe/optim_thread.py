@@ -38,7 +38,7 @@ import sys
 import threading
 import traceback
 from _thread import get_ident
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -52,6 +52,11 @@ __all__ = [
     "WorkItem",
     "launch_step",
     "launch_item",
+    "launch_work",
+    "Hold",
+    "hold",
+    "record_failure",
+    "ForkedWithPendingWork",
     "wait_all",
     "raise_failures",
     "has_pending_work",
@@ -88,6 +93,25 @@ __all__ = [
 # once (the first is raised, the others are attached to it as notes). A failure is reported
 # exactly once; afterwards the thread, the scaler and the model are usable again, so the user
 # can always save a checkpoint.
+# Failures belong to their owners: an item launched with ``owners`` (the model whose step,
+# gradient move or parameter copy it is, the scalers its step function uses) is reported by
+# ``raise_failures(owner)`` of one of those owners only, so with two models in a process a
+# failure of model A's step is raised at A's next call, never at B's. An item without owners
+# (a user's ``launch``) belongs to everyone: any owner's next report raises it. ``synchronize()``
+# and ``raise_failures()`` without an owner report every failure.
+
+
+# [Note: holds]
+# A checkpoint is written while the next iterations compute, without copying the state it
+# writes (see roundpipe/checkpoint/writer.py). Its work item, which runs where the consistent
+# state is (in launch order on this thread), takes a ``Hold`` on the parts of the state the
+# writer still reads ("params", "masters", "optimizer", "grads"). Before running an item, the
+# thread waits while a hold covers a part the item declares it touches (``launch_work(...,
+# touches=...)``); an item that declares nothing (a step: user code may touch anything) waits
+# for every hold. So a gradient move (touches "grads") passes a hold of the masters, while the
+# next step waits for the write, not the main thread. The writer releases parts as it finishes
+# them, and all of them whatever happens to it (``Hold.release`` in a ``finally``), so a wait
+# for a hold never outlives the write.
 
 
 def add_note(exc: BaseException, note: str) -> None:
@@ -107,14 +131,25 @@ class WorkItem(Future):
     Made by :func:`launch_step` and :func:`launch_item`, never by hand.
     """
 
-    __slots__ = ("fn", "args", "kwargs", "seq", "_owner")
+    __slots__ = ("fn", "args", "kwargs", "seq", "owners", "touches", "_owner")
 
-    def __init__(self, owner: _OptimizerThread, fn: Callable, args: tuple, kwargs: dict, seq: int):
+    def __init__(
+        self,
+        owner: _OptimizerThread,
+        fn: Callable | None,
+        args: tuple,
+        kwargs: dict,
+        seq: int,
+        owners: tuple = (),
+        touches: frozenset[str] | None = None,
+    ):
         super().__init__()
         self.fn: Callable | None = fn
         self.args: tuple | None = args
         self.kwargs: dict | None = kwargs
         self.seq = seq
+        self.owners = owners  # see [Note: error reporting]
+        self.touches = touches  # see [Note: holds]; None: anything
         self._owner = owner
 
     def __call__(self) -> None:
@@ -123,15 +158,22 @@ class WorkItem(Future):
         self.args = self.kwargs = None  # free tensors held by the closure's arguments
         assert self.fn is not None and args is not None and kwargs is not None  # runs once
         try:
+            self._owner.pass_holds(self.touches)
             self.run(functools.partial(self.fn, *args, **kwargs))
         finally:
             self.fn = None  # the newest item stays referenced (wait_all): free its closure
             self._owner.note_ran(self.seq)  # see [Note: steps and items]
 
+    def belongs_to(self, owner: Any) -> bool:
+        """Whether ``owner``'s report raises this item's failure (see [Note: error
+        reporting]). Any thread; never blocks."""
+        return not self.owners or any(o is owner for o in self.owners)
+
     def set_exception(self, exc: BaseException) -> None:
         """Optimizer thread, when the callable raised: note where, record the failure for
         :func:`raise_failures`, then settle the item. Not for callers."""
-        add_note(exc, f"[roundpipe optimizer thread] raised while running {_describe(self.fn)}")
+        if self.fn is not None:
+            add_note(exc, f"[roundpipe optimizer thread] raised while running {_describe(self.fn)}")
         self._exception = exc
         self._owner._record_failure(self)  # before _done: a waiter then finds it to claim
         super().set_exception(exc)
@@ -205,6 +247,12 @@ class _OptimizerThread:
         self._newest: WorkItem | None = None
         self._failures: list[WorkItem] = []
         self._failure_total = 0  # failures ever recorded
+        # Launched items that have not finished running, by seq (for a fork child, see
+        # [Note: fork]); guarded by _lock.
+        self._unfinished: dict[int, WorkItem] = {}
+        # Active holds (see [Note: holds]); guarded by _holds_changed's lock.
+        self._holds: list[Hold] = []
+        self._holds_changed = threading.Condition(threading.Lock())
 
     @property
     def _thread(self) -> threading.Thread | None:
@@ -216,17 +264,46 @@ class _OptimizerThread:
     # -- submission ---------------------------------------------------------------------------
     def note_ran(self, seq: int) -> None:
         """Optimizer thread: item ``seq`` has run (see [Note: steps and items])."""
+        with self._lock:
+            self._unfinished.pop(seq, None)
         self._ran_seq = seq
 
-    def submit(self, fn: Callable, args: tuple, kwargs: dict, track: bool) -> WorkItem:
+    def submit(
+        self,
+        fn: Callable,
+        args: tuple,
+        kwargs: dict,
+        track: bool,
+        owners: tuple = (),
+        touches: frozenset[str] | None = None,
+    ) -> WorkItem:
         with self._lock:
-            item = WorkItem(self, fn, args, kwargs, self._seq + 1)
+            item = WorkItem(self, fn, args, kwargs, self._seq + 1, owners, touches)
             self._worker.enqueue(item)  # under _lock: FIFO order is launch order
             self._seq += 1
+            self._unfinished[item.seq] = item
             self._newest = item
             if track:
                 self._tracked_seq = self._seq
         return item
+
+    # -- holds (see [Note: holds]) ------------------------------------------------------------
+    def add_hold(self, hold: Hold) -> None:
+        with self._holds_changed:
+            self._holds.append(hold)
+
+    def release_hold(self, hold: Hold, parts: frozenset[str] | None) -> None:
+        with self._holds_changed:
+            hold.parts = frozenset() if parts is None else hold.parts - parts
+            if not hold.parts and hold in self._holds:
+                self._holds.remove(hold)
+            self._holds_changed.notify_all()
+
+    def pass_holds(self, touches: frozenset[str] | None) -> None:
+        """Optimizer thread, before an item runs: wait while a hold covers what it touches."""
+        with self._holds_changed:
+            while any(h.blocks(touches) for h in self._holds):
+                self._holds_changed.wait()
 
     # -- waiting ------------------------------------------------------------------------------
     def synchronize(self) -> None:
@@ -275,12 +352,24 @@ class _OptimizerThread:
                 return False
             return True
 
-    def raise_failures(self) -> None:
-        """Non-blocking: raise the unreported failures, if any (the first, the rest as notes)."""
+    def record_failure(self, exc: BaseException, owners: tuple) -> WorkItem:
+        """Another thread's failure (the checkpoint writer's) into the list of unreported
+        failures, as a settled item that waits and reports like a launched one."""
+        item = WorkItem(self, None, (), {}, 0, owners, None)
+        item.set_exception(exc)
+        return item
+
+    def raise_failures(self, owner: Any = None) -> None:
+        """Non-blocking: raise the unreported failures that ``owner`` reports (all of them
+        without one), if any (the first, the rest as notes)."""
         if on_optimizer_thread():
             return
         with self._lock:
-            failures, self._failures = self._failures, []
+            if owner is None:
+                failures, self._failures = self._failures, []
+            else:
+                failures = [f for f in self._failures if f.belongs_to(owner)]
+                self._failures = [f for f in self._failures if not f.belongs_to(owner)]
         if not failures:
             return
         # Told of its failure, the caller has waited for it (and, FIFO, for all before it).
@@ -309,6 +398,68 @@ class _OptimizerThread:
             )
             traceback.print_exception(type(exc), exc, exc.__traceback__, file=sys.stderr)
 
+    # -- fork (see [Note: fork]) ----------------------------------------------------------------
+    def after_fork_in_child(self) -> None:
+        """In a fork child (the only thread there): fresh locks, no optimizer thread yet (the
+        next launch starts one), and every item the parent had not finished running fails
+        with :class:`ForkedWithPendingWork`, for the child's next call that depends on it."""
+        self._lock = threading.Lock()
+        self._holds_changed = threading.Condition(threading.Lock())
+        self._holds = []
+        self._ident = None
+        unfinished = sorted(self._unfinished.items())
+        self._unfinished = {}
+        for _, item in unfinished:
+            if not item.done():
+                item.fn = item.args = item.kwargs = None
+                item.set_exception(
+                    ForkedWithPendingWork(
+                        f"this process is a fork (os.fork()) of one whose roundpipe optimizer "
+                        f"thread had not finished work launched there (item {item.seq}); that "
+                        f"work did not run here, so the state it would have changed is not what "
+                        f"the parent has. Before forking a process that uses roundpipe, call "
+                        f"model.synchronize() (or roundpipe.optim_thread.synchronize()), or "
+                        f"start it with multiprocessing's 'spawn' method"
+                    )
+                )
+        if unfinished:
+            self._ran_seq = self._seq
+
+
+class Hold:
+    """Parts of the training state that work running beside the optimizer thread (a checkpoint
+    write) still reads; items that touch them wait (see [Note: holds]). Made by :func:`hold` on
+    the optimizer thread; released by the thread that reads, in parts or all at once.
+    ``parts`` is guarded by the optimizer thread's hold lock."""
+
+    def __init__(self, parts: frozenset[str]) -> None:
+        self.parts = parts
+
+    def blocks(self, touches: frozenset[str] | None) -> bool:
+        """Whether an item that touches ``touches`` (None: anything) must wait. Under the hold
+        lock."""
+        return bool(self.parts) and (touches is None or bool(self.parts & touches))
+
+    def release(self, parts: Iterable[str] | None = None) -> None:
+        """Let items that touch ``parts`` (None: every part) run again. Any thread; never
+        blocks beyond the hold lock; idempotent."""
+        _EXECUTOR.release_hold(self, None if parts is None else frozenset(parts))
+
+
+class ForkedWithPendingWork(RuntimeError):
+    """Work launched on the optimizer thread had not run when the process forked; raised in the
+    child at its next call that depends on that work (see [Note: fork])."""
+
+
+# [Note: fork]
+# os.fork() copies the forking thread only: the child has no optimizer thread and no device
+# workers, while their objects say they run, so a call there would wait forever. In the child,
+# every WorkerThread returns to "not started" with a fresh queue (the next job starts a thread,
+# roundpipe/workers.py), this module's locks are new, and the items the parent had not finished
+# fail with ForkedWithPendingWork (the state they would have changed is not the parent's): the
+# child's next dependent call raises it, and after that, or when nothing was pending (the
+# parent synchronized before forking), the child trains on its own threads.
+
 
 _EXECUTOR = _OptimizerThread()
 
@@ -329,10 +480,10 @@ def launch(fn: Callable, *args: Any, **kwargs: Any) -> None:
 
 
 # Checks a launched function must pass (roundpipe.step_check registers its own); any thread.
-_LAUNCH_CHECKS: list[Callable[[Callable], None]] = []
+_LAUNCH_CHECKS: list[Callable[[Callable], Any]] = []
 
 
-def register_launch_check(check: Callable[[Callable], None]) -> None:
+def register_launch_check(check: Callable[[Callable], Any]) -> None:
     """Run ``check(fn)`` on every function :func:`launch` is given, before it is queued; it
     raises to refuse ``fn``. For roundpipe's own modules (:mod:`roundpipe.step_check`), which
     sit above this one. Any thread; call it at import."""
@@ -351,6 +502,56 @@ def launch_item(fn: Callable, *args: Any, **kwargs: Any) -> WorkItem:
     :class:`WorkItem`. Unlike :func:`launch` it is not a step: it does not make
     :func:`has_unwaited_launch` true. Any thread; never blocks."""
     return _EXECUTOR.submit(fn, args, kwargs, track=False)
+
+
+def launch_work(
+    fn: Callable,
+    args: tuple = (),
+    kwargs: dict[str, Any] | None = None,
+    *,
+    step: bool = False,
+    owners: Iterable[Any] = (),
+    touches: Iterable[str] | None = None,
+) -> WorkItem:
+    """The general launch: queue ``fn(*args, **kwargs)`` and return its :class:`WorkItem`.
+    ``step``: user work (as :func:`launch_step`) or library work (as :func:`launch_item`).
+    ``owners``: the objects (a model, a scaler) whose report raises its failure (see
+    [Note: error reporting]; none: every report). ``touches``: the parts of the training state
+    it changes (``"params"``, ``"masters"``, ``"grads"``, ``"optimizer"``, ``"scaler"``), so
+    that it waits only for the holds on those (see [Note: holds]); None (user code): it waits
+    for every hold. Any thread; never blocks."""
+    return _EXECUTOR.submit(
+        fn,
+        tuple(args),
+        dict(kwargs or {}),
+        track=step,
+        owners=tuple(owners),
+        touches=None if touches is None else frozenset(touches),
+    )
+
+
+def hold(parts: Iterable[str]) -> Hold:
+    """On the optimizer thread, inside a launched item: from the next item on, items that
+    touch any of ``parts`` wait until the returned :class:`Hold` releases them (see
+    [Note: holds]). The caller must release it (``Hold.release``) whatever happens. Raises
+    ``RuntimeError`` on any other thread (there the order of items is not known)."""
+    if not on_optimizer_thread():
+        raise RuntimeError(
+            "optim_thread.hold() is taken inside work launched on the optimizer thread, where "
+            "the launch order says which items come after it; launch a function that takes it"
+        )
+    h = Hold(frozenset(parts))
+    if h.parts:
+        _EXECUTOR.add_hold(h)
+    return h
+
+
+def record_failure(exc: BaseException, owners: Iterable[Any] = ()) -> WorkItem:
+    """Record ``exc``, raised by library work on another thread beside the optimizer thread
+    (the checkpoint writer), as a failure that ``owners``' next report raises (see
+    [Note: error reporting]); returns the settled :class:`WorkItem`, whose ``wait()`` reports
+    it instead. Any thread; never blocks."""
+    return _EXECUTOR.record_failure(exc, tuple(owners))
 
 
 def synchronize() -> None:
@@ -374,11 +575,13 @@ def wait_all() -> None:
     _EXECUTOR.wait_all()
 
 
-def raise_failures() -> None:
+def raise_failures(owner: Any = None) -> None:
     """Raise the failures of launched work that no call has reported yet (the oldest, with the
-    others attached as notes); nothing if there are none. Never blocks: work still queued is
-    not waited for. Any thread; a no-op on the optimizer thread."""
-    _EXECUTOR.raise_failures()
+    others attached as notes); nothing if there are none. With ``owner``, only the failures
+    that belong to it (see [Note: error reporting]): those of work launched with it among its
+    owners, and of work launched without owners. Never blocks: work still queued is not waited
+    for. Any thread; a no-op on the optimizer thread."""
+    _EXECUTOR.raise_failures(owner)
 
 
 def has_pending_work() -> bool:
@@ -508,3 +711,7 @@ def use_default_num_threads(num_devices: int) -> None:
         n = default_num_threads(num_devices)
         if _threads["count"] != n:
             _apply_num_threads(n)
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_EXECUTOR.after_fork_in_child)

@@ -168,19 +168,24 @@ def _attributes(value: Any) -> Any:
         return None
 
 
-def check_step_fn(step_fn: Callable) -> None:
+def check_step_fn(step_fn: Callable) -> list[grad_scaler.GradScaler]:
     """When ``model.step(step_fn)`` or ``optim_thread.launch`` launches it (any thread but the
     optimizer thread, usually the main thread): raise ``RuntimeError`` if the
     step function refers to a ``torch.amp.GradScaler``; mark the ``roundpipe.GradScaler`` it
     refers to as used by steps and guard the optimizers it refers to (see
-    [Note: what a step shares]). Never blocks."""
+    [Note: what a step shares]). Returns those roundpipe scalers (the step's failure is theirs
+    too, see [Note: error reporting] in :mod:`roundpipe.optim_thread`). Never blocks."""
+    scalers: list[grad_scaler.GradScaler] = []
     for where, obj in _referenced_objects(step_fn):
         if _foreign_scaler(obj):
             raise _foreign_scaler_error(f"{where} of the step function")
         if issubclass(type(obj), grad_scaler.GradScaler):
             grad_scaler.note_used_by_steps(obj)
+            if not any(s is obj for s in scalers):
+                scalers.append(obj)
         elif issubclass(type(obj), torch.optim.Optimizer):
             guard_optimizer(obj)
+    return scalers
 
 
 _TORCH_SCALER_STEP_CODES = frozenset(

@@ -6,7 +6,9 @@
 * :class:`WorkerThread`: one daemon thread, started on first use, that runs submitted jobs in
   submission order (FIFO, through a ``queue.SimpleQueue``). Its lifecycle is an explicit state;
   a submission after shutdown raises ``RuntimeError``; :meth:`WorkerThread.shutdown` drains the
-  queue, is idempotent, and runs at interpreter exit for every started worker.
+  queue, is idempotent, and runs at interpreter exit for every started worker. In a child of
+  ``os.fork()``, where the thread does not exist, it is "not started" again (see [Note: fork] in
+  :mod:`roundpipe.optim_thread`).
 
 :mod:`roundpipe.devices` builds one worker per device on it (``get_worker``), and
 :mod:`roundpipe.optim_thread` the optimizer thread, whose work items are futures that also
@@ -17,12 +19,14 @@ from __future__ import annotations
 
 import atexit
 import enum
+import os
 import queue
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["Future", "WorkerThread"]
+__all__ = ["Future", "WorkerThread", "in_fork_child"]
 
 
 class Future:
@@ -80,6 +84,29 @@ class Future:
         return self._result
 
 
+# Every WorkerThread, for the fork handler below.
+_ALL_WORKERS: weakref.WeakSet[WorkerThread] = weakref.WeakSet()
+
+
+_FORK = {"child": False}  # whether this process is a fork child of one that imported roundpipe
+
+
+def _after_fork_in_child() -> None:
+    _FORK["child"] = True
+    for worker in list(_ALL_WORKERS):
+        worker.after_fork_in_child()
+
+
+def in_fork_child() -> bool:
+    """Whether this process was made by ``os.fork()`` from one that had imported roundpipe.
+    Any thread; never blocks."""
+    return _FORK["child"]
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 class _State(enum.Enum):
     NOT_STARTED = "not started"
     RUNNING = "running"
@@ -114,6 +141,19 @@ class WorkerThread:
         self._lock = threading.Lock()
         self._state = _State.NOT_STARTED
         self._thread: threading.Thread | None = None
+        _ALL_WORKERS.add(self)
+
+    def after_fork_in_child(self) -> None:
+        """In a fork child, where this thread does not exist: a fresh lock and queue (the
+        parent's may have been held by a thread that is gone), and "not started" unless it was
+        shut down, so the next job starts a thread here. Jobs queued in the parent are dropped
+        with the old queue (their futures are the optimizer thread's concern, see
+        [Note: fork] in :mod:`roundpipe.optim_thread`)."""
+        self._lock = threading.Lock()
+        self._queue = queue.SimpleQueue()
+        if self._state is _State.RUNNING:
+            self._state = _State.NOT_STARTED
+        self._thread = None
 
     @property
     def thread(self) -> threading.Thread | None:

@@ -225,6 +225,9 @@ def test_ranks_that_built_different_models_are_told_so(tmp_path):
     for _rank, (code, err) in outcome.items():
         assert code != 0
         assert "ValueError" in err and "the ranks built different models" in err, err
+        # Raised once, by DataParallel(): not again at exit as work nobody waited for.
+        assert err.count("the ranks built different models") == 1, err
+        assert "never waited for" not in err, err
 
 
 @pytest.mark.timeout(120)

@@ -132,7 +132,7 @@ TINY = [
 
 
 def test_tiny_lm_resume_with_steps_not_past_the_checkpoint_says_so(tmp_path):
-    ckpt = tmp_path / "ckpt.pt"
+    ckpt = tmp_path / "ckpts"
     run_example("tiny_lm.py", "--steps", 3, "--save", ckpt, *TINY)
     # --steps counts from the start of the run: 2 < 3 is refused, with the --steps that works.
     _, err = run_example("tiny_lm.py", "--steps", 2, "--resume", ckpt, *TINY, expect_rc=2)
@@ -146,8 +146,10 @@ def test_tiny_lm_resume_continues_exactly_as_the_uninterrupted_run(tmp_path):
     small = TINY
     n = 4
     full, _ = run_example("tiny_lm.py", "--steps", 2 * n, *small)
-    ckpt = tmp_path / "ckpt.pt"
-    first, _ = run_example("tiny_lm.py", "--steps", n, "--save", ckpt, *small)
+    ckpt = tmp_path / "ckpts"
+    # With a checkpoint written in the background every iteration too: they change nothing.
+    first, _ = run_example("tiny_lm.py", "--steps", n, "--save", ckpt, "--save-every", 1, *small)
+    assert sorted(p.name for p in ckpt.iterdir()) == ["ckpt-000002", "ckpt-000003", "ckpt-000004"]
     second, err = run_example("tiny_lm.py", "--steps", 2 * n, "--resume", ckpt, *small)
 
     full_losses = _iteration_losses(full)
@@ -179,7 +181,7 @@ def test_tiny_lm_on_two_emulated_devices_resumes_exactly(tmp_path):
     ]
     n = 2
     full, _ = run_example("tiny_lm.py", "--steps", 2 * n, *small, devices="emu:2")
-    ckpt = tmp_path / "ckpt.pt"
+    ckpt = tmp_path / "ckpts"
     run_example("tiny_lm.py", "--steps", n, "--save", ckpt, *small, devices="emu:2")
     second, _ = run_example(
         "tiny_lm.py", "--steps", 2 * n, "--resume", ckpt, *small, devices="emu:2"

@@ -269,6 +269,38 @@ def test_synchronize_copies_newest_masters_and_state_dict_keys():
     assert list(model.state_dict()) == list(mlp().state_dict())
 
 
+@pytest.mark.parametrize(
+    "change",
+    ["missing", "unexpected", "shape", "not a tensor"],
+)
+def test_a_refused_load_state_dict_changes_nothing(change):
+    # It used to copy the tensors that matched into the model (not into the masters), then
+    # raise: a refused load must leave the model and its masters as they were.
+    model = RoundPipe(mlp(dtype=torch.bfloat16), devices="cpu:2")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    masters = model.master_state_dict()
+    bad = {k: torch.full_like(v, 7.0) for k, v in before.items()}
+    if change == "missing":
+        del bad["4.bias"]
+    elif change == "unexpected":
+        bad["9.weight"] = torch.zeros(1)
+    elif change == "shape":
+        bad["4.bias"] = torch.zeros(4, dtype=torch.bfloat16)
+    else:
+        bad["4.bias"] = [0.0, 0.0, 0.0]
+    with pytest.raises(RuntimeError, match="nothing was loaded") as info:
+        model.load_state_dict(bad)
+    assert "4.bias" in str(info.value) or "9.weight" in str(info.value)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    for k, v in model.master_state_dict().items():
+        assert torch.equal(v, masters[k]), k
+    if change in ("missing", "unexpected"):  # not strict: the rest loads, masters follow
+        model.load_state_dict(bad, strict=False)
+        assert torch.equal(model.module[0].weight, bad["0.weight"])
+        assert torch.equal(model.master_state_dict()["0.weight"], bad["0.weight"].float())
+
+
 def test_design_loop_runs_with_roundpipe_scaler_and_adam():
     torch.manual_seed(0)
     seq_model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))

@@ -30,7 +30,11 @@ from roundpipe import finite_check, optim_thread
 from roundpipe.devices import StreamingBackend
 from roundpipe.runtime.params import ParamRecord
 
+# What a gradient move or clear changes (see [Note: holds] in roundpipe.optim_thread).
+TOUCHES_GRADS = ("grads",)
+
 __all__ = [
+    "TOUCHES_GRADS",
     "CallGrads",
     "GradHooks",
     "GradSink",
@@ -152,9 +156,12 @@ class CallGrads:
     [Note: gradient accumulation]). ``params``: per stage, its trainable parameter records.
     ``dtype``: the buffers' dtype on an accelerator (None: the masters')."""
 
-    def __init__(self, params: Sequence[Sequence[ParamRecord]], dtype: torch.dtype | None):
+    def __init__(
+        self, params: Sequence[Sequence[ParamRecord]], dtype: torch.dtype | None, owner: Any
+    ):
         self.params = params
         self.dtype = dtype
+        self.owner = owner  # the model whose moves these are (see [Note: error reporting])
         self.buffers: list[list[torch.Tensor | None]] = [[None] * len(ps) for ps in params]
         self.moves: list[Any] = []  # the launched work items, waited for by the main thread
 
@@ -189,7 +196,7 @@ class CallGrads:
         """Stage worker: launch the move of host-side sums (a CPU pool) to the masters."""
         pairs = self.take(stages)
         if pairs:
-            self.moves.append(optim_thread.launch_item(move_grads, pairs))
+            self.moves.append(_launch_move(self.owner, move_grads, pairs))
 
     def download(self, stages: Sequence[int], backend: StreamingBackend) -> None:
         """Stage worker, the plan's D: download the sums on the accelerator once, then launch
@@ -198,7 +205,13 @@ class CallGrads:
         if pairs:
             host, flag, arrived = backend.download_grads([g for _, g in pairs])
             moved = [(master, g) for (master, _), g in zip(pairs, host) if g is not None]
-            self.moves.append(optim_thread.launch_item(move_grads, moved, arrived, flag))
+            self.moves.append(_launch_move(self.owner, move_grads, moved, arrived, flag))
+
+
+def _launch_move(owner: Any, fn: Callable, *args: Any) -> optim_thread.WorkItem:
+    """A gradient move, owned by its model; it touches the masters' gradients only, so it
+    passes a checkpoint's hold on the masters (see [Note: holds] in roundpipe.optim_thread)."""
+    return optim_thread.launch_work(fn, args, owners=(owner,), touches=TOUCHES_GRADS)
 
 
 def stash_grads(params: Sequence[Sequence[ParamRecord]]) -> list[tuple[nn.Parameter, torch.Tensor]]:
@@ -289,8 +302,9 @@ class GradHooks:
     which autograd runs on that thread or on its own device threads (so it is no
     thread-local)."""
 
-    def __init__(self, records: Sequence[ParamRecord]) -> None:
+    def __init__(self, records: Sequence[ParamRecord], owner: Any) -> None:
         self._records = records
+        self.owner = owner  # the model (see [Note: error reporting] in roundpipe.optim_thread)
         self._registered = False
         self.sink: GradSink | None = None
         self._moves = PendingMoves()
@@ -327,6 +341,6 @@ class GradHooks:
             sink = self.sink
             if sink is not None and sink.take(master, grad):  # a fused forward_backward's
                 return
-            self._moves.add(optim_thread.launch_item(accumulate_grad, master, grad))
+            self._moves.add(_launch_move(self.owner, accumulate_grad, master, grad))
 
         return move_grad_to_master

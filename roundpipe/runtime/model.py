@@ -10,6 +10,7 @@ the :mod:`roundpipe.runtime` docstring for which thread touches what.
 from __future__ import annotations
 
 import warnings
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -35,7 +36,7 @@ from roundpipe.plan import Plan
 from roundpipe.runtime.call import ModelParts, plan_sizes, prepare_call, takes_microbatch
 from roundpipe.runtime.config import ResolvedRunConfig, RoundPipeRunConfig, resolve_config
 from roundpipe.runtime.executor import execute
-from roundpipe.runtime.grad_router import GradHooks, clear_grads
+from roundpipe.runtime.grad_router import TOUCHES_GRADS, GradHooks, clear_grads
 from roundpipe.runtime.memory_plan import (
     MemoryPlan,
     PlannedCall,
@@ -45,13 +46,19 @@ from roundpipe.runtime.memory_plan import (
     trace_call,
 )
 from roundpipe.runtime.optimizer_ctx import ensure_optimizer_hook, in_optimizer_ctx, wrap_step
-from roundpipe.runtime.params import Params
+from roundpipe.runtime.params import Params, StateAccess, check_state_dict
 from roundpipe.runtime.rng import RngMemo, learn_rng_use, restore_after_call
 from roundpipe.runtime.stage_ops import backward_to_inputs
 from roundpipe.runtime.stages import ModelStages, model_layers
 from roundpipe.step_check import check_step_fn
+from roundpipe.workers import in_fork_child
 
 __all__ = ["RoundPipe", "UnevenMicrobatchWarning"]
+
+
+# The device types whose backward has run on torch autograd's device threads in this process
+# (before a fork: in its parent); main thread.
+_DEVICE_BACKWARD_RAN: set[str] = set()
 
 
 class UnevenMicrobatchWarning(UserWarning):
@@ -146,9 +153,9 @@ class RoundPipe(nn.Module):
         self._optim_dtype = optim_dtype
         self._pool.backends[0].prepare_host(model)
         layers = model_layers(model)
-        self._params = Params(model, [layer.module for layer in layers], optim_dtype)
+        self._params = Params(model, [layer.module for layer in layers], optim_dtype, owner=self)
         self._stages = ModelStages(layers, self._params)
-        self._hooks = GradHooks(self._params.records)
+        self._hooks = GradHooks(self._params.records, owner=self)
         self._has_grads = False
         self._warned_uneven = False  # UnevenMicrobatchWarning given
         # Stages (by their layers and training mode) probed for drawing random numbers; main
@@ -156,6 +163,8 @@ class RoundPipe(nn.Module):
         self._rng_memo: RngMemo = {}
         # Run on the optimizer thread before each step_fn (register_step_pre_hook).
         self._step_pre_hooks: OrderedDict[int, Callable[[], None]] = OrderedDict()
+        # The roundpipe GradScalers this model's step functions used (main thread).
+        self._step_scalers: weakref.WeakSet[Any] = weakref.WeakSet()
         self._resolve(None)  # checks the model-level execute_plan now
         ensure_optimizer_hook()
 
@@ -204,8 +213,11 @@ class RoundPipe(nn.Module):
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
         """Load into the wrapped module, then refresh the masters from the loaded params.
 
-        For an exact resume, call :meth:`load_master_state_dict` afterwards. Main thread; blocks
-        until the optimizer thread has run everything launched before.
+        The state dict is checked first, as torch checks it (with ``strict``, missing and
+        unexpected keys; every shape): a refused load raises before anything changes, the
+        model's parameters and the masters stay as they were. For an exact resume, use
+        :func:`roundpipe.checkpoint.load` (or call :meth:`load_master_state_dict` afterwards).
+        Main thread; blocks until the optimizer thread has run everything launched before.
         """
         check_main_thread("load_state_dict")
         if assign:
@@ -213,7 +225,8 @@ class RoundPipe(nn.Module):
                 "load_state_dict(assign=True) would replace the parameter objects "
                 "that RoundPipe's masters shadow; load with assign=False"
             )
-        optim_thread.synchronize()
+        check_state_dict(self.module, state_dict, strict)
+        self._params.synchronize()
         self._params.wait_ready()
         result = self.module.load_state_dict(state_dict, strict=strict)
         self._params.refresh_masters()
@@ -221,7 +234,7 @@ class RoundPipe(nn.Module):
 
     def master_state_dict(self) -> dict[str, torch.Tensor]:
         """``{name: clone of the master}``. Main thread; waits for the optimizer thread."""
-        optim_thread.synchronize()
+        self._params.synchronize()
         return {n: m.detach().clone() for n, m in self._params.masters.items()}
 
     def load_master_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
@@ -230,6 +243,24 @@ class RoundPipe(nn.Module):
         Main thread; blocks until the optimizer thread has applied it."""
         check_main_thread("load_master_state_dict")
         self._params.load_masters(state_dict)
+
+    def state_access(self) -> StateAccess:
+        """For :mod:`roundpipe.checkpoint` (which saves and loads a model through it): the
+        wrapped module, the parameter records and masters, the device backends and the
+        pending-gradients flag. Main thread; never blocks."""
+        check_main_thread("state_access")
+
+        def set_pending(value: bool) -> None:
+            self._has_grads = bool(value)
+
+        return StateAccess(
+            module=self.module,
+            params=self._params,
+            backends=tuple(self._pool.backends),
+            owner=self,
+            pending_grads=lambda: self._has_grads,
+            set_pending_grads=set_pending,
+        )
 
     # -- config and plans ---------------------------------------------------------------------
     def plan(
@@ -417,6 +448,7 @@ class RoundPipe(nn.Module):
         starts clean.
         """
         check_main_thread("forward_backward")
+        self._check_fork()
         self._report_failures()
         if not callable(loss_fn):
             raise ValueError("forward_backward needs loss_fn(output, label) -> scalar tensor")
@@ -451,13 +483,15 @@ class RoundPipe(nn.Module):
                 stacklevel=2,
             )
         self._has_grads = True
+        if self._pool.streaming:
+            _DEVICE_BACKWARD_RAN.add(self._pool.device_type)
         ok = False
         try:
             execute(spec, state)
             learn_rng_use(self._rng_memo, spec.rng, state.stage_drew)
             for item in state.grads.moves:
                 item.wait()
-            optim_thread.raise_failures()  # e.g. a step launched before failed
+            optim_thread.raise_failures(self)  # e.g. a step of this model launched before failed
             ok = True
             out_device = cfg.output_device
             # Summed where the losses are when they share a device (one transfer, not M).
@@ -473,10 +507,12 @@ class RoundPipe(nn.Module):
                 )
             if spec.input_grad:  # last: a failure before it leaves the inputs' .grad untouched
                 backward_to_inputs(state)
-        except BaseException:
+        except BaseException as exc:
             # Whatever failed (a stage, loss_fn, an earlier step, the merge), the call's
             # gradients are dropped so that retrying the iteration does not add them twice.
-            self._discard_grads()
+            # Ctrl-C does not wait for that (a running step may be long): launched behind the
+            # call's moves, the drop runs before anything launched later.
+            self._discard_grads(wait=not isinstance(exc, KeyboardInterrupt))
             raise
         finally:
             for p, g in state.stashed_grads:
@@ -513,7 +549,10 @@ class RoundPipe(nn.Module):
             grad_enabled=grad,
         )
         if grad:
+            self._check_fork()
             self._hooks.ensure()
+            if self._pool.streaming:
+                _DEVICE_BACKWARD_RAN.add(self._pool.device_type)
         ok = False
         try:
             execute(spec, state)
@@ -546,7 +585,11 @@ class RoundPipe(nn.Module):
             raise ValueError(
                 "step() needs a callable step_fn, e.g. lambda: (opt.step(), opt.zero_grad())"
             )
-        check_step_fn(step_fn)  # before anything changes: a refused step can be retried
+        # Before anything changes: a refused step can be retried. The step's failure belongs to
+        # this model and to the scalers its steps use, now or before (see [Note: error
+        # reporting] in optim_thread): the scaler of this loop reports it at its update.
+        self._step_scalers.update(check_step_fn(step_fn))
+        owners = (self, *self._step_scalers)
         if not self._has_grads:
             raise RuntimeError(
                 "step() called with no gradients since the last step: run forward_backward() (or "
@@ -559,12 +602,18 @@ class RoundPipe(nn.Module):
         )
         if is_async:
             self._params.launch_copy()
-            optim_thread.launch_step(run)
+            optim_thread.launch_work(run, step=True, owners=owners)
             return
-        optim_thread.launch_step(run)
+        optim_thread.launch_work(run, step=True, owners=owners)
         self._params.launch_copy()
+        self._wait_for_steps()
+
+    def _wait_for_steps(self) -> None:
+        """Main thread: wait for every launched step and raise this model's failures (then
+        drop its gradients). Ctrl-C raises at once: the step runs on and nothing is dropped."""
+        optim_thread.wait_all()
         try:
-            optim_thread.synchronize()
+            optim_thread.raise_failures(self)
         except BaseException:
             self._discard_grads()
             raise
@@ -574,11 +623,7 @@ class RoundPipe(nn.Module):
         parameters (the user's parameter objects hold the newest values afterwards). Main
         thread; blocks; re-raises an optimizer-thread failure."""
         check_main_thread("synchronize")
-        try:
-            optim_thread.synchronize()
-        except BaseException:
-            self._discard_grads()
-            raise
+        self._wait_for_steps()
         self._params.launch_copy()
         self._params.wait_ready()
 
@@ -586,11 +631,11 @@ class RoundPipe(nn.Module):
     def _check_device_memory(self, spec: Any, cfg: ResolvedRunConfig) -> None:
         """The first forward_backward on an accelerator pool: plan its device peaks (stages
         traced on fake tensors) and raise DeviceMemoryError before anything is allocated if a
-        device has not the room. Once per model. The user's ``loss_fn`` is not called (it may
-        count or log its calls): a stand-in loss is traced instead, and a stage fake tensors
+        device has not the room; the calls after a refusal are checked again, until one passes.
+        The user's ``loss_fn`` is not called (it may count or log its calls): a stand-in loss
+        is traced instead, and a stage fake tensors
         cannot run counts no activations (no real run either), so the check never refuses a
         run on what it could not see."""
-        self._device_check_pending = False
         call = PlannedCall(
             stages=spec.stages,
             plan=spec.plan,
@@ -608,6 +653,26 @@ class RoundPipe(nn.Module):
         )
         devices = plan_devices(call, trace_call(call, real_runs=False))
         check_device_memory(devices, f"RoundPipe{self._name_tag()}", cfg)
+        # Only a call that passed: after a refusal, the same call is checked again.
+        self._device_check_pending = False
+
+    def _check_fork(self) -> None:
+        """A backward on an accelerator in a fork child of a process that ran one: torch's
+        autograd cannot start its device threads there (it raises "Unable to handle autograd's
+        threading in combination with fork-based multiprocessing" from a worker); say so before
+        anything runs. A CPU pool trains in a fork child (see [Note: fork] in optim_thread)."""
+        if (
+            self._pool.streaming
+            and self._pool.device_type in _DEVICE_BACKWARD_RAN
+            and in_fork_child()
+        ):
+            raise RuntimeError(
+                f"RoundPipe{self._name_tag()}: this process was made by os.fork() from one that "
+                f"had already trained on {self._pool.device_type} devices, and torch's autograd "
+                f"cannot run a backward on them in a fork child (its device threads do not "
+                f"survive the fork). Start the process with multiprocessing's 'spawn' (or "
+                f"'forkserver') method, or fork before the first forward_backward"
+            )
 
     def _restore_rng(self, spec: Any, state: Any, ok: bool) -> None:
         end = None
@@ -615,13 +680,17 @@ class RoundPipe(nn.Module):
             end = state.slots[(len(spec.stages) - 1, 0)].rng_end
         restore_after_call(spec.rng, self._pool.backends[0], end)
 
-    def _discard_grads(self) -> None:
+    def _discard_grads(self, wait: bool = True) -> None:
         self._has_grads = False
-        optim_thread.launch_item(clear_grads, list(self._params.masters.values())).wait()
+        item = self._params.launch(
+            clear_grads, list(self._params.masters.values()), touches=TOUCHES_GRADS
+        )
+        if wait:
+            item.wait()
 
     def _report_failures(self) -> None:
         try:
-            optim_thread.raise_failures()
+            optim_thread.raise_failures(self)
         except BaseException:
             self._discard_grads()
             raise

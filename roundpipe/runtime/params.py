@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -24,7 +24,15 @@ from torch import nn
 from roundpipe import optim_thread
 from roundpipe.grad_access import MasterParameter, guard_wrapped_params
 
-__all__ = ["ParamRecord", "ParamsCopyFailed", "ParamsReady", "Params", "raise_copy_failure"]
+__all__ = [
+    "ParamRecord",
+    "ParamsCopyFailed",
+    "ParamsReady",
+    "Params",
+    "StateAccess",
+    "check_state_dict",
+    "raise_copy_failure",
+]
 
 
 @dataclasses.dataclass(eq=False)
@@ -94,8 +102,14 @@ class Params:
     it copies, each param once, in its first layer)."""
 
     def __init__(
-        self, module: nn.Module, layer_modules: Sequence[nn.Module], optim_dtype: torch.dtype | None
+        self,
+        module: nn.Module,
+        layer_modules: Sequence[nn.Module],
+        optim_dtype: torch.dtype | None,
+        owner: Any = None,
     ) -> None:
+        # The model whose work this launches (see [Note: error reporting] in optim_thread).
+        self.owner = owner
         self.records: list[ParamRecord] = []
         for name, p in module.named_parameters():
             master = None
@@ -135,9 +149,19 @@ class Params:
     def launch_copy(self) -> ParamsReady:
         """Main thread: launch the copy on the optimizer thread; its events become ``ready``."""
         ready = ParamsReady(len(self.layer_copies))
-        ready.item = optim_thread.launch_item(self.copy_masters_to_model, ready)
+        ready.item = self.launch(self.copy_masters_to_model, ready, touches=("params",))
         self.ready = ready
         return ready
+
+    def launch(self, fn: Any, *args: Any, touches: Sequence[str]) -> optim_thread.WorkItem:
+        """Any thread: launch library work of this model that changes ``touches`` (see
+        [Note: holds] in :mod:`roundpipe.optim_thread`)."""
+        return optim_thread.launch_work(fn, args, owners=(self.owner,), touches=touches)
+
+    def synchronize(self) -> None:
+        """Main thread: wait for everything launched, then raise this model's failures."""
+        optim_thread.wait_all()
+        optim_thread.raise_failures(self.owner)
 
     def copy_masters_to_model(self, ready: ParamsReady) -> None:
         """Optimizer thread: masters -> low-precision params, layer by layer."""
@@ -163,7 +187,7 @@ class Params:
     def refresh_masters(self) -> None:
         """Main thread: the model params' values into the masters; blocks until done."""
         pairs = [(m, p) for layer in self.layer_copies for p, m in layer]
-        optim_thread.launch_item(copy_pairs, pairs).wait()
+        self.launch(copy_pairs, pairs, touches=("masters",)).wait()
 
     def load_masters(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Main thread: copy ``state_dict`` into the masters in place, after everything launched
@@ -184,8 +208,68 @@ class Params:
                     f"gives {tuple(v.shape)}"
                 )
             pairs.append((m, v))
-        optim_thread.synchronize()
-        optim_thread.launch_item(copy_pairs, pairs).wait()
+        self.synchronize()
+        self.launch(copy_pairs, pairs, touches=("masters",)).wait()
+
+
+@dataclasses.dataclass(frozen=True)
+class StateAccess:
+    """What :mod:`roundpipe.checkpoint` reads and restores of a model, without reaching into
+    it: the wrapped module, the parameter records and masters (``params``), the device
+    backends (their generators), and the model's main-thread flag "gradients accumulated since
+    the last step" (``pending_grads``/``set_pending_grads``). Made by
+    :meth:`roundpipe.RoundPipe.state_access`; main thread."""
+
+    module: nn.Module
+    params: Params
+    backends: Sequence[Any]
+    owner: Any
+    pending_grads: Callable[[], bool]
+    set_pending_grads: Callable[[bool], None]
+
+
+def check_state_dict(module: nn.Module, state_dict: Any, strict: bool) -> None:
+    """Main thread, before ``module.load_state_dict(state_dict, strict)`` changes anything:
+    raise what torch would raise part way through (after copying the tensors that match),
+    now, so that a refused load leaves the model and its masters as they were. Checked: a
+    mapping; with ``strict``, missing and unexpected keys; for every key the module has, a
+    tensor of its shape (torch takes a one-element 1-d tensor for a 0-d one)."""
+    if not isinstance(state_dict, Mapping):
+        raise TypeError(f"Expected state_dict to be dict-like, got {type(state_dict)}.")
+    expected = module.state_dict(keep_vars=True)
+    errors = []
+    if strict:
+        unexpected = [k for k in state_dict if k not in expected and k != "_metadata"]
+        missing = [k for k in expected if k not in state_dict]
+        if unexpected:
+            errors.append(
+                "Unexpected key(s) in state_dict: " + ", ".join(f'"{k}"' for k in unexpected)
+            )
+        if missing:
+            errors.append("Missing key(s) in state_dict: " + ", ".join(f'"{k}"' for k in missing))
+    for key, current in expected.items():
+        if key not in state_dict:
+            continue
+        value = state_dict[key]
+        if not isinstance(value, torch.Tensor):
+            errors.append(
+                f'While copying the parameter named "{key}", expected torch.Tensor or '
+                f"Tensor-like object from checkpoint but received {type(value)}"
+            )
+            continue
+        shape = tuple(value.shape)
+        if current.dim() == 0 and shape == (1,):
+            continue
+        if shape != tuple(current.shape):
+            errors.append(
+                f"size mismatch for {key}: copying a param with shape {torch.Size(shape)} from "
+                f"checkpoint, the shape in current model is {current.shape}."
+            )
+    if errors:
+        raise RuntimeError(
+            f"Error(s) in loading state_dict for {type(module).__name__} (nothing was loaded: "
+            f"the model and its masters are unchanged):\n\t" + "\n\t".join(errors)
+        )
 
 
 def raise_copy_failure(ready: ParamsReady) -> None:

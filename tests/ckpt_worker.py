@@ -1,0 +1,203 @@
+"""One training run with roundpipe.checkpoint (tests/test_checkpoint_resume.py and
+tests/test_checkpoint_faults.py run it as a new process, as a user's run would be).
+
+    python tests/ckpt_worker.py CONFIG_JSON    # under torchrun's variables for data parallel
+
+Config: ``model`` ("seq": a Sequential of fp16 stages with dropout, Adam masters, a StepLR
+scheduler and a GradScaler; "lora": a tiny Llama with peft LoRA adapters through
+roundpipe.hf.wrap, same optimizer, scheduler and scaler), ``devices``, ``steps`` (train until
+this iteration), ``root`` (checkpoints), ``save_every`` (save after every N iterations),
+``save_at`` (also: iteration -> where: "end" after scaler.update, "after_fb" between
+forward_backward and step), ``resume`` (load the newest checkpoint of ``root`` first),
+``hf`` (write the HF directory too), ``dp`` (data parallel), ``keep_last``, ``wait`` (wait
+for every save), ``out`` (the record, JSON: per iteration the loss as float.hex, the final
+masters' and parameters' sha256, the scaler's state, what load returned).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import roundpipe
+import roundpipe.checkpoint as ckpt
+from roundpipe import GradScaler, OptimizerCtx, RoundPipe, RoundPipeRunConfig
+from roundpipe import distributed as rpd
+
+DEFAULTS = {
+    "model": "seq",
+    "devices": "cpu",
+    "steps": 6,
+    "root": None,
+    "save_every": None,
+    "save_at": {},
+    "resume": False,
+    "hf": False,
+    "dp": False,
+    "keep_last": None,
+    "wait": False,
+    "out": None,
+    "width": 16,
+    "announce_saves": False,
+}
+BATCH, NUM_MB = 8, 2
+
+
+def build_seq(cfg):
+    torch.manual_seed(0)
+    w = cfg["width"]
+    seq = nn.Sequential(
+        nn.Linear(8, w), nn.Dropout(0.2), nn.Tanh(), nn.Linear(w, w), nn.GELU(), nn.Linear(w, 4)
+    ).half()
+    return RoundPipe(
+        seq,
+        optim_dtype=torch.float32,
+        devices=cfg["devices"],
+        model_run_config=RoundPipeRunConfig(num_microbatch=NUM_MB),
+    )
+
+
+def build_lora(cfg):
+    import peft
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+        tie_word_embeddings=False,
+    )
+    hf = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    lora = peft.get_peft_model(
+        hf,
+        peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.1, target_modules=["q_proj", "v_proj"]),
+    )
+    return roundpipe.hf.wrap(
+        lora,
+        devices=cfg["devices"],
+        check=False,
+        model_run_config=RoundPipeRunConfig(num_microbatch=NUM_MB),
+    )
+
+
+def batch(cfg, gen):
+    if cfg["model"] == "seq":
+        x = torch.randn(BATCH, 8, generator=gen)
+        y = torch.randint(0, 4, (BATCH,), generator=gen)
+        return {"x": x, "y": y}
+    ids = torch.randint(0, 64, (BATCH, 12), generator=gen)
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+
+
+def digest(tensors):
+    h = hashlib.sha256()
+    for name, t in sorted(tensors):
+        h.update(name.encode())
+        h.update(t.detach().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def main():
+    cfg = {**DEFAULTS, **json.loads(sys.argv[1])}
+    rank = 0
+    if cfg["dp"]:
+        rpd.init_process_group("gloo", timeout=60)
+        rank = torch.distributed.get_rank()
+    model = build_seq(cfg) if cfg["model"] == "seq" else build_lora(cfg)
+    dp = rpd.DataParallel(model) if cfg["dp"] else None
+    with OptimizerCtx():
+        opt = roundpipe.optim.Adam(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.7)
+    scaler = GradScaler("cpu", init_scale=2.0**12, growth_interval=3)
+    gen = torch.Generator().manual_seed(1)
+    record = {"losses": {}, "loaded": None, "saved": []}
+    start = 0
+    if cfg["resume"]:
+        extra = ckpt.load(cfg["root"], model, opt, scaler=scaler, scheduler=sched, progress=False)
+        record["loaded"] = {k: v for k, v in extra.items() if k != "data"}
+        gen.set_state(extra["data"])
+        start = extra["iteration"]
+        pending = extra.get("pending_step", False)
+    else:
+        pending = False
+
+    def loss_fn(out, label):
+        if cfg["model"] == "seq":
+            return scaler.scale(F.cross_entropy(out.float(), label)) / NUM_MB
+        return scaler.scale(out)
+
+    def step_fn():
+        scaler.step(opt)
+        sched.step()
+        opt.zero_grad()
+
+    def save(it, where):
+        handle = ckpt.save(
+            cfg["root"],
+            model,
+            opt,
+            scaler=scaler,
+            scheduler=sched,
+            extra={
+                "iteration": it,
+                "data": gen.get_state(),
+                "pending_step": where == "after_fb",
+                "note": f"saved {where} of iteration {it}",
+            },
+            keep_last=cfg["keep_last"],
+            hf=cfg["hf"],
+        )
+        record["saved"].append(str(handle.path))
+        if cfg["announce_saves"]:
+            print(f"saving {handle.path.name}", flush=True)
+        if cfg["wait"]:
+            handle.wait()
+
+    for it in range(start, cfg["steps"]):
+        if not pending:
+            b = batch(cfg, gen)
+            if dp is not None:
+                b = rpd.shard(b)
+            if cfg["model"] == "seq":
+                loss = model.forward_backward(input_args=(b["x"],), label=b["y"], loss_fn=loss_fn)
+            else:
+                loss = model.forward_backward(input_kwargs=b, loss_fn=loss_fn)
+            record["losses"][it] = loss.item().hex()
+            if cfg["save_at"].get(str(it)) == "after_fb":
+                save(it, "after_fb")
+        pending = False
+        model.step(step_fn)
+        scaler.update()
+        if cfg["save_at"].get(str(it)) == "end" or (
+            cfg["save_every"] and (it + 1) % cfg["save_every"] == 0
+        ):
+            save(it + 1, "end")
+    ckpt.wait()
+    model.synchronize()
+    record["masters"] = digest(model.optim_named_parameters())
+    record["params"] = digest((n, p) for n, p in model.state_access().module.named_parameters())
+    record["scaler"] = scaler.state_dict()
+    record["lr"] = sched.get_last_lr()
+    if dp is not None:
+        record["replicas_identical"] = dp.replicas_identical()
+        dp.close()
+    out = cfg["out"] if not cfg["dp"] else f"{cfg['out']}.rank{rank}"
+    if out:
+        with open(out, "w") as f:
+            json.dump(record, f)
+    if cfg["dp"]:
+        torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

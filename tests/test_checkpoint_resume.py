@@ -1,0 +1,199 @@
+"""Exact resume through roundpipe.checkpoint, in a new process, bit for bit: a run of N
+iterations against one saved at k and resumed from the saved directory for the rest, on the CPU
+pool, on two emulated accelerators and on two data-parallel ranks (torchrun's environment), for
+a Sequential with a scheduler and a GradScaler and for a wrapped HF model with LoRA adapters."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKER = Path(__file__).resolve().parent / "ckpt_worker.py"
+
+
+def run(cfg, tmp_path, tag, env=None, timeout=240):
+    out = tmp_path / f"{tag}.json"
+    proc = subprocess.run(
+        [sys.executable, str(WORKER), json.dumps({**cfg, "out": str(out)})],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert proc.returncode == 0, f"{tag}:\n{proc.stdout}\n{proc.stderr}"
+    return json.loads(out.read_text())
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(cfg, tmp_path, tag, world=2, timeout=240):
+    """``world`` ranks of the worker with the environment torchrun gives them."""
+    out = tmp_path / f"{tag}.json"
+    port = _free_port()
+    procs = []
+    try:
+        for rank in range(world):
+            env = {
+                **os.environ,
+                "RANK": str(rank),
+                "WORLD_SIZE": str(world),
+                "LOCAL_RANK": str(rank),
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+                "GLOO_SOCKET_IFNAME": "lo",
+                "OMP_NUM_THREADS": "1",
+                "PYTHONPATH": str(ROOT),
+            }
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, str(WORKER), json.dumps({**cfg, "dp": True, "out": str(out)})],
+                    cwd=ROOT,
+                    env=env,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                )
+            )
+        for rank, p in enumerate(procs):
+            _, err = p.communicate(timeout=timeout)
+            assert p.returncode == 0, f"{tag} rank {rank}:\n{err}"
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    return [json.loads(Path(f"{out}.rank{r}").read_text()) for r in range(world)]
+
+
+def assert_same_run(full, first, second, k, n):
+    assert sorted(map(int, second["losses"])) == list(range(k, n))  # it did resume at k
+    merged = {**first["losses"], **second["losses"]}
+    assert merged == full["losses"]  # every loss, as float.hex
+    assert second["masters"] == full["masters"] != first["masters"]
+    assert second["params"] == full["params"]
+    assert second["scaler"] == full["scaler"]
+    assert second["lr"] == full["lr"]
+
+
+CASES = [
+    pytest.param({"model": "seq", "devices": "cpu"}, id="seq-cpu"),
+    pytest.param({"model": "seq", "devices": "emu:2"}, id="seq-emu2"),
+    pytest.param({"model": "lora", "devices": "cpu"}, id="lora-cpu"),
+    pytest.param({"model": "lora", "devices": "emu:2"}, id="lora-emu2"),
+]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("base", CASES)
+def test_a_saved_run_resumes_bit_for_bit_in_a_new_process(tmp_path, base):
+    if base["model"] == "lora":
+        pytest.importorskip("peft")
+    n, k = 6, 3
+    full = run({**base, "steps": n, "root": str(tmp_path / "unused")}, tmp_path, "full")
+    root = str(tmp_path / "ckpts")
+    first = run({**base, "steps": k, "root": root, "save_at": {str(k - 1): "end"}}, tmp_path, "a")
+    second = run({**base, "steps": n, "root": root, "resume": True}, tmp_path, "b")
+    assert second["loaded"]["iteration"] == k
+    assert_same_run(full, first, second, k, n)
+
+
+@pytest.mark.timeout(600)
+def test_a_save_between_forward_backward_and_step_resumes_at_the_step(tmp_path):
+    # The gradients accumulated by forward_backward are part of that checkpoint; the resumed
+    # run's next call is the step.
+    n, k = 5, 2
+    base = {"model": "seq", "devices": "cpu"}
+    full = run({**base, "steps": n, "root": str(tmp_path / "unused")}, tmp_path, "full")
+    root = str(tmp_path / "ckpts")
+    first = run(
+        {**base, "steps": k + 1, "root": root, "save_at": {str(k): "after_fb"}}, tmp_path, "a"
+    )
+    second = run({**base, "steps": n, "root": root, "resume": True}, tmp_path, "b")
+    assert second["loaded"] == {
+        "iteration": k,
+        "pending_step": True,
+        "note": f"saved after_fb of iteration {k}",
+    }
+    assert {**first["losses"], **second["losses"]} == full["losses"]
+    assert second["masters"] == full["masters"] and second["scaler"] == full["scaler"]
+
+
+@pytest.mark.timeout(600)
+def test_two_data_parallel_ranks_resume_bit_for_bit(tmp_path):
+    n, k = 6, 3
+    base = {"model": "seq", "devices": "cpu"}
+    full = run_ranks({**base, "steps": n, "root": str(tmp_path / "unused")}, tmp_path, "full")
+    root = tmp_path / "ckpts"
+    first = run_ranks(
+        {**base, "steps": k, "root": str(root), "save_at": {str(k - 1): "end"}}, tmp_path, "a"
+    )
+    (saved,) = [p for p in root.iterdir()]
+    manifest = json.loads((saved / "manifest.json").read_text())
+    assert manifest["world_size"] == 2 and manifest["ranks"] == [
+        "rank-00000.safetensors",
+        "rank-00001.safetensors",
+    ]  # one writer (rank 0), every rank's RNG and extra
+    second = run_ranks({**base, "steps": n, "root": str(root), "resume": True}, tmp_path, "b")
+    for rank in range(2):
+        assert_same_run(full[rank], first[rank], second[rank], k, n)
+        assert second[rank]["replicas_identical"]
+    assert full[0]["masters"] == full[1]["masters"]
+
+
+@pytest.mark.timeout(600)
+def test_the_hf_directory_of_a_lora_checkpoint_loads_in_peft_with_the_masters(tmp_path):
+    peft = pytest.importorskip("peft")
+    transformers = pytest.importorskip("transformers")
+    import torch
+    from safetensors.torch import load_file
+
+    root = tmp_path / "ckpts"
+    run(
+        {"model": "lora", "steps": 3, "root": str(root), "save_at": {"2": "end"}, "hf": True},
+        tmp_path,
+        "a",
+    )
+    (saved,) = list(root.iterdir())
+    hf_dir = saved / "hf"
+    assert (hf_dir / "adapter_config.json").exists()
+    masters = load_file(str(next(saved.glob("masters-*.safetensors"))))
+    adapter = load_file(str(hf_dir / "adapter_model.safetensors"))
+    assert adapter and all("lora_" in k for k in adapter)
+    # The adapter holds the masters' values (fp32), not the model's one-step-older params.
+    # The checkpoint names a master by its stage ("masters/1.layer.<rest>": decoder layer 0).
+    by_suffix = {}
+    for key, value in masters.items():
+        stage, _, rest = key.removeprefix("masters/").partition(".layer.")
+        by_suffix[f"{int(stage) - 1}.{rest.replace('.default', '')}"] = value
+    assert len(adapter) == len(by_suffix) == 8
+    for key, value in adapter.items():
+        assert torch.equal(value, by_suffix[key.split("layers.", 1)[1]]), key
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+        tie_word_embeddings=False,
+    )
+    base = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    loaded = peft.PeftModel.from_pretrained(base, str(hf_dir))
+    for name, p in loaded.named_parameters():
+        if "lora_A" in name or "lora_B" in name:
+            suffix = name.split("layers.", 1)[1].replace(".default", "")
+            assert torch.equal(p.detach(), by_suffix[suffix]), name
