@@ -1389,6 +1389,16 @@ class _DeviceModule:
                 allocator.empty_cache()
 
     @staticmethod
+    def planning_overheads() -> GpuOverheads | None:
+        """What a memory plan must leave beside its tensors as on a GPU (see [Note: the device
+        reserve] in :mod:`roundpipe.devices.accelerator`): the overheads set_gpu_overheads
+        gives when the capacity counts reserved memory, else None (the device then runs out
+        only when its live storages would not fit, and needs no reserve). Any thread."""
+        if not (_rules.reserved_memory and _capacity_counts_reserved):
+            return None
+        return _overheads
+
+    @staticmethod
     def mem_get_info(device: Any = None) -> tuple[int, int]:
         """(free, total) as the driver reports them: the capacity less what the process holds,
         which is the reserved segments and the overheads (see [Note: emulated device
