@@ -62,12 +62,11 @@ def build_seq(cfg):
     )
 
 
-def build_lora(cfg):
-    import peft
+def tiny_llama_config(*, tie_word_embeddings):
+    """The two-layer Llama the checkpoint tests train, as a transformers config."""
     import transformers
 
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
+    return transformers.LlamaConfig(
         vocab_size=64,
         hidden_size=32,
         intermediate_size=48,
@@ -75,8 +74,16 @@ def build_lora(cfg):
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=32,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tie_word_embeddings,
     )
+
+
+def build_lora(cfg):
+    import peft
+    import transformers
+
+    torch.manual_seed(0)
+    config = tiny_llama_config(tie_word_embeddings=False)
     hf = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     lora = peft.get_peft_model(
         hf,

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import threading
 
+import ckpt_worker
 import pytest
 import torch
 import torch.nn.functional as F
@@ -260,16 +261,7 @@ def test_a_checkpoint_of_an_untrained_model_and_of_a_model_after_synchronize_res
 
 def test_the_hf_directory_of_a_full_model_loads_in_transformers_with_the_masters(tmp_path):
     transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=32,
-        tie_word_embeddings=True,
-    )
+    config = ckpt_worker.tiny_llama_config(tie_word_embeddings=True)
     torch.manual_seed(0)
     hf = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float16)
     model = roundpipe.hf.wrap(hf, optim_dtype=torch.float32, check=False, devices="cpu")

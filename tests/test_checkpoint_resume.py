@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import ckpt_worker
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -181,16 +182,7 @@ def test_the_hf_directory_of_a_lora_checkpoint_loads_in_peft_with_the_masters(tm
     for key, value in adapter.items():
         assert torch.equal(value, by_suffix[key.split("layers.", 1)[1]]), key
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=32,
-        tie_word_embeddings=False,
-    )
+    config = ckpt_worker.tiny_llama_config(tie_word_embeddings=False)
     base = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     loaded = peft.PeftModel.from_pretrained(base, str(hf_dir))
     for name, p in loaded.named_parameters():

@@ -106,8 +106,8 @@ CASES = {
 }  # fmt: skip
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_the_planned_device_peak_is_the_measured_one_within_ten_percent(case):
+def _case(case):
+    """The model, inputs, labels and loss function of one of CASES."""
     make, dtype, devices, cfg, rows, seq = CASES[case]
     model = RoundPipe(
         make().to(dtype),
@@ -116,18 +116,21 @@ def test_the_planned_device_peak_is_the_measured_one_within_ten_percent(case):
         model_run_config=RoundPipeRunConfig(**cfg),
     )
     M = cfg["num_microbatch"]
-    if seq is None:
-        g = torch.Generator().manual_seed(1)
-        x, y = (
-            torch.randn(rows * M, 128, generator=g),
-            torch.randint(0, 10, (rows * M,), generator=g),
-        )
+    if seq is not None:
+        return (model, *_lm_batch(rows * M, seq), lm_loss)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(rows * M, 128, generator=g)
+    y = torch.randint(0, 10, (rows * M,), generator=g)
 
-        def loss_fn(out, lbl):
-            return F.cross_entropy(out.float(), lbl)
-    else:
-        x, y = _lm_batch(rows * M, seq)
-        loss_fn = lm_loss
+    def loss_fn(out, lbl):
+        return F.cross_entropy(out.float(), lbl)
+
+    return model, x, y, loss_fn
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_planned_device_peak_is_the_measured_one_within_ten_percent(case):
+    model, x, y, loss_fn = _case(case)
     plan = model.memory_plan(input_args=(x,), label=y, loss_fn=loss_fn)
     measured = _measured(model, x, y, loss_fn)
     planned = [d.peak for d in plan.devices]
@@ -421,24 +424,7 @@ def test_the_planned_reserve_covers_what_the_caching_allocator_holds(case, gpu_l
     # overshoot it by no more than a small segment per allocating stream.
     from roundpipe.devices.accelerator import ALLOCATING_STREAMS, SMALL_SEGMENT
 
-    make, dtype, devices, cfg, rows, seq = CASES[case]
-    model = RoundPipe(
-        make().to(dtype),
-        optim_dtype=torch.float32,
-        devices=devices,
-        model_run_config=RoundPipeRunConfig(**cfg),
-    )
-    M = cfg["num_microbatch"]
-    if seq is None:
-        g = torch.Generator().manual_seed(1)
-        x = torch.randn(rows * M, 128, generator=g)
-        y = torch.randint(0, 10, (rows * M,), generator=g)
-
-        def loss_fn(out, lbl):
-            return F.cross_entropy(out.float(), lbl)
-    else:
-        x, y = _lm_batch(rows * M, seq)
-        loss_fn = lm_loss
+    model, x, y, loss_fn = _case(case)
     plan = model.memory_plan(input_args=(x,), label=y, loss_fn=loss_fn)
     n = len(plan.devices)
     gc.collect()
