@@ -586,8 +586,9 @@ class RoundPipe(nn.Module):
                 "step() needs a callable step_fn, e.g. lambda: (opt.step(), opt.zero_grad())"
             )
         # Before anything changes: a refused step can be retried. The step's failure belongs to
-        # this model and to the scalers its steps use, now or before (see [Note: error
-        # reporting] in optim_thread): the scaler of this loop reports it at its update.
+        # this model and to the scalers its steps use, now or before (see
+        # [Note: error reporting] in optim_thread): the scaler of this loop reports it at its
+        # update.
         self._step_scalers.update(check_step_fn(step_fn))
         owners = (self, *self._step_scalers)
         if not self._has_grads:
