@@ -87,11 +87,6 @@ _UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
         bool,
         "leave bf16_full_eval=False: load the model in bf16 (the evaluation uses its dtype)",
     ),
-    "use_cpu": (
-        bool,
-        "choose the devices with the Trainer's devices= argument (or ROUNDPIPE_DEVICES), "
-        'e.g. devices="cpu"',
-    ),
     "auto_find_batch_size": (
         bool,
         "set per_device_train_batch_size yourself; `model.memory_plan(batch)` tells what "
@@ -202,8 +197,8 @@ class RoundPipeTrainerMixin:
       (then every step equals the plain Trainer's).
     * ``num_microbatch``: microbatches of one optimizer step (default: one per batch of the
       gradient accumulation, ``gradient_accumulation_steps``).
-    * ``devices``: roundpipe's device pool (default ``$ROUNDPIPE_DEVICES``, else every CUDA
-      device, else the CPU).
+    * ``devices``: roundpipe's device pool (default ``"cpu"`` with ``use_cpu=True``, else
+      ``$ROUNDPIPE_DEVICES``, else every CUDA device, else the CPU).
     * ``wrap_kwargs``: more arguments for :func:`roundpipe.hf.wrap` (``loss_chunk_tokens``,
       ``check``, ``model_run_config``, ``memory_check``).
     * ``checkpoint_hf`` (default False): each checkpoint also holds ``hf/``, the model as
@@ -273,6 +268,8 @@ class RoundPipeTrainerMixin:
                     p.data = p.data.to(low)
         options = dict(wrap_kwargs or {})
         options.setdefault("optim_dtype", torch.float32)
+        if devices is None and trainer.args.use_cpu and "devices" not in options:
+            devices = "cpu"  # the Trainer's use_cpu=True: roundpipe's pool is the CPU too
         if devices is not None:
             options["devices"] = devices
         self.hf_model = hf_model
@@ -581,6 +578,9 @@ class _TrainLoop:
                 break
             t.control = t.callback_handler.on_step_begin(args, t.state, t.control)
             loss = self._step(batches, num_items)
+            # Before on_step_end: a log's on_log resets control.should_log, which on_step_end
+            # then sets for this step.
+            self._flush_logs(wait=False)
             for _ in batches[:-1]:
                 t.control = t.callback_handler.on_substep_end(args, t.state, t.control)
             step += len(batches)
@@ -595,7 +595,6 @@ class _TrainLoop:
             t.state.global_step += 1
             t.state.epoch = epoch + (step + 1) / steps_in_epoch
             t.control = t.callback_handler.on_step_end(args, t.state, t.control)
-            self._flush_logs(wait=False)
             self._log_save_evaluate(ignore_keys)
             if t.control.should_epoch_stop or t.control.should_training_stop:
                 break
