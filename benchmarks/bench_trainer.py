@@ -121,8 +121,12 @@ def run_trainer(args, device, data):
             remove_unused_columns=False,
         )
         trainer = roundpipe.hf.Trainer(
-            model=build(args), args=targs, train_dataset=data, data_collator=collate,
-            devices=device, callbacks=[clock],
+            model=build(args),
+            args=targs,
+            train_dataset=data,
+            data_collator=collate,
+            devices=device,
+            callbacks=[clock],
         )
         trainer.train()
     stamps = clock.stamps

@@ -129,7 +129,9 @@ def main():
         from peft import LoraConfig
 
         peft_config = LoraConfig(
-            r=args.lora, lora_alpha=2 * args.lora, lora_dropout=0.0,
+            r=args.lora,
+            lora_alpha=2 * args.lora,
+            lora_dropout=0.0,
             target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
         )
     extra = {} if args.plain else {"devices": args.devices, "async_step": not args.sync}
@@ -181,7 +183,10 @@ def main():
         reloaded = AutoModelForCausalLM.from_pretrained(final)
         ids = torch.tensor([tokenizer("def ")["input_ids"]])
         new = reloaded.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False,
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=16,
+            do_sample=False,
             pad_token_id=tokenizer.pad_token_id,
         )
         text = tokenizer.decode(new[0, ids.shape[1] :], skip_special_tokens=True)

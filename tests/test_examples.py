@@ -244,8 +244,19 @@ def test_trainer_hf_trains_through_the_trainer_and_saves(tmp_path, extra):
         pytest.importorskip("trl")
         pytest.importorskip("peft")
     out, _ = run_example(
-        "trainer_hf.py", "--steps", 6, "--layers", 2, "--hidden", 64, "--seq-len", 64,
-        "--out", tmp_path / "out", *extra, timeout=200,
+        "trainer_hf.py",
+        "--steps",
+        6,
+        "--layers",
+        2,
+        "--hidden",
+        64,
+        "--seq-len",
+        64,
+        "--out",
+        tmp_path / "out",
+        *extra,
+        timeout=200,
     )
     losses = re.search(r"loss ([\d.]+) -> ([\d.]+)", out)
     assert losses and float(losses[2]) < float(losses[1]), out

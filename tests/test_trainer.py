@@ -109,7 +109,7 @@ def _lag_one_reference(batches, steps, args):
         out.loss.backward()
         losses.append(float(out.loss.detach()))
         before = {n: p.detach().clone() for n, p in named}
-        for (n, p), (_, c) in zip(named, compute.named_parameters()):
+        for (_, p), c in zip(named, compute.parameters()):
             p.grad = c.grad
             c.grad = None
         torch.nn.utils.clip_grad_norm_([p for _, p in named], args.max_grad_norm)
@@ -140,13 +140,19 @@ def test_the_async_step_equals_the_lag_one_reference(tmp_path):
     ours.train()
     losses, weights = _lag_one_reference(seen, 20, args)
     torch.testing.assert_close(
-        torch.tensor(step_losses(ours.state.log_history)), torch.tensor(losses), rtol=1e-5, atol=1e-5
+        torch.tensor(step_losses(ours.state.log_history)),
+        torch.tensor(losses),
+        rtol=1e-5,
+        atol=1e-5,
     )
     for name, master in ours.model.optim_named_parameters():
         torch.testing.assert_close(master.detach(), weights[name].detach(), rtol=1e-5, atol=1e-6)
     # and it differs from the synchronous run: the staleness is real
     sync = roundpipe.hf.Trainer(
-        model=tiny_llama(), args=args, train_dataset=token_dataset(), data_collator=collate,
+        model=tiny_llama(),
+        args=args,
+        train_dataset=token_dataset(),
+        data_collator=collate,
         async_step=False,
     )
     sync.train()
@@ -184,14 +190,27 @@ def test_sft_trainer_equals_trls_with_the_synchronous_step(tmp_path, lora):
 
     def config(out):
         base = training_args(out).to_dict()
-        base = {k: v for k, v in base.items() if k in {
-            "per_device_train_batch_size", "gradient_accumulation_steps", "max_steps",
-            "learning_rate", "lr_scheduler_type", "warmup_steps", "weight_decay",
-            "max_grad_norm", "logging_steps", "save_strategy", "report_to", "seed",
-            "disable_tqdm"}}
-        return trl.SFTConfig(
-            output_dir=str(out), max_length=16, packing=False, bf16=False, **base
-        )
+        base = {
+            k: v
+            for k, v in base.items()
+            if k
+            in {
+                "per_device_train_batch_size",
+                "gradient_accumulation_steps",
+                "max_steps",
+                "learning_rate",
+                "lr_scheduler_type",
+                "warmup_steps",
+                "weight_decay",
+                "max_grad_norm",
+                "logging_steps",
+                "save_strategy",
+                "report_to",
+                "seed",
+                "disable_tqdm",
+            }
+        }
+        return trl.SFTConfig(output_dir=str(out), max_length=16, packing=False, bf16=False, **base)
 
     def peft_config():
         if not lora:
@@ -208,13 +227,20 @@ def test_sft_trainer_equals_trls_with_the_synchronous_step(tmp_path, lora):
         return m
 
     plain = trl.SFTTrainer(
-        model=model(), args=config(tmp_path / "plain"), train_dataset=data,
-        processing_class=tokenizer, peft_config=peft_config(),
+        model=model(),
+        args=config(tmp_path / "plain"),
+        train_dataset=data,
+        processing_class=tokenizer,
+        peft_config=peft_config(),
     )
     plain.train()
     ours = roundpipe.hf.SFTTrainer(
-        model=model(), args=config(tmp_path / "rp"), train_dataset=data,
-        processing_class=tokenizer, peft_config=peft_config(), async_step=False,
+        model=model(),
+        args=config(tmp_path / "rp"),
+        train_dataset=data,
+        processing_class=tokenizer,
+        peft_config=peft_config(),
+        async_step=False,
     )
     ours.train()
     want = _logged(plain.state.log_history, "loss")
@@ -231,11 +257,16 @@ def test_sft_trainer_equals_trls_with_the_synchronous_step(tmp_path, lora):
 
 
 def _worker(mode, out, result):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    )
     env.pop("ROUNDPIPE_DEVICES", None)
     proc = subprocess.run(
         [sys.executable, str(ROOT / "tests" / "trainer_worker.py"), mode, str(out), str(result)],
-        env=env, capture_output=True, text=True, timeout=240,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return json.loads(Path(str(result) + ".json").read_text()), torch.load(str(result) + ".pt")
@@ -254,21 +285,30 @@ def test_resume_from_checkpoint_in_a_new_process_equals_the_uninterrupted_run(tm
         assert torch.equal(masters[name], full_masters[name]), name
     # save_total_limit=2 kept both checkpoints; the resumed run saved the second
     assert sorted(p.name for p in (tmp_path / "run").glob("checkpoint-*")) == [
-        "checkpoint-10", "checkpoint-20"]
+        "checkpoint-10",
+        "checkpoint-20",
+    ]
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(
     "option, value",
-    [("torch_compile", True), ("label_smoothing_factor", 0.1), ("load_best_model_at_end", True),
-     ("neftune_noise_alpha", 5.0)],
+    [
+        ("torch_compile", True),
+        ("label_smoothing_factor", 0.1),
+        ("load_best_model_at_end", True),
+        ("neftune_noise_alpha", 5.0),
+    ],
 )
 def test_options_it_cannot_honour_are_refused_at_construction(tmp_path, option, value):
-    extra = {"eval_strategy": "steps", "save_strategy": "steps"} if option.startswith("load") else {}
+    extra = (
+        {"eval_strategy": "steps", "save_strategy": "steps"} if option.startswith("load") else {}
+    )
     args = training_args(tmp_path, **{option: value}, **extra)
     with pytest.raises(ValueError, match=option):
-        roundpipe.hf.Trainer(model=tiny_llama(), args=args, train_dataset=token_dataset(),
-                             data_collator=collate)
+        roundpipe.hf.Trainer(
+            model=tiny_llama(), args=args, train_dataset=token_dataset(), data_collator=collate
+        )
 
 
 @pytest.mark.timeout(120)
@@ -276,15 +316,22 @@ def test_an_optimizer_over_the_model_parameters_is_refused(tmp_path):
     model = tiny_llama()
     opt = torch.optim.AdamW(model.parameters())
     with pytest.raises(ValueError, match="optimizer_cls_and_kwargs"):
-        roundpipe.hf.Trainer(model=model, args=training_args(tmp_path), optimizers=(opt, None),
-                             train_dataset=token_dataset(), data_collator=collate)
+        roundpipe.hf.Trainer(
+            model=model,
+            args=training_args(tmp_path),
+            optimizers=(opt, None),
+            train_dataset=token_dataset(),
+            data_collator=collate,
+        )
 
 
 @pytest.mark.timeout(120)
 def test_the_model_stays_in_host_memory_and_save_model_writes_a_loadable_model(tmp_path):
     ours = roundpipe.hf.Trainer(
-        model=tiny_llama(), args=training_args(tmp_path, max_steps=3, bf16=True, use_cpu=True),
-        train_dataset=token_dataset(), data_collator=collate,
+        model=tiny_llama(),
+        args=training_args(tmp_path, max_steps=3, bf16=True, use_cpu=True),
+        train_dataset=token_dataset(),
+        data_collator=collate,
     )
     assert isinstance(ours.model, roundpipe.hf.HFRoundPipe)
     ours.train()

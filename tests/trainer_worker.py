@@ -36,7 +36,9 @@ def main(mode, output_dir, result):
     masters = trainer.model.master_state_dict()
     torch.save(masters, result + ".pt")
     with open(result + ".json", "w") as f:
-        json.dump({"losses": step_losses(trainer.state.log_history), "step": trainer.state.global_step}, f)
+        json.dump(
+            {"losses": step_losses(trainer.state.log_history), "step": trainer.state.global_step}, f
+        )
 
 
 if __name__ == "__main__":

@@ -49,7 +49,11 @@ class SFTTrainer(RoundPipeTrainerMixin, trl.SFTTrainer):
         """transformers' ``compute_loss``: ``model(**inputs)`` and its loss (the evaluation's;
         training computes its loss in roundpipe's head)."""
         return transformers.Trainer.compute_loss(
-            self, model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
+            self,
+            model,
+            inputs,
+            return_outputs=return_outputs,
+            num_items_in_batch=num_items_in_batch,
         )
 
     def prediction_step(

@@ -147,9 +147,10 @@ def _join_batches(batches: list[dict[str, Any]]) -> dict[str, Any]:
     pads = {"input_ids": 0, "attention_mask": 0, "labels": -100, "position_ids": 0}
     joined: dict[str, Any] = {}
     for key in batches[0]:
-        values = [b.get(key) for b in batches]
-        if key == "num_items_in_batch" or not all(isinstance(v, torch.Tensor) for v in values):
-            joined[key] = values[0]
+        found = [b.get(key) for b in batches]
+        values = [v for v in found if isinstance(v, torch.Tensor)]
+        if key == "num_items_in_batch" or len(values) != len(found):
+            joined[key] = found[0]
             continue
         if uneven and values[0].dim() >= 2:
             if key not in pads:
@@ -221,7 +222,9 @@ class RoundPipeTrainerMixin:
         if num_microbatch is not None and (
             isinstance(num_microbatch, bool) or not isinstance(num_microbatch, int)
         ):
-            raise ValueError(f"num_microbatch must be None or a positive int, got {num_microbatch!r}")
+            raise ValueError(
+                f"num_microbatch must be None or a positive int, got {num_microbatch!r}"
+            )
         training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
         if training_args is not None:
             _refuse(training_args)
@@ -276,7 +279,7 @@ class RoundPipeTrainerMixin:
         self._rp = wrap(hf_model, **options)
         # The Trainer's evaluation hands the model to accelerate, which would move it to the
         # device and wrap its forward; the model stays where roundpipe keeps it.
-        self._rp._is_accelerate_prepared = True
+        setattr(self._rp, "_is_accelerate_prepared", True)  # noqa: B010 (an nn.Module attribute)
         trainer.model = trainer.model_wrapped = self._rp
         self._scaler: GradScaler | None = None
 
@@ -478,13 +481,12 @@ class _TrainLoop:
         dataloader = t.get_train_dataloader()
         max_steps, per_epoch, num_epochs, len_dl = self._sizes(dataloader)
         ga = args.gradient_accumulation_steps
-        t.state = transformers.TrainerState(
-            stateful_callbacks=[
-                cb
-                for cb in t.callback_handler.callbacks + [t.control]
-                if isinstance(cb, transformers.trainer_callback.ExportableState)
-            ]
-        )
+        exportable: list[Any] = [
+            cb
+            for cb in t.callback_handler.callbacks + [t.control]
+            if isinstance(cb, transformers.trainer_callback.ExportableState)
+        ]
+        t.state = transformers.TrainerState(stateful_callbacks=exportable)
         t.state.train_batch_size = t._train_batch_size
         t.state.compute_steps(args, max_steps)
         t.optimizer = None
@@ -611,7 +613,9 @@ class _TrainLoop:
         if scaler is not None:
             scale = scaler.get_scale()
             loss = model.forward_backward(
-                input_kwargs=batch, loss_fn=lambda l, _: scaler.scale(l), run_config=run_config
+                input_kwargs=batch,
+                loss_fn=lambda mb_loss, _: scaler.scale(mb_loss),
+                run_config=run_config,
             )
             value = float(loss) / scale
         else:
