@@ -281,7 +281,6 @@ class RoundPipeTrainerMixin:
         # device and wrap its forward; the model stays where roundpipe keeps it.
         setattr(self._rp, "_is_accelerate_prepared", True)  # noqa: B010 (an nn.Module attribute)
         trainer.model = trainer.model_wrapped = self._rp
-        self._scaler: GradScaler | None = None
 
     # -- what the Trainer would do to the model ---------------------------------------------------
     def _move_model_to_device(self, model: Any, device: Any) -> None:
@@ -422,6 +421,7 @@ class _TrainLoop:
         self.t = trainer
         self.model = model
         self.pending: list[_PendingLog] = []
+        self.scaler: GradScaler | None = None
 
     # -- setup ------------------------------------------------------------------------------------
     def _sizes(self, dataloader: Any) -> tuple[int, int, int, int | None]:
@@ -494,7 +494,7 @@ class _TrainLoop:
         t.create_optimizer()
         t.create_scheduler(num_training_steps=max_steps, optimizer=t.optimizer)
         scaler = GradScaler() if args.fp16 else None
-        t._scaler = scaler
+        self.scaler = scaler
         self._resume(resume, scaler)
         t.state.init_training_references(t, max_steps, num_epochs, None)
         epochs_trained = t.state.global_step // per_epoch
@@ -609,7 +609,7 @@ class _TrainLoop:
         if num_items is not None:
             batch["num_items_in_batch"] = _as_count(num_items)
         run_config = RoundPipeRunConfig(num_microbatch=t.num_microbatch or len(batches))
-        scaler = t._scaler
+        scaler = self.scaler
         if scaler is not None:
             scale = scaler.get_scale()
             loss = model.forward_backward(
@@ -636,8 +636,8 @@ class _TrainLoop:
             steps = t.state.global_step - self.last_logged
             logs: dict[str, float] = {"loss": self.loss_since_log / steps}
             logs["tokens_per_second"] = self.tokens_since_log / max(now - self.log_clock, 1e-9)
-            if t._scaler is not None:
-                logs["loss_scale"] = t._scaler.get_scale()
+            if self.scaler is not None:
+                logs["loss_scale"] = self.scaler.get_scale()
             self.total_loss += self.loss_since_log
             self.loss_since_log = 0.0
             self.tokens_since_log = 0
@@ -706,7 +706,7 @@ class _TrainLoop:
             t.args.output_dir,
             self.model,
             t.optimizer,
-            scaler=t._scaler,
+            scaler=self.scaler,
             scheduler=t.lr_scheduler,
             extra={"trainer_state": trainer_state},
             name=name,
