@@ -62,6 +62,14 @@ SECTIONS = [
         "is complete, and the peak RSS during the save against the state's size (no second copy).",
     ),
     (
+        "Trainer",
+        "trainer",
+        "benchmarks/bench_trainer.py",
+        "tokens/s through `roundpipe.hf.Trainer` against roundpipe's own loop on the same model and "
+        "the same work per step (clipping, AdamW, cosine scheduler, async step), alternated in one "
+        "run on the CPU and the emulated device (target: within a few percent).",
+    ),
+    (
         "GPU",
         "gpu",
         "benchmarks/bench_gpu.py",

@@ -234,3 +234,36 @@ def test_finetune_hf_trains_saves_and_reloads(tmp_path, extra):
     assert (tmp_path / "out" / "config.json").exists()
     assert "reloaded in plain transformers" in out
     assert "tok_s" in err  # the progress bar shows tokens/s
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("extra", [[], ["--sft", "--lora", "4"]], ids=["trainer", "sft-lora"])
+def test_trainer_hf_trains_through_the_trainer_and_saves(tmp_path, extra):
+    pytest.importorskip("transformers")
+    if "--sft" in extra:
+        pytest.importorskip("trl")
+        pytest.importorskip("peft")
+    out, _ = run_example(
+        "trainer_hf.py",
+        "--steps",
+        6,
+        "--layers",
+        2,
+        "--hidden",
+        64,
+        "--seq-len",
+        64,
+        "--out",
+        tmp_path / "out",
+        *extra,
+        timeout=200,
+    )
+    losses = re.search(r"loss ([\d.]+) -> ([\d.]+)", out)
+    assert losses and float(losses[2]) < float(losses[1]), out
+    assert "train tokens/s" in out
+    # save_steps=3 through roundpipe.checkpoint; save_total_limit=1 kept the newest
+    assert sorted(p.name for p in (tmp_path / "out").glob("checkpoint-*")) == ["checkpoint-6"]
+    if "--lora" in extra:
+        assert (tmp_path / "out" / "final" / "adapter_config.json").exists()
+    else:
+        assert "reloaded in plain transformers" in out

@@ -15,6 +15,7 @@ except ImportError as exc:  # pragma: no cover - exercised in a subprocess test
 from roundpipe.hf.check import CheckReport, WrapCheckError, check_stages
 from roundpipe.hf.families import Family, families, family_of, register_family, softcap_logits
 from roundpipe.hf.loss import chunked_causal_lm_loss
+from roundpipe.hf.trainer import Trainer
 from roundpipe.hf.wrap import HFRoundPipe, default_loss_chunk_tokens, wrap
 
 __all__ = [
@@ -30,4 +31,14 @@ __all__ = [
     "CheckReport",
     "WrapCheckError",
     "softcap_logits",
+    "Trainer",
 ]
+
+
+def __getattr__(name: str):
+    # TRL is an optional extra: imported when roundpipe.hf.SFTTrainer is first used.
+    if name == "SFTTrainer":
+        from roundpipe.hf.sft import SFTTrainer
+
+        return SFTTrainer
+    raise AttributeError(f"module 'roundpipe.hf' has no attribute {name!r}")

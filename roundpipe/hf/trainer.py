@@ -1,0 +1,723 @@
+"""``roundpipe.hf.Trainer``: transformers' ``Trainer`` whose training runs on roundpipe.
+
+A Trainer script adopts it by changing its import and its class (docs/hf.md, "The Trainer"):
+the model is wrapped by :func:`roundpipe.hf.wrap` at construction and stays in host memory;
+:meth:`RoundPipeTrainerMixin.train` is a loop over the Trainer's own pieces (its dataloader,
+``get_batch_samples``, optimizer class and decay groups, scheduler, callbacks, ``log``,
+``evaluate``, TrainerState) whose steps are roundpipe's: one ``forward_backward`` per optimizer
+step and ``model.step`` on the optimizer thread (see [Note: the Trainer's step]).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import transformers
+from torch import nn
+
+from roundpipe import checkpoint, optim_thread
+from roundpipe.grad_scaler import GradScaler
+from roundpipe.hf.wrap import HFRoundPipe, wrap
+from roundpipe.runtime import RoundPipeRunConfig
+
+__all__ = ["RoundPipeTrainerMixin", "Trainer", "unsupported_arguments"]
+
+# [Note: the Trainer's step]
+# One optimizer step of transformers' Trainer is gradient_accumulation_steps batches, each a
+# forward and backward, then clipping, optimizer.step, scheduler.step and zero_grad. Here the
+# batches of one step are joined (right-padded to the longest: attention_mask 0, labels -100)
+# into ONE forward_backward call whose microbatches are those batches (num_microbatch = the
+# number of batches, or the Trainer's num_microbatch), because roundpipe streams every stage's
+# weights through the devices once per call: k calls per step would move the weights k times.
+# The loss of every microbatch is its token losses' sum over the Trainer's own
+# num_items_in_batch (get_batch_samples, counted as the installed transformers counts it), so
+# the call's gradient is the Trainer's accumulated gradient. The clipping (the norm of every
+# master's gradient, where the gradients are: the optimizer thread), the optimizer step, the
+# scheduler step and zero_grad run in one step function on the optimizer thread, in that order,
+# launched by model.step: asynchronously by default (the next step's batches compute with
+# weights one step older, see [Note: staleness] in runtime/model.py), or synchronously with
+# async_step=False (then every step equals the plain Trainer's). What the step computes for the
+# logs (the gradient norm, the learning rate it used, the scale) is written into a _StepRecord on
+# the optimizer thread; a log waits for the record of its step at the next step or before an
+# evaluation, a save or the end, so a log costs the main thread no wait for the optimizer.
+
+# TrainingArguments that roundpipe cannot honour: (is it set, what to do instead).
+_UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "deepspeed": (
+        bool,
+        "roundpipe keeps the model in host memory and streams it through the devices itself; "
+        "leave deepspeed unset",
+    ),
+    "fsdp": (
+        bool,
+        "roundpipe keeps the model in host memory and streams it through the devices itself; "
+        "leave fsdp unset",
+    ),
+    "torch_compile": (bool, "leave torch_compile=False (roundpipe runs the stages eagerly)"),
+    "use_liger_kernel": (
+        bool,
+        "leave use_liger_kernel=False (roundpipe computes the loss in its own chunked head)",
+    ),
+    "neftune_noise_alpha": (
+        lambda v: v is not None,
+        "leave neftune_noise_alpha unset (it hooks the embedding's forward)",
+    ),
+    "label_smoothing_factor": (
+        bool,
+        "leave label_smoothing_factor=0 (roundpipe's head computes transformers' plain loss)",
+    ),
+    "load_best_model_at_end": (
+        bool,
+        "leave load_best_model_at_end=False and load the checkpoint you choose with "
+        "resume_from_checkpoint or roundpipe.checkpoint.load",
+    ),
+    "fp16_full_eval": (
+        bool,
+        "leave fp16_full_eval=False: load the model in fp16 (the evaluation uses its dtype)",
+    ),
+    "bf16_full_eval": (
+        bool,
+        "leave bf16_full_eval=False: load the model in bf16 (the evaluation uses its dtype)",
+    ),
+    "auto_find_batch_size": (
+        bool,
+        "set per_device_train_batch_size yourself; `model.memory_plan(batch)` tells what "
+        "a batch takes (docs/memory.md)",
+    ),
+}
+
+
+def unsupported_arguments(args: Any) -> list[str]:
+    """The problems with ``args`` (TrainingArguments) for :class:`Trainer`, one line each:
+    the option set and what to do. Empty when roundpipe honours every option set."""
+    problems = []
+    for name, (is_set, fix) in _UNSUPPORTED.items():
+        value = getattr(args, name, None)
+        if value is not None and is_set(value):
+            problems.append(f"{name}={value!r}: {fix}")
+    if int(getattr(args, "world_size", 1) or 1) > 1:
+        problems.append(
+            f"a distributed run (world_size={args.world_size}, e.g. torchrun): roundpipe.hf."
+            "Trainer trains in one process; run one process whose device pool holds every "
+            'accelerator (devices="cuda:0,1"), or write the loop with roundpipe.distributed.'
+            "DataParallel (examples/data_parallel.py, docs/distributed.md)"
+        )
+    if getattr(args, "fp16", False) and getattr(args, "bf16", False):
+        problems.append("fp16=True and bf16=True: choose one")
+    return problems
+
+
+@dataclasses.dataclass
+class _StepRecord:
+    """What one step computed for the logs. Written on the optimizer thread, then ``done`` is
+    set; the main thread reads the fields only after ``done``."""
+
+    grad_norm: float | None = None
+    learning_rate: float | None = None
+    skipped: bool = False
+    done: threading.Event = dataclasses.field(default_factory=threading.Event)
+
+
+@dataclasses.dataclass
+class _PendingLog:
+    """A log of step ``global_step`` waiting for its step's record (main thread)."""
+
+    logs: dict[str, float]
+    record: _StepRecord
+    global_step: int
+    epoch: float | None
+
+
+def _join_batches(batches: list[dict[str, Any]]) -> dict[str, Any]:
+    """The batches of one optimizer step as one batch: right-padded to the longest sequence
+    (attention_mask 0, labels -100, input ids 0 there; nothing attends to or learns from the
+    padding) and concatenated, so that they split back into microbatches."""
+    if len(batches) == 1:
+        return dict(batches[0])
+    length = max(b["input_ids"].shape[-1] for b in batches)
+    uneven = any(b["input_ids"].shape[-1] != length for b in batches)
+    pads = {"input_ids": 0, "attention_mask": 0, "labels": -100, "position_ids": 0}
+    joined: dict[str, Any] = {}
+    for key in batches[0]:
+        found = [b.get(key) for b in batches]
+        values = [v for v in found if isinstance(v, torch.Tensor)]
+        if key == "num_items_in_batch" or len(values) != len(found):
+            joined[key] = found[0]
+            continue
+        if uneven and values[0].dim() >= 2:
+            if key not in pads:
+                raise ValueError(
+                    f"the batches of one optimizer step differ in length and carry {key!r}, "
+                    f"which roundpipe.hf.Trainer cannot pad; pad every batch to one length "
+                    f"(the collator's pad_to_multiple_of / max_length) or leave {key!r} out"
+                )
+            values = [
+                nn.functional.pad(v, (0, length - v.shape[-1]), value=pads[key]) for v in values
+            ]
+        joined[key] = torch.cat(values, dim=0)
+    if uneven and "attention_mask" not in joined:
+        masks = [
+            nn.functional.pad(
+                torch.ones_like(b["input_ids"]), (0, length - b["input_ids"].shape[-1])
+            )
+            for b in batches
+        ]
+        joined["attention_mask"] = torch.cat(masks, dim=0)
+    return joined
+
+
+def _as_count(num_items: Any) -> Any:
+    """The Trainer's num_items_in_batch as a host number (it may be a device tensor)."""
+    if isinstance(num_items, torch.Tensor):
+        return num_items.detach().to("cpu").reshape(-1)[0].item()
+    return num_items
+
+
+def _input_tokens(batch: dict[str, Any], name: str) -> int:
+    ids = batch.get(name)
+    return int(ids.numel()) if isinstance(ids, torch.Tensor) else 0
+
+
+class RoundPipeTrainerMixin:
+    """What makes a transformers ``Trainer`` (or a subclass of it, e.g. TRL's ``SFTTrainer``)
+    train on roundpipe. Put it first: ``class MyTrainer(RoundPipeTrainerMixin, SomeTrainer)``.
+
+    Keyword arguments it adds to the Trainer's (every other argument is the Trainer's own):
+
+    * ``async_step`` (default True): the optimizer step runs on roundpipe's optimizer thread
+      while the next step's batches compute, with weights one step older than a synchronous
+      Trainer's (one-step staleness, docs/threads-and-staleness.md); False waits for each step
+      (then every step equals the plain Trainer's).
+    * ``num_microbatch``: microbatches of one optimizer step (default: one per batch of the
+      gradient accumulation, ``gradient_accumulation_steps``).
+    * ``devices``: roundpipe's device pool (default ``"cpu"`` with ``use_cpu=True``, else
+      ``$ROUNDPIPE_DEVICES``, else every CUDA device, else the CPU).
+    * ``wrap_kwargs``: more arguments for :func:`roundpipe.hf.wrap` (``loss_chunk_tokens``,
+      ``check``, ``model_run_config``, ``memory_check``).
+    * ``checkpoint_hf`` (default False): each checkpoint also holds ``hf/``, the model as
+      ``from_pretrained`` loads it.
+
+    ``self.model`` is the :class:`roundpipe.hf.HFRoundPipe` (``self.hf_model`` the model given,
+    whose parameters hold the trained weights after training). Main thread only.
+    """
+
+    def __init__(
+        self,
+        *args: Any,
+        async_step: bool = True,
+        num_microbatch: int | None = None,
+        devices: Any = None,
+        wrap_kwargs: dict[str, Any] | None = None,
+        checkpoint_hf: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        if num_microbatch is not None and (
+            isinstance(num_microbatch, bool) or not isinstance(num_microbatch, int)
+        ):
+            raise ValueError(
+                f"num_microbatch must be None or a positive int, got {num_microbatch!r}"
+            )
+        training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
+        if training_args is not None:
+            _refuse(training_args)
+        optimizers = kwargs.get("optimizers")
+        if optimizers is not None and optimizers[0] is not None:
+            raise ValueError(
+                "optimizers=(optimizer, ...): an optimizer built over the model's parameters "
+                "would not step roundpipe's fp32 master copies; pass optimizer_cls_and_kwargs="
+                "(torch.optim.AdamW, {...}) or set TrainingArguments(optim=...), and roundpipe "
+                "builds it over the masters"
+            )
+        if optimizers is not None and optimizers[1] is not None:
+            raise ValueError(
+                "optimizers=(None, scheduler): a scheduler needs the optimizer roundpipe "
+                "builds over the masters; set TrainingArguments(lr_scheduler_type=..., "
+                "lr_scheduler_kwargs=...) instead"
+            )
+        if kwargs.get("compute_loss_func") is not None:
+            raise ValueError(
+                "compute_loss_func: roundpipe computes transformers' causal-LM loss in its own "
+                "chunked head; leave compute_loss_func unset"
+            )
+        if kwargs.get("model_init") is not None:
+            raise ValueError("model_init: pass the model itself (model=...)")
+        self.async_step = bool(async_step)
+        self.num_microbatch = num_microbatch
+        self.checkpoint_hf = bool(checkpoint_hf)
+        super().__init__(*args, **kwargs)
+        trainer: Any = self
+        _refuse(trainer.args)
+        hf_model = trainer.model
+        if hf_model is None:
+            raise ValueError("roundpipe.hf.Trainer needs model=")
+        if isinstance(hf_model, HFRoundPipe):
+            raise ValueError(
+                "pass the transformers model (model=hf_model), not the roundpipe.hf.wrap of it: "
+                "the Trainer wraps it itself (wrap_kwargs= for wrap's options)"
+            )
+        low = self._compute_dtype()
+        if low is not None:
+            # roundpipe's layout: low-precision parameters that compute, fp32 masters.
+            for p in hf_model.parameters():
+                if p.dtype == torch.float32:
+                    p.data = p.data.to(low)
+        options = dict(wrap_kwargs or {})
+        options.setdefault("optim_dtype", torch.float32)
+        if devices is None and trainer.args.use_cpu and "devices" not in options:
+            devices = "cpu"  # the Trainer's use_cpu=True: roundpipe's pool is the CPU too
+        if devices is not None:
+            options["devices"] = devices
+        self.hf_model = hf_model
+        self._rp = wrap(hf_model, **options)
+        # The Trainer's evaluation hands the model to accelerate, which would move it to the
+        # device and wrap its forward; the model stays where roundpipe keeps it.
+        setattr(self._rp, "_is_accelerate_prepared", True)  # noqa: B010 (an nn.Module attribute)
+        trainer.model = trainer.model_wrapped = self._rp
+
+    # -- what the Trainer would do to the model ---------------------------------------------------
+    def _move_model_to_device(self, model: Any, device: Any) -> None:
+        pass  # the model stays in host memory; roundpipe uploads each stage when it computes
+
+    def _wrap_model(self, model: Any, training: bool = True, dataloader: Any = None) -> Any:
+        return model
+
+    def _prepare_inputs(self, inputs: dict[str, Any]) -> dict[str, Any]:
+        if len(inputs) == 0:
+            raise ValueError("The batch received was empty")
+        return inputs  # host tensors: roundpipe moves each microbatch to its device
+
+    def _compute_dtype(self) -> torch.dtype | None:
+        args: Any = getattr(self, "args", None)
+        if args is None:
+            return None
+        if args.fp16:
+            return torch.float16
+        if args.bf16:
+            return torch.bfloat16
+        return None
+
+    # -- the optimizer over the masters -----------------------------------------------------------
+    def create_optimizer(self, model: Any = None) -> torch.optim.Optimizer:
+        """The optimizer the Trainer would build (``args.optim`` or ``optimizer_cls_and_kwargs``,
+        weight decay except on biases and norms), over roundpipe's fp32 master copies."""
+        trainer: Any = self
+        if trainer.optimizer is not None:
+            return trainer.optimizer
+        decay = set(trainer.get_decay_parameter_names(self.hf_model))
+        masters = list(self._rp.optim_named_parameters())
+        groups = [
+            {
+                "params": [p for n, p in masters if n in decay],
+                "weight_decay": trainer.args.weight_decay,
+            },
+            {"params": [p for n, p in masters if n not in decay], "weight_decay": 0.0},
+        ]
+        cls_and_kwargs = getattr(trainer, "optimizer_cls_and_kwargs", None)
+        if cls_and_kwargs is not None:
+            cls, opt_kwargs = cls_and_kwargs
+        else:
+            cls, opt_kwargs = trainer.get_optimizer_cls_and_kwargs(trainer.args, self.hf_model)
+        opt_kwargs = dict(opt_kwargs)
+        if any(k in opt_kwargs for k in ("params", "model", "optimizer_dict")) or not isinstance(
+            cls, type
+        ):
+            raise ValueError(
+                f"optim={trainer.args.optim!r} builds its optimizer from the model, not from "
+                f"parameter groups; roundpipe steps its fp32 masters: choose a torch optimizer "
+                f"(optim='adamw_torch', 'adamw_torch_fused', 'sgd', ...)"
+            )
+        trainer.optimizer = cls([g for g in groups if g["params"]], **opt_kwargs)
+        return trainer.optimizer
+
+    # -- training ---------------------------------------------------------------------------------
+    def train(
+        self,
+        resume_from_checkpoint: str | bool | None = None,
+        trial: Any = None,
+        ignore_keys_for_eval: list[str] | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        """Train as transformers' ``Trainer.train`` does, on roundpipe ([Note: the Trainer's
+        step]); ``resume_from_checkpoint`` (a checkpoint directory, or True: the newest in
+        ``output_dir``) resumes a checkpoint this Trainer saved, exactly. Main thread; returns
+        transformers' ``TrainOutput``; the model's parameters hold the trained weights."""
+        if trial is not None or kwargs:
+            raise ValueError(
+                "roundpipe.hf.Trainer.train takes resume_from_checkpoint and "
+                "ignore_keys_for_eval (no hyperparameter-search trial)"
+            )
+        trainer: Any = self
+        return _TrainLoop(trainer, self._rp).run(resume_from_checkpoint, ignore_keys_for_eval)
+
+    def _save(self, output_dir: str | None = None, state_dict: Any = None) -> None:
+        """``save_model``'s write: the model as ``from_pretrained`` loads it (its fp32 masters,
+        or the adapter of a peft model), the tokenizer and the training arguments."""
+        trainer: Any = self
+        output_dir = output_dir if output_dir is not None else trainer.args.output_dir
+        os.makedirs(output_dir, exist_ok=True)
+        self._rp.save_pretrained(output_dir)
+        if trainer.processing_class is not None:
+            trainer.processing_class.save_pretrained(output_dir)
+        torch.save(trainer.args, os.path.join(output_dir, "training_args.bin"))
+
+
+def _refuse(args: Any) -> None:
+    problems = unsupported_arguments(args)
+    if problems:
+        raise ValueError(
+            "roundpipe.hf.Trainer cannot honour these TrainingArguments:\n  "
+            + "\n  ".join(problems)
+        )
+
+
+def _make_step_fn(
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    scaler: GradScaler | None,
+    masters: list[nn.Parameter],
+    max_grad_norm: float,
+    ran: list[bool],
+) -> Callable[[_StepRecord], None]:
+    """The Trainer's optimizer step, for the optimizer thread: unscale (fp16), clip the whole
+    model's gradient norm, step (skipped on an overflow), step the scheduler unless the step
+    was skipped, zero the gradients; the record gets the norm and the learning rate used."""
+    plateau = isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
+
+    def step(record: _StepRecord) -> None:
+        try:
+            if scaler is not None:
+                scaler.unscale_(optimizer)
+            if max_grad_norm is not None and max_grad_norm > 0:
+                norm = torch.nn.utils.clip_grad_norm_(masters, max_grad_norm)
+                record.grad_norm = float(norm)
+            record.learning_rate = float(scheduler.get_last_lr()[0])
+            ran[0] = False
+            if scaler is not None:
+                scaler.step(optimizer)
+            else:
+                optimizer.step()
+            record.skipped = not ran[0]
+            if not record.skipped and not plateau:
+                scheduler.step()
+            optimizer.zero_grad()
+        finally:
+            record.done.set()
+
+    return step
+
+
+class _TrainLoop:
+    """One ``train()`` call (main thread): the Trainer's loop with roundpipe's steps."""
+
+    def __init__(self, trainer: Any, model: HFRoundPipe) -> None:
+        self.t = trainer
+        self.model = model
+        self.pending: list[_PendingLog] = []
+        self.scaler: GradScaler | None = None
+
+    # -- setup ------------------------------------------------------------------------------------
+    def _sizes(self, dataloader: Any) -> tuple[int, int, int, int | None]:
+        """(max_steps, num_update_steps_per_epoch, num_train_epochs, len_dataloader), as the
+        Trainer computes them."""
+        args = self.t.args
+        ga = args.gradient_accumulation_steps
+        try:
+            len_dl: int | None = len(dataloader)
+        except (TypeError, NotImplementedError):
+            len_dl = None
+        if len_dl is not None:
+            per_epoch = max(len_dl // ga + int(len_dl % ga > 0), 1)
+            max_steps = (
+                args.max_steps
+                if args.max_steps > 0
+                else math.ceil(args.num_train_epochs * per_epoch)
+            )
+            if args.max_steps > 0:
+                epochs = max_steps // per_epoch + int(max_steps % per_epoch > 0)
+            else:
+                epochs = math.ceil(args.num_train_epochs)
+        elif args.max_steps > 0:
+            per_epoch, max_steps, epochs = args.max_steps, args.max_steps, 2**62
+        else:
+            raise ValueError(
+                f"args.max_steps must be set to a positive value if the dataloader has no "
+                f"length, was {args.max_steps}"
+            )
+        return max_steps, per_epoch, epochs, len_dl
+
+    def _resume(self, resume: str | bool | None, scaler: GradScaler | None) -> None:
+        t = self.t
+        if resume is None or resume is False:
+            return
+        path = checkpoint.latest(t.args.output_dir) if resume is True else resume
+        if path is None:
+            raise ValueError(f"No valid checkpoint found in output directory ({t.args.output_dir})")
+        extra = checkpoint.load(
+            path, self.model, t.optimizer, scaler=scaler, scheduler=t.lr_scheduler, progress=False
+        )
+        if "trainer_state" not in extra:
+            raise ValueError(
+                f"{path} is a roundpipe checkpoint without the Trainer's state: resume_from_"
+                f"checkpoint takes the checkpoint-N directories roundpipe.hf.Trainer saves"
+            )
+        state = json.loads(extra["trainer_state"])
+        t.state = transformers.TrainerState(**state)
+        t._load_callback_state()
+
+    # -- the loop ---------------------------------------------------------------------------------
+    def run(self, resume: str | bool | None, ignore_keys_for_eval: Any) -> Any:
+        t, model = self.t, self.model
+        args = t.args
+        t._memory_tracker.start()
+        t.is_in_train = True
+        dataloader = t.get_train_dataloader()
+        max_steps, per_epoch, num_epochs, len_dl = self._sizes(dataloader)
+        ga = args.gradient_accumulation_steps
+        exportable: list[Any] = [
+            cb
+            for cb in t.callback_handler.callbacks + [t.control]
+            if isinstance(cb, transformers.trainer_callback.ExportableState)
+        ]
+        t.state = transformers.TrainerState(stateful_callbacks=exportable)
+        t.state.train_batch_size = t._train_batch_size
+        t.state.compute_steps(args, max_steps)
+        t.optimizer = None
+        t.lr_scheduler = None
+        t.create_optimizer()
+        t.create_scheduler(num_training_steps=max_steps, optimizer=t.optimizer)
+        scaler = GradScaler() if args.fp16 else None
+        self.scaler = scaler
+        self._resume(resume, scaler)
+        t.state.init_training_references(t, max_steps, num_epochs, None)
+        epochs_trained = t.state.global_step // per_epoch
+        skip = (t.state.global_step % per_epoch) * ga if not args.ignore_data_skip else 0
+        for attr in ("model", "optimizer", "lr_scheduler"):
+            setattr(t.callback_handler, attr, getattr(t, attr))
+        t.callback_handler.train_dataloader = dataloader
+
+        ran = [False]
+        t.optimizer.register_step_post_hook(lambda *_: ran.__setitem__(0, True))
+        masters = [p for g in t.optimizer.param_groups for p in g["params"]]
+        self.step_fn = _make_step_fn(
+            t.optimizer, t.lr_scheduler, scaler, masters, args.max_grad_norm, ran
+        )
+        main_input = getattr(self.t.hf_model, "main_input_name", "input_ids")
+        self.main_input = main_input if isinstance(main_input, str) else "input_ids"
+
+        start = time.time()
+        initial_step = t.state.global_step
+        self.loss_since_log = 0.0
+        self.total_loss = 0.0
+        self.last_logged = t.state.global_step
+        self.tokens_since_log = 0
+        self.tokens_total = 0
+        self.log_clock = time.perf_counter()
+        model.train()
+        t.control = t.callback_handler.on_train_begin(args, t.state, t.control)
+        if getattr(args, "eval_on_start", False):
+            self._evaluate(ignore_keys_for_eval)
+        for epoch in range(epochs_trained, num_epochs):
+            epoch_dl = dataloader
+            if hasattr(epoch_dl, "set_epoch"):
+                epoch_dl.set_epoch(epoch)
+            steps_in_epoch = len(epoch_dl) if len_dl is not None else max_steps * ga
+            t.control = t.callback_handler.on_epoch_begin(args, t.state, t.control)
+            skipped = 0
+            if epoch == epochs_trained and skip > 0:
+                from accelerate import skip_first_batches
+
+                epoch_dl = skip_first_batches(epoch_dl, skip)
+                skipped = skip
+            self._epoch(epoch, epoch_dl, steps_in_epoch, skipped, ignore_keys_for_eval)
+            t.control = t.callback_handler.on_epoch_end(args, t.state, t.control)
+            self._log_save_evaluate(ignore_keys_for_eval)
+            if t.control.should_training_stop:
+                break
+        model.synchronize()
+        self._flush_logs(wait=True)
+        checkpoint.wait()
+        self.total_loss += self.loss_since_log
+        steps = t.state.global_step - initial_step
+        train_loss = self.total_loss / max(steps, 0.001)
+        runtime = time.time() - start
+        metrics = {
+            "train_runtime": round(runtime, 4),
+            "train_samples_per_second": round(
+                steps * t._train_batch_size * ga / max(runtime, 1e-9), 3
+            ),
+            "train_steps_per_second": round(steps / max(runtime, 1e-9), 3),
+            "train_tokens_per_second": round(self.tokens_total / max(runtime, 1e-9), 3),
+            "train_loss": train_loss,
+        }
+        t._memory_tracker.stop_and_update_metrics(metrics)
+        t.log(metrics)
+        t.control = t.callback_handler.on_train_end(args, t.state, t.control)
+        t.is_in_train = False
+        return transformers.trainer_utils.TrainOutput(t.state.global_step, train_loss, metrics)
+
+    def _epoch(
+        self, epoch: int, dataloader: Any, steps_in_epoch: int, skipped: int, ignore_keys: Any
+    ) -> None:
+        t = self.t
+        args = t.args
+        ga = args.gradient_accumulation_steps
+        remainder = steps_in_epoch % ga or ga
+        total_updates = steps_in_epoch // ga + int(remainder < ga)
+        iterator = iter(dataloader)
+        step = skipped - 1
+        for update in range(skipped // ga, total_updates):
+            num_batches = ga if update != total_updates - 1 else remainder
+            batches, num_items = t.get_batch_samples(iterator, num_batches, args.device)
+            if not batches:
+                break
+            t.control = t.callback_handler.on_step_begin(args, t.state, t.control)
+            loss = self._step(batches, num_items)
+            # Before on_step_end: a log's on_log resets control.should_log, which on_step_end
+            # then sets for this step.
+            self._flush_logs(wait=False)
+            for _ in batches[:-1]:
+                t.control = t.callback_handler.on_substep_end(args, t.state, t.control)
+            step += len(batches)
+            if args.logging_nan_inf_filter and not math.isfinite(loss):
+                loss = self.loss_since_log / (1 + t.state.global_step - self.last_logged)
+            self.loss_since_log += loss
+            tokens = sum(_input_tokens(b, self.main_input) for b in batches)
+            self.tokens_since_log += tokens
+            self.tokens_total += tokens
+            if args.include_num_input_tokens_seen not in (False, "no", None):
+                t.state.num_input_tokens_seen += tokens
+            t.state.global_step += 1
+            t.state.epoch = epoch + (step + 1) / steps_in_epoch
+            t.control = t.callback_handler.on_step_end(args, t.state, t.control)
+            self._log_save_evaluate(ignore_keys)
+            if t.control.should_epoch_stop or t.control.should_training_stop:
+                break
+
+    def _step(self, batches: list[dict[str, Any]], num_items: Any) -> float:
+        """One optimizer step of the Trainer: the batches in one forward_backward, then the
+        step launched ([Note: the Trainer's step]); returns the step's loss (unscaled)."""
+        t, model = self.t, self.model
+        batch = _join_batches(batches)
+        if num_items is not None:
+            batch["num_items_in_batch"] = _as_count(num_items)
+        run_config = RoundPipeRunConfig(num_microbatch=t.num_microbatch or len(batches))
+        scaler = self.scaler
+        if scaler is not None:
+            scale = scaler.get_scale()
+            loss = model.forward_backward(
+                input_kwargs=batch,
+                loss_fn=lambda mb_loss, _: scaler.scale(mb_loss),
+                run_config=run_config,
+            )
+            value = float(loss) / scale
+        else:
+            value = float(model.forward_backward(input_kwargs=batch, run_config=run_config))
+        record = _StepRecord()
+        self.record = record
+        step_fn = self.step_fn
+        model.step(lambda: step_fn(record), is_async=t.async_step)
+        if scaler is not None:
+            scaler.update()
+        return value
+
+    # -- logs, evaluation, checkpoints ------------------------------------------------------------
+    def _log_save_evaluate(self, ignore_keys: Any) -> None:
+        t = self.t
+        if t.control.should_log and t.state.global_step > self.last_logged:
+            now = time.perf_counter()
+            steps = t.state.global_step - self.last_logged
+            logs: dict[str, float] = {"loss": self.loss_since_log / steps}
+            logs["tokens_per_second"] = self.tokens_since_log / max(now - self.log_clock, 1e-9)
+            if self.scaler is not None:
+                logs["loss_scale"] = self.scaler.get_scale()
+            self.total_loss += self.loss_since_log
+            self.loss_since_log = 0.0
+            self.tokens_since_log = 0
+            self.log_clock = now
+            self.last_logged = t.state.global_step
+            t.store_flos()
+            self.pending.append(_PendingLog(logs, self.record, t.state.global_step, t.state.epoch))
+            if not t.async_step:
+                self._flush_logs(wait=True)
+        if t.control.should_evaluate:
+            self._evaluate(ignore_keys)
+        if t.control.should_save:
+            self._save()
+            t.control = t.callback_handler.on_save(t.args, t.state, t.control)
+
+    def _flush_logs(self, wait: bool) -> None:
+        """Emit the pending logs whose step has run (``wait``: every pending log, after
+        waiting for the launched steps), each under the step it belongs to."""
+        t = self.t
+        if wait and self.pending:
+            optim_thread.synchronize()
+        while self.pending and self.pending[0].record.done.is_set():
+            entry = self.pending.pop(0)
+            logs = dict(entry.logs)
+            logs["grad_norm"] = entry.record.grad_norm  # type: ignore[assignment]
+            logs["learning_rate"] = entry.record.learning_rate  # type: ignore[assignment]
+            if logs["grad_norm"] is None:
+                del logs["grad_norm"]
+            order = ["loss", "grad_norm", "learning_rate", "tokens_per_second", "loss_scale"]
+            logs = {k: logs[k] for k in order if k in logs}
+            now_step, now_epoch = t.state.global_step, t.state.epoch
+            t.state.global_step, t.state.epoch = entry.global_step, entry.epoch
+            try:
+                t.log(logs)
+            finally:
+                t.state.global_step, t.state.epoch = now_step, now_epoch
+
+    def _evaluate(self, ignore_keys: Any) -> None:
+        # The evaluation sees the newest weights, as the plain Trainer's does; the iteration
+        # after it computes with them too.
+        self.model.synchronize()
+        self._flush_logs(wait=True)
+        self.t.evaluate(ignore_keys=ignore_keys)
+        self.model.train()
+
+    def _save(self) -> None:
+        """A checkpoint ``output_dir/checkpoint-<step>`` through roundpipe.checkpoint, written
+        while training goes on; it holds the Trainer's state for resume_from_checkpoint."""
+        t = self.t
+        self._flush_logs(wait=True)
+        if not t.args.should_save:
+            return
+        t.store_flos()
+        name = f"checkpoint-{t.state.global_step}"
+        t.state.stateful_callbacks = {}
+        for cb in t.callback_handler.callbacks + [t.control]:
+            if isinstance(cb, transformers.trainer_callback.ExportableState):
+                state = cb.state()
+                t.state.stateful_callbacks.setdefault(cb.__class__.__name__, []).append(state)
+        for key, value in list(t.state.stateful_callbacks.items()):
+            if len(value) == 1:
+                t.state.stateful_callbacks[key] = value[0]
+        trainer_state = json.dumps(dataclasses.asdict(t.state), sort_keys=True)
+        limit = t.args.save_total_limit
+        checkpoint.save(
+            t.args.output_dir,
+            self.model,
+            t.optimizer,
+            scaler=self.scaler,
+            scheduler=t.lr_scheduler,
+            extra={"trainer_state": trainer_state},
+            name=name,
+            keep_last=limit if limit and limit > 0 else None,
+            hf=t.checkpoint_hf,
+        )
+
+
+class Trainer(RoundPipeTrainerMixin, transformers.Trainer):
+    """transformers' ``Trainer`` on roundpipe: the model stays in host memory in its
+    low-precision dtype with fp32 masters, and each step runs through roundpipe's stages and
+    optimizer thread. Takes the Trainer's arguments and those of
+    :class:`RoundPipeTrainerMixin`; refuses at construction, naming each, the
+    TrainingArguments it cannot honour (:func:`unsupported_arguments`). See docs/hf.md."""

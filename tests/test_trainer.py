@@ -1,0 +1,345 @@
+"""roundpipe.hf.Trainer and roundpipe.hf.SFTTrainer against transformers' Trainer and TRL's
+SFTTrainer on a tiny Llama built from a config (nothing downloaded): the same per-step losses,
+gradient norms, learning rates and final weights (synchronous step), the lag-one reference
+(asynchronous step), LoRA, the exact resume in a new process, the evaluation loss, the refusals."""
+
+import copy
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import roundpipe  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent))
+from trainer_common import (  # noqa: E402
+    collate,
+    step_losses,
+    tiny_llama,
+    token_dataset,
+    training_args,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class RecordingTrainer(transformers.Trainer):
+    """The plain Trainer, recording each optimizer step's loss (the sum of its batches')."""
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        losses = self.__dict__.setdefault("step_losses", {})
+        losses[self.state.global_step] = losses.get(self.state.global_step, 0.0) + float(loss)
+        return loss
+
+
+def _logged(history, key):
+    return [e[key] for e in history if key in e and "train_loss" not in e and "eval_loss" not in e]
+
+
+@pytest.mark.timeout(300)
+def test_trainer_equals_the_plain_trainer_with_the_synchronous_step(tmp_path):
+    data, evals = token_dataset(), token_dataset(n=9, seed=5)
+    plain = RecordingTrainer(
+        model=tiny_llama(),
+        args=training_args(tmp_path / "plain"),
+        train_dataset=data,
+        eval_dataset=evals,
+        data_collator=collate,
+    )
+    plain.train()
+    ours = roundpipe.hf.Trainer(
+        model=tiny_llama(),
+        args=training_args(tmp_path / "rp"),
+        train_dataset=data,
+        eval_dataset=evals,
+        data_collator=collate,
+        async_step=False,
+    )
+    ours.train()
+    want = torch.tensor(list(plain.step_losses.values()))
+    got = torch.tensor(step_losses(ours.state.log_history))
+    assert len(got) == len(want) == 20  # 13 batches an epoch: windows of 2, 2, 2, 2, 2, 2, 1
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for key in ("grad_norm", "learning_rate"):
+        torch.testing.assert_close(
+            torch.tensor(_logged(ours.state.log_history, key), dtype=torch.float64),
+            torch.tensor(_logged(plain.state.log_history, key), dtype=torch.float64),
+            rtol=1e-5,
+            atol=1e-7,
+        )
+    assert max(_logged(ours.state.log_history, "grad_norm")) > 0.5  # clipping was active
+    assert all(e["tokens_per_second"] > 0 for e in ours.state.log_history if "loss" in e)
+    reference = plain.model.state_dict()
+    for name, param in ours.hf_model.named_parameters():
+        torch.testing.assert_close(param.detach(), reference[name], rtol=1e-5, atol=1e-6)
+    # the evaluation: transformers' own eval loss, through the wrapped model
+    want_eval = plain.evaluate()["eval_loss"]
+    assert ours.evaluate()["eval_loss"] == pytest.approx(want_eval, rel=1e-5)
+
+
+def _lag_one_reference(batches, steps, args):
+    """A plain-torch loop with roundpipe's staleness: the batch of step k computes with the
+    weights after step k-2 (the first two with the initial ones), its gradient is applied to
+    the newest fp32 weights (the masters)."""
+    model = tiny_llama()
+    compute = copy.deepcopy(model)
+    trainer = transformers.Trainer(model=model, args=args)
+    decay = set(trainer.get_decay_parameter_names(model))
+    named = list(model.named_parameters())
+    opt = torch.optim.AdamW(
+        [
+            {"params": [p for n, p in named if n in decay], "weight_decay": args.weight_decay},
+            {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0},
+        ],
+        lr=args.learning_rate,
+    )
+    sched = transformers.get_scheduler(
+        "cosine", opt, num_warmup_steps=args.warmup_steps, num_training_steps=steps
+    )
+    losses = []
+    for batch in batches[:steps]:
+        out = compute(**batch)
+        out.loss.backward()
+        losses.append(float(out.loss.detach()))
+        before = {n: p.detach().clone() for n, p in named}
+        for (_, p), c in zip(named, compute.parameters()):
+            p.grad = c.grad
+            c.grad = None
+        torch.nn.utils.clip_grad_norm_([p for _, p in named], args.max_grad_norm)
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        with torch.no_grad():  # the next batch computes with the weights before this step
+            for (n, _), c in zip(named, compute.parameters()):
+                c.copy_(before[n])
+    return losses, dict(named)
+
+
+@pytest.mark.timeout(300)
+def test_the_async_step_equals_the_lag_one_reference(tmp_path):
+    args = training_args(tmp_path / "rp")
+    ours = roundpipe.hf.Trainer(
+        model=tiny_llama(), args=args, train_dataset=token_dataset(), data_collator=collate
+    )
+    assert ours.async_step
+    seen = []
+    forward_backward = ours.model.forward_backward
+
+    def recording(*a, **kw):
+        seen.append({k: v for k, v in kw["input_kwargs"].items()})
+        return forward_backward(*a, **kw)
+
+    ours.model.forward_backward = recording
+    ours.train()
+    losses, weights = _lag_one_reference(seen, 20, args)
+    torch.testing.assert_close(
+        torch.tensor(step_losses(ours.state.log_history)),
+        torch.tensor(losses),
+        rtol=1e-5,
+        atol=1e-5,
+    )
+    for name, master in ours.model.optim_named_parameters():
+        torch.testing.assert_close(master.detach(), weights[name].detach(), rtol=1e-5, atol=1e-6)
+    # and it differs from the synchronous run: the staleness is real
+    sync = roundpipe.hf.Trainer(
+        model=tiny_llama(),
+        args=args,
+        train_dataset=token_dataset(),
+        data_collator=collate,
+        async_step=False,
+    )
+    sync.train()
+    assert step_losses(sync.state.log_history)[2:] != step_losses(ours.state.log_history)[2:]
+
+
+def _tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = "the a cat dog bird sees likes eats runs sleeps big small red green and".split()
+    vocab = {"[PAD]": 0, "[UNK]": 1, "[EOS]": 2, **{w: i + 3 for i, w in enumerate(words)}}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="[PAD]", unk_token="[UNK]", eos_token="[EOS]"
+    ), words
+
+
+def _sentences(words, n=24, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        k = int(torch.randint(4, 12, (1,), generator=g))
+        out.append(" ".join(words[int(i)] for i in torch.randint(len(words), (k,), generator=g)))
+    return out
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_sft_trainer_equals_trls_with_the_synchronous_step(tmp_path, lora):
+    trl = pytest.importorskip("trl")
+    datasets = pytest.importorskip("datasets")
+    tokenizer, words = _tokenizer()
+    data = datasets.Dataset.from_dict({"text": _sentences(words)})
+
+    def config(out):
+        base = training_args(out).to_dict()
+        base = {
+            k: v
+            for k, v in base.items()
+            if k
+            in {
+                "per_device_train_batch_size",
+                "gradient_accumulation_steps",
+                "max_steps",
+                "learning_rate",
+                "lr_scheduler_type",
+                "warmup_steps",
+                "weight_decay",
+                "max_grad_norm",
+                "logging_steps",
+                "save_strategy",
+                "report_to",
+                "seed",
+                "disable_tqdm",
+            }
+        }
+        return trl.SFTConfig(output_dir=str(out), max_length=16, packing=False, bf16=False, **base)
+
+    def peft_config():
+        if not lora:
+            return None
+        from peft import LoraConfig
+
+        return LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+
+    def model():
+        m = tiny_llama()
+        m.config.pad_token_id = tokenizer.pad_token_id
+        m.config.eos_token_id = tokenizer.eos_token_id
+        torch.manual_seed(7)  # the adapters' initialisation
+        return m
+
+    plain = trl.SFTTrainer(
+        model=model(),
+        args=config(tmp_path / "plain"),
+        train_dataset=data,
+        processing_class=tokenizer,
+        peft_config=peft_config(),
+    )
+    plain.train()
+    ours = roundpipe.hf.SFTTrainer(
+        model=model(),
+        args=config(tmp_path / "rp"),
+        train_dataset=data,
+        processing_class=tokenizer,
+        peft_config=peft_config(),
+        async_step=False,
+    )
+    ours.train()
+    want = _logged(plain.state.log_history, "loss")
+    got = step_losses(ours.state.log_history)
+    assert len(got) == len(want) == 20
+    torch.testing.assert_close(
+        torch.tensor(got), torch.tensor(want, dtype=torch.float32), rtol=1e-5, atol=1e-4
+    )
+    reference = dict(plain.model.named_parameters())
+    trained = [(n, p) for n, p in ours.hf_model.named_parameters() if p.requires_grad]
+    assert trained and (not lora or all("lora_" in n for n, _ in trained))
+    for name, param in trained:
+        torch.testing.assert_close(param.detach(), reference[name].detach(), rtol=1e-5, atol=1e-6)
+
+
+def _worker(mode, out, result):
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    )
+    env.pop("ROUNDPIPE_DEVICES", None)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "trainer_worker.py"), mode, str(out), str(result)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return json.loads(Path(str(result) + ".json").read_text()), torch.load(str(result) + ".pt")
+
+
+@pytest.mark.timeout(600)
+def test_resume_from_checkpoint_in_a_new_process_equals_the_uninterrupted_run(tmp_path):
+    full, full_masters = _worker("full", tmp_path / "full", tmp_path / "full-result")
+    stopped, _ = _worker("stop", tmp_path / "run", tmp_path / "stop-result")
+    assert stopped["step"] == 10 and (tmp_path / "run" / "checkpoint-10").is_dir()
+    resumed, masters = _worker("resume", tmp_path / "run", tmp_path / "resume-result")
+    assert resumed["step"] == 20
+    assert resumed["losses"] == full["losses"]  # the resumed history holds steps 1..10 too
+    assert masters.keys() == full_masters.keys()
+    for name in masters:
+        assert torch.equal(masters[name], full_masters[name]), name
+    # save_total_limit=2 kept both checkpoints; the resumed run saved the second
+    assert sorted(p.name for p in (tmp_path / "run").glob("checkpoint-*")) == [
+        "checkpoint-10",
+        "checkpoint-20",
+    ]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "option, value",
+    [
+        ("torch_compile", True),
+        ("label_smoothing_factor", 0.1),
+        ("load_best_model_at_end", True),
+        ("neftune_noise_alpha", 5.0),
+    ],
+)
+def test_options_it_cannot_honour_are_refused_at_construction(tmp_path, option, value):
+    extra = (
+        {"eval_strategy": "steps", "save_strategy": "steps"} if option.startswith("load") else {}
+    )
+    args = training_args(tmp_path, **{option: value}, **extra)
+    with pytest.raises(ValueError, match=option):
+        roundpipe.hf.Trainer(
+            model=tiny_llama(), args=args, train_dataset=token_dataset(), data_collator=collate
+        )
+
+
+@pytest.mark.timeout(120)
+def test_an_optimizer_over_the_model_parameters_is_refused(tmp_path):
+    model = tiny_llama()
+    opt = torch.optim.AdamW(model.parameters())
+    with pytest.raises(ValueError, match="optimizer_cls_and_kwargs"):
+        roundpipe.hf.Trainer(
+            model=model,
+            args=training_args(tmp_path),
+            optimizers=(opt, None),
+            train_dataset=token_dataset(),
+            data_collator=collate,
+        )
+
+
+@pytest.mark.timeout(120)
+def test_the_model_stays_in_host_memory_and_save_model_writes_a_loadable_model(tmp_path):
+    ours = roundpipe.hf.Trainer(
+        model=tiny_llama(),
+        args=training_args(tmp_path, max_steps=3, bf16=True, use_cpu=True),
+        train_dataset=token_dataset(),
+        data_collator=collate,
+    )
+    assert isinstance(ours.model, roundpipe.hf.HFRoundPipe)
+    ours.train()
+    assert {p.device.type for p in ours.hf_model.parameters()} == {"cpu"}
+    assert {p.dtype for p in ours.hf_model.parameters()} == {torch.bfloat16}  # fp32 masters
+    assert {p.dtype for p in ours.model.optim_parameters()} == {torch.float32}
+    ours.save_model(str(tmp_path / "final"))
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "final")
+    masters = ours.model.master_state_dict()
+    for name, p in reloaded.named_parameters():
+        assert torch.equal(p.detach(), masters[name])
