@@ -343,3 +343,39 @@ def test_the_model_stays_in_host_memory_and_save_model_writes_a_loadable_model(t
     masters = ours.model.master_state_dict()
     for name, p in reloaded.named_parameters():
         assert torch.equal(p.detach(), masters[name])
+
+
+@pytest.mark.timeout(300)
+def test_fp16_trains_with_roundpipes_scaler_and_a_skipped_step_leaves_the_schedule(
+    tmp_path, monkeypatch
+):
+    # A scale too large for fp16 gradients: the first steps overflow and are skipped (the
+    # scale backs off, the learning-rate schedule does not advance), then training goes on.
+    import functools
+
+    from roundpipe.hf import trainer as rp_trainer
+
+    monkeypatch.setattr(
+        rp_trainer, "GradScaler", functools.partial(roundpipe.GradScaler, init_scale=2.0**28)
+    )
+    ours = roundpipe.hf.Trainer(
+        model=tiny_llama(),
+        args=training_args(tmp_path, max_steps=14, fp16=True, use_cpu=True),
+        train_dataset=token_dataset(),
+        data_collator=collate,
+        async_step=False,
+    )
+    ours.train()
+    assert {p.dtype for p in ours.hf_model.parameters()} == {torch.float16}
+    logs = [e for e in ours.state.log_history if "loss" in e and "train_loss" not in e]
+    scales = [e["loss_scale"] for e in logs]
+    rates = [e["learning_rate"] for e in logs]
+    assert scales[0] <= 2.0**28 and scales[-1] < scales[0], scales  # it backed off
+    # A step's log holds the learning rate it used and the scale after its update: a step whose
+    # scale fell was skipped, and the next step used the same learning rate.
+    skipped = [i for i in range(len(scales) - 1) if scales[i] < (scales[i - 1] if i else 2.0**28)]
+    assert skipped, scales
+    for i in skipped:
+        assert rates[i + 1] == rates[i], (i, rates)
+    assert rates[-1] != rates[0]  # later steps ran
+    assert all(torch.isfinite(m).all() for m in ours.model.optim_parameters())

@@ -402,9 +402,12 @@ def _make_step_fn(
             ran[0] = False
             if scaler is not None:
                 scaler.step(optimizer)
+                # A fused optimizer is called on an overflow too (its kernel skips the update
+                # from found_inf), so the post hook cannot tell: the scaler knows.
+                record.skipped = scaler.step_was_skipped(optimizer)
             else:
                 optimizer.step()
-            record.skipped = not ran[0]
+                record.skipped = not ran[0]
             if not record.skipped and not plateau:
                 scheduler.step()
             optimizer.zero_grad()
