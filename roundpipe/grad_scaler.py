@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import enum
 import inspect
-import math
 import threading
 import warnings
 from collections import defaultdict
@@ -22,6 +21,13 @@ from torch._subclasses.fake_tensor import FakeTensor
 from roundpipe import distributed, finite_check, optim_thread
 from roundpipe.host_copy import HostCopy
 from roundpipe.optim_thread import on_optimizer_thread
+from roundpipe.scale_rule import (
+    COLLAPSE_STREAK,
+    ScaleHyper,
+    ScaleRule,
+    check_hyper,
+    check_hyper_field,
+)
 from roundpipe.step_context import check_optimizer_params
 
 __all__ = ["GradScaler", "OptState", "ScalerSnapshot", "ScaleCollapseWarning", "note_used_by_steps"]
@@ -34,9 +40,11 @@ __all__ = ["GradScaler", "OptState", "ScalerSnapshot", "ScaleCollapseWarning", "
 #                      workers); replaced only by update() on the main thread, between iterations.
 #   back   ``_back``   what unscale_()/step() divide by. It is always the scale that produced the
 #                      gradients being stepped.
-#   newest ``_scale``  the running scale that the update rule U evolves (torch's ``_scale``).
+#   newest ``_rule.scale``  the running scale that the update rule U evolves (torch's
+#                      ``_scale``); U itself is the thread-free :class:`ScaleRule` ``_rule``.
 #
-# back, newest, the growth tracker, the hyperparameters U reads and the per-optimizer states form
+# back, the rule (newest, the growth tracker, the hyperparameters U reads) and the per-optimizer
+# states form
 # the *back side*. The back side is touched by one thread at a time: the optimizer thread, or the
 # main thread while no launched work can touch it (the scaler's own last launched item has run,
 # and, if steps use the scaler, no launched step is still to run; see ``_claim_back_side``).
@@ -75,10 +83,6 @@ class ScaleCollapseWarning(RuntimeWarning):
     """Gradients keep overflowing although the scale is already at ``min_scale``."""
 
 
-# A streak of this many consecutive overflows at min_scale is reported once.
-_COLLAPSE_STREAK = 3
-
-
 @dataclass(frozen=True)
 class ScalerSnapshot:
     """A non-blocking view of a :class:`GradScaler` for monitoring.
@@ -94,16 +98,6 @@ class ScalerSnapshot:
     growth_tracker: int
     steps: int
     skipped_steps: int
-
-
-@dataclass
-class _Hyper:
-    growth_factor: float
-    backoff_factor: float
-    growth_interval: int
-    hysteresis: int
-    min_scale: float | None
-    max_scale: float | None
 
 
 def _sum_flags(flags: Iterable[torch.Tensor], device: torch.device) -> torch.Tensor | None:
@@ -123,7 +117,7 @@ class _Published:
     numbers: HostCopy  # scale, growth tracker, skipped steps
     steps: int
     collapse_streak: int
-    hyper: _Hyper
+    hyper: ScaleHyper
 
     @property
     def scale_value(self) -> float:
@@ -153,11 +147,76 @@ def _resolve_device(device: str | torch.device | None) -> str:
     return torch.device(device).type
 
 
-def _check_positive_finite(name: str, value: float | None) -> None:
-    if value is None:
-        return
-    if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+@dataclass(frozen=True)
+class _LoadedState:
+    scale: float
+    front_scale: float
+    hyper: ScaleHyper
+    growth_tracker: int
+    skipped_steps: int
+    steps: int
+    hysteresis_left: int
+    collapse_streak: int
+    initialized: bool
+
+
+def _count(name: str, value: Any, low: int = 0, high: float = float("inf")) -> int:
+    """An integer count from a state dict (an integral float, as an older file may hold, too)."""
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+        raise ValueError(
+            f"GradScaler.load_state_dict: {name} must be an int in [{low}, {high}], got {value!r}"
+        )
+    return value
+
+
+def _parse_state_dict(state_dict: dict[str, Any], current: ScaleHyper) -> _LoadedState:
+    """Read and validate a state dict of :class:`GradScaler` or of torch's, with the
+    constructor's rules (:func:`check_hyper`); raise ``ValueError`` naming what is wrong.
+    Touches no scaler, so a refused state dict changes nothing."""
+    missing = [
+        k
+        for k in ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
+        if k not in state_dict
+    ]
+    if missing:
+        raise ValueError(f"GradScaler.load_state_dict: the state dict lacks {missing}")
+    extra = state_dict.get("roundpipe", {})
+    interval = state_dict["growth_interval"]
+    if isinstance(interval, float) and interval.is_integer():
+        interval = int(interval)
+    hyper = ScaleHyper(
+        state_dict["growth_factor"],
+        state_dict["backoff_factor"],
+        interval,
+        extra.get("hysteresis", current.hysteresis),
+        extra.get("min_scale", current.min_scale),
+        extra.get("max_scale", current.max_scale),
+    )
+    scale = state_dict["scale"]
+    try:
+        check_hyper(hyper)
+        check_hyper_field("scale", scale)
+        front = extra.get("front_scale", scale)
+        check_hyper_field("front_scale", front)
+    except ValueError as e:
+        raise ValueError(f"GradScaler.load_state_dict: {e}") from None
+    hyper.growth_factor = float(hyper.growth_factor)
+    hyper.backoff_factor = float(hyper.backoff_factor)
+    return _LoadedState(
+        scale=float(scale),
+        front_scale=float(front),
+        hyper=hyper,
+        growth_tracker=_count("_growth_tracker", state_dict["_growth_tracker"]),
+        skipped_steps=_count("skipped_steps", extra.get("skipped_steps", 0)),
+        steps=_count("steps", extra.get("steps", 0)),
+        hysteresis_left=_count(
+            "hysteresis_left", extra.get("hysteresis_left", hyper.hysteresis), 0, hyper.hysteresis
+        ),
+        collapse_streak=_count("collapse_streak", extra.get("collapse_streak", 0)),
+        initialized=bool(extra.get("initialized", False)),
+    )
 
 
 def _check_not_on_model_params(optimizer: torch.optim.Optimizer) -> None:
@@ -220,49 +279,18 @@ class GradScaler:
             self._enabled = False
         if not self._enabled:
             return
-        _check_positive_finite("init_scale", init_scale)
-        if not (
-            isinstance(growth_factor, (int, float))
-            and growth_factor > 1.0
-            and math.isfinite(growth_factor)
-        ):
-            raise ValueError(f"growth_factor must be a finite number > 1.0, got {growth_factor!r}")
-        if not (isinstance(backoff_factor, (int, float)) and 0.0 < backoff_factor < 1.0):
-            raise ValueError(f"backoff_factor must be in (0, 1), got {backoff_factor!r}")
-        self._check_interval(growth_interval)
-        if not isinstance(hysteresis, int) or isinstance(hysteresis, bool) or hysteresis < 1:
-            raise ValueError(
-                f"hysteresis must be an int >= 1 (1 backs off on every overflow, as torch), got {hysteresis!r}"
-            )
-        _check_positive_finite("min_scale", min_scale)
-        _check_positive_finite("max_scale", max_scale)
-        lo, hi = min_scale or 0.0, max_scale or math.inf
-        if not lo <= init_scale <= hi:
-            raise ValueError(
-                f"init_scale={init_scale} must lie within [min_scale, max_scale] = [{lo}, {hi}]"
-            )
-
-        self._init_scale = float(init_scale)
-        self._init_growth_tracker = 0
-        self._init_front: float | None = None  # set by load_state_dict before lazy init
-        self._init_skipped = 0
-        self._init_lock = threading.Lock()
-        # Back side.
-        self._hyper = _Hyper(
-            float(growth_factor),
-            float(backoff_factor),
-            int(growth_interval),
-            hysteresis,
-            min_scale,
-            max_scale,
+        # Back side. The rule validates the hyperparameters; its tensors move to the device of
+        # the first scaled output.
+        self._rule = ScaleRule(
+            init_scale,
+            ScaleHyper(
+                growth_factor, backoff_factor, growth_interval, hysteresis, min_scale, max_scale
+            ),
         )
-        self._scale: torch.Tensor | None = None
+        # Before the lazy init: the front scale to start with (load_state_dict may change it).
+        self._init_front = float(init_scale)
+        self._init_lock = threading.Lock()
         self._back: torch.Tensor | None = None
-        self._growth_tracker: torch.Tensor | None = None
-        self._skipped_steps: torch.Tensor | None = None
-        self._steps = 0
-        self._hysteresis_left = hysteresis
-        self._collapse_streak = 0
         # Whether back == newest (always after a sync update): then the overflow rule's
         # min(newest, back) is a no-op and is skipped, keeping sync mode torch's exact kernels.
         self._back_is_newest = True
@@ -272,7 +300,7 @@ class GradScaler:
         self._front: torch.Tensor | None = None
         self._front_copy: HostCopy | None = None  # the front scale's value, with _front
         self._front_replicas: dict[torch.device, torch.Tensor] = {}
-        self._mirror = _Hyper(**vars(self._hyper))
+        self._mirror = self._rule.hyper.copy()
         # Main-thread setters are numbered; the back side records the newest it applied, so a
         # record published before a setter ran does not overwrite the mirror with an old value.
         self._setter_seq = 0
@@ -298,14 +326,11 @@ class GradScaler:
         with self._init_lock:
             if self._front is not None:
                 return
-            full = lambda v, dt=torch.float32: torch.full((), v, dtype=dt, device=device)  # noqa: E731
-            front = self._init_scale if self._init_front is None else self._init_front
-            self._scale = full(self._init_scale)
-            self._back = full(front)
-            self._growth_tracker = full(self._init_growth_tracker, torch.int32)
-            self._skipped_steps = full(self._init_skipped, torch.int64)
+            full = lambda v: torch.full((), v, dtype=torch.float32, device=device)  # noqa: E731
+            self._rule.to_(device)
+            self._back = full(self._init_front)
             self._published = self._publish()
-            front_tensor = full(front)
+            front_tensor = full(self._init_front)
             self._front_copy = HostCopy(front_tensor)
             self._front = front_tensor  # last: scale() reads it without the lock
 
@@ -314,14 +339,6 @@ class GradScaler:
         back = self._back
         assert back is not None, "GradScaler: the back side is read before its lazy init"
         return back
-
-    def _newest(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(newest scale, growth tracker, skipped steps); after :meth:`_lazy_init`."""
-        scale, tracker, skipped = self._scale, self._growth_tracker, self._skipped_steps
-        assert scale is not None and tracker is not None and skipped is not None, (
-            "GradScaler: the back side is read before its lazy init"
-        )
-        return scale, tracker, skipped
 
     def _check_initialized(self, funcname: str) -> None:
         if self._front is None:
@@ -667,7 +684,7 @@ class GradScaler:
                 )
             value = new_scale.detach().reshape(()).to(device, torch.float32, copy=True)
         else:
-            _check_positive_finite("new_scale", new_scale)
+            check_hyper_field("new_scale", new_scale)
             value = torch.full((), float(new_scale), dtype=torch.float32, device=device)
         return value
 
@@ -696,8 +713,8 @@ class GradScaler:
     def _adopt(self, published: _Published) -> None:
         self._published = published
         if published.setter_seq == self._setter_seq:
-            self._mirror = _Hyper(**vars(published.hyper))
-        if published.collapse_streak == _COLLAPSE_STREAK:
+            self._mirror = published.hyper.copy()
+        if published.collapse_streak == COLLAPSE_STREAK:
             warnings.warn(
                 f"GradScaler: gradients overflowed {published.collapse_streak} times in a row with "
                 f"the scale at min_scale={published.hyper.min_scale}: the run is diverging. Check "
@@ -715,14 +732,17 @@ class GradScaler:
         None (sync: it is the new scale itself).
         """
         failures = optim_thread.failure_count()
-        scale, _, _ = self._newest()
+        scale = self._rule.scale
         try:
             if new_value is not None:
                 scale.copy_(new_value)
             else:
                 found_inf = self._combined_found_inf()
                 if found_inf is not None:
-                    self._apply_rule(found_inf, stale=not self._back_is_newest)
+                    # [Note: the scale double buffer], overflow rule: the back scale produced
+                    # the gradients; it is stale when it differs from the newest scale.
+                    stale = None if self._back_is_newest else self._back_scale()
+                    self._rule.apply(found_inf, stale_scale=stale)
                 elif failures == self._failures_seen:
                     raise AssertionError(
                         "No inf checks were recorded prior to update: no scaler.step(optimizer) "
@@ -746,62 +766,19 @@ class GradScaler:
                 for state in self._per_optimizer_states.values()
                 for t in state.found_inf_per_device.values()
             ),
-            self._newest()[0].device,
+            self._rule.device,
         )
-
-    def _apply_rule(self, found_inf: torch.Tensor, stale: bool) -> None:
-        scale, tracker, skipped = self._newest()
-        hyper = self._hyper
-        self._steps += 1
-        overflow = found_inf > 0
-        skipped += overflow
-        plain = hyper.hysteresis == 1 and hyper.min_scale is None and hyper.max_scale is None
-        # torch's rule alone needs no host sync; the extras need the overflow on the host (one
-        # sync on the thread that runs U).
-        if not plain:
-            if bool(overflow):
-                self._hysteresis_left = max(self._hysteresis_left - 1, 0)
-                if self._hysteresis_left > 0:
-                    tracker.zero_()  # tolerated: the step is skipped, the scale kept
-                    return
-                at_min = hyper.min_scale is not None and scale.item() <= hyper.min_scale
-                self._collapse_streak = self._collapse_streak + 1 if at_min else 0
-            else:
-                self._hysteresis_left = hyper.hysteresis
-                self._collapse_streak = 0
-        before = scale.clone() if stale else None
-        torch._amp_update_scale_(
-            scale,
-            tracker,
-            found_inf,
-            hyper.growth_factor,
-            hyper.backoff_factor,
-            hyper.growth_interval,
-        )
-        if before is not None:  # stale
-            self._cap_stale_backoff(scale, before, overflow)
-        if hyper.min_scale is not None or hyper.max_scale is not None:
-            scale.clamp_(min=hyper.min_scale, max=hyper.max_scale)
-
-    def _cap_stale_backoff(
-        self, scale: torch.Tensor, before: torch.Tensor, overflow: torch.Tensor
-    ) -> None:
-        # [Note: the scale double buffer], overflow rule: after an overflow, the new scale is
-        # min(newest before U, s_k * backoff), where s_k (the scale that produced the
-        # overflowing gradients) is the back scale.
-        backed_off = torch.minimum(before, self._back_scale() * self._hyper.backoff_factor)
-        scale.copy_(torch.where(overflow, backed_off, scale))
 
     def _publish(self) -> _Published:
-        newest, tracker, skipped = self._newest()
-        scale = newest.clone()
+        rule = self._rule
+        scale = rule.scale.clone()
         return _Published(
             self._setter_applied,
             scale,
-            HostCopy(scale, tracker, skipped),
-            self._steps,
-            self._collapse_streak,
-            _Hyper(**vars(self._hyper)),
+            HostCopy(scale, rule.growth_tracker, rule.skipped_steps),
+            rule.steps,
+            rule.collapse_streak,
+            rule.hyper.copy(),
         )
 
     # ------------------------------------------------------------------------------------------
@@ -819,9 +796,9 @@ class GradScaler:
             return 1.0
         if up_to_date:
             self._sync_back_side()
-            return self._init_scale if self._scale is None else self._scale.item()
+            return self._rule.scale.item()
         if self._front is None:
-            return self._init_scale if self._init_front is None else self._init_front
+            return self._init_front
         if on_optimizer_thread():
             return self._back_scale().item()  # the optimizer thread may sync: it runs the steps
         return self._front_value()
@@ -841,7 +818,7 @@ class GradScaler:
     def _hyper_value(self, name: str, up_to_date: bool):
         if up_to_date or on_optimizer_thread():
             self._sync_back_side()
-            return getattr(self._hyper, name)
+            return getattr(self._rule.hyper, name)
         return getattr(self._mirror, name)
 
     def get_growth_factor(self, up_to_date: bool = False) -> float:
@@ -865,13 +842,11 @@ class GradScaler:
             return 0
         if up_to_date:
             self._sync_back_side()
-            return (
-                self._init_growth_tracker
-                if self._growth_tracker is None
-                else int(self._growth_tracker.item())
-            )
+            return int(self._rule.growth_tracker.item())
         published = self._published
-        return self._init_growth_tracker if published is None else published.growth_tracker
+        if published is None:  # before the lazy init: the rule's tensors are on the host
+            return int(self._rule.growth_tracker.item())
+        return published.growth_tracker
 
     def get_growth_tracker(self, up_to_date: bool = False) -> int:
         """Consecutive non-overflowing updates since the last growth or backoff (torch's
@@ -883,7 +858,7 @@ class GradScaler:
         """Setters: the compute side sees the value at once (getters); the back side gets it in
         launch order, on the optimizer thread when launched work may be touching it."""
         if on_optimizer_thread():
-            setattr(self._hyper, name, value)
+            setattr(self._rule.hyper, name, value)
             return
         setattr(self._mirror, name, value)
         self._setter_seq += 1
@@ -896,31 +871,36 @@ class GradScaler:
             self._apply_hyper(name, value, self._setter_seq)
 
     def _apply_hyper(self, name: str, value: Any, seq: int) -> None:
-        setattr(self._hyper, name, value)
+        setattr(self._rule.hyper, name, value)
         self._setter_applied = seq
 
     def set_growth_factor(self, new_factor: float) -> None:
-        """Set the growth factor (> 1). Any thread; never blocks."""
-        if not (new_factor > 1.0 and math.isfinite(new_factor)):
-            raise ValueError(f"growth_factor must be a finite number > 1.0, got {new_factor!r}")
+        """Set the growth factor. Any thread; never blocks.
+
+        Args:
+            new_factor: a finite number > 1; ``ValueError`` otherwise.
+        """
+        check_hyper_field("growth_factor", new_factor)
         if self._enabled:
             self._set_hyper("growth_factor", float(new_factor))
 
     def set_backoff_factor(self, new_factor: float) -> None:
-        """Set the backoff factor (in (0, 1)). Any thread; never blocks."""
-        if not 0.0 < new_factor < 1.0:
-            raise ValueError(f"backoff_factor must be in (0, 1), got {new_factor!r}")
+        """Set the backoff factor. Any thread; never blocks.
+
+        Args:
+            new_factor: a number in (0, 1); ``ValueError`` otherwise.
+        """
+        check_hyper_field("backoff_factor", new_factor)
         if self._enabled:
             self._set_hyper("backoff_factor", float(new_factor))
 
-    @staticmethod
-    def _check_interval(interval: Any) -> None:
-        if not isinstance(interval, int) or isinstance(interval, bool) or interval < 1:
-            raise ValueError(f"growth_interval must be an int >= 1, got {interval!r}")
-
     def set_growth_interval(self, new_interval: int) -> None:
-        """Set the growth interval (int >= 1). Any thread; never blocks."""
-        self._check_interval(new_interval)
+        """Set the growth interval. Any thread; never blocks.
+
+        Args:
+            new_interval: an int >= 1; ``ValueError`` otherwise.
+        """
+        check_hyper_field("growth_interval", new_interval)
         if self._enabled:
             self._set_hyper("growth_interval", new_interval)
 
@@ -941,7 +921,8 @@ class GradScaler:
             return ScalerSnapshot(1.0, 1.0, 0, 0, 0)
         if self._front is None:
             scale = self.get_scale()
-            return ScalerSnapshot(scale, scale, self._init_growth_tracker, 0, self._init_skipped)
+            _, tracker, skipped = self._rule.values()  # before the lazy init: on the host
+            return ScalerSnapshot(scale, scale, tracker, self._rule.steps, skipped)
         published = self._published
         pending = self._pending
         if pending is not None and pending.done() and pending.exception() is None:
@@ -994,17 +975,9 @@ class GradScaler:
     def _state_dict(self, front: float, initialized: bool) -> dict[str, Any]:
         """The state dict with the front scale ``front``, where the back side may be read;
         ``initialized``: whether the lazy init had run (read by the main thread)."""
-        hyper = self._hyper
-        if not initialized:
-            scale, tracker, skipped = (
-                self._init_scale,
-                self._init_growth_tracker,
-                self._init_skipped,
-            )
-        else:
-            newest, growth, skips = self._newest()
-            scale = newest.item()
-            tracker, skipped = int(growth.item()), int(skips.item())
+        rule = self._rule
+        hyper = rule.hyper
+        scale, tracker, skipped = rule.values()
         return {
             "scale": scale,
             "growth_factor": hyper.growth_factor,
@@ -1014,12 +987,12 @@ class GradScaler:
             "roundpipe": {
                 "front_scale": front,
                 "hysteresis": hyper.hysteresis,
-                "hysteresis_left": self._hysteresis_left,
+                "hysteresis_left": rule.hysteresis_left,
                 "min_scale": hyper.min_scale,
                 "max_scale": hyper.max_scale,
-                "steps": self._steps,
+                "steps": rule.steps,
                 "skipped_steps": skipped,
-                "collapse_streak": self._collapse_streak,
+                "collapse_streak": rule.collapse_streak,
                 "initialized": initialized,
             },
         }
@@ -1034,34 +1007,28 @@ class GradScaler:
                 "The source state dict is empty, possibly because it was saved from a disabled "
                 "instance of GradScaler."
             )
+        loaded = _parse_state_dict(state_dict, self._rule.hyper)  # refuses before any change
         self._sync_back_side()
-        extra = state_dict.get("roundpipe", {})
-        scale = float(state_dict["scale"])
-        self._hyper = _Hyper(
-            float(state_dict["growth_factor"]),
-            float(state_dict["backoff_factor"]),
-            int(state_dict["growth_interval"]),
-            int(extra.get("hysteresis", self._hyper.hysteresis)),
-            extra.get("min_scale", self._hyper.min_scale),
-            extra.get("max_scale", self._hyper.max_scale),
+        self._rule.load_(
+            loaded.scale,
+            loaded.hyper,
+            growth_tracker=loaded.growth_tracker,
+            skipped_steps=loaded.skipped_steps,
+            steps=loaded.steps,
+            hysteresis_left=loaded.hysteresis_left,
+            collapse_streak=loaded.collapse_streak,
         )
-        self._mirror = _Hyper(**vars(self._hyper))
+        self._mirror = loaded.hyper.copy()
         self._setter_applied = self._setter_seq
-        self._hysteresis_left = int(extra.get("hysteresis_left", self._hyper.hysteresis))
-        self._steps = int(extra.get("steps", 0))
-        self._collapse_streak = int(extra.get("collapse_streak", 0))
-        self._init_scale = scale
-        self._init_growth_tracker = int(state_dict["_growth_tracker"])
-        self._init_front = float(extra.get("front_scale", scale))
-        self._back_is_newest = self._init_front == scale
-        self._init_skipped = int(extra.get("skipped_steps", 0))
+        self._init_front = loaded.front_scale
+        self._back_is_newest = loaded.front_scale == loaded.scale
         self._pending = None
         if self._front is not None:
             device = self._front.device
             with self._init_lock:
                 self._front = None
             self._lazy_init(device)
-        elif extra.get("initialized", False):
+        elif loaded.initialized:
             # Saved after a scale() (e.g. between forward_backward and the step): the next call
             # may be the step, which needs the scale before any scale() ran in this process.
             self._lazy_init(torch.device(self._device))
