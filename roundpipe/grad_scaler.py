@@ -13,14 +13,14 @@ import warnings
 from collections import defaultdict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
-from roundpipe import distributed, finite_check, optim_thread
+from roundpipe import finite_check, optim_queue
 from roundpipe.host_copy import HostCopy
-from roundpipe.optim_thread import on_optimizer_thread
+from roundpipe.optim_queue import on_optimizer_thread
 from roundpipe.scale_rule import (
     COLLAPSE_STREAK,
     ScaleHyper,
@@ -30,7 +30,14 @@ from roundpipe.scale_rule import (
 )
 from roundpipe.step_context import check_optimizer_params
 
-__all__ = ["GradScaler", "OptState", "ScalerSnapshot", "ScaleCollapseWarning", "note_used_by_steps"]
+__all__ = [
+    "AgreesOnOverflow",
+    "GradScaler",
+    "OptState",
+    "ScalerSnapshot",
+    "ScaleCollapseWarning",
+    "note_used_by_steps",
+]
 
 
 # [Note: the scale double buffer]
@@ -69,6 +76,15 @@ __all__ = ["GradScaler", "OptState", "ScalerSnapshot", "ScaleCollapseWarning", "
 # the main thread reads it only after the item's event is set. The getters and snapshot() read
 # those host copies and the front scale's (``_front_copy``), never a device tensor: monitoring
 # never syncs the device, and neither does U (a host copy is started without waiting).
+
+
+class AgreesOnOverflow(Protocol):
+    """What a scaler needs of data parallelism (:class:`roundpipe.distributed.DataParallel` is
+    one): every rank's inf/NaN flags made into one flag, the same on every rank."""
+
+    def agree_found_inf(
+        self, found_per_device: dict[torch.device, torch.Tensor], like: torch.Tensor
+    ) -> dict[torch.device, torch.Tensor]: ...
 
 
 class OptState(enum.Enum):
@@ -242,8 +258,10 @@ class GradScaler:
     means CUDA when it is available and the CPU otherwise. Opt-in extras, all off by default:
     ``hysteresis`` (back off only on the ``hysteresis``-th consecutive overflow, and on every
     consecutive overflow after it), ``min_scale`` / ``max_scale`` (bounds; a run whose gradients
-    keep overflowing at ``min_scale`` raises a :class:`ScaleCollapseWarning`), :meth:`snapshot`
-    for monitoring, :meth:`step_was_skipped`, and ``up_to_date`` on every getter.
+    keep overflowing at ``min_scale`` raises a :class:`ScaleCollapseWarning`), ``data_parallel``
+    (agree on overflows over a :class:`roundpipe.distributed.DataParallel`'s ranks, see
+    :meth:`join_data_parallel`), :meth:`snapshot` for monitoring, :meth:`step_was_skipped`, and
+    ``up_to_date`` on every getter.
 
     Threads. Attributes owned by the main thread: ``_front``, ``_front_copy``,
     ``_front_replicas``, ``_mirror``, ``_published``, ``_pending``, ``_last_item``,
@@ -267,6 +285,7 @@ class GradScaler:
         hysteresis: int = 1,
         min_scale: float | None = None,
         max_scale: float | None = None,
+        data_parallel: AgreesOnOverflow | None = None,
     ) -> None:
         self._device = _resolve_device(device)
         self._enabled = bool(enabled)
@@ -294,7 +313,7 @@ class GradScaler:
         # Whether back == newest (always after a sync update): then the overflow rule's
         # min(newest, back) is a no-op and is skipped, keeping sync mode torch's exact kernels.
         self._back_is_newest = True
-        self._failures_seen = optim_thread.failure_count()
+        self._failures_seen = optim_queue.failure_count()
         self._per_optimizer_states: dict[int, _PerOptimizerState] = defaultdict(_PerOptimizerState)
         # Front side (main thread).
         self._front: torch.Tensor | None = None
@@ -306,17 +325,40 @@ class GradScaler:
         self._setter_seq = 0
         self._setter_applied = 0
         self._published: _Published | None = None
-        self._pending: optim_thread.WorkItem | None = None  # the last launched update
+        self._pending: optim_queue.WorkItem | None = None  # the last launched update
         # What a step since the previous update() looks like from the main thread: a launch
         # (model.step) or a step()/unscale_() called on the main thread itself.
-        self._launch_mark = optim_thread.last_launch()
+        self._launch_mark = optim_queue.last_launch()
         self._stepped_on_main = False
-        self._last_item: optim_thread.WorkItem | None = None  # the last launched back work
+        self._last_item: optim_queue.WorkItem | None = None  # the last launched back work
         self._used_by_steps = False
+        self._data_parallel: AgreesOnOverflow | None = None
+        if data_parallel is not None:
+            self.join_data_parallel(data_parallel)
 
     # ------------------------------------------------------------------------------------------
     # lazy initialisation (as torch: on the device of the first scaled output)
     # ------------------------------------------------------------------------------------------
+
+    @property
+    def data_parallel(self) -> AgreesOnOverflow | None:
+        """The :class:`roundpipe.distributed.DataParallel` whose ranks agree on this scaler's
+        overflows (None: this process decides alone). Any thread; never blocks."""
+        return self._data_parallel if self._enabled else None
+
+    def join_data_parallel(self, data_parallel: AgreesOnOverflow | None) -> None:
+        """Agree on inf/NaN gradients with the ranks of ``data_parallel`` (one all-reduce per
+        ``unscale_``/``step``), so that every rank skips the same steps; None leaves it.
+
+        A scaler that a step of a model with a DataParallel uses joins it by itself (at the
+        launch that first uses it) and leaves it at ``close()``; call this for a scaler whose
+        ``step`` runs outside ``model.step``. Main thread, between iterations; never blocks.
+
+        Args:
+            data_parallel: the DataParallel to agree over, or None.
+        """
+        if self._enabled:
+            self._data_parallel = data_parallel
 
     def _mark_used_by_steps(self) -> None:
         """See :func:`note_used_by_steps`."""
@@ -410,7 +452,7 @@ class GradScaler:
             return
         # Only steps can touch it besides its own items, and only if they use this scaler: a
         # scaler of a plain loop on the main thread is not held up by an unrelated RoundPipe.
-        if self._used_by_steps and optim_thread.has_pending_launch():
+        if self._used_by_steps and optim_queue.has_pending_launch():
             raise RuntimeError(
                 f"GradScaler.{what} was called on the main thread while a step launched on the "
                 "optimizer thread (e.g. by model.step), which uses this scaler, has not finished, "
@@ -424,11 +466,11 @@ class GradScaler:
         if not on_optimizer_thread():
             self._stepped_on_main = True
 
-    def _launch(self, fn: Any, *args: Any) -> optim_thread.WorkItem:
+    def _launch(self, fn: Any, *args: Any) -> optim_queue.WorkItem:
         """The scaler's own back-side work, owned by it (see [Note: error reporting] in
         roundpipe.optim_thread); it changes the scaler only, so a checkpoint's hold does not
         stop it (its state was taken when the checkpoint's item ran)."""
-        return optim_thread.launch_work(fn, args, owners=(self,), touches=("scaler",))
+        return optim_queue.launch_work(fn, args, owners=(self,), touches=("scaler",))
 
     def _wait_last_item(self) -> None:
         item = self._last_item
@@ -482,7 +524,10 @@ class GradScaler:
                 if any_nonfinite:
                     found_per_device[device].fill_(1.0)
         # Under data parallelism every rank must skip the same steps: agree on the flag.
-        return distributed.agree_found_inf(found_per_device, found_inf)
+        data_parallel = self._data_parallel
+        if data_parallel is None:
+            return found_per_device
+        return data_parallel.agree_found_inf(found_per_device, found_inf)
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Divide the optimizer's gradients by the back scale and check them for inf/NaN (as torch).
@@ -642,12 +687,12 @@ class GradScaler:
         new_value = None if new_scale is None else self._check_new_scale(new_scale)
         # A scaler that stepped on this thread this iteration and that no launched step uses
         # belongs to a loop on this thread: a step of another model's loop is no concern of it.
-        launched = optim_thread.has_unwaited_launch() and (
+        launched = optim_queue.has_unwaited_launch() and (
             self._used_by_steps or not self._stepped_on_main
         )
         if is_async is None:
             is_async = launched
-        launch_mark = optim_thread.last_launch()
+        launch_mark = optim_queue.last_launch()
         if (
             is_async
             and new_value is None
@@ -670,9 +715,9 @@ class GradScaler:
             self._update_async(new_value)
         else:
             if launched:
-                optim_thread.wait_all()
+                optim_queue.wait_all()
             self._update_sync(new_value)
-        optim_thread.raise_failures(self)
+        optim_queue.raise_failures(self)
 
     def _check_new_scale(self, new_scale: float | torch.Tensor) -> torch.Tensor:
         assert self._front is not None  # update() checked the lazy init
@@ -731,7 +776,7 @@ class GradScaler:
         ``next_back`` is the scale the compute side was handed for the next iteration (async), or
         None (sync: it is the new scale itself).
         """
-        failures = optim_thread.failure_count()
+        failures = optim_queue.failure_count()
         scale = self._rule.scale
         try:
             if new_value is not None:
@@ -809,8 +854,8 @@ class GradScaler:
         what the pending update produced."""
         if on_optimizer_thread():
             return
-        optim_thread.wait_all()
-        optim_thread.raise_failures(self)
+        optim_queue.wait_all()
+        optim_queue.raise_failures(self)
         item = self._last_item
         if item is not None:
             item.wait()
@@ -862,7 +907,7 @@ class GradScaler:
             return
         setattr(self._mirror, name, value)
         self._setter_seq += 1
-        if optim_thread.has_unwaited_launch() or (
+        if optim_queue.has_unwaited_launch() or (
             self._last_item is not None and not self._last_item.done()
         ):
             self._last_item = self._launch(self._apply_hyper, name, value, self._setter_seq)
@@ -962,7 +1007,7 @@ class GradScaler:
             return dict
         if on_optimizer_thread():
             raise RuntimeError("GradScaler.state_dict_in_order() is for the main thread")
-        if optim_thread.last_launch() != self._launch_mark or self._stepped_on_main:
+        if optim_queue.last_launch() != self._launch_mark or self._stepped_on_main:
             raise RuntimeError(
                 "a checkpoint of this GradScaler was asked for between model.step() (or "
                 "scaler.step()) and scaler.update(): the scaler then holds half an iteration "

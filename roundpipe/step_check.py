@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-from roundpipe import grad_scaler, optim_thread
-from roundpipe.optim_thread import caller_must_wait
+from roundpipe import grad_scaler, optim_queue
+from roundpipe.optim_queue import caller_must_wait
 
 __all__ = ["check_step_fn", "check_optimizer_step", "guard_optimizer"]
 
@@ -238,7 +238,7 @@ _GUARD_LOCK = threading.Lock()
 def _wait_before_state_dict(optimizer: torch.optim.Optimizer, *state_dict: Any) -> None:
     # Failures stay for the loop's next roundpipe call (see [Note: guarded master gradients]).
     if caller_must_wait():
-        optim_thread.wait_all()
+        optim_queue.wait_all()
 
 
 def guard_optimizer(optimizer: torch.optim.Optimizer) -> None:
@@ -251,7 +251,3 @@ def guard_optimizer(optimizer: torch.optim.Optimizer) -> None:
         _GUARDED.add(optimizer)
     optimizer.register_state_dict_pre_hook(_wait_before_state_dict, prepend=True)
     optimizer.register_load_state_dict_pre_hook(_wait_before_state_dict, prepend=True)
-
-
-# Every function optim_thread.launch() queues passes the same check as model.step's.
-optim_thread.register_launch_check(check_step_fn)

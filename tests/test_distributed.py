@@ -19,9 +19,10 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
-from roundpipe import RoundPipe
+from roundpipe import GradScaler, OptimizerCtx, RoundPipe
 from roundpipe import distributed as rpd
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -422,3 +423,27 @@ def test_a_parameter_no_rank_used_keeps_no_gradient(group_of_one):
         assert torch.equal(seen["1.weight"], before)  # averaged over one rank: itself
     finally:
         dp.close()
+
+
+def test_only_a_scaler_the_models_steps_use_agrees_over_the_group(group_of_one):
+    """No process-wide coupling: a DataParallel makes the scaler its model's steps use agree
+    over its ranks, not every GradScaler of the process; close() releases it."""
+    model = RoundPipe(nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 2)))
+    with OptimizerCtx():
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    used, bystander = GradScaler("cpu"), GradScaler("cpu")
+    dp = rpd.DataParallel(model)
+    try:
+        model.forward_backward(
+            input_args=(torch.randn(4, 3),),
+            label=torch.randint(0, 2, (4,)),
+            loss_fn=lambda out, y: used.scale(F.cross_entropy(out, y)),
+        )
+        model.step(lambda: (used.step(opt), opt.zero_grad()))
+        used.update()
+        assert used.data_parallel is dp and bystander.data_parallel is None
+        explicit = GradScaler("cpu", data_parallel=dp)
+        assert explicit.data_parallel is dp
+    finally:
+        dp.close()
+    assert used.data_parallel is None

@@ -165,3 +165,63 @@ def test_no_device_reaches_torch_accelerator():
             ):
                 calls.append(f"{module}:{node.lineno} torch.accelerator.{node.attr}")
     assert calls == []
+
+
+# Modules that may register into another module at import, and why.
+_REGISTERS_AT_IMPORT = {
+    # The test harness: importing roundpipe.testing is how a test asks for the emulated device.
+    "roundpipe.testing": "register_device_kind",
+}
+
+
+def test_no_module_registers_itself_elsewhere_at_import():
+    """A behaviour of one module must not depend on whether another was imported: no module
+    calls a ``register*`` function of another roundpipe module at import (a launch check, an
+    optimizer hook, a device kind), except the listed ones."""
+    found = []
+    for m, tree in MODULES.items():
+        imported = {
+            alias.asname or alias.name.split(".")[0]
+            for t, _, node in _imports(m, tree)
+            for alias in node.names
+            if t != m
+        }
+        for stmt in tree.body:
+            for node in ast.walk(stmt) if not isinstance(stmt, _DEFS) else ():
+                if not isinstance(node, ast.Call):
+                    continue
+                func = node.func
+                name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+                root = func
+                while isinstance(root, ast.Attribute):
+                    root = root.value
+                owner = getattr(root, "id", "")
+                if not name.startswith("register") or owner not in imported:
+                    continue
+                if _REGISTERS_AT_IMPORT.get(m) != name:
+                    found.append(f"{m}:{node.lineno}: {ast.unparse(node)[:80]}")
+    assert found == []
+
+
+_DEFS = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+
+
+def test_no_process_wide_optimizer_hook_outlives_a_step():
+    """RoundPipe installs torch's global optimizer step pre-hook only while a step_fn runs."""
+    import torch
+    from torch import nn
+    from torch.optim import optimizer as torch_optimizer
+
+    from roundpipe import OptimizerCtx, RoundPipe, optim_thread
+
+    before = dict(torch_optimizer._global_optimizer_pre_hooks)
+    model = RoundPipe(nn.Linear(2, 2))
+    with OptimizerCtx():
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    assert dict(torch_optimizer._global_optimizer_pre_hooks) == before
+    seen = []
+    model.forward_backward(input_args=(torch.ones(2, 2),), loss_fn=lambda out, _: out.sum())
+    model.step(lambda: (seen.append(len(torch_optimizer._global_optimizer_pre_hooks)), opt.step()))
+    optim_thread.synchronize()
+    assert seen == [len(before) + 1]
+    assert dict(torch_optimizer._global_optimizer_pre_hooks) == before
