@@ -225,3 +225,19 @@ def test_no_process_wide_optimizer_hook_outlives_a_step():
     optim_thread.synchronize()
     assert seen == [len(before) + 1]
     assert dict(torch_optimizer._global_optimizer_pre_hooks) == before
+
+
+def test_the_emulated_device_is_a_package_by_concern():
+    """roundpipe.testing.emu: one module per concern, the public names where they were."""
+    concerns = {"native", "memory", "streams", "kernels", "dispatch"}
+    assert {f"roundpipe.testing.emu.{c}" for c in concerns} <= set(MODULES)
+    assert "roundpipe.testing.emu" in MODULES  # the package's own module installs it
+    tree = MODULES["roundpipe.testing.emu"]
+    exported = next(
+        ast.literal_eval(node.value)
+        for node in tree.body
+        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "__all__"
+    )
+    assert {"EmuTensor", "install", "set_rules", "set_memory_capacity", "record_copies"} <= set(
+        exported
+    )
