@@ -468,7 +468,7 @@ class GradScaler:
 
     def _launch(self, fn: Any, *args: Any) -> optim_queue.WorkItem:
         """The scaler's own back-side work, owned by it (see [Note: error reporting] in
-        roundpipe.optim_thread); it changes the scaler only, so a checkpoint's hold does not
+        roundpipe.optim_queue); it changes the scaler only, so a checkpoint's hold does not
         stop it (its state was taken when the checkpoint's item ran)."""
         return optim_queue.launch_work(fn, args, owners=(self,), touches=("scaler",))
 

@@ -174,7 +174,7 @@ def check_step_fn(step_fn: Callable) -> list[grad_scaler.GradScaler]:
     step function refers to a ``torch.amp.GradScaler``; mark the ``roundpipe.GradScaler`` it
     refers to as used by steps and guard the optimizers it refers to (see
     [Note: what a step shares]). Returns those roundpipe scalers (the step's failure is theirs
-    too, see [Note: error reporting] in :mod:`roundpipe.optim_thread`). Never blocks."""
+    too, see [Note: error reporting] in :mod:`roundpipe.optim_queue`). Never blocks."""
     scalers: list[grad_scaler.GradScaler] = []
     for where, obj in _referenced_objects(step_fn):
         if _foreign_scaler(obj):

@@ -399,6 +399,84 @@ def test_the_check_leaves_the_devices_reserve_free(capacity, monkeypatch):
         model.forward_backward(input_args=(x,), label=y, loss_fn=_ce)
 
 
+@pytest.fixture
+def gpu_like(capacity):
+    """The emulated device running out where a GPU would: a capacity that counts the caching
+    allocator's segments and a 1 MiB cuBLAS workspace per stream that runs a matmul."""
+    previous = emu.set_gpu_overheads(cublas_workspace=1 << 20)
+
+    def give(nbytes):
+        capacity(nbytes, counts_reserved=True)
+
+    give(1 << 40)
+    yield give
+    emu.set_gpu_overheads(previous.context, previous.cublas_workspace)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_planned_reserve_covers_what_the_caching_allocator_holds(case, gpu_like):
+    # A GPU holds more than the live tensors: segments per stream, 512-byte blocks, cuBLAS's
+    # workspaces. The plan's peak plus its reserve must cover the peak the emulated device's
+    # model of the caching allocator reserves (and the workspaces its streams took), and
+    # overshoot it by no more than a small segment per allocating stream.
+    from roundpipe.devices.accelerator import ALLOCATING_STREAMS, SMALL_SEGMENT
+
+    make, dtype, devices, cfg, rows, seq = CASES[case]
+    model = RoundPipe(
+        make().to(dtype),
+        optim_dtype=torch.float32,
+        devices=devices,
+        model_run_config=RoundPipeRunConfig(**cfg),
+    )
+    M = cfg["num_microbatch"]
+    if seq is None:
+        g = torch.Generator().manual_seed(1)
+        x = torch.randn(rows * M, 128, generator=g)
+        y = torch.randint(0, 10, (rows * M,), generator=g)
+
+        def loss_fn(out, lbl):
+            return F.cross_entropy(out.float(), lbl)
+    else:
+        x, y = _lm_batch(rows * M, seq)
+        loss_fn = lm_loss
+    plan = model.memory_plan(input_args=(x,), label=y, loss_fn=loss_fn)
+    n = len(plan.devices)
+    gc.collect()
+    memory.empty_cache()
+    base = [memory.memory_reserved(d) + emu.overheads_held(d) for d in range(n)]
+    for d in range(n):
+        memory.reset_peak_memory_stats(d)
+    model.forward_backward(input_args=(x,), label=y, loss_fn=loss_fn)
+    for d, dev in enumerate(plan.devices):
+        held = memory.max_memory_reserved(d) + emu.overheads_held(d) - base[d]
+        planned = dev.peak + dev.reserve
+        print(f"{case} device {d}: planned {planned}, held {held}, {planned / held:.3f}x")
+        assert "segments" in dev.reserve_note and "cuBLAS workspaces" in dev.reserve_note
+        assert held <= planned <= held + ALLOCATING_STREAMS * SMALL_SEGMENT, (case, d)
+
+
+def test_a_run_whose_tensors_fit_but_whose_segments_do_not_is_refused(gpu_like, monkeypatch):
+    # Near capacity the live tensors fit and the allocator's segments do not: the check, which
+    # leaves the reserve free, refuses the call before anything is allocated; without the
+    # reserve (the check as it was) the run fails part way with a raw OutOfMemoryError.
+    from roundpipe.devices.accelerator import AcceleratorBackend
+
+    x, y = _mlp_batch()
+    model = _mlp_model(name="near")
+    plan = model.memory_plan(input_args=(x,), label=y, loss_fn=_ce).devices[0]
+    gc.collect()
+    memory.empty_cache()
+    gpu_like(memory.memory_reserved(0) + emu.overheads_held(0) + int(plan.peak * 1.5))
+    with emu.record_copies() as copies, pytest.raises(DeviceMemoryError, match="segments"):
+        model.forward_backward(input_args=(x,), label=y, loss_fn=_ce)
+    assert copies == []
+    monkeypatch.setattr(AcceleratorBackend, "reserve", lambda self, peak: (0, ""))
+    unmargined = _mlp_model(name="unmargined")
+    with pytest.raises(torch.OutOfMemoryError) as info:
+        unmargined.forward_backward(input_args=(x,), label=y, loss_fn=_ce)
+    assert not isinstance(info.value, DeviceMemoryError)
+
+
 @pytest.mark.parametrize(
     "major, env, expected_mib",
     [

@@ -133,7 +133,7 @@ def load(
             scaler_state = decode(tree["scaler"], reader.load) if "scaler" in tree else None
             rank_state = _rank_state(ckpt)
             # Everything that changes the model runs behind whatever was launched (a write
-            # still holding the masters included: see [Note: holds] in optim_thread).
+            # still holding the masters included: see [Note: holds] in optim_queue).
             item = optim_queue.launch_work(
                 restore_on_optimizer_thread,
                 (

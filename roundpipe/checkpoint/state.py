@@ -69,7 +69,7 @@ __all__ = [
 # The groups of shards, in the order they are written (the parts they hold are released in
 # that order; gradients first, so that the next forward_backward's gradient moves can pass).
 GROUPS = ("grads", "model", "masters", "optimizer")
-# The part of the state each group holds (see [Note: holds] in roundpipe.optim_thread).
+# The part of the state each group holds (see [Note: holds] in roundpipe.optim_queue).
 TOUCHES = {"grads": "grads", "model": "params", "masters": "masters", "optimizer": "optimizer"}
 
 

@@ -134,7 +134,7 @@ class PendingCheckpoint:
 
     def _finish(self, exc: BaseException | None) -> None:
         """Writer (or optimizer) thread: settle the handle; a failure goes to the owners' next
-        report too (see [Note: error reporting] in :mod:`roundpipe.optim_thread`)."""
+        report too (see [Note: error reporting] in :mod:`roundpipe.optim_queue`)."""
         if exc is not None:
             optim_queue.add_note(
                 exc,
@@ -455,7 +455,7 @@ def _alive(pid: int) -> bool:
 
 
 def _after_fork_in_child() -> None:
-    """In a fork child (see [Note: fork] in roundpipe.optim_thread): fresh locks (the parent's
+    """In a fork child (see [Note: fork] in roundpipe.optim_queue): fresh locks (the parent's
     may have been held by a thread that is gone), and every pending checkpoint fails there."""
     global _LOCK
     _LOCK = threading.Lock()

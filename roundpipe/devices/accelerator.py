@@ -23,18 +23,44 @@ from roundpipe.devices import kind
 from roundpipe.devices.backend import WorkerDevice
 from roundpipe.host_memory import TORCH_PINNED, PinnedAllocator, pin_module, pinned_empty
 
-__all__ = ["AcceleratorBackend", "Resident", "cublas_workspace_bytes"]
+__all__ = ["AcceleratorBackend", "Resident", "cublas_workspace_bytes", "device_reserve"]
 
 # [Note: the device reserve]
 # What a call takes on a CUDA device beyond the tensors the memory plan counts, which the check
-# leaves free: cuBLAS's workspaces, which torch allocates in its caching allocator once per
-# (handle, stream) that runs a matmul and keeps for the process's life (measured on an H200:
-# 65 MiB allocated after a first call, two 32 MiB workspaces and cuBLASLt's), and the
-# allocator's rounding (512-byte blocks carved from 2 MiB and 20 MiB segments, which a freed
-# block of another size cannot always reuse). The CUDA context needs no reserve: it exists
-# before the check, and mem_get_info's free memory already excludes it.
+# leaves free:
+# * cuBLAS's workspaces, which torch allocates in its caching allocator once per (handle,
+#   stream) that runs a matmul and keeps for the process's life (measured on an H200: 65 MiB
+#   allocated after a first call, two 32 MiB workspaces and cuBLASLt's);
+# * the free space of partly used segments: the caching allocator carves blocks from 2 MiB
+#   (requests up to 1 MiB) and 20 MiB segments that belong to the stream that made them, so
+#   each stream that allocates (the caller's, and roundpipe's compute, copy and download
+#   streams) holds up to a segment per pool that no other stream can use; the large pool's only
+#   where the peak is large enough to hold tensors above 1 MiB (20 MiB or more);
+# * the rounding of every block to 512 bytes, and splits a freed block of another size leaves.
+# The CUDA context needs no reserve: it exists before the check, and mem_get_info's free
+# memory already excludes it. The emulated device plans the same reserve when its capacity
+# counts reserved memory as a GPU's does (set_memory_capacity(..., counts_reserved=True)),
+# with the workspaces set_gpu_overheads gives; tests/test_memory_plan.py holds the plan to its
+# model of the caching allocator.
 CUBLAS_STREAMS = 2
+ALLOCATING_STREAMS = 4
+SMALL_SEGMENT = 2 << 20
+LARGE_SEGMENT = 20 << 20
 ALLOCATOR_SLACK = 0.03
+
+
+def device_reserve(peak: int, cublas_workspace: int) -> tuple[int, str]:
+    """The reserve beside a planned ``peak`` of tensors on a GPU whose cuBLAS workspace per
+    stream is ``cublas_workspace`` bytes, and what it is made of (see
+    [Note: the device reserve])."""
+    per_stream = SMALL_SEGMENT + (LARGE_SEGMENT if peak >= LARGE_SEGMENT else 0)
+    segments = ALLOCATING_STREAMS * per_stream
+    slack = int(ALLOCATOR_SLACK * peak)
+    parts = [f"segments {ALLOCATING_STREAMS} streams x {per_stream / 2**20:g} MiB"]
+    if cublas_workspace:
+        parts.insert(0, f"cuBLAS workspaces {CUBLAS_STREAMS} x {cublas_workspace / 2**20:.1f} MiB")
+    parts.append(f"rounding {ALLOCATOR_SLACK:.0%}")
+    return CUBLAS_STREAMS * cublas_workspace + segments + slack, ", ".join(parts)
 
 
 def cublas_workspace_bytes(major: int, env: dict[str, str] | None = None) -> int:
@@ -127,16 +153,13 @@ class AcceleratorBackend:
     def reserve(self, peak: int) -> tuple[int, str]:
         """Bytes a call with a planned ``peak`` of tensors needs beside them on this device, and
         what they are (see [Note: the device reserve]). Any thread."""
-        if self.device_type != "cuda":
-            reserve = getattr(self._module, "planning_reserve", None)
-            return reserve(peak) if callable(reserve) else (0, "")
-        major, _ = self._module.get_device_capability(self.torch_device.index)
-        workspaces = CUBLAS_STREAMS * cublas_workspace_bytes(major)
-        slack = int(ALLOCATOR_SLACK * peak)
-        return workspaces + slack, (
-            f"cuBLAS workspaces {CUBLAS_STREAMS} x {workspaces // CUBLAS_STREAMS / 2**20:.1f} MiB, "
-            f"allocator rounding {ALLOCATOR_SLACK:.0%}"
-        )
+        if self.device_type == "cuda":
+            major, _ = self._module.get_device_capability(self.torch_device.index)
+            return device_reserve(peak, cublas_workspace_bytes(major))
+        # The emulated device, when it runs out where a GPU would (its planning_overheads).
+        overheads = getattr(self._module, "planning_overheads", None)
+        gpu = overheads() if callable(overheads) else None
+        return (0, "") if gpu is None else device_reserve(peak, gpu.cublas_workspace)
 
     def drain(self) -> None:
         # Uploads (prefetched ones too) may still be reading host parameters that the next

@@ -30,7 +30,7 @@ from roundpipe import finite_check, optim_queue
 from roundpipe.devices import StreamingBackend
 from roundpipe.runtime.params import ParamRecord
 
-# What a gradient move or clear changes (see [Note: holds] in roundpipe.optim_thread).
+# What a gradient move or clear changes (see [Note: holds] in roundpipe.optim_queue).
 TOUCHES_GRADS = ("grads",)
 
 __all__ = [
@@ -210,7 +210,7 @@ class CallGrads:
 
 def _launch_move(owner: Any, fn: Callable, *args: Any) -> optim_queue.WorkItem:
     """A gradient move, owned by its model; it touches the masters' gradients only, so it
-    passes a checkpoint's hold on the masters (see [Note: holds] in roundpipe.optim_thread)."""
+    passes a checkpoint's hold on the masters (see [Note: holds] in roundpipe.optim_queue)."""
     return optim_queue.launch_work(fn, args, owners=(owner,), touches=TOUCHES_GRADS)
 
 
@@ -304,7 +304,7 @@ class GradHooks:
 
     def __init__(self, records: Sequence[ParamRecord], owner: Any) -> None:
         self._records = records
-        self.owner = owner  # the model (see [Note: error reporting] in roundpipe.optim_thread)
+        self.owner = owner  # the model (see [Note: error reporting] in roundpipe.optim_queue)
         self._registered = False
         self.sink: GradSink | None = None
         self._moves = PendingMoves()

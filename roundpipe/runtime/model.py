@@ -513,8 +513,9 @@ class RoundPipe(nn.Module):
                 "step() needs a callable step_fn, e.g. lambda: (opt.step(), opt.zero_grad())"
             )
         # Before anything changes: a refused step can be retried. The step's failure belongs to
-        # this model and to the scalers its steps use, now or before (see [Note: error
-        # reporting] in optim_thread): the scaler of this loop reports it at its update.
+        # this model and to the scalers its steps use, now or before (see
+        # [Note: error reporting] in optim_queue): the scaler of this loop reports it at its
+        # update.
         for scaler in check_step_fn(step_fn):
             if scaler not in self._step_scalers:
                 self._step_scalers.add(scaler)
@@ -572,7 +573,7 @@ class RoundPipe(nn.Module):
         """A backward on an accelerator in a fork child of a process that ran one: torch's
         autograd cannot start its device threads there (it raises "Unable to handle autograd's
         threading in combination with fork-based multiprocessing" from a worker); say so before
-        anything runs. A CPU pool trains in a fork child (see [Note: fork] in optim_thread)."""
+        anything runs. A CPU pool trains in a fork child (see [Note: fork] in optim_queue)."""
         if (
             self._pool.streaming
             and self._pool.device_type in _DEVICE_BACKWARD_RAN

@@ -109,7 +109,7 @@ class Params:
         optim_dtype: torch.dtype | None,
         owner: Any = None,
     ) -> None:
-        # The model whose work this launches (see [Note: error reporting] in optim_thread).
+        # The model whose work this launches (see [Note: error reporting] in optim_queue).
         self.owner = owner
         self.records: list[ParamRecord] = []
         for name, p in module.named_parameters():
@@ -154,7 +154,7 @@ class Params:
 
     def launch(self, fn: Any, *args: Any, touches: Sequence[str]) -> optim_queue.WorkItem:
         """Any thread: launch library work of this model that changes ``touches`` (see
-        [Note: holds] in :mod:`roundpipe.optim_thread`)."""
+        [Note: holds] in :mod:`roundpipe.optim_queue`)."""
         return optim_queue.launch_work(fn, args, owners=(self.owner,), touches=touches)
 
     def synchronize(self) -> None:

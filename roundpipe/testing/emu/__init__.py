@@ -91,6 +91,7 @@ import hashlib
 import os
 import threading
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -208,6 +209,47 @@ def is_installed() -> bool:
     return STATE.installed
 
 
+def _extension_name(name: str) -> str:
+    """The name torch builds the C++ library ``_{name}.cpp`` under: named by its source, so
+    checkouts with different sources share torch's cache."""
+    with open(os.path.join(_HERE, f"_{name}.cpp"), "rb") as f:
+        return f"roundpipe_{name}_{hashlib.sha256(f.read()).hexdigest()[:16]}"
+
+
+# [Note: the build lock]
+# torch's cpp_extension.load serializes builds of one extension across processes with a "lock"
+# file in its build directory (a FileBaton), which every load takes, even of an extension
+# already built, and which only the process that made it removes: a process killed while it
+# held it (killed mid-build, say) leaves it, and every later load waits for it forever. The
+# emulated device's builds therefore also take an flock on a file of their own beside it, which
+# the kernel releases when its holder dies: holding that, no other install of this extension is
+# building, so a baton found there is a dead process's and is removed before torch looks.
+def _build_lock(ext: str) -> contextlib.AbstractContextManager[None]:
+    from torch.utils import cpp_extension
+
+    directory = getattr(cpp_extension, "_get_build_directory", None)
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: torch's baton alone
+        return contextlib.nullcontext()
+    if directory is None:
+        return contextlib.nullcontext()
+    return _flocked(directory(ext, False), fcntl)
+
+
+@contextlib.contextmanager
+def _flocked(build_dir: str, fcntl: Any) -> Iterator[None]:
+    os.makedirs(build_dir, exist_ok=True)
+    with open(os.path.join(build_dir, "roundpipe-build.flock"), "a") as held:
+        fcntl.flock(held.fileno(), fcntl.LOCK_EX)  # a live build elsewhere: wait for it
+        try:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(build_dir, "lock"))  # a killed build's baton
+            yield
+        finally:
+            fcntl.flock(held.fileno(), fcntl.LOCK_UN)
+
+
 def install() -> None:
     """Register the ``emu`` device in this process (idempotent; any thread). Builds its two C++
     libraries on first use (the guard in seconds, CUDA's autocast policy in about a minute of
@@ -227,16 +269,14 @@ def install() -> None:
         from torch.utils import cpp_extension
 
         def build(name: str) -> str:
-            source = os.path.join(_HERE, f"_{name}.cpp")
-            with open(source, "rb") as f:
-                # Named by its source, so checkouts with different sources share torch's cache.
-                digest = hashlib.sha256(f.read()).hexdigest()[:16]
-            return cpp_extension.load(
-                name=f"roundpipe_{name}_{digest}",
-                sources=[source],
-                is_python_module=False,
-                verbose=False,
-            )
+            ext = _extension_name(name)
+            with _build_lock(ext):
+                return cpp_extension.load(
+                    name=ext,
+                    sources=[os.path.join(_HERE, f"_{name}.cpp")],
+                    is_python_module=False,
+                    verbose=False,
+                )
 
         bind_native(build("emu_guard"), build("emu_autocast"))
         lenient = os.environ.get("ROUNDPIPE_EMU_LENIENT", "")

@@ -418,6 +418,7 @@ class DeviceModule:
     max_memory_allocated = staticmethod(memory.max_memory_allocated)
     reset_peak_memory_stats = staticmethod(memory.reset_peak_memory_stats)
     empty_cache = staticmethod(memory.empty_cache)
+    planning_overheads = staticmethod(memory.planning_overheads)
     mem_get_info = staticmethod(memory.mem_get_info)
 
 

@@ -37,6 +37,7 @@ __all__ = [
     "memory_allocated",
     "memory_reserved",
     "note_matmul",
+    "planning_overheads",
     "overheads_held",
     "pinned_memory_stats",
     "pinned_round_limit",
@@ -287,6 +288,16 @@ def empty_cache() -> None:
         for index, allocator in enumerate(_allocators):
             _settle_blocks(index)
             allocator.empty_cache()
+
+
+def planning_overheads() -> GpuOverheads | None:
+    """What a memory plan must leave beside its tensors as on a GPU (see [Note: the device
+    reserve] in :mod:`roundpipe.devices.accelerator`): the overheads set_gpu_overheads
+    gives when the capacity counts reserved memory, else None (the device then runs out
+    only when its live storages would not fit, and needs no reserve). Any thread."""
+    if not (STATE.rules.reserved_memory and _capacity_counts_reserved):
+        return None
+    return _overheads
 
 
 def mem_get_info(device: Any = None) -> tuple[int, int]:
