@@ -18,8 +18,8 @@ from roundpipe.hf.families import Family, family_of, layer_attention_types
 from roundpipe.hf.names import HFNames, export_state_dict
 from roundpipe.hf.stages import Decoder, Embed, Head, has_experts
 from roundpipe.main_thread import check_main_thread
+from roundpipe.memory.report import MemoryPlan
 from roundpipe.runtime import RoundPipe, RoundPipeRunConfig
-from roundpipe.runtime.memory_plan import MemoryPlan
 from roundpipe.runtime.optimizer_ctx import in_optimizer_ctx
 
 __all__ = ["wrap", "HFRoundPipe", "default_loss_chunk_tokens"]

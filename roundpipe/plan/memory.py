@@ -6,7 +6,7 @@ It extends the ledger the lowering keeps (stage uploads with their gradient sums
 inputs) with what the ledger leaves out: the hand-offs between stages (a stage's output until
 the next stage takes it, an input gradient until the stage before takes it), the gradient sums
 from the first backward of a run (not from the upload), and the activations and workspace of
-the running action (:class:`ActionBytes`, which :mod:`roundpipe.runtime.memory_trace` measures by
+the running action (:class:`ActionBytes`, which :mod:`roundpipe.memory.trace` measures by
 tracing each stage on fake tensors). Devices are walked together in the order :func:`simulate`
 completes their actions, so a hand-off to another device leaves its producer when the
 consumer's action runs. Pure: no threads, no devices.

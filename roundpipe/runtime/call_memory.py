@@ -1,6 +1,6 @@
 """What the facade asks of memory for a call: :meth:`RoundPipe.memory_plan` (plan a call
 before it runs) and the device check at the first ``forward_backward`` on an accelerator pool.
-The counting itself is :mod:`roundpipe.runtime.memory_plan`'s; this module builds its
+The counting itself is :mod:`roundpipe.memory.report`'s; this module builds its
 :class:`PlannedCall` from what the runtime already has (a :class:`ModelParts`, or the
 :class:`CallSpec` of a call about to run). Main thread.
 """
@@ -14,7 +14,17 @@ from typing import Any
 from torch import nn
 
 from roundpipe.devices import DevicePool
-from roundpipe.host_memory import PinnedAllocator, host_memory_available, host_terms, pool_layout
+from roundpipe.devices.pinned import PinnedAllocator, pool_layout
+from roundpipe.memory.checks import check_device_memory
+from roundpipe.memory.host import host_terms
+from roundpipe.memory.probe import host_memory_available
+from roundpipe.memory.report import (
+    MemoryPlan,
+    PlannedCall,
+    make_memory_plan,
+    plan_devices,
+    trace_call,
+)
 from roundpipe.microbatch import split_inputs, split_label
 from roundpipe.runtime.call import (
     CallSpec,
@@ -24,14 +34,6 @@ from roundpipe.runtime.call import (
     takes_microbatch,
 )
 from roundpipe.runtime.config import ResolvedRunConfig
-from roundpipe.runtime.memory_plan import (
-    MemoryPlan,
-    PlannedCall,
-    check_device_memory,
-    make_memory_plan,
-    plan_devices,
-    trace_call,
-)
 
 __all__ = ["check_call_memory", "memory_plan_of", "pinned_allocator"]
 

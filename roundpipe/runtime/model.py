@@ -23,13 +23,11 @@ from torch.utils.hooks import RemovableHandle
 from roundpipe import optim_queue
 from roundpipe.devices import DevicePool
 from roundpipe.grad_scaler import GradScaler
-from roundpipe.host_memory import (
-    check_host_memory,
-    host_memory_available,
-    host_terms,
-    skip_memory_check,
-)
 from roundpipe.main_thread import check_main_thread
+from roundpipe.memory.checks import check_host_memory, skip_memory_check
+from roundpipe.memory.host import host_terms
+from roundpipe.memory.probe import host_memory_available
+from roundpipe.memory.report import MemoryPlan
 from roundpipe.microbatch import merge_outputs, split_inputs
 from roundpipe.plan import Plan
 from roundpipe.runtime.call import CallSpec, CallState, ModelParts, plan_call, prepare_call
@@ -37,7 +35,6 @@ from roundpipe.runtime.call_memory import check_call_memory, memory_plan_of, pin
 from roundpipe.runtime.config import ResolvedRunConfig, RoundPipeRunConfig, resolve_config
 from roundpipe.runtime.executor import execute
 from roundpipe.runtime.grad_router import TOUCHES_GRADS, GradHooks, clear_grads
-from roundpipe.runtime.memory_plan import MemoryPlan
 from roundpipe.runtime.optimizer_ctx import in_optimizer_ctx, wrap_step
 from roundpipe.runtime.params import Params, StateAccess, check_state_dict
 from roundpipe.runtime.rng import RngMemo, learn_rng_use, restore_after_call

@@ -23,7 +23,7 @@ from torch import nn
 
 from roundpipe import optim_queue
 from roundpipe.grad_access import MasterParameter, guard_wrapped_params
-from roundpipe.host_memory import master_dtype_of
+from roundpipe.memory.host import master_dtype_of
 
 __all__ = [
     "ParamRecord",

@@ -289,7 +289,7 @@ def install() -> None:
                 f"{[f.name for f in dataclasses.fields(Rules)]}"
             ) from None
         # The pinned allocator rounds as CUDA's would under the same allocator config.
-        from roundpipe.host_memory import cuda_pinned_round_limit
+        from roundpipe.devices.pinned import cuda_pinned_round_limit
 
         set_pinned_round_limit(cuda_pinned_round_limit())
         capacity = os.environ.get("ROUNDPIPE_EMU_MEMORY")

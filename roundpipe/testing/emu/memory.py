@@ -325,7 +325,7 @@ def mem_get_info(device: Any = None) -> tuple[int, int]:
 # it, for the next request of its size class (Rules.pinned_cache; empty_pinned_cache gives them
 # back); an unrounded one goes back at once. CUDA reuses a block only once the copies that used
 # it are done; here the pending copy holds the block until the host has waited for it.
-_pinned_limit = [1 << 62]  # the round limit in force (see roundpipe.host_memory.UNLIMITED)
+_pinned_limit = [1 << 62]  # the round limit in force (see roundpipe.devices.pinned.UNLIMITED)
 
 
 def set_pinned_round_limit(nbytes: int) -> int:

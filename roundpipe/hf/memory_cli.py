@@ -20,7 +20,8 @@ from typing import Any
 
 import torch
 
-from roundpipe.host_memory import host_memory_available, host_terms
+from roundpipe.memory.host import host_terms
+from roundpipe.memory.probe import host_memory_available
 
 __all__ = ["main", "plan_config"]
 
