@@ -241,3 +241,34 @@ def test_the_emulated_device_is_a_package_by_concern():
     assert {"EmuTensor", "install", "set_rules", "set_memory_capacity", "record_copies"} <= set(
         exported
     )
+
+
+def test_memory_is_one_concern_findable_by_its_name():
+    """'Will it fit' lives in roundpipe.memory (host terms, probes, tracing, the report, the
+    checks); the pinned pools beside the devices; one typed device ledger (plan.memory's)
+    for the lowering's budget and the reported peaks."""
+    concern = {"host", "probe", "trace", "report", "checks"}
+    assert {f"roundpipe.memory.{m}" for m in concern} <= set(MODULES)
+    assert "roundpipe.devices.pinned" in MODULES
+    gone = {
+        "roundpipe.host_memory",
+        "roundpipe.runtime.memory_plan",
+        "roundpipe.runtime.memory_trace",
+    }
+    assert gone.isdisjoint(MODULES)
+    assert "roundpipe.hf.plan" not in MODULES  # the memory CLI is named for what it is
+    for name in ("HostMemoryError", "DeviceMemoryError", "HostTerms", "MemoryPlan"):
+        owners = [
+            m
+            for m, tree in MODULES.items()
+            for node in tree.body
+            if isinstance(node, ast.ClassDef) and node.name == name
+        ]
+        assert owners and all(o.startswith("roundpipe.memory.") for o in owners), (name, owners)
+    ledger_users = {
+        m
+        for m, tree in MODULES.items()
+        for t, name, _ in _imports(m, tree)
+        if t == "roundpipe.plan.memory" and name == "DeviceLedger"
+    }
+    assert "roundpipe.plan.build" in ledger_users
