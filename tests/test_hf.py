@@ -307,6 +307,7 @@ def test_the_chunked_loss_keeps_one_chunks_logits_on_the_device():
     assert peaks[10**6] - peaks[64] >= logits_bytes  # at least one fp32 logits tensor saved
 
 
+@pytest.mark.slow
 def test_import_roundpipe_works_without_transformers_and_hf_names_the_install():
     code = (
         "import sys\n"
