@@ -13,7 +13,7 @@ import warnings
 from collections import defaultdict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, overload
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
@@ -263,6 +263,15 @@ class GradScaler:
     :meth:`join_data_parallel`), :meth:`snapshot` for monitoring, :meth:`step_was_skipped`, and
     ``up_to_date`` on every getter.
 
+    Call sequence, once per iteration, and who calls each step:
+
+    1. :meth:`scale` the loss: inside ``loss_fn``, on the device workers (or wherever the loss
+       is computed).
+    2. :meth:`unscale_` (only to read or clip the true gradients), then :meth:`step`: where the
+       optimizer steps, inside the step function on the optimizer thread with ``model.step``,
+       else on the main thread.
+    3. :meth:`update`: the main thread, after ``model.step``; it never waits for the step.
+
     Threads. Attributes owned by the main thread: ``_front``, ``_front_copy``,
     ``_front_replicas``, ``_mirror``, ``_published``, ``_pending``, ``_last_item``,
     ``_launch_mark``, ``_stepped_on_main``. Attributes of the back side (``_scale``, ``_back``,
@@ -392,11 +401,29 @@ class GradScaler:
     # ------------------------------------------------------------------------------------------
     # compute side
     # ------------------------------------------------------------------------------------------
-    def scale(self, outputs: torch.Tensor | Iterable[torch.Tensor]):
+    @overload
+    def scale(self, outputs: torch.Tensor) -> torch.Tensor: ...
+
+    @overload
+    def scale(self, outputs: list[torch.Tensor]) -> list[torch.Tensor]: ...
+
+    @overload
+    def scale(self, outputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]: ...
+
+    @overload
+    def scale(self, outputs: Iterable[torch.Tensor]) -> Iterable[torch.Tensor]: ...
+
+    def scale(
+        self, outputs: torch.Tensor | Iterable[torch.Tensor]
+    ) -> torch.Tensor | Iterable[torch.Tensor]:
         """Multiply a tensor, or an iterable of tensors, by the scale (as torch).
 
-        Any thread; never blocks. The compute threads multiply by the front scale, the optimizer
-        thread by the back scale.
+        Any thread; never blocks and does not incur a CPU-device sync. The compute threads
+        multiply by the front scale, the optimizer thread by the back scale.
+
+        Args:
+            outputs: a tensor (usually the loss), or a list, tuple or other iterable of them
+                (nested too); a list or tuple comes back as one, another iterable as a map.
         """
         if not self._enabled:
             return outputs
@@ -533,7 +560,12 @@ class GradScaler:
         """Divide the optimizer's gradients by the back scale and check them for inf/NaN (as torch).
 
         Call it where the step runs: inside the step function (optimizer thread) when steps are
-        launched with ``model.step``, else on the main thread. Does not block or sync.
+        launched with ``model.step``, else on the main thread. Does not block and does not incur
+        a CPU-device sync (one all-reduce under data parallelism).
+
+        Args:
+            optimizer: the optimizer whose parameters' gradients to unscale; once per
+                optimizer and iteration, before its ``step``.
         """
         if not self._enabled:
             return
@@ -568,6 +600,16 @@ class GradScaler:
         ``_step_supports_amp_scaling`` (torch's fused Adam, roundpipe.optim) receive
         ``grad_scale``/``found_inf`` and unscale inside their own kernel. Whether the step was
         skipped: :meth:`step_was_skipped`.
+
+        .. warning::
+            For an optimizer that does not unscale in its own kernel, this reads the inf/NaN
+            flag on the host: it syncs with the device that holds the gradients (on the
+            optimizer thread, when launched with ``model.step``).
+
+        Args:
+            optimizer: the optimizer to step.
+            *args: passed to ``optimizer.step``.
+            **kwargs: passed to ``optimizer.step`` (no ``closure``: ``RuntimeError``).
         """
         if not self._enabled:
             return optimizer.step(*args, **kwargs)
@@ -675,6 +717,15 @@ class GradScaler:
         scale; the compute side uses it from the next iteration on. Re-raises a failure of
         earlier launched work. An update with no step since the previous one (e.g. called twice
         in an iteration) raises RuntimeError at once. See [Note: the scale double buffer].
+
+        Never syncs with the device: each update starts a non-blocking host copy of the scale,
+        which the getters read.
+
+        Args:
+            new_scale: a float or a one-element tensor to set the scale to (the growth tracker
+                is left alone, as torch); None: the update rule decides.
+            is_async: force the async (True) or sync (False) update; None: decided from how
+                the iteration's step ran.
         """
         if not self._enabled:
             return
@@ -836,6 +887,14 @@ class GradScaler:
         the back scale on the optimizer thread (what produced the gradients being stepped).
         ``up_to_date=True`` waits until every launched step, update and setter has been applied
         and returns the newest scale, the one the next ``update()`` hands to the compute side.
+
+        .. warning::
+            ``up_to_date=True`` waits for the optimizer thread and syncs with the device that
+            holds the scale; keep it out of the per-iteration loop. On the optimizer thread
+            the call reads the back scale, which syncs with its device too.
+
+        Args:
+            up_to_date: wait for every launched step, update and setter first.
         """
         if not self._enabled:
             return 1.0
@@ -1044,7 +1103,15 @@ class GradScaler:
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict of this class or of torch.amp.GradScaler. Main thread; waits for the
-        optimizer thread. A no-op when disabled (as torch)."""
+        optimizer thread. A no-op when disabled (as torch).
+
+        The state dict is checked with the constructor's rules first: a bad one (a scale of -5,
+        a growth factor of 0.5, a growth interval of 0, a missing key) raises ``ValueError``
+        before anything changes.
+
+        Args:
+            state_dict: what :meth:`state_dict` (or torch's) returned.
+        """
         if not self._enabled:
             return
         if len(state_dict) == 0:
