@@ -11,6 +11,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import nn
 
 from roundpipe.devices import DevicePool
@@ -35,7 +36,7 @@ from roundpipe.runtime.call import (
 )
 from roundpipe.runtime.config import ResolvedRunConfig
 
-__all__ = ["check_call_memory", "memory_plan_of", "pinned_allocator"]
+__all__ = ["CallArgs", "check_call_memory", "memory_plan_of", "pinned_allocator"]
 
 
 def pinned_allocator(pool: DevicePool) -> PinnedAllocator | None:
@@ -43,15 +44,19 @@ def pinned_allocator(pool: DevicePool) -> PinnedAllocator | None:
     return pool.accelerators[0].pinned if pool.streaming else None
 
 
-def _planned_call(
-    parts: ModelParts,
-    cfg: ResolvedRunConfig,
-    args: tuple,
-    kwargs: dict,
-    label: Any,
-    loss_fn: Callable | None,
-    return_outputs: bool,
-) -> PlannedCall:
+@dataclasses.dataclass(frozen=True)
+class CallArgs:
+    """The arguments of the ``forward_backward`` a memory plan is made for."""
+
+    args: tuple
+    kwargs: dict
+    label: Any
+    loss_fn: Callable | None
+    return_outputs: bool
+
+
+def _planned_call(parts: ModelParts, cfg: ResolvedRunConfig, call: CallArgs) -> PlannedCall:
+    args, kwargs, label, loss_fn = call.args, call.kwargs, call.label, call.loss_fn
     chunks: list = []
     sizes: list[int] = []
     labels: list = []
@@ -72,7 +77,7 @@ def _planned_call(
         autocast=autocast,
         grad_dtype=device_grad_dtype(parts.pool, cfg),
         training=True,
-        return_outputs=return_outputs,
+        return_outputs=call.return_outputs,
     )
 
 
@@ -99,19 +104,15 @@ def _pinned_grad_bytes(call: PlannedCall, pinned: PinnedAllocator | None) -> int
 def memory_plan_of(
     parts: ModelParts,
     module: nn.Module,
-    optim_dtype: Any,
+    optim_dtype: torch.dtype | None,
     cfg: ResolvedRunConfig,
-    args: tuple,
-    kwargs: dict,
-    label: Any,
-    loss_fn: Callable | None,
-    return_outputs: bool,
+    call: CallArgs,
 ) -> MemoryPlan:
     """:meth:`RoundPipe.memory_plan`: the host terms of ``module`` and the planned call."""
     pinned = pinned_allocator(parts.pool)
     terms = host_terms(module, optim_dtype, pinned, host_memory_available())
-    call = _planned_call(parts, cfg, args, kwargs, label, loss_fn, return_outputs)
-    return make_memory_plan(parts.tag, terms, call, _pinned_grad_bytes(call, pinned))
+    planned = _planned_call(parts, cfg, call)
+    return make_memory_plan(parts.tag, terms, planned, _pinned_grad_bytes(planned, pinned))
 
 
 def check_call_memory(spec: CallSpec, what: str, cfg: ResolvedRunConfig) -> None:

@@ -31,7 +31,12 @@ from roundpipe.memory.report import MemoryPlan
 from roundpipe.microbatch import merge_outputs, split_inputs
 from roundpipe.plan import Plan
 from roundpipe.runtime.call import CallSpec, CallState, ModelParts, plan_call, prepare_call
-from roundpipe.runtime.call_memory import check_call_memory, memory_plan_of, pinned_allocator
+from roundpipe.runtime.call_memory import (
+    CallArgs,
+    check_call_memory,
+    memory_plan_of,
+    pinned_allocator,
+)
 from roundpipe.runtime.config import ResolvedRunConfig, RoundPipeRunConfig, resolve_config
 from roundpipe.runtime.executor import execute
 from roundpipe.runtime.grad_router import TOUCHES_GRADS, GradHooks, clear_grads
@@ -321,11 +326,7 @@ class RoundPipe(nn.Module):
             self.module,
             self._optim_dtype,
             self._resolve(run_config),
-            tuple(input_args),
-            dict(input_kwargs or {}),
-            label,
-            loss_fn,
-            return_outputs,
+            CallArgs(tuple(input_args), dict(input_kwargs or {}), label, loss_fn, return_outputs),
         )
 
     def _resolve(self, run_config: RoundPipeRunConfig | None) -> ResolvedRunConfig:
