@@ -25,59 +25,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from roundpipe.optim_queue import (
-    THREADS_ENV_VAR,
-    ForkedWithPendingWork,
-    Hold,
-    WorkItem,
-    caller_must_wait,
-    default_num_threads,
-    failure_count,
-    get_num_threads,
-    has_pending_launch,
-    has_pending_work,
-    has_unwaited_launch,
-    hold,
-    last_launch,
-    launch_item,
-    launch_step,
-    launch_work,
-    on_optimizer_thread,
-    raise_failures,
-    record_failure,
-    set_num_threads,
-    synchronize,
-    use_default_num_threads,
-    wait_all,
-)
+from roundpipe import optim_queue
+from roundpipe.optim_queue import *  # noqa: F403 -- this module is the queue's public face
 from roundpipe.step_check import check_step_fn
 
-__all__ = [
-    "launch",
-    "synchronize",
-    "on_optimizer_thread",
-    "WorkItem",
-    "launch_step",
-    "launch_item",
-    "launch_work",
-    "Hold",
-    "hold",
-    "record_failure",
-    "ForkedWithPendingWork",
-    "wait_all",
-    "raise_failures",
-    "has_pending_work",
-    "caller_must_wait",
-    "has_pending_launch",
-    "has_unwaited_launch",
-    "last_launch",
-    "failure_count",
-    "set_num_threads",
-    "get_num_threads",
-    "default_num_threads",
-    "use_default_num_threads",
-    "THREADS_ENV_VAR",
-]
+# The queue's public names, and launch.
+__all__ = ["launch", *optim_queue.__all__]
 
 
 def launch(fn: Callable, *args: Any, **kwargs: Any) -> None:
@@ -95,4 +48,4 @@ def launch(fn: Callable, *args: Any, **kwargs: Any) -> None:
         **kwargs: keyword arguments for ``fn``.
     """
     check_step_fn(fn)
-    launch_step(fn, *args, **kwargs)
+    optim_queue.launch_step(fn, *args, **kwargs)
