@@ -28,7 +28,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from roundpipe import OptimizerCtx, RoundPipe, RoundPipeRunConfig, pin_module
-from roundpipe import host_memory as hm
+from roundpipe.devices import pinned as hm
+from roundpipe.memory.host import format_bytes
 from roundpipe.testing import EMU_PINNED, emu
 
 emu.install()
@@ -126,7 +127,7 @@ def _pinning(limit):
         print(
             f"      pinned from the pool     {pool / numel:6.3f} bytes/param   {pool / unpinned:.3f}x"
             f"   ({len(layout.blocks)} blocks: "
-            f"{', '.join(hm.format_bytes(b) for b in layout.blocks[:4])}"
+            f"{', '.join(format_bytes(b) for b in layout.blocks[:4])}"
             f"{', ...' if len(layout.blocks) > 4 else ''})"
         )
         del per_tensor, pooled
@@ -189,10 +190,10 @@ def part_b():
         planned, measured = result["planned"], result["measured"]
         print(f"    {name}:")
         for label, nbytes in result["terms"][1:]:
-            print(f"      {label:<52} {hm.format_bytes(nbytes):>10}")
-        print(f"      {'planned (to allocate)':<52} {hm.format_bytes(planned):>10}")
+            print(f"      {label:<52} {format_bytes(nbytes):>10}")
+        print(f"      {'planned (to allocate)':<52} {format_bytes(planned):>10}")
         print(
-            f"      {'measured RSS growth (wrap + 2 Adam steps)':<52} {hm.format_bytes(measured):>10}"
+            f"      {'measured RSS growth (wrap + 2 Adam steps)':<52} {format_bytes(measured):>10}"
             f"   measured / planned {measured / planned:.3f}"
         )
 
@@ -262,8 +263,8 @@ def part_c():
         measured = [memory.max_memory_allocated(d) - base[d] for d in range(n)]
         for d, dev in enumerate(plan.devices):
             print(
-                f"    {name:<32} {dev.device}  planned {hm.format_bytes(dev.peak):>10}  measured "
-                f"{hm.format_bytes(measured[d]):>10}  planned / measured {dev.peak / measured[d]:.3f}"
+                f"    {name:<32} {dev.device}  planned {format_bytes(dev.peak):>10}  measured "
+                f"{format_bytes(measured[d]):>10}  planned / measured {dev.peak / measured[d]:.3f}"
                 f"  (largest: {dev.terms[0][0]})"
             )
         del model

@@ -8,9 +8,11 @@ thread. See README.md and docs/.
 
 from roundpipe import checkpoint, distributed, optim, optim_thread
 from roundpipe.context import WithContext
+from roundpipe.devices.pinned import pin_module
 from roundpipe.grad_scaler import GradScaler, ScaleCollapseWarning, ScalerSnapshot
-from roundpipe.host_memory import HostMemoryError, host_memory_available, pin_module
 from roundpipe.layer_costs import measure_layer_costs
+from roundpipe.memory.checks import HostMemoryError
+from roundpipe.memory.probe import host_memory_available
 from roundpipe.microbatch import MicrobatchInfo
 from roundpipe.monitor import TrainingHistory, TrainingMonitor
 from roundpipe.plan import stages_by_size

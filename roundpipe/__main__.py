@@ -195,7 +195,7 @@ def _self_check(
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["plan"]:  # python -m roundpipe plan CONFIG ...: a HuggingFace model's plan
-        from roundpipe.hf.plan import main as plan_main
+        from roundpipe.hf.memory_cli import main as plan_main
 
         return plan_main(argv[1:])
     parser = argparse.ArgumentParser(

@@ -4,8 +4,9 @@ Every process (one per GPU or per machine, launched by ``torchrun``) runs the sa
 on its shard of each global batch. :class:`DataParallel` attaches to a :class:`RoundPipe`: it
 gives every rank rank 0's parameters, and before each step averages the masters' gradients over
 the ranks, on the optimizer thread, so the all-reduce overlaps the next iteration's compute as
-the step does. A :class:`roundpipe.GradScaler` in such a process makes every rank agree on
-whether the gradients overflowed. See [Note: data-parallel step] and docs/distributed.md.
+the step does. A :class:`roundpipe.GradScaler` that a step of the model uses (or that joined
+the DataParallel explicitly, :meth:`roundpipe.GradScaler.join_data_parallel`) makes every rank
+agree on whether the gradients overflowed. See [Note: data-parallel step] and docs/distributed.md.
 
 Public API (``roundpipe.distributed``):
 
@@ -32,10 +33,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed import ProcessGroup
 from torch.utils import _pytree as pytree
 
-from roundpipe import optim_thread
+from roundpipe import optim_queue
+from roundpipe.grad_scaler import GradScaler
 from roundpipe.main_thread import check_main_thread
+from roundpipe.runtime.model import RoundPipe
 
 __all__ = [
     "DataParallel",
@@ -74,7 +78,7 @@ __all__ = [
 
 
 # The models a DataParallel is attached to (main thread).
-_ATTACHED: weakref.WeakSet[Any] = weakref.WeakSet()
+_ATTACHED: weakref.WeakSet[RoundPipe] = weakref.WeakSet()
 
 
 class DataParallelError(RuntimeError):
@@ -158,7 +162,7 @@ def _script_name() -> str:
     return os.path.relpath(path) if path else "your_script.py"
 
 
-def shard(batch: Any, process_group: Any | None = None) -> Any:
+def shard(batch: Any, process_group: ProcessGroup | None = None) -> Any:
     """This rank's part of a global batch: every tensor in ``batch`` (a tensor or a pytree of
     them) is split along dim 0 into world-size equal parts, and the part of this rank's index is
     returned (a view). The sizes must divide evenly, so that every rank's mean loss weighs its
@@ -181,7 +185,7 @@ def shard(batch: Any, process_group: Any | None = None) -> Any:
     return pytree.tree_map(part, batch)
 
 
-def _rank_and_world(process_group: Any | None) -> tuple[int, int]:
+def _rank_and_world(process_group: ProcessGroup | None) -> tuple[int, int]:
     _require_distributed()
     if not dist.is_initialized():
         raise RuntimeError(
@@ -261,7 +265,9 @@ class _Group:
     timeout, and whether a collective failed. ``broken`` is written and read on the optimizer
     thread only."""
 
-    def __init__(self, process_group: Any | None, device: Any | None) -> None:
+    def __init__(
+        self, process_group: ProcessGroup | None, device: torch.device | str | None
+    ) -> None:
         self.pg = process_group
         self.rank, self.world = _rank_and_world(process_group)
         self.timeout = _group_timeout(process_group)
@@ -322,7 +328,7 @@ class _Group:
         return hi == -neg_lo
 
 
-def _group_timeout(process_group: Any | None) -> datetime.timedelta:
+def _group_timeout(process_group: ProcessGroup | None) -> datetime.timedelta:
     group = process_group if process_group is not None else dist.group.WORLD
     if group is None:
         return _DEFAULT_TIMEOUT
@@ -338,33 +344,35 @@ def _group_timeout(process_group: Any | None) -> datetime.timedelta:
 def _on_optimizer_thread(fn: Callable[[], Any]) -> Any:
     """Run ``fn`` on the optimizer thread (the only thread that issues collectives, see
     [Note: data-parallel step]) and return its result; from another thread, launch and wait."""
-    if optim_thread.on_optimizer_thread():
+    if optim_queue.on_optimizer_thread():
         return fn()
-    return _wait_result(optim_thread.launch_item(fn))
+    return _wait_result(optim_queue.launch_item(fn))
 
 
-def _wait_result(item: Any) -> Any:
+def _wait_result(item: optim_queue.WorkItem) -> Any:
     # Reported here, once: a wait that leaves the failure unclaimed raises it and leaves it in
     # the optimizer thread's list too, which prints it again at exit as never waited for.
     item.wait()
     return item.result()
 
 
-# The data-parallel group of this process, shared by every DataParallel and GradScaler in it.
-# Written on the main thread (DataParallel construction and close), read on the optimizer thread.
+# The data-parallel group of this process, shared by every DataParallel in it, for checkpoints
+# (data_parallel_rank, gather_bytes). A GradScaler agrees over the DataParallel it joined, not
+# over this. Written on the main thread (DataParallel construction and close), read on the
+# optimizer thread.
 _ACTIVE_LOCK = threading.Lock()
 _ACTIVE: _Group | None = None
 _ACTIVE_USERS = 0
 
 
-def _activate(process_group: Any | None, device: Any | None) -> _Group:
+def _activate(process_group: ProcessGroup | None, device: torch.device | str | None) -> _Group:
     global _ACTIVE, _ACTIVE_USERS
     with _ACTIVE_LOCK:
         if _ACTIVE is not None:
             if _ACTIVE.pg is not process_group:
                 raise RuntimeError(
                     "another DataParallel in this process uses a different process group; one "
-                    "data-parallel group per process (GradScaler agrees over it): pass the same "
+                    "data-parallel group per process (checkpoints gather over it): pass the same "
                     "process_group, or close() the other DataParallel first"
                 )
         else:
@@ -379,35 +387,6 @@ def _deactivate() -> None:
         _ACTIVE_USERS -= 1
         if _ACTIVE_USERS == 0:
             _ACTIVE = None
-
-
-def agree_found_inf(
-    found_per_device: dict[torch.device, torch.Tensor], like: torch.Tensor
-) -> dict[torch.device, torch.Tensor]:
-    """GradScaler's hook (see [Note: data-parallel step] (c)): with data parallelism on, the
-    per-device inf/NaN flags become one flag, the MAX over devices and ranks, on ``like``'s
-    device; without it they are returned unchanged. Thread that runs the scaler's back side;
-    blocks for one all-reduce on the optimizer thread."""
-    group = _ACTIVE
-    if group is None:
-        return found_per_device
-    local = torch.zeros((), dtype=torch.float32, device=like.device)
-    for flag in found_per_device.values():
-        local = torch.maximum(local, flag.to(like.device))
-
-    def reduce() -> torch.Tensor:
-        group.check_usable("the inf/NaN check of scaler.step")
-        try:
-            with group.device_scope():
-                t = local.to(group.device, copy=True).reshape(1)
-                group.wait(group.all_reduce(t, dist.ReduceOp.MAX))
-                return t.reshape(()).to(like.device)
-        except Exception as exc:
-            raise group.failed("the all-reduce of the scaler's inf/NaN flag", exc) from exc
-
-    agreed = _on_optimizer_thread(reduce)
-    # After the gradient all-reduce every rank has the same gradients, so the same devices.
-    return {like.device: agreed} if found_per_device else {}
 
 
 def data_parallel_rank() -> tuple[int, int] | None:
@@ -425,7 +404,7 @@ def gather_bytes(payload: bytes, what: str) -> list[bytes] | None:
     group = _ACTIVE
     if group is None:
         return [payload]
-    if not optim_thread.on_optimizer_thread():
+    if not optim_queue.on_optimizer_thread():
         raise RuntimeError("gather_bytes() runs on the optimizer thread (in launched work)")
     group.check_usable(what)
     try:
@@ -478,11 +457,11 @@ class DataParallel:
 
     def __init__(
         self,
-        model: Any,
-        process_group: Any | None = None,
+        model: RoundPipe,
+        process_group: ProcessGroup | None = None,
         bucket_cap_mb: float = 25.0,
         buckets_in_flight: int = 2,
-        device: Any | None = None,
+        device: torch.device | str | None = None,
     ) -> None:
         check_main_thread("DataParallel", owner="roundpipe.distributed")
         if not callable(getattr(model, "register_step_pre_hook", None)):
@@ -502,7 +481,7 @@ class DataParallel:
         # Steps already launched run without data parallelism: let them finish before the
         # optimizer thread can see the group (its scaler check would otherwise issue a
         # collective that the other ranks, already past their steps, do not).
-        optim_thread.wait_all()
+        optim_queue.wait_all()
         self._group = _activate(process_group, device)
         self._model = model
         self._masters = [m for _, m in model.optim_named_parameters()]
@@ -518,6 +497,10 @@ class DataParallel:
             _deactivate()
             raise
         self._hook = model.register_step_pre_hook(self._reduce_gradients)
+        # The scalers this model's steps use agree on overflows over the group (those already
+        # seen at once, later ones at the launch that first uses them).
+        self._scalers: weakref.WeakSet[GradScaler] = weakref.WeakSet()
+        self._scaler_hook = model.register_step_scaler_hook(self._join_scaler)
         _ATTACHED.add(model)
 
     @property
@@ -540,11 +523,52 @@ class DataParallel:
         waits for the optimizer thread. Idempotent."""
         if self._closed:
             return
-        optim_thread.wait_all()
+        optim_queue.wait_all()
         self._hook.remove()
+        self._scaler_hook.remove()
+        for scaler in list(self._scalers):
+            if scaler.data_parallel is self:
+                scaler.join_data_parallel(None)
         _ATTACHED.discard(self._model)
         self._closed = True
         _deactivate()
+
+    def agree_found_inf(
+        self, found_per_device: dict[torch.device, torch.Tensor], like: torch.Tensor
+    ) -> dict[torch.device, torch.Tensor]:
+        """For a :class:`roundpipe.GradScaler` that joined this DataParallel (see
+        [Note: data-parallel step] (c)): the per-device inf/NaN flags become one flag, the MAX
+        over devices and ranks, on ``like``'s device. Thread that runs the scaler's back side;
+        blocks for one all-reduce on the optimizer thread.
+
+        Args:
+            found_per_device: this rank's inf/NaN flags, one per device.
+            like: a tensor on the device the agreed flag is returned on.
+        """
+        group = self._group
+        local = torch.zeros((), dtype=torch.float32, device=like.device)
+        for flag in found_per_device.values():
+            local = torch.maximum(local, flag.to(like.device))
+
+        def reduce() -> torch.Tensor:
+            group.check_usable("the inf/NaN check of scaler.step")
+            try:
+                with group.device_scope():
+                    t = local.to(group.device, copy=True).reshape(1)
+                    group.wait(group.all_reduce(t, dist.ReduceOp.MAX))
+                    return t.reshape(()).to(like.device)
+            except Exception as exc:
+                raise group.failed("the all-reduce of the scaler's inf/NaN flag", exc) from exc
+
+        agreed = _on_optimizer_thread(reduce)
+        # After the gradient all-reduce every rank has the same gradients, so the same devices.
+        return {like.device: agreed} if found_per_device else {}
+
+    def _join_scaler(self, scaler: GradScaler) -> None:
+        """Main thread, when a step of the model first uses ``scaler`` (a
+        :class:`roundpipe.GradScaler`): it agrees on overflows over this group from then on."""
+        scaler.join_data_parallel(self)
+        self._scalers.add(scaler)
 
     def replicas_identical(self) -> bool:
         """Whether every rank's masters and model parameters are bitwise identical (a digest

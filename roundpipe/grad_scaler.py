@@ -8,23 +8,36 @@ from __future__ import annotations
 
 import enum
 import inspect
-import math
 import threading
 import warnings
 from collections import defaultdict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, overload
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
-from roundpipe import distributed, finite_check, optim_thread
+from roundpipe import finite_check, optim_queue
 from roundpipe.host_copy import HostCopy
-from roundpipe.optim_thread import on_optimizer_thread
+from roundpipe.optim_queue import on_optimizer_thread
+from roundpipe.scale_rule import (
+    COLLAPSE_STREAK,
+    ScaleHyper,
+    ScaleRule,
+    check_hyper,
+    check_hyper_field,
+)
 from roundpipe.step_context import check_optimizer_params
 
-__all__ = ["GradScaler", "OptState", "ScalerSnapshot", "ScaleCollapseWarning", "note_used_by_steps"]
+__all__ = [
+    "AgreesOnOverflow",
+    "GradScaler",
+    "OptState",
+    "ScalerSnapshot",
+    "ScaleCollapseWarning",
+    "note_used_by_steps",
+]
 
 
 # [Note: the scale double buffer]
@@ -34,9 +47,11 @@ __all__ = ["GradScaler", "OptState", "ScalerSnapshot", "ScaleCollapseWarning", "
 #                      workers); replaced only by update() on the main thread, between iterations.
 #   back   ``_back``   what unscale_()/step() divide by. It is always the scale that produced the
 #                      gradients being stepped.
-#   newest ``_scale``  the running scale that the update rule U evolves (torch's ``_scale``).
+#   newest ``_rule.scale``  the running scale that the update rule U evolves (torch's
+#                      ``_scale``); U itself is the thread-free :class:`ScaleRule` ``_rule``.
 #
-# back, newest, the growth tracker, the hyperparameters U reads and the per-optimizer states form
+# back, the rule (newest, the growth tracker, the hyperparameters U reads) and the per-optimizer
+# states form
 # the *back side*. The back side is touched by one thread at a time: the optimizer thread, or the
 # main thread while no launched work can touch it (the scaler's own last launched item has run,
 # and, if steps use the scaler, no launched step is still to run; see ``_claim_back_side``).
@@ -63,6 +78,15 @@ __all__ = ["GradScaler", "OptState", "ScalerSnapshot", "ScaleCollapseWarning", "
 # never syncs the device, and neither does U (a host copy is started without waiting).
 
 
+class AgreesOnOverflow(Protocol):
+    """What a scaler needs of data parallelism (:class:`roundpipe.distributed.DataParallel` is
+    one): every rank's inf/NaN flags made into one flag, the same on every rank."""
+
+    def agree_found_inf(
+        self, found_per_device: dict[torch.device, torch.Tensor], like: torch.Tensor
+    ) -> dict[torch.device, torch.Tensor]: ...
+
+
 class OptState(enum.Enum):
     """Where an optimizer is in the iteration, as in torch.amp.GradScaler."""
 
@@ -73,10 +97,6 @@ class OptState(enum.Enum):
 
 class ScaleCollapseWarning(RuntimeWarning):
     """Gradients keep overflowing although the scale is already at ``min_scale``."""
-
-
-# A streak of this many consecutive overflows at min_scale is reported once.
-_COLLAPSE_STREAK = 3
 
 
 @dataclass(frozen=True)
@@ -96,16 +116,6 @@ class ScalerSnapshot:
     skipped_steps: int
 
 
-@dataclass
-class _Hyper:
-    growth_factor: float
-    backoff_factor: float
-    growth_interval: int
-    hysteresis: int
-    min_scale: float | None
-    max_scale: float | None
-
-
 def _sum_flags(flags: Iterable[torch.Tensor], device: torch.device) -> torch.Tensor | None:
     """The sum of inf/NaN flags from several devices, on ``device`` (None: no flags), added in
     order as torch's GradScaler does."""
@@ -123,7 +133,7 @@ class _Published:
     numbers: HostCopy  # scale, growth tracker, skipped steps
     steps: int
     collapse_streak: int
-    hyper: _Hyper
+    hyper: ScaleHyper
 
     @property
     def scale_value(self) -> float:
@@ -153,11 +163,76 @@ def _resolve_device(device: str | torch.device | None) -> str:
     return torch.device(device).type
 
 
-def _check_positive_finite(name: str, value: float | None) -> None:
-    if value is None:
-        return
-    if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+@dataclass(frozen=True)
+class _LoadedState:
+    scale: float
+    front_scale: float
+    hyper: ScaleHyper
+    growth_tracker: int
+    skipped_steps: int
+    steps: int
+    hysteresis_left: int
+    collapse_streak: int
+    initialized: bool
+
+
+def _count(name: str, value: Any, low: int = 0, high: float = float("inf")) -> int:
+    """An integer count from a state dict (an integral float, as an older file may hold, too)."""
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+        raise ValueError(
+            f"GradScaler.load_state_dict: {name} must be an int in [{low}, {high}], got {value!r}"
+        )
+    return value
+
+
+def _parse_state_dict(state_dict: dict[str, Any], current: ScaleHyper) -> _LoadedState:
+    """Read and validate a state dict of :class:`GradScaler` or of torch's, with the
+    constructor's rules (:func:`check_hyper`); raise ``ValueError`` naming what is wrong.
+    Touches no scaler, so a refused state dict changes nothing."""
+    missing = [
+        k
+        for k in ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
+        if k not in state_dict
+    ]
+    if missing:
+        raise ValueError(f"GradScaler.load_state_dict: the state dict lacks {missing}")
+    extra = state_dict.get("roundpipe", {})
+    interval = state_dict["growth_interval"]
+    if isinstance(interval, float) and interval.is_integer():
+        interval = int(interval)
+    hyper = ScaleHyper(
+        state_dict["growth_factor"],
+        state_dict["backoff_factor"],
+        interval,
+        extra.get("hysteresis", current.hysteresis),
+        extra.get("min_scale", current.min_scale),
+        extra.get("max_scale", current.max_scale),
+    )
+    scale = state_dict["scale"]
+    try:
+        check_hyper(hyper)
+        check_hyper_field("scale", scale)
+        front = extra.get("front_scale", scale)
+        check_hyper_field("front_scale", front)
+    except ValueError as e:
+        raise ValueError(f"GradScaler.load_state_dict: {e}") from None
+    hyper.growth_factor = float(hyper.growth_factor)
+    hyper.backoff_factor = float(hyper.backoff_factor)
+    return _LoadedState(
+        scale=float(scale),
+        front_scale=float(front),
+        hyper=hyper,
+        growth_tracker=_count("_growth_tracker", state_dict["_growth_tracker"]),
+        skipped_steps=_count("skipped_steps", extra.get("skipped_steps", 0)),
+        steps=_count("steps", extra.get("steps", 0)),
+        hysteresis_left=_count(
+            "hysteresis_left", extra.get("hysteresis_left", hyper.hysteresis), 0, hyper.hysteresis
+        ),
+        collapse_streak=_count("collapse_streak", extra.get("collapse_streak", 0)),
+        initialized=bool(extra.get("initialized", False)),
+    )
 
 
 def _check_not_on_model_params(optimizer: torch.optim.Optimizer) -> None:
@@ -183,8 +258,19 @@ class GradScaler:
     means CUDA when it is available and the CPU otherwise. Opt-in extras, all off by default:
     ``hysteresis`` (back off only on the ``hysteresis``-th consecutive overflow, and on every
     consecutive overflow after it), ``min_scale`` / ``max_scale`` (bounds; a run whose gradients
-    keep overflowing at ``min_scale`` raises a :class:`ScaleCollapseWarning`), :meth:`snapshot`
-    for monitoring, :meth:`step_was_skipped`, and ``up_to_date`` on every getter.
+    keep overflowing at ``min_scale`` raises a :class:`ScaleCollapseWarning`), ``data_parallel``
+    (agree on overflows over a :class:`roundpipe.distributed.DataParallel`'s ranks, see
+    :meth:`join_data_parallel`), :meth:`snapshot` for monitoring, :meth:`step_was_skipped`, and
+    ``up_to_date`` on every getter.
+
+    Call sequence, once per iteration, and who calls each step:
+
+    1. :meth:`scale` the loss: inside ``loss_fn``, on the device workers (or wherever the loss
+       is computed).
+    2. :meth:`unscale_` (only to read or clip the true gradients), then :meth:`step`: where the
+       optimizer steps, inside the step function on the optimizer thread with ``model.step``,
+       else on the main thread.
+    3. :meth:`update`: the main thread, after ``model.step``; it never waits for the step.
 
     Threads. Attributes owned by the main thread: ``_front``, ``_front_copy``,
     ``_front_replicas``, ``_mirror``, ``_published``, ``_pending``, ``_last_item``,
@@ -208,6 +294,7 @@ class GradScaler:
         hysteresis: int = 1,
         min_scale: float | None = None,
         max_scale: float | None = None,
+        data_parallel: AgreesOnOverflow | None = None,
     ) -> None:
         self._device = _resolve_device(device)
         self._enabled = bool(enabled)
@@ -220,75 +307,67 @@ class GradScaler:
             self._enabled = False
         if not self._enabled:
             return
-        _check_positive_finite("init_scale", init_scale)
-        if not (
-            isinstance(growth_factor, (int, float))
-            and growth_factor > 1.0
-            and math.isfinite(growth_factor)
-        ):
-            raise ValueError(f"growth_factor must be a finite number > 1.0, got {growth_factor!r}")
-        if not (isinstance(backoff_factor, (int, float)) and 0.0 < backoff_factor < 1.0):
-            raise ValueError(f"backoff_factor must be in (0, 1), got {backoff_factor!r}")
-        self._check_interval(growth_interval)
-        if not isinstance(hysteresis, int) or isinstance(hysteresis, bool) or hysteresis < 1:
-            raise ValueError(
-                f"hysteresis must be an int >= 1 (1 backs off on every overflow, as torch), got {hysteresis!r}"
-            )
-        _check_positive_finite("min_scale", min_scale)
-        _check_positive_finite("max_scale", max_scale)
-        lo, hi = min_scale or 0.0, max_scale or math.inf
-        if not lo <= init_scale <= hi:
-            raise ValueError(
-                f"init_scale={init_scale} must lie within [min_scale, max_scale] = [{lo}, {hi}]"
-            )
-
-        self._init_scale = float(init_scale)
-        self._init_growth_tracker = 0
-        self._init_front: float | None = None  # set by load_state_dict before lazy init
-        self._init_skipped = 0
-        self._init_lock = threading.Lock()
-        # Back side.
-        self._hyper = _Hyper(
-            float(growth_factor),
-            float(backoff_factor),
-            int(growth_interval),
-            hysteresis,
-            min_scale,
-            max_scale,
+        # Back side. The rule validates the hyperparameters; its tensors move to the device of
+        # the first scaled output.
+        self._rule = ScaleRule(
+            init_scale,
+            ScaleHyper(
+                growth_factor, backoff_factor, growth_interval, hysteresis, min_scale, max_scale
+            ),
         )
-        self._scale: torch.Tensor | None = None
+        # Before the lazy init: the front scale to start with (load_state_dict may change it).
+        self._init_front = float(init_scale)
+        self._init_lock = threading.Lock()
         self._back: torch.Tensor | None = None
-        self._growth_tracker: torch.Tensor | None = None
-        self._skipped_steps: torch.Tensor | None = None
-        self._steps = 0
-        self._hysteresis_left = hysteresis
-        self._collapse_streak = 0
         # Whether back == newest (always after a sync update): then the overflow rule's
         # min(newest, back) is a no-op and is skipped, keeping sync mode torch's exact kernels.
         self._back_is_newest = True
-        self._failures_seen = optim_thread.failure_count()
+        self._failures_seen = optim_queue.failure_count()
         self._per_optimizer_states: dict[int, _PerOptimizerState] = defaultdict(_PerOptimizerState)
         # Front side (main thread).
         self._front: torch.Tensor | None = None
         self._front_copy: HostCopy | None = None  # the front scale's value, with _front
         self._front_replicas: dict[torch.device, torch.Tensor] = {}
-        self._mirror = _Hyper(**vars(self._hyper))
+        self._mirror = self._rule.hyper.copy()
         # Main-thread setters are numbered; the back side records the newest it applied, so a
         # record published before a setter ran does not overwrite the mirror with an old value.
         self._setter_seq = 0
         self._setter_applied = 0
         self._published: _Published | None = None
-        self._pending: optim_thread.WorkItem | None = None  # the last launched update
+        self._pending: optim_queue.WorkItem | None = None  # the last launched update
         # What a step since the previous update() looks like from the main thread: a launch
         # (model.step) or a step()/unscale_() called on the main thread itself.
-        self._launch_mark = optim_thread.last_launch()
+        self._launch_mark = optim_queue.last_launch()
         self._stepped_on_main = False
-        self._last_item: optim_thread.WorkItem | None = None  # the last launched back work
+        self._last_item: optim_queue.WorkItem | None = None  # the last launched back work
         self._used_by_steps = False
+        self._data_parallel: AgreesOnOverflow | None = None
+        if data_parallel is not None:
+            self.join_data_parallel(data_parallel)
 
     # ------------------------------------------------------------------------------------------
     # lazy initialisation (as torch: on the device of the first scaled output)
     # ------------------------------------------------------------------------------------------
+
+    @property
+    def data_parallel(self) -> AgreesOnOverflow | None:
+        """The :class:`roundpipe.distributed.DataParallel` whose ranks agree on this scaler's
+        overflows (None: this process decides alone). Any thread; never blocks."""
+        return self._data_parallel if self._enabled else None
+
+    def join_data_parallel(self, data_parallel: AgreesOnOverflow | None) -> None:
+        """Agree on inf/NaN gradients with the ranks of ``data_parallel`` (one all-reduce per
+        ``unscale_``/``step``), so that every rank skips the same steps; None leaves it.
+
+        A scaler that a step of a model with a DataParallel uses joins it by itself (at the
+        launch that first uses it) and leaves it at ``close()``; call this for a scaler whose
+        ``step`` runs outside ``model.step``. Main thread, between iterations; never blocks.
+
+        Args:
+            data_parallel: the DataParallel to agree over, or None.
+        """
+        if self._enabled:
+            self._data_parallel = data_parallel
 
     def _mark_used_by_steps(self) -> None:
         """See :func:`note_used_by_steps`."""
@@ -298,14 +377,11 @@ class GradScaler:
         with self._init_lock:
             if self._front is not None:
                 return
-            full = lambda v, dt=torch.float32: torch.full((), v, dtype=dt, device=device)  # noqa: E731
-            front = self._init_scale if self._init_front is None else self._init_front
-            self._scale = full(self._init_scale)
-            self._back = full(front)
-            self._growth_tracker = full(self._init_growth_tracker, torch.int32)
-            self._skipped_steps = full(self._init_skipped, torch.int64)
+            full = lambda v: torch.full((), v, dtype=torch.float32, device=device)  # noqa: E731
+            self._rule.to_(device)
+            self._back = full(self._init_front)
             self._published = self._publish()
-            front_tensor = full(front)
+            front_tensor = full(self._init_front)
             self._front_copy = HostCopy(front_tensor)
             self._front = front_tensor  # last: scale() reads it without the lock
 
@@ -314,14 +390,6 @@ class GradScaler:
         back = self._back
         assert back is not None, "GradScaler: the back side is read before its lazy init"
         return back
-
-    def _newest(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(newest scale, growth tracker, skipped steps); after :meth:`_lazy_init`."""
-        scale, tracker, skipped = self._scale, self._growth_tracker, self._skipped_steps
-        assert scale is not None and tracker is not None and skipped is not None, (
-            "GradScaler: the back side is read before its lazy init"
-        )
-        return scale, tracker, skipped
 
     def _check_initialized(self, funcname: str) -> None:
         if self._front is None:
@@ -333,11 +401,29 @@ class GradScaler:
     # ------------------------------------------------------------------------------------------
     # compute side
     # ------------------------------------------------------------------------------------------
-    def scale(self, outputs: torch.Tensor | Iterable[torch.Tensor]):
+    @overload
+    def scale(self, outputs: torch.Tensor) -> torch.Tensor: ...
+
+    @overload
+    def scale(self, outputs: list[torch.Tensor]) -> list[torch.Tensor]: ...
+
+    @overload
+    def scale(self, outputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]: ...
+
+    @overload
+    def scale(self, outputs: Iterable[torch.Tensor]) -> Iterable[torch.Tensor]: ...
+
+    def scale(
+        self, outputs: torch.Tensor | Iterable[torch.Tensor]
+    ) -> torch.Tensor | Iterable[torch.Tensor]:
         """Multiply a tensor, or an iterable of tensors, by the scale (as torch).
 
-        Any thread; never blocks. The compute threads multiply by the front scale, the optimizer
-        thread by the back scale.
+        Any thread; never blocks and does not incur a CPU-device sync. The compute threads
+        multiply by the front scale, the optimizer thread by the back scale.
+
+        Args:
+            outputs: a tensor (usually the loss), or a list, tuple or other iterable of them
+                (nested too); a list or tuple comes back as one, another iterable as a map.
         """
         if not self._enabled:
             return outputs
@@ -393,7 +479,7 @@ class GradScaler:
             return
         # Only steps can touch it besides its own items, and only if they use this scaler: a
         # scaler of a plain loop on the main thread is not held up by an unrelated RoundPipe.
-        if self._used_by_steps and optim_thread.has_pending_launch():
+        if self._used_by_steps and optim_queue.has_pending_launch():
             raise RuntimeError(
                 f"GradScaler.{what} was called on the main thread while a step launched on the "
                 "optimizer thread (e.g. by model.step), which uses this scaler, has not finished, "
@@ -407,11 +493,11 @@ class GradScaler:
         if not on_optimizer_thread():
             self._stepped_on_main = True
 
-    def _launch(self, fn: Any, *args: Any) -> optim_thread.WorkItem:
+    def _launch(self, fn: Any, *args: Any) -> optim_queue.WorkItem:
         """The scaler's own back-side work, owned by it (see [Note: error reporting] in
-        roundpipe.optim_thread); it changes the scaler only, so a checkpoint's hold does not
+        roundpipe.optim_queue); it changes the scaler only, so a checkpoint's hold does not
         stop it (its state was taken when the checkpoint's item ran)."""
-        return optim_thread.launch_work(fn, args, owners=(self,), touches=("scaler",))
+        return optim_queue.launch_work(fn, args, owners=(self,), touches=("scaler",))
 
     def _wait_last_item(self) -> None:
         item = self._last_item
@@ -465,13 +551,21 @@ class GradScaler:
                 if any_nonfinite:
                     found_per_device[device].fill_(1.0)
         # Under data parallelism every rank must skip the same steps: agree on the flag.
-        return distributed.agree_found_inf(found_per_device, found_inf)
+        data_parallel = self._data_parallel
+        if data_parallel is None:
+            return found_per_device
+        return data_parallel.agree_found_inf(found_per_device, found_inf)
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Divide the optimizer's gradients by the back scale and check them for inf/NaN (as torch).
 
         Call it where the step runs: inside the step function (optimizer thread) when steps are
-        launched with ``model.step``, else on the main thread. Does not block or sync.
+        launched with ``model.step``, else on the main thread. Does not block and does not incur
+        a CPU-device sync (one all-reduce under data parallelism).
+
+        Args:
+            optimizer: the optimizer whose parameters' gradients to unscale; once per
+                optimizer and iteration, before its ``step``.
         """
         if not self._enabled:
             return
@@ -506,6 +600,16 @@ class GradScaler:
         ``_step_supports_amp_scaling`` (torch's fused Adam, roundpipe.optim) receive
         ``grad_scale``/``found_inf`` and unscale inside their own kernel. Whether the step was
         skipped: :meth:`step_was_skipped`.
+
+        .. warning::
+            For an optimizer that does not unscale in its own kernel, this reads the inf/NaN
+            flag on the host: it syncs with the device that holds the gradients (on the
+            optimizer thread, when launched with ``model.step``).
+
+        Args:
+            optimizer: the optimizer to step.
+            *args: passed to ``optimizer.step``.
+            **kwargs: passed to ``optimizer.step`` (no ``closure``: ``RuntimeError``).
         """
         if not self._enabled:
             return optimizer.step(*args, **kwargs)
@@ -613,6 +717,15 @@ class GradScaler:
         scale; the compute side uses it from the next iteration on. Re-raises a failure of
         earlier launched work. An update with no step since the previous one (e.g. called twice
         in an iteration) raises RuntimeError at once. See [Note: the scale double buffer].
+
+        Never syncs with the device: each update starts a non-blocking host copy of the scale,
+        which the getters read.
+
+        Args:
+            new_scale: a float or a one-element tensor to set the scale to (the growth tracker
+                is left alone, as torch); None: the update rule decides.
+            is_async: force the async (True) or sync (False) update; None: decided from how
+                the iteration's step ran.
         """
         if not self._enabled:
             return
@@ -625,12 +738,12 @@ class GradScaler:
         new_value = None if new_scale is None else self._check_new_scale(new_scale)
         # A scaler that stepped on this thread this iteration and that no launched step uses
         # belongs to a loop on this thread: a step of another model's loop is no concern of it.
-        launched = optim_thread.has_unwaited_launch() and (
+        launched = optim_queue.has_unwaited_launch() and (
             self._used_by_steps or not self._stepped_on_main
         )
         if is_async is None:
             is_async = launched
-        launch_mark = optim_thread.last_launch()
+        launch_mark = optim_queue.last_launch()
         if (
             is_async
             and new_value is None
@@ -653,9 +766,9 @@ class GradScaler:
             self._update_async(new_value)
         else:
             if launched:
-                optim_thread.wait_all()
+                optim_queue.wait_all()
             self._update_sync(new_value)
-        optim_thread.raise_failures(self)
+        optim_queue.raise_failures(self)
 
     def _check_new_scale(self, new_scale: float | torch.Tensor) -> torch.Tensor:
         assert self._front is not None  # update() checked the lazy init
@@ -667,7 +780,7 @@ class GradScaler:
                 )
             value = new_scale.detach().reshape(()).to(device, torch.float32, copy=True)
         else:
-            _check_positive_finite("new_scale", new_scale)
+            check_hyper_field("new_scale", new_scale)
             value = torch.full((), float(new_scale), dtype=torch.float32, device=device)
         return value
 
@@ -696,8 +809,8 @@ class GradScaler:
     def _adopt(self, published: _Published) -> None:
         self._published = published
         if published.setter_seq == self._setter_seq:
-            self._mirror = _Hyper(**vars(published.hyper))
-        if published.collapse_streak == _COLLAPSE_STREAK:
+            self._mirror = published.hyper.copy()
+        if published.collapse_streak == COLLAPSE_STREAK:
             warnings.warn(
                 f"GradScaler: gradients overflowed {published.collapse_streak} times in a row with "
                 f"the scale at min_scale={published.hyper.min_scale}: the run is diverging. Check "
@@ -714,15 +827,18 @@ class GradScaler:
         ``next_back`` is the scale the compute side was handed for the next iteration (async), or
         None (sync: it is the new scale itself).
         """
-        failures = optim_thread.failure_count()
-        scale, _, _ = self._newest()
+        failures = optim_queue.failure_count()
+        scale = self._rule.scale
         try:
             if new_value is not None:
                 scale.copy_(new_value)
             else:
                 found_inf = self._combined_found_inf()
                 if found_inf is not None:
-                    self._apply_rule(found_inf, stale=not self._back_is_newest)
+                    # [Note: the scale double buffer], overflow rule: the back scale produced
+                    # the gradients; it is stale when it differs from the newest scale.
+                    stale = None if self._back_is_newest else self._back_scale()
+                    self._rule.apply(found_inf, stale_scale=stale)
                 elif failures == self._failures_seen:
                     raise AssertionError(
                         "No inf checks were recorded prior to update: no scaler.step(optimizer) "
@@ -746,62 +862,19 @@ class GradScaler:
                 for state in self._per_optimizer_states.values()
                 for t in state.found_inf_per_device.values()
             ),
-            self._newest()[0].device,
+            self._rule.device,
         )
-
-    def _apply_rule(self, found_inf: torch.Tensor, stale: bool) -> None:
-        scale, tracker, skipped = self._newest()
-        hyper = self._hyper
-        self._steps += 1
-        overflow = found_inf > 0
-        skipped += overflow
-        plain = hyper.hysteresis == 1 and hyper.min_scale is None and hyper.max_scale is None
-        # torch's rule alone needs no host sync; the extras need the overflow on the host (one
-        # sync on the thread that runs U).
-        if not plain:
-            if bool(overflow):
-                self._hysteresis_left = max(self._hysteresis_left - 1, 0)
-                if self._hysteresis_left > 0:
-                    tracker.zero_()  # tolerated: the step is skipped, the scale kept
-                    return
-                at_min = hyper.min_scale is not None and scale.item() <= hyper.min_scale
-                self._collapse_streak = self._collapse_streak + 1 if at_min else 0
-            else:
-                self._hysteresis_left = hyper.hysteresis
-                self._collapse_streak = 0
-        before = scale.clone() if stale else None
-        torch._amp_update_scale_(
-            scale,
-            tracker,
-            found_inf,
-            hyper.growth_factor,
-            hyper.backoff_factor,
-            hyper.growth_interval,
-        )
-        if before is not None:  # stale
-            self._cap_stale_backoff(scale, before, overflow)
-        if hyper.min_scale is not None or hyper.max_scale is not None:
-            scale.clamp_(min=hyper.min_scale, max=hyper.max_scale)
-
-    def _cap_stale_backoff(
-        self, scale: torch.Tensor, before: torch.Tensor, overflow: torch.Tensor
-    ) -> None:
-        # [Note: the scale double buffer], overflow rule: after an overflow, the new scale is
-        # min(newest before U, s_k * backoff), where s_k (the scale that produced the
-        # overflowing gradients) is the back scale.
-        backed_off = torch.minimum(before, self._back_scale() * self._hyper.backoff_factor)
-        scale.copy_(torch.where(overflow, backed_off, scale))
 
     def _publish(self) -> _Published:
-        newest, tracker, skipped = self._newest()
-        scale = newest.clone()
+        rule = self._rule
+        scale = rule.scale.clone()
         return _Published(
             self._setter_applied,
             scale,
-            HostCopy(scale, tracker, skipped),
-            self._steps,
-            self._collapse_streak,
-            _Hyper(**vars(self._hyper)),
+            HostCopy(scale, rule.growth_tracker, rule.skipped_steps),
+            rule.steps,
+            rule.collapse_streak,
+            rule.hyper.copy(),
         )
 
     # ------------------------------------------------------------------------------------------
@@ -814,14 +887,22 @@ class GradScaler:
         the back scale on the optimizer thread (what produced the gradients being stepped).
         ``up_to_date=True`` waits until every launched step, update and setter has been applied
         and returns the newest scale, the one the next ``update()`` hands to the compute side.
+
+        .. warning::
+            ``up_to_date=True`` waits for the optimizer thread and syncs with the device that
+            holds the scale; keep it out of the per-iteration loop. On the optimizer thread
+            the call reads the back scale, which syncs with its device too.
+
+        Args:
+            up_to_date: wait for every launched step, update and setter first.
         """
         if not self._enabled:
             return 1.0
         if up_to_date:
             self._sync_back_side()
-            return self._init_scale if self._scale is None else self._scale.item()
+            return self._rule.scale.item()
         if self._front is None:
-            return self._init_scale if self._init_front is None else self._init_front
+            return self._init_front
         if on_optimizer_thread():
             return self._back_scale().item()  # the optimizer thread may sync: it runs the steps
         return self._front_value()
@@ -832,8 +913,8 @@ class GradScaler:
         what the pending update produced."""
         if on_optimizer_thread():
             return
-        optim_thread.wait_all()
-        optim_thread.raise_failures(self)
+        optim_queue.wait_all()
+        optim_queue.raise_failures(self)
         item = self._last_item
         if item is not None:
             item.wait()
@@ -841,7 +922,7 @@ class GradScaler:
     def _hyper_value(self, name: str, up_to_date: bool):
         if up_to_date or on_optimizer_thread():
             self._sync_back_side()
-            return getattr(self._hyper, name)
+            return getattr(self._rule.hyper, name)
         return getattr(self._mirror, name)
 
     def get_growth_factor(self, up_to_date: bool = False) -> float:
@@ -865,13 +946,11 @@ class GradScaler:
             return 0
         if up_to_date:
             self._sync_back_side()
-            return (
-                self._init_growth_tracker
-                if self._growth_tracker is None
-                else int(self._growth_tracker.item())
-            )
+            return int(self._rule.growth_tracker.item())
         published = self._published
-        return self._init_growth_tracker if published is None else published.growth_tracker
+        if published is None:  # before the lazy init: the rule's tensors are on the host
+            return int(self._rule.growth_tracker.item())
+        return published.growth_tracker
 
     def get_growth_tracker(self, up_to_date: bool = False) -> int:
         """Consecutive non-overflowing updates since the last growth or backoff (torch's
@@ -883,11 +962,11 @@ class GradScaler:
         """Setters: the compute side sees the value at once (getters); the back side gets it in
         launch order, on the optimizer thread when launched work may be touching it."""
         if on_optimizer_thread():
-            setattr(self._hyper, name, value)
+            setattr(self._rule.hyper, name, value)
             return
         setattr(self._mirror, name, value)
         self._setter_seq += 1
-        if optim_thread.has_unwaited_launch() or (
+        if optim_queue.has_unwaited_launch() or (
             self._last_item is not None and not self._last_item.done()
         ):
             self._last_item = self._launch(self._apply_hyper, name, value, self._setter_seq)
@@ -896,31 +975,36 @@ class GradScaler:
             self._apply_hyper(name, value, self._setter_seq)
 
     def _apply_hyper(self, name: str, value: Any, seq: int) -> None:
-        setattr(self._hyper, name, value)
+        setattr(self._rule.hyper, name, value)
         self._setter_applied = seq
 
     def set_growth_factor(self, new_factor: float) -> None:
-        """Set the growth factor (> 1). Any thread; never blocks."""
-        if not (new_factor > 1.0 and math.isfinite(new_factor)):
-            raise ValueError(f"growth_factor must be a finite number > 1.0, got {new_factor!r}")
+        """Set the growth factor. Any thread; never blocks.
+
+        Args:
+            new_factor: a finite number > 1; ``ValueError`` otherwise.
+        """
+        check_hyper_field("growth_factor", new_factor)
         if self._enabled:
             self._set_hyper("growth_factor", float(new_factor))
 
     def set_backoff_factor(self, new_factor: float) -> None:
-        """Set the backoff factor (in (0, 1)). Any thread; never blocks."""
-        if not 0.0 < new_factor < 1.0:
-            raise ValueError(f"backoff_factor must be in (0, 1), got {new_factor!r}")
+        """Set the backoff factor. Any thread; never blocks.
+
+        Args:
+            new_factor: a number in (0, 1); ``ValueError`` otherwise.
+        """
+        check_hyper_field("backoff_factor", new_factor)
         if self._enabled:
             self._set_hyper("backoff_factor", float(new_factor))
 
-    @staticmethod
-    def _check_interval(interval: Any) -> None:
-        if not isinstance(interval, int) or isinstance(interval, bool) or interval < 1:
-            raise ValueError(f"growth_interval must be an int >= 1, got {interval!r}")
-
     def set_growth_interval(self, new_interval: int) -> None:
-        """Set the growth interval (int >= 1). Any thread; never blocks."""
-        self._check_interval(new_interval)
+        """Set the growth interval. Any thread; never blocks.
+
+        Args:
+            new_interval: an int >= 1; ``ValueError`` otherwise.
+        """
+        check_hyper_field("growth_interval", new_interval)
         if self._enabled:
             self._set_hyper("growth_interval", new_interval)
 
@@ -941,7 +1025,8 @@ class GradScaler:
             return ScalerSnapshot(1.0, 1.0, 0, 0, 0)
         if self._front is None:
             scale = self.get_scale()
-            return ScalerSnapshot(scale, scale, self._init_growth_tracker, 0, self._init_skipped)
+            _, tracker, skipped = self._rule.values()  # before the lazy init: on the host
+            return ScalerSnapshot(scale, scale, tracker, self._rule.steps, skipped)
         published = self._published
         pending = self._pending
         if pending is not None and pending.done() and pending.exception() is None:
@@ -981,7 +1066,7 @@ class GradScaler:
             return dict
         if on_optimizer_thread():
             raise RuntimeError("GradScaler.state_dict_in_order() is for the main thread")
-        if optim_thread.last_launch() != self._launch_mark or self._stepped_on_main:
+        if optim_queue.last_launch() != self._launch_mark or self._stepped_on_main:
             raise RuntimeError(
                 "a checkpoint of this GradScaler was asked for between model.step() (or "
                 "scaler.step()) and scaler.update(): the scaler then holds half an iteration "
@@ -994,17 +1079,9 @@ class GradScaler:
     def _state_dict(self, front: float, initialized: bool) -> dict[str, Any]:
         """The state dict with the front scale ``front``, where the back side may be read;
         ``initialized``: whether the lazy init had run (read by the main thread)."""
-        hyper = self._hyper
-        if not initialized:
-            scale, tracker, skipped = (
-                self._init_scale,
-                self._init_growth_tracker,
-                self._init_skipped,
-            )
-        else:
-            newest, growth, skips = self._newest()
-            scale = newest.item()
-            tracker, skipped = int(growth.item()), int(skips.item())
+        rule = self._rule
+        hyper = rule.hyper
+        scale, tracker, skipped = rule.values()
         return {
             "scale": scale,
             "growth_factor": hyper.growth_factor,
@@ -1014,19 +1091,27 @@ class GradScaler:
             "roundpipe": {
                 "front_scale": front,
                 "hysteresis": hyper.hysteresis,
-                "hysteresis_left": self._hysteresis_left,
+                "hysteresis_left": rule.hysteresis_left,
                 "min_scale": hyper.min_scale,
                 "max_scale": hyper.max_scale,
-                "steps": self._steps,
+                "steps": rule.steps,
                 "skipped_steps": skipped,
-                "collapse_streak": self._collapse_streak,
+                "collapse_streak": rule.collapse_streak,
                 "initialized": initialized,
             },
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict of this class or of torch.amp.GradScaler. Main thread; waits for the
-        optimizer thread. A no-op when disabled (as torch)."""
+        optimizer thread. A no-op when disabled (as torch).
+
+        The state dict is checked with the constructor's rules first: a bad one (a scale of -5,
+        a growth factor of 0.5, a growth interval of 0, a missing key) raises ``ValueError``
+        before anything changes.
+
+        Args:
+            state_dict: what :meth:`state_dict` (or torch's) returned.
+        """
         if not self._enabled:
             return
         if len(state_dict) == 0:
@@ -1034,34 +1119,28 @@ class GradScaler:
                 "The source state dict is empty, possibly because it was saved from a disabled "
                 "instance of GradScaler."
             )
+        loaded = _parse_state_dict(state_dict, self._rule.hyper)  # refuses before any change
         self._sync_back_side()
-        extra = state_dict.get("roundpipe", {})
-        scale = float(state_dict["scale"])
-        self._hyper = _Hyper(
-            float(state_dict["growth_factor"]),
-            float(state_dict["backoff_factor"]),
-            int(state_dict["growth_interval"]),
-            int(extra.get("hysteresis", self._hyper.hysteresis)),
-            extra.get("min_scale", self._hyper.min_scale),
-            extra.get("max_scale", self._hyper.max_scale),
+        self._rule.load_(
+            loaded.scale,
+            loaded.hyper,
+            growth_tracker=loaded.growth_tracker,
+            skipped_steps=loaded.skipped_steps,
+            steps=loaded.steps,
+            hysteresis_left=loaded.hysteresis_left,
+            collapse_streak=loaded.collapse_streak,
         )
-        self._mirror = _Hyper(**vars(self._hyper))
+        self._mirror = loaded.hyper.copy()
         self._setter_applied = self._setter_seq
-        self._hysteresis_left = int(extra.get("hysteresis_left", self._hyper.hysteresis))
-        self._steps = int(extra.get("steps", 0))
-        self._collapse_streak = int(extra.get("collapse_streak", 0))
-        self._init_scale = scale
-        self._init_growth_tracker = int(state_dict["_growth_tracker"])
-        self._init_front = float(extra.get("front_scale", scale))
-        self._back_is_newest = self._init_front == scale
-        self._init_skipped = int(extra.get("skipped_steps", 0))
+        self._init_front = loaded.front_scale
+        self._back_is_newest = loaded.front_scale == loaded.scale
         self._pending = None
         if self._front is not None:
             device = self._front.device
             with self._init_lock:
                 self._front = None
             self._lazy_init(device)
-        elif extra.get("initialized", False):
+        elif loaded.initialized:
             # Saved after a scale() (e.g. between forward_backward and the step): the next call
             # may be the step, which needs the scale before any scale() ran in this process.
             self._lazy_init(torch.device(self._device))

@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-from roundpipe import grad_scaler, optim_thread
-from roundpipe.optim_thread import caller_must_wait
+from roundpipe import grad_scaler, optim_queue
+from roundpipe.optim_queue import caller_must_wait
 
 __all__ = ["check_step_fn", "check_optimizer_step", "guard_optimizer"]
 
@@ -174,7 +174,7 @@ def check_step_fn(step_fn: Callable) -> list[grad_scaler.GradScaler]:
     step function refers to a ``torch.amp.GradScaler``; mark the ``roundpipe.GradScaler`` it
     refers to as used by steps and guard the optimizers it refers to (see
     [Note: what a step shares]). Returns those roundpipe scalers (the step's failure is theirs
-    too, see [Note: error reporting] in :mod:`roundpipe.optim_thread`). Never blocks."""
+    too, see [Note: error reporting] in :mod:`roundpipe.optim_queue`). Never blocks."""
     scalers: list[grad_scaler.GradScaler] = []
     for where, obj in _referenced_objects(step_fn):
         if _foreign_scaler(obj):
@@ -238,7 +238,7 @@ _GUARD_LOCK = threading.Lock()
 def _wait_before_state_dict(optimizer: torch.optim.Optimizer, *state_dict: Any) -> None:
     # Failures stay for the loop's next roundpipe call (see [Note: guarded master gradients]).
     if caller_must_wait():
-        optim_thread.wait_all()
+        optim_queue.wait_all()
 
 
 def guard_optimizer(optimizer: torch.optim.Optimizer) -> None:
@@ -251,7 +251,3 @@ def guard_optimizer(optimizer: torch.optim.Optimizer) -> None:
         _GUARDED.add(optimizer)
     optimizer.register_state_dict_pre_hook(_wait_before_state_dict, prepend=True)
     optimizer.register_load_state_dict_pre_hook(_wait_before_state_dict, prepend=True)
-
-
-# Every function optim_thread.launch() queues passes the same check as model.step's.
-optim_thread.register_launch_check(check_step_fn)

@@ -12,6 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
+# Every test here runs a subprocess (see the slow marker in pyproject.toml).
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "bench_gpu.py"
 TIGHT = [

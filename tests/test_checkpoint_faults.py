@@ -42,6 +42,7 @@ def run_worker(cfg, out):
     return json.loads(Path(out).read_text())
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_a_process_killed_at_random_moments_while_saving_resumes_from_its_newest_checkpoint(
     tmp_path,

@@ -15,6 +15,9 @@ from pathlib import Path
 import ckpt_worker
 import pytest
 
+# Every test here runs a subprocess (see the slow marker in pyproject.toml).
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).resolve().parent / "ckpt_worker.py"
 

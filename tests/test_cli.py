@@ -24,6 +24,7 @@ def run_cli(*args, env_extra=None, timeout=100):
     )
 
 
+@pytest.mark.slow
 def test_quick_self_check_passes_and_reports_the_environment():
     proc = run_cli("--quick")
     out = proc.stdout
@@ -43,6 +44,7 @@ def test_quick_self_check_passes_and_reports_the_environment():
         assert what in out
 
 
+@pytest.mark.slow
 def test_quick_self_check_on_two_workers_in_bf16_from_the_environment():
     proc = run_cli("--quick", "--dtype", "bf16", env_extra={"ROUNDPIPE_DEVICES": "cpu:2"})
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -50,6 +52,7 @@ def test_quick_self_check_on_two_workers_in_bf16_from_the_environment():
     assert "bf16 shards" in proc.stdout and "PASSED" in proc.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spec,pool", [("emu", "emu:0"), ("emu:2", "emu:0, emu:1")])
 def test_quick_self_check_on_the_emulated_accelerator(spec, pool):
     proc = run_cli("--quick", env_extra={"ROUNDPIPE_DEVICES": spec})
@@ -58,6 +61,7 @@ def test_quick_self_check_on_the_emulated_accelerator(spec, pool):
     assert "PASSED" in proc.stdout and "[FAIL]" not in proc.stdout
 
 
+@pytest.mark.slow
 def test_a_bad_device_pool_fails_with_the_reason():
     proc = run_cli("--quick", env_extra={"ROUNDPIPE_DEVICES": "gpu9"})
     assert proc.returncode == 1
@@ -80,6 +84,7 @@ def test_self_check_fails_when_the_optimizer_does_nothing(monkeypatch, capsys):
     assert "PASSED" not in out
 
 
+@pytest.mark.slow
 def test_help_is_plain_text():
     proc = run_cli("--help")
     assert proc.returncode == 0, proc.stderr
@@ -88,6 +93,7 @@ def test_help_is_plain_text():
     assert "self-check training loop" in text and "PASSED (exit code 0)" in text
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("lora", [0, 4])
 def test_plan_of_a_transformers_config_reports_host_and_device(tmp_path, lora):
     pytest.importorskip("transformers")

@@ -151,6 +151,7 @@ def test_accelerator_forward_backward_matches_cpu(kind):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.cpu_pool_only
 def test_emu_installed_after_a_backward_says_how_to_install_it_first():
     import subprocess

@@ -19,9 +19,10 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
-from roundpipe import RoundPipe
+from roundpipe import GradScaler, OptimizerCtx, RoundPipe
 from roundpipe import distributed as rpd
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -117,6 +118,7 @@ def assert_close_to(reference, record, rtol=1e-5, atol=1e-6):
 # -- multi-process runs ------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("world,mode,optimizer", [(2, "async", "adam"), (3, "sync", "sgd")])
 def test_ranks_on_shards_match_one_process_on_the_whole_batch(tmp_path, world, mode, optimizer):
@@ -142,6 +144,7 @@ def test_ranks_on_shards_match_one_process_on_the_whole_batch(tmp_path, world, m
     assert any(not torch.equal(start[n], v) for n, v in records[0]["masters"].items())
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("optimizer", ["adam", "sgd"])
 def test_an_overflow_on_one_rank_skips_the_step_on_every_rank(tmp_path, optimizer):
@@ -160,6 +163,7 @@ def test_an_overflow_on_one_rank_skips_the_step_on_every_rank(tmp_path, optimize
     assert_bitwise_equal_across_ranks(records, "masters")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_a_checkpoint_of_two_ranks_resumes_on_three(tmp_path):
     n = 4
@@ -184,6 +188,7 @@ def test_a_checkpoint_of_two_ranks_resumes_on_three(tmp_path):
         }
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("how,world", [("raise", 2), ("kill", 3), ("hang", 2)])
 def test_a_failed_rank_ends_the_others_with_a_clear_error(tmp_path, how, world):
@@ -215,6 +220,7 @@ def test_a_failed_rank_ends_the_others_with_a_clear_error(tmp_path, how, world):
         assert outcome[1][0] == -signal.SIGKILL
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_ranks_that_built_different_models_are_told_so(tmp_path):
     cfg = {"steps": 2, "by_rank": {"1": {"hidden": 24}}}
@@ -230,6 +236,7 @@ def test_ranks_that_built_different_models_are_told_so(tmp_path):
         assert "never waited for" not in err, err
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_the_example_under_torchrun(tmp_path):
     port = free_port()
@@ -277,6 +284,7 @@ def test_the_example_under_torchrun(tmp_path):
     assert accuracy > 0.5, out  # chance is 0.1
 
 
+@pytest.mark.slow
 def test_the_example_without_torchrun_trains_as_one_rank():
     env = {
         k: v
@@ -422,3 +430,27 @@ def test_a_parameter_no_rank_used_keeps_no_gradient(group_of_one):
         assert torch.equal(seen["1.weight"], before)  # averaged over one rank: itself
     finally:
         dp.close()
+
+
+def test_only_a_scaler_the_models_steps_use_agrees_over_the_group(group_of_one):
+    """No process-wide coupling: a DataParallel makes the scaler its model's steps use agree
+    over its ranks, not every GradScaler of the process; close() releases it."""
+    model = RoundPipe(nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 2)))
+    with OptimizerCtx():
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    used, bystander = GradScaler("cpu"), GradScaler("cpu")
+    dp = rpd.DataParallel(model)
+    try:
+        model.forward_backward(
+            input_args=(torch.randn(4, 3),),
+            label=torch.randint(0, 2, (4,)),
+            loss_fn=lambda out, y: used.scale(F.cross_entropy(out, y)),
+        )
+        model.step(lambda: (used.step(opt), opt.zero_grad()))
+        used.update()
+        assert used.data_parallel is dp and bystander.data_parallel is None
+        explicit = GradScaler("cpu", data_parallel=dp)
+        assert explicit.data_parallel is dp
+    finally:
+        dp.close()
+    assert used.data_parallel is None

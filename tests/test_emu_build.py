@@ -5,9 +5,13 @@ import os
 import subprocess
 import sys
 
+import pytest
 from torch.utils import cpp_extension
 
 from roundpipe.testing import emu
+
+# Every test here runs a subprocess (see the slow marker in pyproject.toml).
+pytestmark = pytest.mark.slow
 
 INSTALL = "from roundpipe.testing import emu; emu.install(); print('installed')"
 

@@ -31,6 +31,7 @@ def test_an_unknown_rule_is_refused_with_the_list():
     assert emu.rules() == emu.Rules()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "lenient, expected",
     [

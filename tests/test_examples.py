@@ -43,6 +43,7 @@ def test_every_flag_of_the_examples_and_the_cli_has_help_text():
     assert missing == []
 
 
+@pytest.mark.slow
 def test_scaler_dropin_matches_torch():
     out, err = run_example("scaler_dropin.py", "--steps", 120)
     assert "same scale sequence: True" in out
@@ -58,6 +59,7 @@ def test_scaler_dropin_matches_torch():
     assert "it/s" in err or "s/it" in err  # the tqdm progress bar
 
 
+@pytest.mark.slow
 def test_digits_classifier_learns_and_plots(tmp_path):
     plot = tmp_path / "digits.png"
     out, err = run_example("digits_classifier.py", "--steps", 150, "--plot", plot)
@@ -69,6 +71,7 @@ def test_digits_classifier_learns_and_plots(tmp_path):
     assert "step/s" in err or "s/step" in err  # the tqdm progress bar
 
 
+@pytest.mark.slow
 def test_digits_classifier_plot_without_matplotlib_stops_before_training(tmp_path):
     # A matplotlib package that cannot be imported, ahead of the real one on the path.
     (tmp_path / "matplotlib").mkdir()
@@ -84,6 +87,7 @@ def test_digits_classifier_plot_without_matplotlib_stops_before_training(tmp_pat
     assert "training" not in err and "test accuracy" not in out  # nothing ran before the check
 
 
+@pytest.mark.slow
 def test_digits_classifier_clips_and_schedules_in_the_step_function():
     out, err = run_example(
         "digits_classifier.py", "--steps", 60, "--clip", 0.5, "--lr-schedule", "cosine"
@@ -95,6 +99,7 @@ def test_digits_classifier_clips_and_schedules_in_the_step_function():
     assert "Warning" not in err
 
 
+@pytest.mark.slow
 def test_digits_classifier_bf16_on_two_workers():
     out, _ = run_example(
         "digits_classifier.py", "--steps", 100, "--dtype", "bf16", "--devices", "cpu:2"
@@ -103,6 +108,7 @@ def test_digits_classifier_bf16_on_two_workers():
     assert float(re.search(r"test accuracy: ([0-9.]+)", out)[1]) > 0.5
 
 
+@pytest.mark.slow
 def test_digits_classifier_on_the_emulated_accelerator_from_the_environment():
     # A newcomer's loop, unchanged, on ROUNDPIPE_DEVICES=emu: host tensors would be rejected and
     # backward runs on autograd's device thread, as on CUDA.
@@ -131,6 +137,7 @@ TINY = [
 ]
 
 
+@pytest.mark.slow
 def test_tiny_lm_resume_with_steps_not_past_the_checkpoint_says_so(tmp_path):
     ckpt = tmp_path / "ckpts"
     run_example("tiny_lm.py", "--steps", 3, "--save", ckpt, *TINY)
@@ -142,6 +149,7 @@ def test_tiny_lm_resume_with_steps_not_past_the_checkpoint_says_so(tmp_path):
     assert not _iteration_losses(out)
 
 
+@pytest.mark.slow
 def test_tiny_lm_resume_continues_exactly_as_the_uninterrupted_run(tmp_path):
     small = TINY
     n = 4
@@ -164,6 +172,7 @@ def test_tiny_lm_resume_continues_exactly_as_the_uninterrupted_run(tmp_path):
     assert "step/s" in err or "s/step" in err
 
 
+@pytest.mark.slow
 def test_tiny_lm_on_two_emulated_devices_resumes_exactly(tmp_path):
     small = [
         "--print-every",
@@ -217,6 +226,7 @@ def _first_and_last_loss(out):
     return float(found[1]), float(found[2])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "extra",
     [

@@ -12,7 +12,11 @@ import textwrap
 
 import pytest
 
-pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="os.fork() is POSIX only")
+# Every test here runs a subprocess (see the slow marker in pyproject.toml).
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not hasattr(os, "fork"), reason="os.fork() is POSIX only"),
+]
 
 # Run in a fresh interpreter (forking pytest's own process would copy its threads too). The
 # parent reads one JSON line from the child through a pipe, with a deadline: a child that hangs

@@ -107,7 +107,8 @@ def opens_the_queue_when_waited(monkeypatch):
         release.set()
         real_wait_all()
 
-    monkeypatch.setattr(optim_thread, "wait_all", wait_all)
+    # The guard waits through the queue module that roundpipe's own modules use.
+    monkeypatch.setattr(roundpipe.optim_queue, "wait_all", wait_all)
     yield release, waits
     release.set()
     optim_thread.synchronize()

@@ -314,6 +314,40 @@ def test_bad_setter_input_is_a_clear_value_error():
         scaler.set_growth_interval(0)
 
 
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (dict(scale=-5.0), "scale"),
+        (dict(growth_factor=0.5), "growth_factor"),
+        (dict(backoff_factor=2.0), "backoff_factor"),
+        (dict(growth_interval=0), "growth_interval"),
+        (dict(_growth_tracker=-1), "_growth_tracker"),
+        (dict(roundpipe=dict(hysteresis=0)), "hysteresis"),
+        (dict(roundpipe=dict(hysteresis=2, hysteresis_left=3)), "hysteresis_left"),
+        (dict(roundpipe=dict(front_scale=float("inf"))), "front_scale"),
+        (dict(roundpipe=dict(min_scale=8.0, max_scale=4.0)), "must not exceed"),
+    ],
+)
+def test_a_bad_state_dict_is_refused_before_anything_changes(change, match):
+    scaler = _our_scaler()
+    _plain_loop(scaler, _sgd, iters=7)
+    before = scaler.state_dict()
+    bad = dict(before, **{k: v for k, v in change.items() if k != "roundpipe"})
+    bad["roundpipe"] = dict(before["roundpipe"], **change.get("roundpipe", {}))
+    with pytest.raises(ValueError, match=match):
+        scaler.load_state_dict(bad)
+    assert scaler.state_dict() == before
+    assert scaler.get_scale() == before["roundpipe"]["front_scale"]
+    assert scaler.get_backoff_factor() == before["backoff_factor"]
+
+
+def test_a_state_dict_missing_torchs_keys_is_refused():
+    scaler = _our_scaler()
+    with pytest.raises(ValueError, match="lacks"):
+        scaler.load_state_dict({"scale": 2.0})
+    assert scaler.get_scale() == 2.0**10
+
+
 def test_not_picklable_with_a_pointer_to_state_dict():
     import pickle
 

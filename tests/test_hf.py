@@ -307,6 +307,7 @@ def test_the_chunked_loss_keeps_one_chunks_logits_on_the_device():
     assert peaks[10**6] - peaks[64] >= logits_bytes  # at least one fp32 logits tensor saved
 
 
+@pytest.mark.slow
 def test_import_roundpipe_works_without_transformers_and_hf_names_the_install():
     code = (
         "import sys\n"
@@ -349,7 +350,7 @@ def test_memory_plan_of_a_wrapped_model_matches_the_measured_peak(devices):
     )
     ids = torch.randint(512, (2, 256), generator=torch.Generator().manual_seed(0))
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
-    plan = model.memory_plan(batch)
+    plan = model.memory_plan(input_kwargs=batch)
     assert "Largest term" in str(plan)
     memory = torch.get_device_module("emu")
     count = 2 if devices == "emu:2" else 1

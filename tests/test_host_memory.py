@@ -1,4 +1,5 @@
-"""Host memory (roundpipe.host_memory): the pinned pool against per-tensor pinning, measured on the
+"""Host memory (roundpipe.devices.pinned, roundpipe.memory.host and .probe): the pinned pool
+against per-tensor pinning, measured on the
 emulated device, whose pinned allocator rounds each allocation up to a power of two as CUDA's
 does (see [Note: emulated pinned memory]); what the OS says is available; the host RAM check
 at wrap time (HostMemoryError)."""
@@ -13,7 +14,9 @@ from torch import nn
 
 import roundpipe
 from roundpipe import HostMemoryError, RoundPipe, host_memory_available, pin_module
-from roundpipe import host_memory as hm
+from roundpipe.devices import pinned as hm
+from roundpipe.memory import probe
+from roundpipe.memory.host import format_bytes, host_terms
 from roundpipe.testing import EMU_PINNED, emu
 
 
@@ -187,8 +190,8 @@ def _fake_os(tmp_path, monkeypatch, meminfo_kb=None, cgroup=None, v1=False, limi
         (level / names[0]).write_text("max\n" if limit is None else f"{limit}\n")
         (level / names[1]).write_text(f"{usage}\n")
         (level / "memory.stat").write_text(f"anon 5\n{names[2]} 1000\n")
-    monkeypatch.setattr(hm, "_PROC", proc)
-    monkeypatch.setattr(hm, "_CGROUP", root)
+    monkeypatch.setattr(probe, "_PROC", proc)
+    monkeypatch.setattr(probe, "_CGROUP", root)
 
 
 def test_available_memory_is_memavailable_or_a_tighter_cgroup_limit(tmp_path, monkeypatch):
@@ -213,10 +216,10 @@ def test_a_limit_on_an_ancestor_cgroup_counts(tmp_path, monkeypatch):
 def test_unreadable_proc_falls_back_to_free_pages(tmp_path, monkeypatch):
     _fake_os(tmp_path, monkeypatch)  # no meminfo, no cgroup file
     monkeypatch.setattr(
-        hm.os, "sysconf", lambda name: {"SC_AVPHYS_PAGES": 3, "SC_PAGE_SIZE": 4096}[name]
+        probe.os, "sysconf", lambda name: {"SC_AVPHYS_PAGES": 3, "SC_PAGE_SIZE": 4096}[name]
     )
     assert host_memory_available() == 3 * 4096
-    monkeypatch.setattr(hm.os, "sysconf", lambda name: (_ for _ in ()).throw(ValueError(name)))
+    monkeypatch.setattr(probe.os, "sysconf", lambda name: (_ for _ in ()).throw(ValueError(name)))
     assert host_memory_available() is None
 
 
@@ -252,10 +255,10 @@ def test_a_wrap_that_would_not_fit_raises_before_allocating(monkeypatch):
         "master copies",
         "gradients of the masters",
         "optimizer state (estimated as Adam: 2 x masters)",
-        hm.format_bytes(masters),
-        hm.format_bytes(2 * masters),
+        format_bytes(masters),
+        format_bytes(2 * masters),
         "available",
-        hm.format_bytes(100_000),
+        format_bytes(100_000),
         "LoRA",
         "optim_dtype=torch.bfloat16",
         "memory_check=False",
@@ -269,12 +272,12 @@ def test_a_wrap_that_would_not_fit_raises_before_allocating(monkeypatch):
 
 def test_frozen_parameters_cost_no_master_gradient_or_optimizer_state(monkeypatch):
     model = _big_model()
-    full = hm.host_terms(model, None, None)
+    full = host_terms(model, None, None)
     model[0].requires_grad_(False)  # a frozen base, as LoRA keeps it
-    frozen = hm.host_terms(model, None, None)
+    frozen = host_terms(model, None, None)
     assert full.masters == 2 * frozen.masters == 2 * (256 * 256 + 256) * 4
     assert (frozen.grads, frozen.optimizer) == (frozen.masters, 2 * frozen.masters)
-    assert hm.host_terms(model, torch.bfloat16, None).masters == frozen.masters // 2
+    assert host_terms(model, torch.bfloat16, None).masters == frozen.masters // 2
     # So the frozen model fits where the full one does not.
     budget = (full.new_bytes + frozen.new_bytes) // 2
     monkeypatch.setattr(roundpipe.runtime.model, "host_memory_available", lambda: budget)

@@ -165,3 +165,110 @@ def test_no_device_reaches_torch_accelerator():
             ):
                 calls.append(f"{module}:{node.lineno} torch.accelerator.{node.attr}")
     assert calls == []
+
+
+# Modules that may register into another module at import, and why.
+_REGISTERS_AT_IMPORT = {
+    # The test harness: importing roundpipe.testing is how a test asks for the emulated device.
+    "roundpipe.testing": "register_device_kind",
+}
+
+
+def test_no_module_registers_itself_elsewhere_at_import():
+    """A behaviour of one module must not depend on whether another was imported: no module
+    calls a ``register*`` function of another roundpipe module at import (a launch check, an
+    optimizer hook, a device kind), except the listed ones."""
+    found = []
+    for m, tree in MODULES.items():
+        imported = {
+            alias.asname or alias.name.split(".")[0]
+            for t, _, node in _imports(m, tree)
+            for alias in node.names
+            if t != m
+        }
+        for stmt in tree.body:
+            for node in ast.walk(stmt) if not isinstance(stmt, _DEFS) else ():
+                if not isinstance(node, ast.Call):
+                    continue
+                func = node.func
+                name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+                root = func
+                while isinstance(root, ast.Attribute):
+                    root = root.value
+                owner = getattr(root, "id", "")
+                if not name.startswith("register") or owner not in imported:
+                    continue
+                if _REGISTERS_AT_IMPORT.get(m) != name:
+                    found.append(f"{m}:{node.lineno}: {ast.unparse(node)[:80]}")
+    assert found == []
+
+
+_DEFS = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+
+
+def test_no_process_wide_optimizer_hook_outlives_a_step():
+    """RoundPipe installs torch's global optimizer step pre-hook only while a step_fn runs."""
+    import torch
+    from torch import nn
+    from torch.optim import optimizer as torch_optimizer
+
+    from roundpipe import OptimizerCtx, RoundPipe, optim_thread
+
+    before = dict(torch_optimizer._global_optimizer_pre_hooks)
+    model = RoundPipe(nn.Linear(2, 2))
+    with OptimizerCtx():
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    assert dict(torch_optimizer._global_optimizer_pre_hooks) == before
+    seen = []
+    model.forward_backward(input_args=(torch.ones(2, 2),), loss_fn=lambda out, _: out.sum())
+    model.step(lambda: (seen.append(len(torch_optimizer._global_optimizer_pre_hooks)), opt.step()))
+    optim_thread.synchronize()
+    assert seen == [len(before) + 1]
+    assert dict(torch_optimizer._global_optimizer_pre_hooks) == before
+
+
+def test_the_emulated_device_is_a_package_by_concern():
+    """roundpipe.testing.emu: one module per concern, the public names where they were."""
+    concerns = {"native", "memory", "streams", "kernels", "dispatch"}
+    assert {f"roundpipe.testing.emu.{c}" for c in concerns} <= set(MODULES)
+    assert "roundpipe.testing.emu" in MODULES  # the package's own module installs it
+    tree = MODULES["roundpipe.testing.emu"]
+    exported = next(
+        ast.literal_eval(node.value)
+        for node in tree.body
+        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "__all__"
+    )
+    assert {"EmuTensor", "install", "set_rules", "set_memory_capacity", "record_copies"} <= set(
+        exported
+    )
+
+
+def test_memory_is_one_concern_findable_by_its_name():
+    """'Will it fit' lives in roundpipe.memory (host terms, probes, tracing, the report, the
+    checks); the pinned pools beside the devices; one typed device ledger (plan.memory's)
+    for the lowering's budget and the reported peaks."""
+    concern = {"host", "probe", "trace", "report", "checks"}
+    assert {f"roundpipe.memory.{m}" for m in concern} <= set(MODULES)
+    assert "roundpipe.devices.pinned" in MODULES
+    gone = {
+        "roundpipe.host_memory",
+        "roundpipe.runtime.memory_plan",
+        "roundpipe.runtime.memory_trace",
+    }
+    assert gone.isdisjoint(MODULES)
+    assert "roundpipe.hf.plan" not in MODULES  # the memory CLI is named for what it is
+    for name in ("HostMemoryError", "DeviceMemoryError", "HostTerms", "MemoryPlan"):
+        owners = [
+            m
+            for m, tree in MODULES.items()
+            for node in tree.body
+            if isinstance(node, ast.ClassDef) and node.name == name
+        ]
+        assert owners and all(o.startswith("roundpipe.memory.") for o in owners), (name, owners)
+    ledger_users = {
+        m
+        for m, tree in MODULES.items()
+        for t, name, _ in _imports(m, tree)
+        if t == "roundpipe.plan.memory" and name == "DeviceLedger"
+    }
+    assert "roundpipe.plan.build" in ledger_users

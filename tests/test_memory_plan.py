@@ -19,8 +19,8 @@ from roundpipe import (
     RoundPipeRunConfig,
     StageNotTraceable,
 )
+from roundpipe.memory import trace as memory_trace
 from roundpipe.plan import ActionBytes, PlanSizes, StageBytes, build_plan, device_peaks
-from roundpipe.runtime import memory_trace
 from roundpipe.testing import emu
 
 memory = torch.get_device_module("emu")
@@ -335,9 +335,9 @@ def test_a_run_that_cannot_fit_raises_before_allocating(capacity):
     message = str(info.value)
     for expected in (
         "RoundPipe 'tight': this forward_backward would need about",
-        roundpipe.host_memory.format_bytes(peak),
+        roundpipe.memory.host.format_bytes(peak),
         "emu:0",
-        roundpipe.host_memory.format_bytes(peak // 2),
+        roundpipe.memory.host.format_bytes(peak // 2),
         "stage weights and buffers (uploads)",
         "num_microbatch=8",
         "offload_activations=True",

@@ -148,6 +148,7 @@ def _run_script(code: str, **kwargs):
     )
 
 
+@pytest.mark.slow
 def test_pending_work_drains_at_interpreter_exit(tmp_path):
     target = tmp_path / "written.txt"
     proc = _run_script(f"""
@@ -162,6 +163,7 @@ def test_pending_work_drains_at_interpreter_exit(tmp_path):
     assert target.read_text() == "drained"
 
 
+@pytest.mark.slow
 def test_ctrl_c_while_waiting_raises_keyboard_interrupt():
     proc = _run_script("""
         import threading, sys
@@ -182,6 +184,7 @@ def test_ctrl_c_while_waiting_raises_keyboard_interrupt():
     assert proc.returncode == 0
 
 
+@pytest.mark.slow
 def test_unreported_failure_at_exit_is_printed_not_dropped():
     proc = _run_script("""
         from roundpipe import optim_thread
@@ -194,6 +197,7 @@ def test_unreported_failure_at_exit_is_printed_not_dropped():
     assert "nobody waited for me" in err and "ValueError" in err
 
 
+@pytest.mark.slow
 def test_import_starts_no_thread():
     proc = _run_script("""
         import threading
@@ -253,10 +257,10 @@ def test_no_module_outside_the_runtime_uses_a_private_name_of_optim_thread():
     root = Path(optim_thread.__file__).resolve().parent
     offenders = []
     for path in sorted(root.rglob("*.py")):
-        if path.parent.name == "runtime" or path.name == "optim_thread.py":
+        if path.parent.name == "runtime" or path.name in ("optim_thread.py", "optim_queue.py"):
             continue
         for lineno, line in enumerate(path.read_text().splitlines(), 1):
-            if "optim_thread._" in line:
+            if "optim_thread._" in line or "optim_queue._" in line:
                 offenders.append(f"{path.relative_to(root)}:{lineno}: {line.strip()}")
     assert offenders == []
 

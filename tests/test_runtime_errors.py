@@ -608,6 +608,7 @@ def _run_script(code):
     )
 
 
+@pytest.mark.slow
 @pytest.mark.cpu_pool_only  # its own process, on the CPU pool
 @pytest.mark.parametrize("call", ["synchronize", "forward_backward"])
 def test_ctrl_c_while_a_long_step_runs_raises_at_once(call):

@@ -421,6 +421,7 @@ torch.save({{"used": run.used, "master": run.master.detach()}}, {out!r})
 """
 
 
+@pytest.mark.slow
 def test_async_run_resumes_bit_for_bit_in_a_new_process(tmp_path):
     flags = _flags(60, seed=5, p=0.15)
     full = Harness(GradScaler("cpu", init_scale=2.0**6, growth_interval=3))

@@ -121,6 +121,7 @@ _SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_checkpoint_after_async_iteration_resumes_bit_for_bit_in_a_new_process(tmp_path):
     script = tmp_path / "run.py"
     script.write_text(_SCRIPT)

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from roundpipe import distributed, optim_thread
+from roundpipe import distributed, optim_queue
 from roundpipe.checkpoint.files import (
     DTYPE_NAMES,
     CheckpointFormatError,
@@ -133,8 +133,8 @@ def load(
             scaler_state = decode(tree["scaler"], reader.load) if "scaler" in tree else None
             rank_state = _rank_state(ckpt)
             # Everything that changes the model runs behind whatever was launched (a write
-            # still holding the masters included: see [Note: holds] in optim_thread).
-            item = optim_thread.launch_work(
+            # still holding the masters included: see [Note: holds] in optim_queue).
+            item = optim_queue.launch_work(
                 restore_on_optimizer_thread,
                 (
                     access,

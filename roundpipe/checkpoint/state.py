@@ -56,7 +56,7 @@ __all__ = [
 #     the model's low-precision parameters (the copy launched with the last step has run: they
 #     are what the next iteration computes with), the masters' gradients, the optimizer's and
 #     the scheduler's state, the scaler's back side.
-# The item takes no copy: it holds (optim_thread.hold) the parts the writer thread still has to
+# The item takes no copy: it holds (optim_queue.hold) the parts the writer thread still has to
 # write, "grads", "params", "masters", "optimizer", released one by one as their files are
 # written. Until then a later item that would change one of them (the next step, the next
 # master->model copy) waits on the optimizer thread, while the main thread computes on; a
@@ -69,7 +69,7 @@ __all__ = [
 # The groups of shards, in the order they are written (the parts they hold are released in
 # that order; gradients first, so that the next forward_backward's gradient moves can pass).
 GROUPS = ("grads", "model", "masters", "optimizer")
-# The part of the state each group holds (see [Note: holds] in roundpipe.optim_thread).
+# The part of the state each group holds (see [Note: holds] in roundpipe.optim_queue).
 TOUCHES = {"grads": "grads", "model": "params", "masters": "masters", "optimizer": "optimizer"}
 
 

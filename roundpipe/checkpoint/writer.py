@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from roundpipe import distributed, optim_thread
+from roundpipe import distributed, optim_queue
 from roundpipe.checkpoint import hf_export
 from roundpipe.checkpoint.files import ShardWriter, file_crc32, remove_dir, sync_dir
 from roundpipe.checkpoint.manifest import fsync_tree, list_checkpoints, write_manifest
@@ -68,13 +68,13 @@ class PendingCheckpoint:
         self.bytes_total = 0
         self.writes = False  # whether this process writes the files (rank 0)
         self._owners = owners
-        self._item: optim_thread.WorkItem | None = None
+        self._item: optim_queue.WorkItem | None = None
         self._written = Future()
-        self._failure: optim_thread.WorkItem | None = None
+        self._failure: optim_queue.WorkItem | None = None
         self._listeners: list[Callable[[int, int], None]] = []
         self._listeners_lock = threading.Lock()
 
-    def _attach(self, item: optim_thread.WorkItem) -> None:
+    def _attach(self, item: optim_queue.WorkItem) -> None:
         """Main thread, at the save: the work item that hands the state over."""
         self._item = item
 
@@ -134,14 +134,14 @@ class PendingCheckpoint:
 
     def _finish(self, exc: BaseException | None) -> None:
         """Writer (or optimizer) thread: settle the handle; a failure goes to the owners' next
-        report too (see [Note: error reporting] in :mod:`roundpipe.optim_thread`)."""
+        report too (see [Note: error reporting] in :mod:`roundpipe.optim_queue`)."""
         if exc is not None:
-            optim_thread.add_note(
+            optim_queue.add_note(
                 exc,
                 f"[roundpipe checkpoint writer] writing {self.path} failed; the checkpoints "
                 f"written before it are untouched",
             )
-            self._failure = optim_thread.record_failure(exc, self._owners)
+            self._failure = optim_queue.record_failure(exc, self._owners)
         with _LOCK:
             if self in _PENDING:
                 _PENDING.remove(self)
@@ -152,7 +152,7 @@ class PendingCheckpoint:
         self._listeners_lock = threading.Lock()
         if not self._written.done():
             self._finish(
-                optim_thread.ForkedWithPendingWork(
+                optim_queue.ForkedWithPendingWork(
                     f"checkpoint {self.path} was being written when this process was forked; "
                     f"the write goes on in the parent only"
                 )
@@ -231,7 +231,7 @@ def save(
     with _LOCK:
         _PENDING.append(handle)
     job = _Job(handle, capture, export, keep_last, max_shard_bytes)
-    handle._attach(optim_thread.launch_work(job.hand_over, owners=owners, touches=()))
+    handle._attach(optim_queue.launch_work(job.hand_over, owners=owners, touches=()))
     _ensure_exit_hook()
     return handle
 
@@ -279,7 +279,7 @@ def _ensure_exit_hook() -> None:
 
 
 def _drain_at_exit() -> None:
-    optim_thread.wait_all()
+    optim_queue.wait_all()
     _WRITER.shutdown()
 
 
@@ -322,7 +322,7 @@ class _Job:
         parts = {TOUCHES[g] for g, tensors in completed.groups.items() if tensors}
         if self.export is not None:
             parts.add("masters")
-        hold = optim_thread.hold(parts)
+        hold = optim_queue.hold(parts)
         try:
             _WRITER.enqueue(lambda: self.write(completed, capture, hold))
         except BaseException:
@@ -330,7 +330,7 @@ class _Job:
             self.handle._finish(None)
             raise
 
-    def write(self, completed: Completed, capture: Capture, hold: optim_thread.Hold) -> None:
+    def write(self, completed: Completed, capture: Capture, hold: optim_queue.Hold) -> None:
         """Writer thread: the files, the manifest, the rename, the pruning; never raises (the
         failure goes to the handle and the owners)."""
         handle = self.handle
@@ -455,7 +455,7 @@ def _alive(pid: int) -> bool:
 
 
 def _after_fork_in_child() -> None:
-    """In a fork child (see [Note: fork] in roundpipe.optim_thread): fresh locks (the parent's
+    """In a fork child (see [Note: fork] in roundpipe.optim_queue): fresh locks (the parent's
     may have been held by a thread that is gone), and every pending checkpoint fails there."""
     global _LOCK
     _LOCK = threading.Lock()

@@ -21,7 +21,7 @@ from torch.utils import _pytree as pytree
 
 from roundpipe.devices import kind
 from roundpipe.devices.backend import WorkerDevice
-from roundpipe.host_memory import TORCH_PINNED, PinnedAllocator, pin_module, pinned_empty
+from roundpipe.devices.pinned import TORCH_PINNED, PinnedAllocator, pin_module, pinned_empty
 
 __all__ = ["AcceleratorBackend", "Resident", "cublas_workspace_bytes", "device_reserve"]
 
@@ -172,7 +172,7 @@ class AcceleratorBackend:
         memory (same objects, new storage), so that uploads do not stage through a bounce
         buffer and can overlap compute. One pool of a few large allocations, not one per
         tensor, so the host allocator's rounding does not double the model
-        (see [Note: the pinned pool] in :mod:`roundpipe.host_memory`)."""
+        (see [Note: the pinned pool] in :mod:`roundpipe.devices.pinned`)."""
         pin_module(module, self.pinned)
 
     def to_device(self, tree: Any, after: torch.Event | None = None) -> Any:
@@ -283,7 +283,7 @@ class AcceleratorBackend:
         after the compute so far; returns them and the event that completes when they have
         arrived. The worker goes on computing; whoever reads them waits for the event. The host
         tensors are views of one pinned pool (see [Note: the pinned pool] in
-        :mod:`roundpipe.host_memory`), freed once all of them are."""
+        :mod:`roundpipe.devices.pinned`), freed once all of them are."""
         down = self.download_stream
         down.wait_stream(self.stream)
         moved = [t for t in tensors if t is not None and t.device.type != "cpu"]

@@ -32,7 +32,7 @@ import torch
 from roundpipe.devices.accelerator import AcceleratorBackend
 from roundpipe.devices.backend import Backend, WorkerDevice
 from roundpipe.devices.cpu import CPUBackend
-from roundpipe.host_memory import TORCH_PINNED, PinnedAllocator
+from roundpipe.devices.pinned import TORCH_PINNED, PinnedAllocator
 from roundpipe.workers import Future, WorkerThread
 
 __all__ = [

@@ -19,7 +19,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from roundpipe.hf.stages import IGNORE_INDEX, shift_labels
+from roundpipe.hf.loss import IGNORE_INDEX
+from roundpipe.hf.stages import shift_labels
 
 __all__ = [
     "HFBatch",

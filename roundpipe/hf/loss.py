@@ -11,8 +11,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["chunked_causal_lm_loss"]
+__all__ = ["IGNORE_INDEX", "chunked_causal_lm_loss"]
 
+# The label of a token no loss is taken for (transformers' and torch's cross-entropy default).
 IGNORE_INDEX = -100
 
 

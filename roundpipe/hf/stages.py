@@ -18,11 +18,9 @@ from torch import nn
 from roundpipe.context import WithContext
 from roundpipe.hf import compat
 from roundpipe.hf.families import Family
-from roundpipe.hf.loss import chunked_causal_lm_loss
+from roundpipe.hf.loss import IGNORE_INDEX, chunked_causal_lm_loss
 
-__all__ = ["Embed", "Decoder", "Head", "IGNORE_INDEX", "num_experts", "has_experts"]
-
-IGNORE_INDEX = -100
+__all__ = ["Embed", "Decoder", "Head", "num_experts", "has_experts"]
 
 
 class Embed(nn.Module):

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from roundpipe import optim_thread
+from roundpipe import optim_queue
 from roundpipe.hf import compat
 from roundpipe.hf.calls import causal_lm_loss, count_predicted, parse_batch, positional_batch
 from roundpipe.hf.check import check_stages
@@ -18,6 +18,7 @@ from roundpipe.hf.families import Family, family_of, layer_attention_types
 from roundpipe.hf.names import HFNames, export_state_dict
 from roundpipe.hf.stages import Decoder, Embed, Head, has_experts
 from roundpipe.main_thread import check_main_thread
+from roundpipe.memory.report import MemoryPlan
 from roundpipe.runtime import RoundPipe, RoundPipeRunConfig
 from roundpipe.runtime.optimizer_ctx import in_optimizer_ctx
 
@@ -120,7 +121,7 @@ class HFRoundPipe(RoundPipe):
                 "load_state_dict(assign=True) would replace the parameter objects "
                 "that RoundPipe's masters shadow; load with assign=False"
             )
-        optim_thread.synchronize()
+        optim_queue.synchronize()
         self._params.wait_ready()
         state = self._names.translate_stage_names(state_dict)
         result = self.hf_model.load_state_dict(state, strict=strict)
@@ -230,20 +231,27 @@ class HFRoundPipe(RoundPipe):
         )
         return kwargs
 
-    def memory_plan(  # type: ignore[override]
+    def memory_plan(
         self,
-        batch: dict[str, Any] | None = None,
+        input_args: Sequence[Any] = (),
+        input_kwargs: dict[str, Any] | None = None,
+        label: Any = None,
+        loss_fn: Callable[..., torch.Tensor] | None = None,
         run_config: RoundPipeRunConfig | None = None,
-    ) -> Any:
+        return_outputs: bool = False,
+    ) -> MemoryPlan:
         """What ``forward_backward(input_kwargs=batch)`` would take, host and devices, without
-        running it (see :meth:`RoundPipe.memory_plan`); ``batch`` as for
-        :meth:`forward_backward` (None: the host terms and the weights only)."""
-        if batch is None:
+        running it (see :meth:`RoundPipe.memory_plan`, whose arguments it takes): the batch
+        as ``input_kwargs``, as for :meth:`forward_backward` (none: the host terms and the
+        weights only). Main thread; changes nothing of the model."""
+        if input_kwargs is None and not input_args:
             return super().memory_plan(run_config=run_config)
         return super().memory_plan(
-            input_kwargs=self._hf_kwargs(batch, (), "memory_plan"),
-            loss_fn=_identity_loss,
+            input_kwargs=self._hf_kwargs(input_kwargs, input_args, "memory_plan"),
+            label=label,
+            loss_fn=loss_fn or _identity_loss,
             run_config=run_config,
+            return_outputs=return_outputs,
         )
 
     def forward_backward(

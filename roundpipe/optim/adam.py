@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 from torch.optim.adam import adam as _torch_adam
 
-from roundpipe import optim_thread
+from roundpipe import optim_queue
 from roundpipe.grad_access import MasterParameter, WrappedParameter
 
 __all__ = ["Adam", "AdamW"]
@@ -480,7 +480,7 @@ def _fused_step(
 
 def _wait_for_launched_work() -> None:
     # Returns at once on the optimizer thread itself (see roundpipe.optim_thread.synchronize).
-    optim_thread.synchronize()
+    optim_queue.synchronize()
 
 
 class AdamW(Adam):

@@ -11,6 +11,7 @@ Everything here is pure: plans are built and checked without threads or devices.
 from __future__ import annotations
 
 from roundpipe.plan.actions import Action, ActionKind, Plan, PlanSizes, stage_device
+from roundpipe.plan.memory import DeviceLedger, Held, Holding
 
 __all__ = ["build_plan"]
 
@@ -189,7 +190,8 @@ def _through_handoff(dep: Action, reader: Action, handoffs: set) -> Action:
 
 class _DeviceLowering:
     """One device's program, with its memory ledger (see [Note: the program]): the bytes of the
-    stage uploads it holds and of the saved stage inputs it keeps, walked in program order."""
+    stage uploads it holds and of the saved stage inputs it keeps, walked in program order, in
+    the :class:`DeviceLedger` that :func:`roundpipe.plan.memory.device_peaks` reports with."""
 
     def __init__(self, order: Plan, sizes: PlanSizes | None, handoffs: set) -> None:
         self.order = order
@@ -197,9 +199,7 @@ class _DeviceLowering:
         self.budget = sizes.budget if sizes is not None else None
         self.handoffs = handoffs
         self.program: list[Action] = []
-        self.resident: dict[int, int] = {}  # stage -> bytes of its upload
-        self.saved = 0  # bytes of kept stage inputs
-        self.kept: set[tuple[int, int]] = set()
+        self.ledger = DeviceLedger()  # stage uploads and kept stage inputs
         self.waited: set[int] = set()  # stages whose params this device has waited for
         self.unsynced_release: Action | None = None  # the last R the host has not waited for
         self.peak = 0
@@ -211,7 +211,7 @@ class _DeviceLowering:
         return self.sizes.input_bytes[s][m] if self.sizes is not None else 0
 
     def held(self) -> int:
-        return self.saved + sum(self.resident.values())
+        return self.ledger.total()
 
     def fits(self, extra: int) -> bool:
         return self.budget is None or self.held() + extra <= self.budget
@@ -228,7 +228,7 @@ class _DeviceLowering:
             self.waited.add(s)
             self.emit(ActionKind.WAIT_PARAMS, s, -1, run[0])
         self.emit(ActionKind.PREFETCH if prefetch else ActionKind.UPLOAD, s, -1, run[0])
-        self.resident[s] = self.stage_bytes(s)
+        self.ledger.put(Holding(Held.WEIGHTS, s), self.stage_bytes(s))
         self.peak = max(self.peak, self.held())
 
     def lower(self, device: int, actions: tuple[Action, ...]) -> tuple[list[Action], int]:
@@ -262,9 +262,8 @@ class _DeviceLowering:
             for i, a in enumerate(run):
                 m = a.mb_index
                 if kind is ActionKind.BACKWARD and recompute:
-                    if (s, m) in self.kept:
-                        self.kept.discard((s, m))
-                        self.saved -= self.input_bytes(s, m)
+                    if Holding(Held.INPUT, s, m) in self.ledger:
+                        self.ledger.pop(Holding(Held.INPUT, s, m))
                     else:
                         self.emit(ActionKind.RELOAD, s, m, a)
                 self.program.append(a)
@@ -273,12 +272,12 @@ class _DeviceLowering:
                 if kind is ActionKind.FORWARD and streamed_forward:
                     nbytes = self.input_bytes(s, m)
                     if offload or (
-                        self.budget is not None and self.saved + nbytes + reserve > self.budget
+                        self.budget is not None
+                        and self.ledger.total(Held.INPUT) + nbytes + reserve > self.budget
                     ):
                         self.emit(ActionKind.OFFLOAD, s, m, a)
                     else:
-                        self.kept.add((s, m))
-                        self.saved += nbytes
+                        self.ledger.put(Holding(Held.INPUT, s, m), nbytes)
                         self.peak = max(self.peak, self.held())
                 if i == 0 and uploading:
                     self.prefetch_next(runs, uploads, r, prefetched, same_stage=False)
@@ -298,7 +297,7 @@ class _DeviceLowering:
                     write_back=not (kind is ActionKind.BACKWARD and recompute),
                 )
                 self.unsynced_release = self.program[-1]
-                self.resident.pop(s, None)
+                self.ledger.pop(Holding(Held.WEIGHTS, s))
             self.prefetch_next(runs, uploads, r, prefetched, same_stage=True)
         if actions:
             self.program.append(Action(ActionKind.SYNC, -1, -1, device, actions[-1].time))
@@ -326,7 +325,7 @@ class _DeviceLowering:
         if same_stage:
             if nxt != r + 1:
                 return
-        elif s == runs[r][0].stage or s in self.resident:
+        elif s == runs[r][0].stage or Holding(Held.WEIGHTS, s) in self.ledger:
             return
         if self.fits(self.stage_bytes(s)):
             prefetched.add(nxt)

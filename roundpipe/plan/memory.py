@@ -2,24 +2,34 @@
 program (see [Note: the program] in :mod:`roundpipe.plan.actions`) with what each action holds
 and allocates, and returns each device's peak and what makes it up.
 
-It extends the ledger the lowering keeps (stage uploads with their gradient sums, kept stage
-inputs) with what the ledger leaves out: the hand-offs between stages (a stage's output until
-the next stage takes it, an input gradient until the stage before takes it), the gradient sums
-from the first backward of a run (not from the upload), and the activations and workspace of
-the running action (:class:`ActionBytes`, which :mod:`roundpipe.runtime.memory_trace` measures by
-tracing each stage on fake tensors). Devices are walked together in the order :func:`simulate`
-completes their actions, so a hand-off to another device leaves its producer when the
-consumer's action runs. Pure: no threads, no devices.
+Its :class:`DeviceLedger` is the one the lowering keeps (stage uploads, kept stage inputs; see
+:mod:`roundpipe.plan.build`), here with what the lowering's budget leaves out: the hand-offs
+between stages (a stage's output until the next stage takes it, an input gradient until the
+stage before takes it), the gradient sums from the first backward of a run (not from the
+upload), and the activations and workspace of the running action (:class:`ActionBytes`, which
+:mod:`roundpipe.memory.trace` measures by tracing each stage on fake tensors). Devices are
+walked together in the order :func:`simulate` completes their actions, so a hand-off to another
+device leaves its producer when the consumer's action runs. Pure: no threads, no devices.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 from collections.abc import Sequence
 
 from roundpipe.plan.actions import Action, ActionKind, Plan, simulate
 
-__all__ = ["ActionBytes", "DevicePeak", "StageBytes", "TERMS", "device_peaks"]
+__all__ = [
+    "ActionBytes",
+    "DeviceLedger",
+    "DevicePeak",
+    "Held",
+    "Holding",
+    "StageBytes",
+    "TERMS",
+    "device_peaks",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,29 +100,94 @@ class DevicePeak:
         return self.terms[0] if self.terms else ("weights", 0)
 
 
+class Held(enum.Enum):
+    """What a device holds, as the ledger files it; ``.term`` is the report's name for it
+    (a key of :data:`TERMS`)."""
+
+    WEIGHTS = "weights"  # a stage's upload (per stage)
+    GRAD_SUMS = "grads"  # a stage's gradient sums (per stage)
+    INPUT = "inputs"  # a stage input kept or taken (per stage and microbatch)
+    OUTPUT = "out"  # a stage's output until the next stage takes it
+    INPUT_GRAD = "gin"  # an input gradient until the stage before takes it
+    GRAPH = "graph"  # activations a forward with grad saves (recompute off)
+    RESULT = "res"  # a last-stage output kept until the call ends (per microbatch)
+
+    @property
+    def term(self) -> str:
+        return _TERM_OF.get(self, self.value)
+
+
+_TERM_OF = {Held.OUTPUT: "handoffs", Held.INPUT_GRAD: "handoffs", Held.RESULT: "outputs"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Holding:
+    """One entry of a device's ledger: ``what`` of stage ``stage`` (and microbatch
+    ``mb_index``; -1 for what a stage holds across its microbatches)."""
+
+    what: Held
+    stage: int
+    mb_index: int = -1
+
+
+class DeviceLedger:
+    """What one device holds, entry by entry (bytes). The lowering keeps one per device for its
+    budget decisions (:mod:`roundpipe.plan.build`: uploads, kept stage inputs) and
+    :func:`device_peaks` one for the reported peaks, with the same entries, so the two count
+    the same things the same way. Pure; one thread."""
+
+    def __init__(self) -> None:
+        self._held: dict[Holding, int] = {}
+        self._total = 0
+
+    def put(self, entry: Holding, nbytes: int) -> None:
+        self._total += nbytes - self._held.get(entry, 0)
+        self._held[entry] = nbytes
+
+    def pop(self, entry: Holding) -> int:
+        """Remove ``entry``; its bytes (0: it was not held)."""
+        nbytes = self._held.pop(entry, 0)
+        self._total -= nbytes
+        return nbytes
+
+    def __contains__(self, entry: Holding) -> bool:
+        return entry in self._held
+
+    def total(self, what: Held | None = None) -> int:
+        """Bytes held, of ``what`` only if given."""
+        if what is None:
+            return self._total
+        return sum(b for e, b in self._held.items() if e.what is what)
+
+    def terms(self) -> dict[str, int]:
+        """Bytes held per report term."""
+        out: dict[str, int] = {}
+        for entry, nbytes in self._held.items():
+            out[entry.what.term] = out.get(entry.what.term, 0) + nbytes
+        return out
+
+
 class _Walk:
     def __init__(self, plan: Plan) -> None:
         self.plan = plan
-        self.held: list[dict[tuple, tuple[str, int]]] = [{} for _ in range(plan.num_devices)]
+        self.held = [DeviceLedger() for _ in range(plan.num_devices)]
         self.best: list[tuple[int, Action | None, dict[str, int]]] = [
             (0, None, {}) for _ in range(plan.num_devices)
         ]
 
     def note(self, d: int, extra: int, at: Action) -> None:
-        total = sum(b for _, b in self.held[d].values()) + extra
+        total = self.held[d].total() + extra
         if total > self.best[d][0] or self.best[d][1] is None:
-            terms: dict[str, int] = {}
-            for term, b in self.held[d].values():
-                terms[term] = terms.get(term, 0) + b
+            terms = self.held[d].terms()
             if extra:
                 terms["action"] = extra
             self.best[d] = (total, at, terms)
 
-    def put(self, d: int, key: tuple, term: str, nbytes: int) -> None:
-        self.held[d][key] = (term, nbytes)
+    def put(self, d: int, what: Held, s: int, m: int, nbytes: int) -> None:
+        self.held[d].put(Holding(what, s, m), nbytes)
 
-    def pop(self, d: int, key: tuple) -> int:
-        return self.held[d].pop(key, ("", 0))[1]
+    def pop(self, d: int, what: Held, s: int, m: int = -1) -> int:
+        return self.held[d].pop(Holding(what, s, m))
 
     def device_of(self, kind: ActionKind, s: int, m: int) -> int:
         return self.plan.action(kind, s, m).device
@@ -144,29 +219,29 @@ def device_peaks(
     for a in simulate(plan, moves=True):
         d, k, s, m = a.device, a.kind, a.stage, a.mb_index
         if k in (ActionKind.UPLOAD, ActionKind.PREFETCH):
-            walk.put(d, ("w", s), "weights", stages[s].upload)
+            walk.put(d, Held.WEIGHTS, s, -1, stages[s].upload)
         elif k is ActionKind.RELEASE:
-            walk.pop(d, ("w", s))
+            walk.pop(d, Held.WEIGHTS, s)
         elif k is ActionKind.DOWNLOAD:
-            walk.pop(d, ("g", s))
+            walk.pop(d, Held.GRAD_SUMS, s)
         elif k is ActionKind.OFFLOAD:
-            walk.pop(d, ("in", s, m))
+            walk.pop(d, Held.INPUT, s, m)
         elif k is ActionKind.RELOAD:
-            walk.put(d, ("in", s, m), "inputs", act(s, m).input)
+            walk.put(d, Held.INPUT, s, m, act(s, m).input)
         elif k is ActionKind.FORWARD:
             _take_input(walk, a, act(s, m), recompute)
             x = act(s, m)
             if recompute or not plan.training:
                 walk.note(d, x.forward_peak, a)
                 if not plan.training:
-                    walk.pop(d, ("in", s, m))  # inference keeps no input
+                    walk.pop(d, Held.INPUT, s, m)  # inference keeps no input
             else:
                 walk.note(d, x.grad_forward_peak, a)
-                walk.put(d, ("graph", s, m), "graph", max(x.graph - x.output, 0))
+                walk.put(d, Held.GRAPH, s, m, max(x.graph - x.output, 0))
             if s < S - 1:
-                walk.put(d, ("out", s, m), "handoffs", x.output)
+                walk.put(d, Held.OUTPUT, s, m, x.output)
             elif return_outputs or not plan.training:
-                walk.put(d, ("res", m), "outputs", x.output)
+                walk.put(d, Held.RESULT, S - 1, m, x.output)
         elif k in (ActionKind.LAST, ActionKind.BACKWARD):
             x = act(s, m)
             if k is ActionKind.LAST:
@@ -175,8 +250,8 @@ def device_peaks(
             else:
                 after = ActionKind.LAST if s + 1 == S - 1 else ActionKind.BACKWARD
                 source = walk.device_of(after, s + 1, m)
-                nbytes = walk.pop(source, ("gin", s + 1, m))
-                walk.put(d, ("gin", s + 1, m), "handoffs", nbytes)
+                nbytes = walk.pop(source, Held.INPUT_GRAD, s + 1, m)
+                walk.put(d, Held.INPUT_GRAD, s + 1, m, nbytes)
                 if recompute:
                     extra = x.backward_peak
                 else:
@@ -185,17 +260,17 @@ def device_peaks(
             if m == 0:  # the run's first backward: its gradients become the sums
                 extra = max(extra, end + stages[s].grad_copy)
             walk.note(d, extra, a)
-            walk.pop(d, ("in", s, m))
-            walk.pop(d, ("gin", s + 1, m))
+            walk.pop(d, Held.INPUT, s, m)
+            walk.pop(d, Held.INPUT_GRAD, s + 1, m)
             if not recompute and k is ActionKind.BACKWARD:
-                walk.pop(d, ("graph", s, m))
-                walk.pop(d, ("out", s, m))
+                walk.pop(d, Held.GRAPH, s, m)
+                walk.pop(d, Held.OUTPUT, s, m)
             if s > 0 or input_grad:
-                walk.put(d, ("gin", s, m), "handoffs", x.input_grad)
+                walk.put(d, Held.INPUT_GRAD, s, m, x.input_grad)
             if m == 0:
-                walk.put(d, ("g", s), "grads", stages[s].grad_sum)
+                walk.put(d, Held.GRAD_SUMS, s, -1, stages[s].grad_sum)
             if k is ActionKind.LAST and return_outputs:
-                walk.put(d, ("res", m), "outputs", x.output)
+                walk.put(d, Held.RESULT, S - 1, m, x.output)
         else:
             continue
         walk.note(d, 0, a)
@@ -211,12 +286,12 @@ def _take_input(walk: _Walk, a: Action, x: ActionBytes, recompute: bool) -> None
     stage before's output taken over (same device) or copied over (another device)."""
     d, s, m = a.device, a.stage, a.mb_index
     if s == 0:
-        walk.put(d, ("in", 0, m), "inputs", x.input)
+        walk.put(d, Held.INPUT, 0, m, x.input)
         return
     source = walk.device_of(ActionKind.FORWARD, s - 1, m)
     if recompute or not walk.plan.training:
-        key = ("out", s - 1, m)
-        nbytes = walk.pop(source, key) if key in walk.held[source] else x.input
-        walk.put(d, ("in", s, m), "inputs", nbytes)
+        handed = Holding(Held.OUTPUT, s - 1, m)
+        nbytes = walk.held[source].pop(handed) if handed in walk.held[source] else x.input
+        walk.put(d, Held.INPUT, s, m, nbytes)
     elif source != d:  # a copy; the original stays with the graph of the stage before
-        walk.put(d, ("in", s, m), "inputs", x.input)
+        walk.put(d, Held.INPUT, s, m, x.input)

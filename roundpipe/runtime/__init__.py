@@ -24,8 +24,8 @@ Modules, by concern (all internal but ``model``'s :class:`RoundPipe`, ``config``
 * ``stage_ops``: the stage bodies (forward, recompute, backward, ``loss_fn``).
 * ``grad_router``: the only way a gradient reaches a master.
 * ``rng``: the RNG chains (see [Note: RNG chains]).
-* ``memory_trace``, ``memory_plan``: a call's memory before it runs (stages traced on fake
-  tensors, the plan's device peaks, :class:`MemoryPlan`, the first call's device check).
+* ``call_memory``: what the facade asks of :mod:`roundpipe.memory` for a call (its memory
+  plan, the first call's device check); the counting itself is :mod:`roundpipe.memory`'s.
 * ``optimizer_ctx``: :class:`OptimizerCtx`, the ``step_fn`` work item, the optimizer pre-hook.
 
 Threads and what they touch (see docs/threads-and-staleness.md, "The threads"):
@@ -39,9 +39,10 @@ Threads and what they touch (see docs/threads-and-staleness.md, "The threads"):
   low-precision parameters (written by the master->model copy, which sets the events).
 """
 
+from roundpipe.memory.checks import DeviceMemoryError
+from roundpipe.memory.report import MemoryPlan
+from roundpipe.memory.trace import StageNotTraceable
 from roundpipe.runtime.config import RoundPipeRunConfig
-from roundpipe.runtime.memory_plan import DeviceMemoryError, MemoryPlan
-from roundpipe.runtime.memory_trace import StageNotTraceable
 from roundpipe.runtime.model import RoundPipe, UnevenMicrobatchWarning
 from roundpipe.runtime.optimizer_ctx import OptimizerCtx
 

@@ -35,6 +35,8 @@ __all__ = [
     "CallState",
     "ModelParts",
     "Slot",
+    "device_grad_dtype",
+    "plan_call",
     "plan_sizes",
     "prepare_call",
     "takes_microbatch",
@@ -236,6 +238,34 @@ def plan_sizes(
     )
 
 
+def plan_call(
+    model: ModelParts,
+    cfg: ResolvedRunConfig,
+    training: bool,
+    chunks: list[tuple[tuple, dict]] | None,
+) -> tuple[list[Stage], AutocastState, Plan]:
+    """The stages, the autocast state and the plan of a call with ``cfg`` whose microbatches
+    are ``chunks`` (None: stage inputs count as 0 bytes): the one sequence stages ->
+    :func:`plan_sizes` -> plan that a call, ``model.plan()`` and the memory plan share. Main
+    thread."""
+    stages = model.stages.stages(cfg.execute_plan)
+    pool = model.pool
+    autocast = resolve_autocast(cfg.autocast, pool.device_type)
+    sizes = plan_sizes(stages, pool, cfg, training, chunks, model.cast_dtype, autocast)
+    plan = model.stages.plan(
+        stages, cfg.num_microbatch, len(pool), pool.streaming, training, cfg.recompute, sizes
+    )
+    return stages, autocast, plan
+
+
+def device_grad_dtype(pool: DevicePool, cfg: ResolvedRunConfig) -> torch.dtype | None:
+    """The dtype of the gradient sums on the devices: accelerators only (the stage-major
+    plans); None: the gradients' own."""
+    if pool.streaming and isinstance(cfg.device_grad_dtype, torch.dtype):
+        return cfg.device_grad_dtype
+    return None
+
+
 def prepare_call(
     model: ModelParts,
     cfg: ResolvedRunConfig,
@@ -248,9 +278,9 @@ def prepare_call(
     grad_enabled: bool = True,
 ) -> tuple[CallSpec, CallState]:
     """Main thread: split the inputs, pick the stages and plan, set up the RNG chains."""
-    stages = model.stages.stages(cfg.execute_plan)
     M = cfg.num_microbatch
     chunks, sizes = split_inputs(args, kwargs, M, cfg.split_input)
+    stages, autocast, plan = plan_call(model, cfg, training, chunks)
     labels = split_label(label, M, sizes, cfg.split_label) if training else [None] * M
     stage_params: list[list[ParamRecord]] = []
     for stage in stages:
@@ -266,17 +296,9 @@ def prepare_call(
                     )
         stage_params.append(trainable)
     pool = model.pool
-    autocast = resolve_autocast(cfg.autocast, pool.device_type)
-    # Device-side gradient sums exist on accelerators only (the stage-major plans).
-    grad_dtype = None
-    if pool.streaming and isinstance(cfg.device_grad_dtype, torch.dtype):
-        grad_dtype = cfg.device_grad_dtype
+    grad_dtype = device_grad_dtype(pool, cfg)
     rng = plan_call_rng(
         [s.modules for s in stages], M, cfg.preserve_rng_state, model.rng_memo, pool.backends
-    )
-    sizes_for_plan = plan_sizes(stages, pool, cfg, training, chunks, model.cast_dtype, autocast)
-    plan = model.stages.plan(
-        stages, M, len(pool), pool.streaming, training, cfg.recompute, sizes_for_plan
     )
     spec = CallSpec(
         tag=model.tag,

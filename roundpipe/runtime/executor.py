@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from roundpipe.devices import Backend, Future, StreamingBackend, caller_as_worker
-from roundpipe.optim_thread import add_note
+from roundpipe.optim_queue import add_note
 from roundpipe.plan import Action, ActionKind
 from roundpipe.runtime.call import CallSpec, CallState, Cancelled
 from roundpipe.runtime.params import ParamsCopyFailed, raise_copy_failure

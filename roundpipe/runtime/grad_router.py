@@ -26,11 +26,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from roundpipe import finite_check, optim_thread
+from roundpipe import finite_check, optim_queue
 from roundpipe.devices import StreamingBackend
 from roundpipe.runtime.params import ParamRecord
 
-# What a gradient move or clear changes (see [Note: holds] in roundpipe.optim_thread).
+# What a gradient move or clear changes (see [Note: holds] in roundpipe.optim_queue).
 TOUCHES_GRADS = ("grads",)
 
 __all__ = [
@@ -208,10 +208,10 @@ class CallGrads:
             self.moves.append(_launch_move(self.owner, move_grads, moved, arrived, flag))
 
 
-def _launch_move(owner: Any, fn: Callable, *args: Any) -> optim_thread.WorkItem:
+def _launch_move(owner: Any, fn: Callable, *args: Any) -> optim_queue.WorkItem:
     """A gradient move, owned by its model; it touches the masters' gradients only, so it
-    passes a checkpoint's hold on the masters (see [Note: holds] in roundpipe.optim_thread)."""
-    return optim_thread.launch_work(fn, args, owners=(owner,), touches=TOUCHES_GRADS)
+    passes a checkpoint's hold on the masters (see [Note: holds] in roundpipe.optim_queue)."""
+    return optim_queue.launch_work(fn, args, owners=(owner,), touches=TOUCHES_GRADS)
 
 
 def stash_grads(params: Sequence[Sequence[ParamRecord]]) -> list[tuple[nn.Parameter, torch.Tensor]]:
@@ -304,7 +304,7 @@ class GradHooks:
 
     def __init__(self, records: Sequence[ParamRecord], owner: Any) -> None:
         self._records = records
-        self.owner = owner  # the model (see [Note: error reporting] in roundpipe.optim_thread)
+        self.owner = owner  # the model (see [Note: error reporting] in roundpipe.optim_queue)
         self._registered = False
         self.sink: GradSink | None = None
         self._moves = PendingMoves()

@@ -20,32 +20,27 @@ from torch import nn
 from torch.utils import _pytree as pytree
 from torch.utils.hooks import RemovableHandle
 
-from roundpipe import optim_thread
-from roundpipe.autocast import resolve_autocast
+from roundpipe import optim_queue
 from roundpipe.devices import DevicePool
-from roundpipe.host_memory import (
-    check_host_memory,
-    host_memory_available,
-    host_terms,
-    pool_layout,
-    skip_memory_check,
-)
+from roundpipe.grad_scaler import GradScaler
 from roundpipe.main_thread import check_main_thread
-from roundpipe.microbatch import merge_outputs, split_inputs, split_label
+from roundpipe.memory.checks import check_host_memory, skip_memory_check
+from roundpipe.memory.host import host_terms
+from roundpipe.memory.probe import host_memory_available
+from roundpipe.memory.report import MemoryPlan
+from roundpipe.microbatch import merge_outputs, split_inputs
 from roundpipe.plan import Plan
-from roundpipe.runtime.call import ModelParts, plan_sizes, prepare_call, takes_microbatch
+from roundpipe.runtime.call import CallSpec, CallState, ModelParts, plan_call, prepare_call
+from roundpipe.runtime.call_memory import (
+    CallArgs,
+    check_call_memory,
+    memory_plan_of,
+    pinned_allocator,
+)
 from roundpipe.runtime.config import ResolvedRunConfig, RoundPipeRunConfig, resolve_config
 from roundpipe.runtime.executor import execute
 from roundpipe.runtime.grad_router import TOUCHES_GRADS, GradHooks, clear_grads
-from roundpipe.runtime.memory_plan import (
-    MemoryPlan,
-    PlannedCall,
-    check_device_memory,
-    make_memory_plan,
-    plan_devices,
-    trace_call,
-)
-from roundpipe.runtime.optimizer_ctx import ensure_optimizer_hook, in_optimizer_ctx, wrap_step
+from roundpipe.runtime.optimizer_ctx import in_optimizer_ctx, wrap_step
 from roundpipe.runtime.params import Params, StateAccess, check_state_dict
 from roundpipe.runtime.rng import RngMemo, learn_rng_use, restore_after_call
 from roundpipe.runtime.stage_ops import backward_to_inputs
@@ -140,11 +135,13 @@ class RoundPipe(nn.Module):
         self.model_run_config = model_run_config or RoundPipeRunConfig()
         self._pool = DevicePool(devices)
         if self._pool.streaming:  # leave the device threads their cores during a step
-            optim_thread.use_default_num_threads(len(self._pool))
+            optim_queue.use_default_num_threads(len(self._pool))
         self._memory_check = bool(memory_check) and not skip_memory_check()
         if self._memory_check:  # before anything is allocated
             check_host_memory(
-                host_terms(model, optim_dtype, self._pinned(), host_memory_available()),
+                host_terms(
+                    model, optim_dtype, pinned_allocator(self._pool), host_memory_available()
+                ),
                 f"RoundPipe{_tag(name)}",
                 bool(self.model_run_config.offload_activations),
             )
@@ -164,9 +161,10 @@ class RoundPipe(nn.Module):
         # Run on the optimizer thread before each step_fn (register_step_pre_hook).
         self._step_pre_hooks: OrderedDict[int, Callable[[], None]] = OrderedDict()
         # The roundpipe GradScalers this model's step functions used (main thread).
-        self._step_scalers: weakref.WeakSet[Any] = weakref.WeakSet()
+        self._step_scalers: weakref.WeakSet[GradScaler] = weakref.WeakSet()
+        # Told of each of them (register_step_scaler_hook; main thread).
+        self._step_scaler_hooks: OrderedDict[int, Callable[[GradScaler], None]] = OrderedDict()
         self._resolve(None)  # checks the model-level execute_plan now
-        ensure_optimizer_hook()
 
     def optim_parameters(self) -> Iterator[nn.Parameter]:
         """The fp32 master parameters (one per trainable parameter). Any thread; never blocks."""
@@ -200,6 +198,22 @@ class RoundPipe(nn.Module):
         check_main_thread("register_step_pre_hook")
         handle = RemovableHandle(self._step_pre_hooks)
         self._step_pre_hooks[handle.id] = hook
+        return handle
+
+    def register_step_scaler_hook(self, hook: Callable[[GradScaler], None]) -> RemovableHandle:
+        """Call ``hook(scaler)`` for every :class:`roundpipe.GradScaler` that this model's step
+        functions use: at once for those already seen, and at the ``step`` that first uses a
+        new one, before it is launched (e.g. so that the scaler agrees over data-parallel
+        ranks). Main thread; ``hook`` runs on the main thread.
+
+        Args:
+            hook: called with each scaler, once per scaler.
+        """
+        check_main_thread("register_step_scaler_hook")
+        handle = RemovableHandle(self._step_scaler_hooks)
+        self._step_scaler_hooks[handle.id] = hook
+        for scaler in list(self._step_scalers):
+            hook(scaler)
         return handle
 
     # -- state dicts --------------------------------------------------------------------------
@@ -279,29 +293,11 @@ class RoundPipe(nn.Module):
         Main thread."""
         check_main_thread("plan")
         cfg = self._resolve(run_config)
-        stages = self._stages.stages(cfg.execute_plan)
         chunks = None
         if inputs is not None:
             args, kwargs = inputs
             chunks, _ = split_inputs(tuple(args), dict(kwargs), cfg.num_microbatch, cfg.split_input)
-        sizes = plan_sizes(
-            stages,
-            self._pool,
-            cfg,
-            training,
-            chunks,
-            self._params.cast_dtype,
-            resolve_autocast(cfg.autocast, self._pool.device_type),
-        )
-        return self._stages.plan(
-            stages,
-            cfg.num_microbatch,
-            len(self._pool),
-            self._pool.streaming,
-            training,
-            cfg.recompute,
-            sizes,
-        )
+        return plan_call(self._parts(), cfg, training, chunks)[2]
 
     def memory_plan(
         self,
@@ -325,83 +321,12 @@ class RoundPipe(nn.Module):
         ``untraced``. Without inputs only the host terms and the weights are counted. Main
         thread; changes nothing of the model."""
         check_main_thread("memory_plan")
-        cfg = self._resolve(run_config)
-        terms = host_terms(self.module, self._optim_dtype, self._pinned(), host_memory_available())
-        call = self._planned_call(
-            cfg, tuple(input_args), dict(input_kwargs or {}), label, loss_fn, return_outputs
-        )
-        return make_memory_plan(self._name_tag(), terms, call, self._pinned_grad_bytes(call))
-
-    def _pinned(self) -> Any:
-        """The pinned allocator of an accelerator pool (None: a CPU pool pins nothing)."""
-        return self._pool.accelerators[0].pinned if self._pool.streaming else None
-
-    def _pinned_grad_bytes(self, call: PlannedCall) -> int | None:
-        """Host bytes of the masters' gradients on an accelerator pool, where each stage's are
-        downloaded into one pinned pool and adopted as the masters' ``.grad`` (None: not
-        adopted, or a CPU pool)."""
-        pinned = self._pinned()
-        if pinned is None:
-            return None
-        dtype = call.grad_dtype
-        total = 0
-        for stage in call.stages:
-            sizes = []
-            for rec in stage.params:
-                if rec.master is None or not rec.param.requires_grad:
-                    continue
-                if dtype is not None and dtype != rec.master.dtype:
-                    return None
-                sizes.append(rec.master.numel() * rec.master.element_size())
-            total += pool_layout(sizes, pinned).taken
-        return total
-
-    def _planned_call(
-        self,
-        cfg: ResolvedRunConfig,
-        args: tuple,
-        kwargs: dict,
-        label: Any,
-        loss_fn: Callable | None,
-        return_outputs: bool,
-    ) -> PlannedCall:
-        stages = self._stages.stages(cfg.execute_plan)
-        chunks: list = []
-        sizes: list[int] = []
-        labels: list = []
-        if args or kwargs:
-            chunks, sizes = split_inputs(args, kwargs, cfg.num_microbatch, cfg.split_input)
-            labels = split_label(label, cfg.num_microbatch, sizes, cfg.split_label)
-        autocast = resolve_autocast(cfg.autocast, self._pool.device_type)
-        plan_sizes_ = plan_sizes(
-            stages, self._pool, cfg, True, chunks or None, self._params.cast_dtype, autocast
-        )
-        plan = self._stages.plan(
-            stages,
-            cfg.num_microbatch,
-            len(self._pool),
-            self._pool.streaming,
-            True,
-            cfg.recompute,
-            plan_sizes_,
-        )
-        grad_dtype = None
-        if self._pool.streaming and isinstance(cfg.device_grad_dtype, torch.dtype):
-            grad_dtype = cfg.device_grad_dtype
-        return PlannedCall(
-            stages=stages,
-            plan=plan,
-            pool=self._pool,
-            chunks=chunks,
-            sizes=sizes,
-            labels=labels,
-            loss_fn=loss_fn,
-            loss_takes_microbatch=loss_fn is not None and takes_microbatch(loss_fn),
-            cast_dtype=self._params.cast_dtype,
-            autocast=autocast,
-            grad_dtype=grad_dtype,
-            training=True,
-            return_outputs=return_outputs,
+        return memory_plan_of(
+            self._parts(),
+            self.module,
+            self._optim_dtype,
+            self._resolve(run_config),
+            CallArgs(tuple(input_args), dict(input_kwargs or {}), label, loss_fn, return_outputs),
         )
 
     def _resolve(self, run_config: RoundPipeRunConfig | None) -> ResolvedRunConfig:
@@ -491,7 +416,7 @@ class RoundPipe(nn.Module):
             learn_rng_use(self._rng_memo, spec.rng, state.stage_drew)
             for item in state.grads.moves:
                 item.wait()
-            optim_thread.raise_failures(self)  # e.g. a step of this model launched before failed
+            optim_queue.raise_failures(self)  # e.g. a step of this model launched before failed
             ok = True
             out_device = cfg.output_device
             # Summed where the losses are when they share a device (one transfer, not M).
@@ -587,9 +512,13 @@ class RoundPipe(nn.Module):
             )
         # Before anything changes: a refused step can be retried. The step's failure belongs to
         # this model and to the scalers its steps use, now or before (see
-        # [Note: error reporting] in optim_thread): the scaler of this loop reports it at its
+        # [Note: error reporting] in optim_queue): the scaler of this loop reports it at its
         # update.
-        self._step_scalers.update(check_step_fn(step_fn))
+        for scaler in check_step_fn(step_fn):
+            if scaler not in self._step_scalers:
+                self._step_scalers.add(scaler)
+                for hook in list(self._step_scaler_hooks.values()):
+                    hook(scaler)
         owners = (self, *self._step_scalers)
         if not self._has_grads:
             raise RuntimeError(
@@ -603,18 +532,18 @@ class RoundPipe(nn.Module):
         )
         if is_async:
             self._params.launch_copy()
-            optim_thread.launch_work(run, step=True, owners=owners)
+            optim_queue.launch_work(run, step=True, owners=owners)
             return
-        optim_thread.launch_work(run, step=True, owners=owners)
+        optim_queue.launch_work(run, step=True, owners=owners)
         self._params.launch_copy()
         self._wait_for_steps()
 
     def _wait_for_steps(self) -> None:
         """Main thread: wait for every launched step and raise this model's failures (then
         drop its gradients). Ctrl-C raises at once: the step runs on and nothing is dropped."""
-        optim_thread.wait_all()
+        optim_queue.wait_all()
         try:
-            optim_thread.raise_failures(self)
+            optim_queue.raise_failures(self)
         except BaseException:
             self._discard_grads()
             raise
@@ -629,31 +558,12 @@ class RoundPipe(nn.Module):
         self._params.wait_ready()
 
     # -- internals ----------------------------------------------------------------------------
-    def _check_device_memory(self, spec: Any, cfg: ResolvedRunConfig) -> None:
-        """The first forward_backward on an accelerator pool: plan its device peaks (stages
-        traced on fake tensors) and raise DeviceMemoryError before anything is allocated if a
-        device has not the room; the calls after a refusal are checked again, until one passes.
-        The user's ``loss_fn`` is not called (it may count or log its calls): a stand-in loss
-        is traced instead, and a stage fake tensors
-        cannot run counts no activations (no real run either), so the check never refuses a
-        run on what it could not see."""
-        call = PlannedCall(
-            stages=spec.stages,
-            plan=spec.plan,
-            pool=self._pool,
-            chunks=spec.chunks,
-            sizes=spec.sizes,
-            labels=spec.labels,
-            loss_fn=None,
-            loss_takes_microbatch=False,
-            cast_dtype=spec.cast_dtype,
-            autocast=spec.autocast,
-            grad_dtype=spec.grad_dtype,
-            training=True,
-            return_outputs=spec.return_outputs,
-        )
-        devices = plan_devices(call, trace_call(call, real_runs=False))
-        check_device_memory(devices, f"RoundPipe{self._name_tag()}", cfg)
+    def _check_device_memory(self, spec: CallSpec, cfg: ResolvedRunConfig) -> None:
+        """The first forward_backward on an accelerator pool: refuse it before anything is
+        allocated if its planned peak does not fit a device (see
+        :func:`roundpipe.runtime.call_memory.check_call_memory`); the calls after a refusal
+        are checked again, until one passes."""
+        check_call_memory(spec, f"RoundPipe{self._name_tag()}", cfg)
         # Only a call that passed: after a refusal, the same call is checked again.
         self._device_check_pending = False
 
@@ -661,7 +571,7 @@ class RoundPipe(nn.Module):
         """A backward on an accelerator in a fork child of a process that ran one: torch's
         autograd cannot start its device threads there (it raises "Unable to handle autograd's
         threading in combination with fork-based multiprocessing" from a worker); say so before
-        anything runs. A CPU pool trains in a fork child (see [Note: fork] in optim_thread)."""
+        anything runs. A CPU pool trains in a fork child (see [Note: fork] in optim_queue)."""
         if (
             self._pool.streaming
             and self._pool.device_type in _DEVICE_BACKWARD_RAN
@@ -675,7 +585,7 @@ class RoundPipe(nn.Module):
                 f"'forkserver') method, or fork before the first forward_backward"
             )
 
-    def _restore_rng(self, spec: Any, state: Any, ok: bool) -> None:
+    def _restore_rng(self, spec: CallSpec, state: CallState, ok: bool) -> None:
         end = None
         if ok and spec.plan.num_microbatch == 1:
             end = state.slots[(len(spec.stages) - 1, 0)].rng_end
@@ -691,7 +601,7 @@ class RoundPipe(nn.Module):
 
     def _report_failures(self) -> None:
         try:
-            optim_thread.raise_failures(self)
+            optim_queue.raise_failures(self)
         except BaseException:
             self._discard_grads()
             raise

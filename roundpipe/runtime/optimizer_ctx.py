@@ -1,10 +1,12 @@
 """The optimizer context: :class:`OptimizerCtx` (``model.parameters()`` gives the masters inside
 it), the work item that runs a ``step_fn`` on the optimizer thread (:func:`wrap_step`), and the
-global optimizer step pre-hook that rejects an optimizer built on the model's own low-precision
+optimizer step pre-hook that rejects an optimizer built on the model's own low-precision
 parameters (:func:`check_optimizer_step_hook`).
 
 Threads: ``OptimizerCtx`` is thread-local (any thread); the wrapped step and the hook run on the
-optimizer thread; the hook is registered once per process (any thread, under a lock).
+optimizer thread. The hook is torch's global optimizer step pre-hook, registered only while a
+``step_fn`` runs and removed after it: a process whose model does not step (or a plain torch
+loop beside it) never has it.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from roundpipe.optim_thread import add_note
+from roundpipe.optim_queue import add_note
 from roundpipe.runtime.grad_router import clear_grads
 from roundpipe.runtime.params import Params
 from roundpipe.step_check import check_optimizer_step
@@ -26,7 +28,6 @@ __all__ = [
     "OptimizerCtx",
     "in_optimizer_ctx",
     "check_optimizer_step_hook",
-    "ensure_optimizer_hook",
     "wrap_step",
 ]
 
@@ -57,26 +58,15 @@ def in_optimizer_ctx() -> bool:
     return bool(getattr(_OPTIM_TLS, "depth", 0) > 0)
 
 
-_OPTIMIZER_HOOK: Any = None
-_OPTIMIZER_HOOK_LOCK = threading.Lock()
-
-
 def check_optimizer_step_hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    """Global optimizer step pre-hook; acts only while a RoundPipe step_fn runs on this thread:
+    """Optimizer step pre-hook (registered while a step_fn runs, see :func:`wrap_step`); acts
+    only on the thread that runs the step_fn:
     an optimizer built on the model's own parameters instead of its masters is refused, and a
     torch.amp.GradScaler stepping it too (see :mod:`roundpipe.step_check`)."""
     if not in_step():
         return
     check_optimizer_params(optimizer, args, kwargs)
     check_optimizer_step(optimizer)
-
-
-def ensure_optimizer_hook() -> None:
-    """Register :func:`check_optimizer_params` once per process. Any thread."""
-    global _OPTIMIZER_HOOK
-    with _OPTIMIZER_HOOK_LOCK:
-        if _OPTIMIZER_HOOK is None:
-            _OPTIMIZER_HOOK = register_optimizer_step_pre_hook(check_optimizer_step_hook)
 
 
 def wrap_step(
@@ -93,7 +83,13 @@ def wrap_step(
             with OptimizerCtx(), running_step(params):
                 for hook in hooks:
                     hook()
-                step_fn()
+                # Only steps run on the optimizer thread, one at a time: the hook is there for
+                # exactly this step_fn.
+                handle = register_optimizer_step_pre_hook(check_optimizer_step_hook)
+                try:
+                    step_fn()
+                finally:
+                    handle.remove()
         except BaseException as exc:  # noqa: B036 -- annotated, then re-raised
             # A failed step did not consume this iteration's gradients: drop them here, in
             # FIFO order, whichever call later reports the failure, so the next step does

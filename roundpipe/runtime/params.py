@@ -21,8 +21,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from roundpipe import optim_thread
+from roundpipe import optim_queue
 from roundpipe.grad_access import MasterParameter, guard_wrapped_params
+from roundpipe.memory.host import master_dtype_of
 
 __all__ = [
     "ParamRecord",
@@ -108,15 +109,13 @@ class Params:
         optim_dtype: torch.dtype | None,
         owner: Any = None,
     ) -> None:
-        # The model whose work this launches (see [Note: error reporting] in optim_thread).
+        # The model whose work this launches (see [Note: error reporting] in optim_queue).
         self.owner = owner
         self.records: list[ParamRecord] = []
         for name, p in module.named_parameters():
             master = None
             if p.requires_grad:
-                dtype = optim_dtype
-                if dtype is None:
-                    dtype = torch.float32 if p.dtype in (torch.float16, torch.bfloat16) else p.dtype
+                dtype = master_dtype_of(p, optim_dtype)
                 master = MasterParameter(p.detach().to(device="cpu", dtype=dtype, copy=True))
             self.records.append(ParamRecord(name, p, master))
         self._by_param = {id(r.param): r for r in self.records}
@@ -153,15 +152,15 @@ class Params:
         self.ready = ready
         return ready
 
-    def launch(self, fn: Any, *args: Any, touches: Sequence[str]) -> optim_thread.WorkItem:
+    def launch(self, fn: Any, *args: Any, touches: Sequence[str]) -> optim_queue.WorkItem:
         """Any thread: launch library work of this model that changes ``touches`` (see
-        [Note: holds] in :mod:`roundpipe.optim_thread`)."""
-        return optim_thread.launch_work(fn, args, owners=(self.owner,), touches=touches)
+        [Note: holds] in :mod:`roundpipe.optim_queue`)."""
+        return optim_queue.launch_work(fn, args, owners=(self.owner,), touches=touches)
 
     def synchronize(self) -> None:
         """Main thread: wait for everything launched, then raise this model's failures."""
-        optim_thread.wait_all()
-        optim_thread.raise_failures(self.owner)
+        optim_queue.wait_all()
+        optim_queue.raise_failures(self.owner)
 
     def copy_masters_to_model(self, ready: ParamsReady) -> None:
         """Optimizer thread: masters -> low-precision params, layer by layer."""

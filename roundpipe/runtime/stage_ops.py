@@ -23,7 +23,7 @@ from roundpipe.autocast import autocast_context
 from roundpipe.context import WithContext
 from roundpipe.devices import Backend, StreamingBackend
 from roundpipe.microbatch import MicrobatchInfo
-from roundpipe.optim_thread import add_note
+from roundpipe.optim_queue import add_note
 from roundpipe.plan import Action, ActionKind
 from roundpipe.runtime.call import CallSpec, CallState, Cancelled, Slot
 from roundpipe.runtime.params import ParamsCopyFailed

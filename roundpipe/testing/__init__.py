@@ -8,8 +8,8 @@ emulated accelerators) work; roundpipe's ``roundpipe.devices`` entry point names
 
 from collections.abc import Sequence
 
+from roundpipe.devices.pinned import TORCH_PINNED, PinnedAllocator
 from roundpipe.devices.pool import DeviceKind, register_device_kind
-from roundpipe.host_memory import TORCH_PINNED, PinnedAllocator
 from roundpipe.testing.emu import (
     DEVICE_COUNT,
     EmuTensor,

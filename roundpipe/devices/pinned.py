@@ -1,17 +1,15 @@
-"""Host memory: a model's pinned copy without doubling it, what the host has free, and the host
-RAM a wrapped model takes.
+"""Pinned host memory for the devices that copy from it: a model's pinned copy without doubling
+it, and how a device kind gets pinned memory.
 
 * :func:`pin_module`: move a module's parameters and buffers into pinned host memory carved from
   a few pooled allocations (see [Note: the pinned pool]), keeping the same tensor objects.
 * :class:`PinnedAllocator`: how a device kind gets pinned host memory and what an allocation
   really takes from the host; :data:`TORCH_PINNED` is torch's (CUDA's caching host allocator,
   which rounds each allocation up to a power of two).
-* :func:`host_memory_available`: what the OS says this process may still allocate
-  (``MemAvailable``, or a cgroup's limit minus its usage if lower).
-* :func:`host_terms` and :class:`HostTerms`: the host RAM a wrap allocates, term by term;
-  :func:`check_host_memory` raises :class:`HostMemoryError` when it exceeds what is available.
+* :func:`pinned_layout` / :func:`pool_layout`: what a pool takes, without allocating (the
+  memory estimate of :mod:`roundpipe.memory.host` reads them).
 
-Main thread (wrap time), except :func:`host_memory_available` and the pure helpers (any thread).
+Main thread (wrap time), except the pure helpers (any thread).
 """
 
 from __future__ import annotations
@@ -19,61 +17,33 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from pathlib import Path
 
 import torch
 from torch import nn
 
 __all__ = [
     "ALIGNMENT",
-    "SKIP_CHECK_ENV",
-    "HostMemoryError",
-    "HostTerms",
+    "EXACT_BLOCK",
     "PinnedAllocator",
     "PoolLayout",
     "TORCH_PINNED",
     "UNLIMITED",
-    "check_host_memory",
     "cuda_pinned_round_limit",
-    "format_bytes",
-    "host_memory_available",
-    "host_terms",
     "next_power_of_two",
-    "master_dtype_of",
     "pin_module",
     "pinned_empty",
     "pinned_layout",
     "pool_layout",
-    "skip_memory_check",
+    "storage_bytes",
 ]
 
 # Byte alignment of each tensor in the pool: a cache line, as torch's CPU allocator aligns.
 ALIGNMENT = 64
-# The environment variable that turns off roundpipe's memory checks (HostMemoryError, and the
-# device check of the first forward_backward).
-SKIP_CHECK_ENV = "ROUNDPIPE_SKIP_MEMORY_CHECK"
-
-
-def skip_memory_check() -> bool:
-    """Whether ``ROUNDPIPE_SKIP_MEMORY_CHECK`` is set to a true value. Any thread."""
-    return os.environ.get(SKIP_CHECK_ENV, "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def next_power_of_two(nbytes: int) -> int:
     """The smallest power of two >= ``nbytes`` (0 for 0)."""
     return 0 if nbytes <= 0 else 1 << (nbytes - 1).bit_length()
-
-
-def format_bytes(nbytes: float) -> str:
-    """``1.50 GiB``, ``12.0 MiB``, ``512 B``: for reports and messages."""
-    value = float(nbytes)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(value) < 1024 or unit == "GiB":
-            break
-        value /= 1024
-    if unit == "B":
-        return f"{int(value)} B"
-    return f"{value:.2f} {unit}" if abs(value) < 10 else f"{value:.1f} {unit}"
 
 
 # No limit: every allocation is rounded.
@@ -299,6 +269,12 @@ def _groups(tensors: Iterable[torch.Tensor]) -> list[_Group]:
     return list(by_storage.values())
 
 
+def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """The bytes the storages of ``tensors`` span, each storage once (tied weights count once;
+    a meta tensor is its own storage). Reads shapes only."""
+    return sum(g.hi - g.lo for g in _groups(tensors))
+
+
 def pinned_layout(module: nn.Module, allocator: PinnedAllocator | None = None) -> PoolLayout:
     """The pool :func:`pin_module` would make for ``module`` (what it would take), without
     allocating. Main thread."""
@@ -362,260 +338,3 @@ def _blocks(
             members[b].append((i, offset))
     for b, size in enumerate(layout.blocks):
         yield allocator.allocate(size), members[b]
-
-
-# -- what the host has free ------------------------------------------------------------------
-
-_PROC = Path("/proc")
-_CGROUP = Path("/sys/fs/cgroup")
-# A cgroup v1 "no limit" reads as a page-rounded 2**63 - 1; anything this large is no limit.
-_NO_LIMIT = 1 << 60
-
-
-def host_memory_available() -> int | None:
-    """Bytes this process may still allocate on the host: the kernel's ``MemAvailable``
-    (``/proc/meminfo``), or, if lower, what the memory cgroup this process runs in leaves (its
-    limit, or an ancestor's, minus its usage without the reclaimable page cache; cgroup v2 or
-    v1). Without ``/proc/meminfo``, the free physical pages (``os.sysconf``); None when
-    nothing can be read. Any thread; reads a few small files."""
-    candidates = []
-    meminfo = _read(_PROC / "meminfo")
-    if meminfo is not None:
-        for line in meminfo.splitlines():
-            if line.startswith("MemAvailable:"):
-                candidates.append(int(line.split()[1]) * 1024)
-    if not candidates:
-        try:
-            candidates.append(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
-        except (ValueError, OSError, AttributeError):
-            pass
-    cgroup = _cgroup_available()
-    if cgroup is not None:
-        candidates.append(cgroup)
-    return min(candidates) if candidates else None
-
-
-def _read(path: Path) -> str | None:
-    try:
-        return path.read_text()
-    except OSError:
-        return None
-
-
-def _number(path: Path) -> int | None:
-    text = _read(path)
-    if text is None:
-        return None
-    text = text.strip()
-    if text == "max":
-        return None
-    try:
-        return int(text)
-    except ValueError:
-        return None
-
-
-def _stat(path: Path, key: str) -> int:
-    text = _read(path) or ""
-    for line in text.splitlines():
-        name, _, value = line.partition(" ")
-        if name == key and value.strip().isdigit():
-            return int(value)
-    return 0
-
-
-def _cgroup_available() -> int | None:
-    """What the tightest memory cgroup limit on this process's path leaves, or None."""
-    text = _read(_PROC / "self" / "cgroup")
-    if text is None:
-        return None
-    best: int | None = None
-    for line in text.splitlines():
-        parts = line.split(":", 2)
-        if len(parts) != 3:
-            continue
-        _, controllers, path = parts
-        rel = path.strip().lstrip("/")
-        if controllers == "":  # v2 (the unified hierarchy)
-            roots = [_CGROUP, _CGROUP / "unified"]
-            files = ("memory.max", "memory.current", "inactive_file")
-        elif "memory" in controllers.split(","):  # v1
-            roots = [_CGROUP / "memory"]
-            files = ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
-        else:
-            continue
-        for root in roots:
-            level = root / rel if rel else root
-            while True:
-                left = _left_in(level, *files)
-                if left is not None:
-                    best = left if best is None else min(best, left)
-                if level == root or root not in level.parents:
-                    break
-                level = level.parent
-    return best
-
-
-def _left_in(level: Path, limit_file: str, usage_file: str, inactive_key: str) -> int | None:
-    limit = _number(level / limit_file)
-    usage = _number(level / usage_file)
-    if limit is None or usage is None or limit >= _NO_LIMIT:
-        return None
-    # The page cache the kernel reclaims before it kills anything does not count as used.
-    used = max(usage - _stat(level / "memory.stat", inactive_key), 0)
-    return max(limit - used, 0)
-
-
-# -- the host RAM of a wrap -------------------------------------------------------------------
-
-
-class HostMemoryError(MemoryError):
-    """Wrapping the model would allocate more host RAM than the host has available (measured
-    before allocating): the message lists each term, what is available, and the options."""
-
-
-@dataclasses.dataclass(frozen=True)
-class HostTerms:
-    """The host RAM of a wrapped model, term by term (bytes).
-
-    ``weights``: the model's own parameters and buffers (allocated already, by the caller);
-    ``masters``: the master copies of the trainable parameters (``optim_dtype``);
-    ``grads``: the masters' gradients (one per master, in its dtype);
-    ``optimizer``: the optimizer's state, estimated as Adam's (two moments per master);
-    ``pinned_overhead``: what the pinned pool takes beyond the weights' bytes (padding and
-    block slack, see [Note: the pinned pool]; 0 on a CPU pool, which pins nothing);
-    ``activations``: host bytes of stage inputs offloaded to the host (or, on a CPU pool, the
-    activations), when known (``memory_plan`` with inputs), else 0.
-    ``available``: :func:`host_memory_available` when measured (None: unknown)."""
-
-    weights: int
-    masters: int
-    grads: int
-    optimizer: int
-    pinned_overhead: int
-    activations: int = 0
-    trainable_numel: int = 0
-    frozen_numel: int = 0
-    master_dtype: torch.dtype | None = None
-    available: int | None = None
-
-    @property
-    def new_bytes(self) -> int:
-        """What wrapping and training add to the host beyond the weights already there."""
-        return self.masters + self.grads + self.optimizer + self.pinned_overhead + self.activations
-
-    @property
-    def total(self) -> int:
-        return self.weights + self.new_bytes
-
-    def rows(self) -> list[tuple[str, int]]:
-        """(label, bytes) of each term, for reports."""
-        dtype = str(self.master_dtype).removeprefix("torch.") if self.master_dtype else "masters'"
-        rows = [
-            ("model weights and buffers (allocated already)", self.weights),
-            (
-                f"master copies ({_count(self.trainable_numel)} trainable params, {dtype})",
-                self.masters,
-            ),
-            ("gradients of the masters", self.grads),
-            ("optimizer state (estimated as Adam: 2 x masters)", self.optimizer),
-            ("pinned pool padding and block slack", self.pinned_overhead),
-        ]
-        if self.activations:
-            rows.append(("activations held in host memory", self.activations))
-        return rows
-
-
-def _count(n: int) -> str:
-    for unit, scale in (("G", 1e9), ("M", 1e6), ("K", 1e3)):
-        if n >= scale:
-            return f"{n / scale:.2f}{unit}"
-    return str(n)
-
-
-def master_dtype_of(param: torch.Tensor, optim_dtype: torch.dtype | None) -> torch.dtype:
-    """The dtype of ``param``'s master: ``optim_dtype``, else fp32 for fp16/bf16 params, else
-    the param's own (as the runtime makes them)."""
-    if optim_dtype is not None:
-        return optim_dtype
-    return torch.float32 if param.dtype in (torch.float16, torch.bfloat16) else param.dtype
-
-
-def host_terms(
-    module: nn.Module,
-    optim_dtype: torch.dtype | None,
-    pinned: PinnedAllocator | None,
-    available: int | None = None,
-) -> HostTerms:
-    """What wrapping ``module`` takes from the host, term by term (see :class:`HostTerms`);
-    ``pinned``: the pool's allocator on an accelerator pool (None: nothing pinned). Reads
-    shapes only. Main thread."""
-    tensors: dict[int, torch.Tensor] = {}
-    for t in list(module.parameters()) + list(module.buffers()):
-        tensors[id(t)] = t
-    weights = sum(g.hi - g.lo for g in _groups(t for t in tensors.values() if t.numel() > 0))
-    masters = trainable = frozen = 0
-    dtypes = set()
-    for p in module.parameters():
-        if p.requires_grad:
-            dtype = master_dtype_of(p, optim_dtype)
-            dtypes.add(dtype)
-            masters += p.numel() * dtype.itemsize
-            trainable += p.numel()
-        else:
-            frozen += p.numel()
-    overhead = pinned_layout(module, pinned).overhead if pinned is not None else 0
-    return HostTerms(
-        weights=weights,
-        masters=masters,
-        grads=masters,
-        optimizer=2 * masters,
-        pinned_overhead=overhead,
-        trainable_numel=trainable,
-        frozen_numel=frozen,
-        master_dtype=next(iter(dtypes)) if len(dtypes) == 1 else None,
-        available=available,
-    )
-
-
-def check_host_memory(terms: HostTerms, what: str, offload_activations: bool = False) -> None:
-    """Raise :class:`HostMemoryError` if ``terms.new_bytes`` exceeds ``terms.available``
-    (unknown availability passes). ``what`` names the model in the message."""
-    if terms.available is None or terms.new_bytes <= terms.available:
-        return
-    lines = [
-        f"{what} would allocate about {format_bytes(terms.new_bytes)} of host RAM, more than "
-        f"the {format_bytes(terms.available)} available (MemAvailable, or the memory cgroup's "
-        f"limit minus its usage): the process would be killed by the OOM killer mid-run.",
-    ]
-    width = max(len(label) for label, _ in terms.rows())
-    for label, nbytes in terms.rows():
-        lines.append(f"  {label:<{width}}  {format_bytes(nbytes):>10}")
-    lines.append(
-        f"  {'to allocate (all but the weights)':<{width}}  {format_bytes(terms.new_bytes):>10}"
-    )
-    lines.append(f"  {'available':<{width}}  {format_bytes(terms.available):>10}")
-    options = [
-        "train LoRA adapters on a frozen base (requires_grad_(False) on the base parameters "
-        "before wrapping): frozen parameters get no master, gradient or optimizer state",
-        "keep the masters in bf16: RoundPipe(..., optim_dtype=torch.bfloat16) halves the "
-        "masters, their gradients and the optimizer state (less precise updates)",
-    ]
-    if terms.pinned_overhead > terms.weights // 20:
-        options.append(
-            "let torch's pinned allocator take large blocks at their size "
-            "(PYTORCH_ALLOC_CONF=pinned_max_round_threshold_mb:64): the pinned pool then takes "
-            "the weights' bytes, not the next powers of two"
-        )
-    if offload_activations:
-        options.append(
-            "offload_activations=True keeps the stage inputs in pinned host memory: turn it "
-            "off or use fewer microbatches"
-        )
-    options.append(
-        "if the estimate is wrong for your optimizer (it assumes Adam's two moments per "
-        f"master), skip this check: RoundPipe(..., memory_check=False) or {SKIP_CHECK_ENV}=1"
-    )
-    lines.append("Options:")
-    lines.extend(f"  - {o}" for o in options)
-    raise HostMemoryError("\n".join(lines))

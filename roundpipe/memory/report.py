@@ -1,13 +1,14 @@
 """Memory plans: what a call of a wrapped model takes, host and devices, before it runs
-(:class:`MemoryPlan`, made by ``RoundPipe.memory_plan``), and the check of the first
-``forward_backward`` (:func:`check_device_memory`, :class:`DeviceMemoryError`).
+(:class:`MemoryPlan`, made by ``RoundPipe.memory_plan``; ``str(plan)`` is the report), and each
+device's planned peak (:func:`plan_devices`), which the check of the first ``forward_backward``
+(:func:`roundpipe.memory.checks.check_device_memory`) reads.
 
-* Host terms: :func:`roundpipe.host_memory.host_terms` (weights, masters, their gradients, an
+* Host terms: :func:`roundpipe.memory.host.host_terms` (weights, masters, their gradients, an
   Adam-sized optimizer state, the pinned pool's slack), here with the gradients' pinned
   downloads and the stage inputs an accelerator offloads to the host, or, on a CPU pool, the
   activations.
 * Device terms: the plan's program walked by :func:`roundpipe.plan.device_peaks`, with each
-  stage's activations traced on fake tensors (:mod:`roundpipe.runtime.memory_trace`).
+  stage's activations traced on fake tensors (:mod:`roundpipe.memory.trace`).
 
 Main thread.
 """
@@ -23,33 +24,20 @@ from torch.utils import _pytree as pytree
 
 from roundpipe.autocast import AutocastState
 from roundpipe.devices import DevicePool
-from roundpipe.host_memory import (
-    SKIP_CHECK_ENV,
-    HostTerms,
-    format_bytes,
-    pool_layout,
-)
+from roundpipe.devices.pinned import pool_layout
+from roundpipe.memory.host import HostTerms, format_bytes
+from roundpipe.memory.trace import StageNotTraceable, StageTraces, trace_stages
 from roundpipe.plan import ActionBytes, ActionKind, Plan, StageBytes, device_peaks
 from roundpipe.plan.memory import TERMS
-from roundpipe.runtime.memory_trace import StageNotTraceable, StageTraces, trace_stages
 from roundpipe.runtime.stages import Stage
 
 __all__ = [
     "DeviceMemory",
-    "DeviceMemoryError",
     "MemoryPlan",
     "PlannedCall",
     "StageMemory",
-    "check_device_memory",
     "make_memory_plan",
 ]
-
-
-class DeviceMemoryError(torch.OutOfMemoryError):
-    """A call's planned peak on a device exceeds what the device has free, found before
-    anything of the call was allocated. A ``torch.OutOfMemoryError``, so code that handles
-    out-of-memory (a smaller batch, say) handles it too; the message gives the numbers and
-    the options."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,7 +97,7 @@ class PlannedCall:
 
 @dataclasses.dataclass(frozen=True)
 class MemoryPlan:
-    """What a call takes, before it runs: ``host`` (:class:`roundpipe.host_memory.HostTerms`),
+    """What a call takes, before it runs: ``host`` (:class:`roundpipe.memory.host.HostTerms`),
     ``devices`` (a :class:`DeviceMemory` per device of an accelerator pool; empty on a CPU
     pool, whose stages compute in host memory), the microbatches it was planned with, the
     stages whose activations are not counted (``untraced``: stage -> the
@@ -236,7 +224,7 @@ def _stage_bytes(stage: Stage, grad_dtype: torch.dtype | None) -> StageBytes:
 
 def trace_call(call: PlannedCall, real_runs: bool = True) -> StageTraces:
     """Trace ``call``'s stages on fake tensors on the pool's first device (``real_runs``: see
-    :func:`roundpipe.runtime.memory_trace.trace_stages`)."""
+    :func:`roundpipe.memory.trace.trace_stages`)."""
     device = call.pool.backends[0].torch_device
     return trace_stages(
         call.stages,
@@ -382,58 +370,3 @@ def _stage_rows(call: PlannedCall | None, traces: StageTraces | None) -> tuple[S
             backward = x.backward_peak if call.training else None
             rows.append(StageMemory(s, stage.upload_bytes, x.input, x.forward_peak, backward))
     return tuple(rows)
-
-
-def check_device_memory(devices: Sequence[DeviceMemory], what: str, cfg: Any) -> None:
-    """Raise :class:`DeviceMemoryError` if a device's planned peak exceeds what it has free
-    (unknown passes). ``cfg``: the resolved run config, for the options."""
-    over = [d for d in devices if not d.fits]
-    if not over:
-        return
-    dev = over[0]
-    assert dev.available is not None
-    lines = [
-        f"{what}: this forward_backward would need about {format_bytes(dev.peak + dev.reserve)} "
-        f"on {dev.device}, which has {format_bytes(dev.available)} free (planned before "
-        f"allocating anything; the peak is during {dev.at}):"
-    ]
-    terms = list(dev.terms)
-    if dev.reserve:
-        terms.append((f"reserve ({dev.reserve_note})", dev.reserve))
-    width = max(len(t) for t, _ in terms) if terms else 10
-    for term, nbytes in terms:
-        lines.append(f"  {term:<{width}}  {format_bytes(nbytes):>10}")
-    for other in over[1:]:
-        lines.append(
-            f"  ({other.device} too: {format_bytes(other.peak)} of "
-            f"{format_bytes(other.available or 0)} free)"
-        )
-    options = [
-        f"more microbatches (num_microbatch={cfg.num_microbatch * 2}): smaller activations "
-        f"per action",
-    ]
-    if not cfg.offload_activations:
-        options.append(
-            "offload_activations=True: the stage inputs kept for the backward wait in host memory"
-        )
-    if cfg.device_memory_budget == "none":
-        options.append(
-            'device_memory_budget="auto": prefetch and keep stage inputs only where they fit'
-        )
-    if not cfg.recompute:
-        options.append("recompute=True: keep only each stage's input, not its activations")
-    options.append("shorter sequences or a smaller batch")
-    options.append(
-        "smaller stages (execute_plan / roundpipe.stages_by_size): a device holds two "
-        "stages' weights and gradient sums at once"
-    )
-    options.append(
-        "device_grad_dtype=torch.float16 (or bfloat16): gradient sums in the stage's dtype"
-    )
-    options.append(
-        f"to run anyway (the plan may be wrong for your model): RoundPipe(..., "
-        f"memory_check=False) or {SKIP_CHECK_ENV}=1"
-    )
-    lines.append("Options (RoundPipeRunConfig):")
-    lines.extend(f"  - {o}" for o in options)
-    raise DeviceMemoryError("\n".join(lines))

@@ -20,7 +20,8 @@ from typing import Any
 
 import torch
 
-from roundpipe.host_memory import host_memory_available, host_terms
+from roundpipe.memory.host import host_terms
+from roundpipe.memory.probe import host_memory_available
 
 __all__ = ["main", "plan_config"]
 
@@ -94,7 +95,7 @@ def plan_config(
     )
     ids = torch.zeros((batch_size, seq_len), dtype=torch.long)
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
-    plan = model.memory_plan(batch)
+    plan = model.memory_plan(input_kwargs=batch)
     # Stage inputs offloaded to the host: one per decoder layer, so scaled to the whole model.
     activations = plan.host.activations * max(layers, 1) // max(cut.num_hidden_layers, 1)
     host = dataclasses.replace(host, activations=activations)

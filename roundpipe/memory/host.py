@@ -1,0 +1,131 @@
+"""The host RAM a wrapped model takes, term by term: :func:`host_terms` and :class:`HostTerms`
+(weights, masters, their gradients, an Adam-sized optimizer state, the pinned pool's slack, the
+activations held on the host), the masters' dtype rule (:func:`master_dtype_of`) and how bytes
+are written (:func:`format_bytes`). Main thread (wrap time), except the pure helpers."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+
+from roundpipe.devices.pinned import PinnedAllocator, pinned_layout, storage_bytes
+
+__all__ = ["HostTerms", "format_bytes", "host_terms", "master_dtype_of"]
+
+
+def format_bytes(nbytes: float) -> str:
+    """``1.50 GiB``, ``12.0 MiB``, ``512 B``: for reports and messages."""
+    value = float(nbytes)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(value) < 1024 or unit == "GiB":
+            break
+        value /= 1024
+    if unit == "B":
+        return f"{int(value)} B"
+    return f"{value:.2f} {unit}" if abs(value) < 10 else f"{value:.1f} {unit}"
+
+
+@dataclasses.dataclass(frozen=True)
+class HostTerms:
+    """The host RAM of a wrapped model, term by term (bytes).
+
+    ``weights``: the model's own parameters and buffers (allocated already, by the caller);
+    ``masters``: the master copies of the trainable parameters (``optim_dtype``);
+    ``grads``: the masters' gradients (one per master, in its dtype);
+    ``optimizer``: the optimizer's state, estimated as Adam's (two moments per master);
+    ``pinned_overhead``: what the pinned pool takes beyond the weights' bytes (padding and
+    block slack, see [Note: the pinned pool]; 0 on a CPU pool, which pins nothing);
+    ``activations``: host bytes of stage inputs offloaded to the host (or, on a CPU pool, the
+    activations), when known (``memory_plan`` with inputs), else 0.
+    ``available``: :func:`host_memory_available` when measured (None: unknown)."""
+
+    weights: int
+    masters: int
+    grads: int
+    optimizer: int
+    pinned_overhead: int
+    activations: int = 0
+    trainable_numel: int = 0
+    frozen_numel: int = 0
+    master_dtype: torch.dtype | None = None
+    available: int | None = None
+
+    @property
+    def new_bytes(self) -> int:
+        """What wrapping and training add to the host beyond the weights already there."""
+        return self.masters + self.grads + self.optimizer + self.pinned_overhead + self.activations
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.new_bytes
+
+    def rows(self) -> list[tuple[str, int]]:
+        """(label, bytes) of each term, for reports."""
+        dtype = str(self.master_dtype).removeprefix("torch.") if self.master_dtype else "masters'"
+        rows = [
+            ("model weights and buffers (allocated already)", self.weights),
+            (
+                f"master copies ({_count(self.trainable_numel)} trainable params, {dtype})",
+                self.masters,
+            ),
+            ("gradients of the masters", self.grads),
+            ("optimizer state (estimated as Adam: 2 x masters)", self.optimizer),
+            ("pinned pool padding and block slack", self.pinned_overhead),
+        ]
+        if self.activations:
+            rows.append(("activations held in host memory", self.activations))
+        return rows
+
+
+def _count(n: int) -> str:
+    for unit, scale in (("G", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f}{unit}"
+    return str(n)
+
+
+def master_dtype_of(param: torch.Tensor, optim_dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype of ``param``'s master: ``optim_dtype``, else fp32 for fp16/bf16 params, else
+    the param's own (as the runtime makes them)."""
+    if optim_dtype is not None:
+        return optim_dtype
+    return torch.float32 if param.dtype in (torch.float16, torch.bfloat16) else param.dtype
+
+
+def host_terms(
+    module: nn.Module,
+    optim_dtype: torch.dtype | None,
+    pinned: PinnedAllocator | None,
+    available: int | None = None,
+) -> HostTerms:
+    """What wrapping ``module`` takes from the host, term by term (see :class:`HostTerms`);
+    ``pinned``: the pool's allocator on an accelerator pool (None: nothing pinned). Reads
+    shapes only. Main thread."""
+    tensors: dict[int, torch.Tensor] = {}
+    for t in list(module.parameters()) + list(module.buffers()):
+        tensors[id(t)] = t
+    weights = storage_bytes(t for t in tensors.values() if t.numel() > 0)
+    masters = trainable = frozen = 0
+    dtypes = set()
+    for p in module.parameters():
+        if p.requires_grad:
+            dtype = master_dtype_of(p, optim_dtype)
+            dtypes.add(dtype)
+            masters += p.numel() * dtype.itemsize
+            trainable += p.numel()
+        else:
+            frozen += p.numel()
+    overhead = pinned_layout(module, pinned).overhead if pinned is not None else 0
+    return HostTerms(
+        weights=weights,
+        masters=masters,
+        grads=masters,
+        optimizer=2 * masters,
+        pinned_overhead=overhead,
+        trainable_numel=trainable,
+        frozen_numel=frozen,
+        master_dtype=next(iter(dtypes)) if len(dtypes) == 1 else None,
+        available=available,
+    )

@@ -1,0 +1,126 @@
+"""What the facade asks of memory for a call: :meth:`RoundPipe.memory_plan` (plan a call
+before it runs) and the device check at the first ``forward_backward`` on an accelerator pool.
+The counting itself is :mod:`roundpipe.memory.report`'s; this module builds its
+:class:`PlannedCall` from what the runtime already has (a :class:`ModelParts`, or the
+:class:`CallSpec` of a call about to run). Main thread.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from roundpipe.devices import DevicePool
+from roundpipe.devices.pinned import PinnedAllocator, pool_layout
+from roundpipe.memory.checks import check_device_memory
+from roundpipe.memory.host import host_terms
+from roundpipe.memory.probe import host_memory_available
+from roundpipe.memory.report import (
+    MemoryPlan,
+    PlannedCall,
+    make_memory_plan,
+    plan_devices,
+    trace_call,
+)
+from roundpipe.microbatch import split_inputs, split_label
+from roundpipe.runtime.call import (
+    CallSpec,
+    ModelParts,
+    device_grad_dtype,
+    plan_call,
+    takes_microbatch,
+)
+from roundpipe.runtime.config import ResolvedRunConfig
+
+__all__ = ["CallArgs", "check_call_memory", "memory_plan_of", "pinned_allocator"]
+
+
+def pinned_allocator(pool: DevicePool) -> PinnedAllocator | None:
+    """The pinned allocator of an accelerator pool (None: a CPU pool pins nothing)."""
+    return pool.accelerators[0].pinned if pool.streaming else None
+
+
+@dataclasses.dataclass(frozen=True)
+class CallArgs:
+    """The arguments of the ``forward_backward`` a memory plan is made for."""
+
+    args: tuple
+    kwargs: dict
+    label: Any
+    loss_fn: Callable | None
+    return_outputs: bool
+
+
+def _planned_call(parts: ModelParts, cfg: ResolvedRunConfig, call: CallArgs) -> PlannedCall:
+    args, kwargs, label, loss_fn = call.args, call.kwargs, call.label, call.loss_fn
+    chunks: list = []
+    sizes: list[int] = []
+    labels: list = []
+    if args or kwargs:
+        chunks, sizes = split_inputs(args, kwargs, cfg.num_microbatch, cfg.split_input)
+        labels = split_label(label, cfg.num_microbatch, sizes, cfg.split_label)
+    stages, autocast, plan = plan_call(parts, cfg, True, chunks or None)
+    return PlannedCall(
+        stages=stages,
+        plan=plan,
+        pool=parts.pool,
+        chunks=chunks,
+        sizes=sizes,
+        labels=labels,
+        loss_fn=loss_fn,
+        loss_takes_microbatch=loss_fn is not None and takes_microbatch(loss_fn),
+        cast_dtype=parts.cast_dtype,
+        autocast=autocast,
+        grad_dtype=device_grad_dtype(parts.pool, cfg),
+        training=True,
+        return_outputs=call.return_outputs,
+    )
+
+
+def _pinned_grad_bytes(call: PlannedCall, pinned: PinnedAllocator | None) -> int | None:
+    """Host bytes of the masters' gradients on an accelerator pool, where each stage's are
+    downloaded into one pinned pool and adopted as the masters' ``.grad`` (None: not
+    adopted, or a CPU pool)."""
+    if pinned is None:
+        return None
+    dtype = call.grad_dtype
+    total = 0
+    for stage in call.stages:
+        sizes = []
+        for rec in stage.params:
+            if rec.master is None or not rec.param.requires_grad:
+                continue
+            if dtype is not None and dtype != rec.master.dtype:
+                return None
+            sizes.append(rec.master.numel() * rec.master.element_size())
+        total += pool_layout(sizes, pinned).taken
+    return total
+
+
+def memory_plan_of(
+    parts: ModelParts,
+    module: nn.Module,
+    optim_dtype: torch.dtype | None,
+    cfg: ResolvedRunConfig,
+    call: CallArgs,
+) -> MemoryPlan:
+    """:meth:`RoundPipe.memory_plan`: the host terms of ``module`` and the planned call."""
+    pinned = pinned_allocator(parts.pool)
+    terms = host_terms(module, optim_dtype, pinned, host_memory_available())
+    planned = _planned_call(parts, cfg, call)
+    return make_memory_plan(parts.tag, terms, planned, _pinned_grad_bytes(planned, pinned))
+
+
+def check_call_memory(spec: CallSpec, what: str, cfg: ResolvedRunConfig) -> None:
+    """Raise :class:`roundpipe.DeviceMemoryError` before anything of the call ``spec`` is
+    allocated if its planned peak does not fit a device. The user's ``loss_fn`` is not called
+    (it may count or log its calls): a stand-in loss is traced instead, and a stage fake
+    tensors cannot run counts no activations (no real run either), so the check never refuses
+    a run on what it could not see."""
+    shared = {f.name: getattr(spec, f.name) for f in dataclasses.fields(PlannedCall)}
+    call = PlannedCall(**{**shared, "loss_fn": None, "loss_takes_microbatch": False})
+    check_device_memory(plan_devices(call, trace_call(call, real_runs=False)), what, cfg)
