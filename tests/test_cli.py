@@ -121,3 +121,98 @@ def test_plan_of_a_transformers_config_reports_host_and_device(tmp_path, lora):
     # LoRA: A (4 x in) and B (out x 4) on q, o (64 -> 64) and k, v (64 -> 32) of six layers.
     trained = 6 * (2 * (4 * 64 + 64 * 4) + 2 * (4 * 64 + 32 * 4)) if lora else total
     assert f"({trained / 1e3:.2f}K trainable params" in out, out
+
+
+def _tiny_config(tmp_path):
+    config = {
+        "model_type": "llama",
+        "vocab_size": 512,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 256,
+    }
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    return path
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [("24GiB", 24 << 30), ("24GB", 24 * 10**9), ("512 MiB", 512 << 20), ("1e9", 10**9)],
+)
+def test_sizes_are_read_as_people_write_them(text, expected):
+    from roundpipe.hf.memory_cli import parse_size
+
+    assert parse_size(text) == expected
+
+
+def test_a_size_without_a_known_unit_is_refused_with_examples():
+    from roundpipe.hf.memory_cli import parse_size
+
+    with pytest.raises(ValueError, match="24GiB"):
+        parse_size("24 gigs")
+
+
+def test_a_plan_from_a_config_counts_the_weights_against_the_host(tmp_path):
+    pytest.importorskip("transformers")
+    from roundpipe.hf.memory_cli import plan_config
+
+    path = _tiny_config(tmp_path)
+    plan = plan_config(str(path), seq_len=32, devices="emu", host_memory=10**9)
+    host = plan.host
+    assert not host.weights_allocated and host.available == 10**9
+    assert host.new_bytes == host.total  # nothing of it exists yet
+    assert "model weights and buffers (to allocate)" in str(plan)
+    # The weights alone push it over: a host that holds everything but them does not fit.
+    squeezed = plan_config(
+        str(path), seq_len=32, devices="emu", host_memory=host.total - host.weights // 2
+    )
+    assert not squeezed.fits
+
+
+def test_a_plan_for_a_named_gpu_uses_its_memory_and_reserve(tmp_path):
+    pytest.importorskip("transformers")
+    from roundpipe.devices.accelerator import cublas_workspace_bytes, device_reserve
+    from roundpipe.hf.memory_cli import CUDA_CONTEXT, GPUS, plan_config
+
+    total, major = GPUS["rtx4090"]
+    plan = plan_config(
+        str(_tiny_config(tmp_path)),
+        seq_len=32,
+        devices="emu",
+        device_memory=total,
+        compute_capability=major,
+    )
+    (dev,) = plan.devices
+    assert dev.available == total - CUDA_CONTEXT
+    assert (dev.reserve, dev.reserve_note) == device_reserve(dev.peak, cublas_workspace_bytes(8))
+    assert dev.fits and plan.fits
+
+
+@pytest.mark.slow
+def test_the_plan_command_says_what_to_change_when_it_does_not_fit(tmp_path):
+    pytest.importorskip("transformers")
+    path = _tiny_config(tmp_path)
+    proc = run_cli(
+        "plan", str(path), "--seq-len", "32", "--devices", "emu",
+        "--device-memory", "520MiB", "--host-memory", "1MiB",
+    )  # fmt: skip
+    out = proc.stdout
+    assert proc.returncode == 1, out + proc.stderr
+    for expected in (
+        "DOES NOT FIT. What would make it fit:",
+        "host RAM:",
+        "--lora 16",
+        "device emu:0:",
+        "--offload-activations",
+        "--seq-len below 32",
+    ):
+        assert expected in out, (expected, out)
+    proc = run_cli("plan", str(path), "--seq-len", "32", "--gpu", "rtx4090", "--devices", "emu")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "of 23.49 GiB free" in proc.stdout or "GiB free" in proc.stdout
+    bad = run_cli("plan", str(path), "--seq-len", "32", "--device-memory", "24 gigs")
+    assert bad.returncode == 2 and "24GiB" in bad.stderr

@@ -7,6 +7,13 @@ no weights are allocated). The device peak comes from :meth:`HFRoundPipe.memory_
 same architecture cut to two decoder layers, built for real at the chosen dtype: the stages
 stream through a device one at a time, so every decoder layer past the second adds host bytes
 but not device bytes.
+
+The question it answers is "does it fit on my machine": ``--device-memory 24GiB`` or ``--gpu
+rtx4090`` (:data:`GPUS`) plans against that GPU instead of the local device, with the reserve a
+GPU needs beside the tensors (see [Note: the device reserve] in
+:mod:`roundpipe.devices.accelerator`), and ``--host-memory`` against that much RAM. Planned
+from a config, the weights do not exist yet, so they count against the host like every other
+term. When it does not fit, the report ends with what to change.
 """
 
 from __future__ import annotations
@@ -16,16 +23,49 @@ import copy
 import dataclasses
 import json
 import os
+import re
 from typing import Any
 
 import torch
 
-from roundpipe.memory.host import host_terms
+from roundpipe.memory.host import format_bytes, host_terms
 from roundpipe.memory.probe import host_memory_available
 
-__all__ = ["main", "plan_config"]
+__all__ = ["GPUS", "CUDA_CONTEXT", "main", "parse_size", "plan_config"]
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+_MIB = 1 << 20
+# GPU name -> (total memory as nvidia-smi reports it, compute capability's major version).
+GPUS: dict[str, tuple[int, int]] = {
+    "rtx3090": (24576 * _MIB, 8),
+    "rtx4080": (16376 * _MIB, 8),
+    "rtx4090": (24564 * _MIB, 8),
+    "rtx5090": (32607 * _MIB, 12),
+    "l4": (23034 * _MIB, 8),
+    "a100-40gb": (40960 * _MIB, 8),
+    "a100-80gb": (81920 * _MIB, 8),
+    "h100": (81559 * _MIB, 9),
+}
+# What the CUDA context takes of a GPU before the first tensor (it varies with the driver and
+# the libraries loaded; about this much with torch's CUDA libraries on a recent driver).
+CUDA_CONTEXT = 512 * _MIB
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+_UNITS.update({"kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12})
+_UNITS.update({"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40})
+
+
+def parse_size(text: str) -> int:
+    """Bytes of a size as people write it: ``24GiB``, ``24GB`` (10**9), ``512 MiB``, ``1e9``."""
+    match = re.fullmatch(r"\s*([0-9.]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _UNITS:
+        raise ValueError(
+            f"cannot read {text!r} as a size: write a number and a unit, e.g. 24GiB, 24GB, "
+            f"512MiB (GiB = 2**30 bytes, GB = 10**9)"
+        )
+    return int(float(match.group(1)) * _UNITS[unit])
 
 
 def _load_config(path: str) -> Any:
@@ -61,10 +101,16 @@ def plan_config(
     lora: int = 0,
     devices: str | None = None,
     offload_activations: bool = False,
+    device_memory: int | None = None,
+    compute_capability: int = 9,
+    host_memory: int | None = None,
 ) -> Any:
     """The :class:`roundpipe.MemoryPlan` of training the causal LM that ``path`` (a config.json
     or a local model directory) describes: host terms for the whole model, device peaks from a
-    two-layer cut of it (see the module doc)."""
+    two-layer cut of it (see the module doc). ``device_memory``: plan against a GPU of that
+    many bytes (its total: the CUDA context is taken off) and compute capability
+    ``compute_capability`` instead of the local device; ``host_memory``: against that much host
+    RAM instead of what this machine has free."""
     from transformers import AutoModelForCausalLM
 
     import roundpipe
@@ -74,7 +120,10 @@ def plan_config(
     with torch.device("meta"):
         whole = _with_lora(AutoModelForCausalLM.from_config(config, dtype=dtype), lora)
     # Shapes only: the meta model's terms are the whole model's (nothing pinned is counted).
-    host = host_terms(whole, optim_dtype, None, host_memory_available())
+    available = host_memory if host_memory is not None else host_memory_available()
+    host = dataclasses.replace(
+        host_terms(whole, optim_dtype, None, available), weights_allocated=False
+    )
     layers = int(config.num_hidden_layers)
 
     cut = copy.deepcopy(config)
@@ -99,7 +148,53 @@ def plan_config(
     # Stage inputs offloaded to the host: one per decoder layer, so scaled to the whole model.
     activations = plan.host.activations * max(layers, 1) // max(cut.num_hidden_layers, 1)
     host = dataclasses.replace(host, activations=activations)
-    return dataclasses.replace(plan, host=host, name=f" {type(small).__name__} ({path})")
+    devs = plan.devices
+    if device_memory is not None:
+        from roundpipe.devices.accelerator import cublas_workspace_bytes, device_reserve
+
+        workspace = cublas_workspace_bytes(compute_capability)
+        devs = tuple(
+            dataclasses.replace(
+                d,
+                available=device_memory - CUDA_CONTEXT,
+                reserve=device_reserve(d.peak, workspace)[0],
+                reserve_note=device_reserve(d.peak, workspace)[1],
+            )
+            for d in devs
+        )
+    return dataclasses.replace(
+        plan, host=host, devices=devs, name=f" {type(small).__name__} ({path})"
+    )
+
+
+def what_to_change(plan: Any, *, lora: int, offload_activations: bool, seq_len: int) -> list[str]:
+    """Lines naming what would make a plan that does not fit fit."""
+    lines = []
+    host = plan.host
+    if host.available is not None and host.new_bytes > host.available:
+        short = host.new_bytes - host.available
+        lines.append(f"  host RAM: {format_bytes(short)} more (or any of these):")
+        if not lora:
+            lines.append(
+                "    --lora 16: only the adapters get masters, gradients and optimizer state"
+            )
+        lines.append(
+            "    --optim-dtype bf16: masters, gradients and optimizer state in half the bytes"
+        )
+    for dev in plan.devices:
+        if dev.fits:
+            continue
+        short = dev.peak + dev.reserve - (dev.available or 0)
+        lines.append(f"  device {dev.device}: {format_bytes(short)} less at the peak:")
+        if not offload_activations:
+            lines.append("    --offload-activations: stage inputs kept for recompute on the host")
+        lines.append(
+            "    --num-microbatch N (larger) with --batch-size N: fewer tokens per microbatch"
+        )
+        lines.append(f"    --seq-len below {seq_len}: activations grow with the tokens")
+        if not lora:
+            lines.append("    --lora 16: no gradient sums of the full weights on the device")
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -125,7 +220,32 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="keep stage inputs in host memory (RoundPipeRunConfig.offload_activations)",
     )
+    parser.add_argument(
+        "--device-memory",
+        metavar="SIZE",
+        help="plan against a GPU of this total memory, e.g. 24GiB (default: the local device)",
+    )
+    parser.add_argument(
+        "--gpu",
+        choices=sorted(GPUS),
+        help="plan against this GPU's memory and workspaces (default: the local device)",
+    )
+    parser.add_argument(
+        "--host-memory",
+        metavar="SIZE",
+        help="plan against this much host RAM, e.g. 128GiB (default: what is free here)",
+    )
     args = parser.parse_args(argv)
+    try:
+        device_memory = parse_size(args.device_memory) if args.device_memory else None
+        host_memory = parse_size(args.host_memory) if args.host_memory else None
+    except ValueError as exc:
+        parser.error(str(exc))
+    major = 9
+    if args.gpu:
+        if device_memory is not None:
+            parser.error("give --gpu or --device-memory, not both")
+        device_memory, major = GPUS[args.gpu]
     plan = plan_config(
         args.config,
         seq_len=args.seq_len,
@@ -136,6 +256,16 @@ def main(argv: list[str] | None = None) -> int:
         lora=args.lora,
         devices=args.devices,
         offload_activations=args.offload_activations,
+        device_memory=device_memory,
+        compute_capability=major,
+        host_memory=host_memory,
     )
     print(plan)
+    if not plan.fits:
+        print("DOES NOT FIT. What would make it fit:")
+        for line in what_to_change(
+            plan, lora=args.lora, offload_activations=args.offload_activations, seq_len=args.seq_len
+        ):
+            print(line)
+        return 1
     return 0

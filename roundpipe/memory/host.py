@@ -39,7 +39,10 @@ class HostTerms:
     block slack, see [Note: the pinned pool]; 0 on a CPU pool, which pins nothing);
     ``activations``: host bytes of stage inputs offloaded to the host (or, on a CPU pool, the
     activations), when known (``memory_plan`` with inputs), else 0.
-    ``available``: :func:`host_memory_available` when measured (None: unknown)."""
+    ``available``: :func:`host_memory_available` when measured (None: unknown);
+    ``weights_allocated``: whether the weights exist already (a model being wrapped) or are
+    still to be allocated (a plan from a config), in which case they count against
+    ``available`` too."""
 
     weights: int
     masters: int
@@ -51,21 +54,28 @@ class HostTerms:
     frozen_numel: int = 0
     master_dtype: torch.dtype | None = None
     available: int | None = None
+    weights_allocated: bool = True
 
     @property
     def new_bytes(self) -> int:
-        """What wrapping and training add to the host beyond the weights already there."""
-        return self.masters + self.grads + self.optimizer + self.pinned_overhead + self.activations
+        """What is still to be allocated: what wrapping and training add to the host, and the
+        weights when they do not exist yet."""
+        added = self.masters + self.grads + self.optimizer + self.pinned_overhead + self.activations
+        return added if self.weights_allocated else added + self.weights
 
     @property
     def total(self) -> int:
-        return self.weights + self.new_bytes
+        return self.new_bytes + (self.weights if self.weights_allocated else 0)
 
     def rows(self) -> list[tuple[str, int]]:
         """(label, bytes) of each term, for reports."""
         dtype = str(self.master_dtype).removeprefix("torch.") if self.master_dtype else "masters'"
         rows = [
-            ("model weights and buffers (allocated already)", self.weights),
+            (
+                "model weights and buffers "
+                + ("(allocated already)" if self.weights_allocated else "(to allocate)"),
+                self.weights,
+            ),
             (
                 f"master copies ({_count(self.trainable_numel)} trainable params, {dtype})",
                 self.masters,

@@ -174,9 +174,12 @@ class MemoryPlan:
             lines.append(f"  {label:<{width}} {format_bytes(nbytes):>11}")
         lines.append(f"  {'total':<{width}} {format_bytes(host.total):>11}")
         if host.available is not None:
+            available_label = "available to allocate" + (
+                " (all but the weights)" if host.weights_allocated else ""
+            )
             verdict = "fits" if host.new_bytes <= host.available else "DOES NOT FIT"
             lines.append(
-                f"  {'available to allocate (all but the weights)':<{width}} "
+                f"  {available_label:<{width}} "
                 f"{format_bytes(host.available):>11}  {verdict}: "
                 f"{format_bytes(host.new_bytes)} to allocate"
             )
