@@ -16,20 +16,21 @@ from roundpipe import GradScaler, OptimizerCtx, RoundPipeRunConfig  # noqa: E402
 from roundpipe.testing import emu  # noqa: E402
 
 VOCAB = 96
+# The shape every tiny test model of a family starts from.
+TINY = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    tie_word_embeddings=False,
+)
 
 
 def config(family, **extra):
-    common = dict(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-    )
-    common.update(extra)
+    common = {**TINY, **extra}
     if family == "llama":
         return transformers.LlamaConfig(**common)
     if family == "mistral":  # a window shorter than the batch's rows: the mask matters

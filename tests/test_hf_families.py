@@ -13,7 +13,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from test_hf import VOCAB, master_grads, padded_batch, twins  # noqa: E402
+from test_hf import TINY, master_grads, padded_batch, twins  # noqa: E402
 
 import roundpipe  # noqa: E402
 from roundpipe import RoundPipeRunConfig  # noqa: E402
@@ -36,18 +36,10 @@ _CONFIGS = {
 def config(family, **extra):
     """A tiny config of ``family`` whose outside-the-layers arithmetic is turned on; ``extra``
     overrides any value."""
-    cls = getattr(transformers, _CONFIGS[family], None)
-    if cls is None:
-        pytest.skip(f"transformers {transformers.__version__} has no {_CONFIGS[family]}")
+    # Every supported transformers has every family's config: a missing one is a failure.
+    cls = getattr(transformers, _CONFIGS[family])
     values = dict(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
+        TINY,
         pad_token_id=0,  # the defaults of some (Phi-3's 32000) are outside a tiny vocabulary
         bos_token_id=1,
         eos_token_id=2,

@@ -153,15 +153,15 @@ def plan_config(
         from roundpipe.devices.accelerator import cublas_workspace_bytes, device_reserve
 
         workspace = cublas_workspace_bytes(compute_capability)
-        devs = tuple(
-            dataclasses.replace(
-                d,
-                available=device_memory - CUDA_CONTEXT,
-                reserve=device_reserve(d.peak, workspace)[0],
-                reserve_note=device_reserve(d.peak, workspace)[1],
+        gpu_devs = []
+        for d in devs:
+            reserve, note = device_reserve(d.peak, workspace)
+            gpu_devs.append(
+                dataclasses.replace(
+                    d, available=device_memory - CUDA_CONTEXT, reserve=reserve, reserve_note=note
+                )
             )
-            for d in devs
-        )
+        devs = tuple(gpu_devs)
     return dataclasses.replace(
         plan, host=host, devices=devs, name=f" {type(small).__name__} ({path})"
     )
