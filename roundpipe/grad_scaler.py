@@ -716,7 +716,13 @@ class GradScaler:
         """Whether ``step(optimizer)`` of this iteration skipped the update (inf/NaN gradients).
 
         Call it on the thread that called ``step`` (usually inside the step function), after
-        ``step`` and before ``update``. Syncs with the device that holds the gradients.
+        ``step`` and before ``update``.
+
+        .. warning::
+            Syncs with the device that holds the gradients.
+
+        Args:
+            optimizer: the optimizer given to this iteration's ``step``.
         """
         if not self._enabled:
             return False
@@ -954,19 +960,39 @@ class GradScaler:
         return getattr(self._mirror, name)
 
     def get_growth_factor(self, up_to_date: bool = False) -> float:
-        """The growth factor. Never blocks unless ``up_to_date`` (then waits for pending setters)."""
+        """The growth factor.
+
+        Args:
+            up_to_date: False (default): never block, the value the compute side sees now.
+                True: wait until every setter launched so far has been applied.
+        """
         return self._hyper_value("growth_factor", up_to_date)
 
     def get_backoff_factor(self, up_to_date: bool = False) -> float:
-        """The backoff factor. Never blocks unless ``up_to_date`` (then waits for pending setters)."""
+        """The backoff factor.
+
+        Args:
+            up_to_date: False (default): never block, the value the compute side sees now.
+                True: wait until every setter launched so far has been applied.
+        """
         return self._hyper_value("backoff_factor", up_to_date)
 
     def get_growth_interval(self, up_to_date: bool = False) -> int:
-        """The growth interval. Never blocks unless ``up_to_date`` (then waits for pending setters)."""
+        """The growth interval.
+
+        Args:
+            up_to_date: False (default): never block, the value the compute side sees now.
+                True: wait until every setter launched so far has been applied.
+        """
         return self._hyper_value("growth_interval", up_to_date)
 
     def get_hysteresis(self, up_to_date: bool = False) -> int:
-        """Consecutive overflows needed to back off. Never blocks unless ``up_to_date``."""
+        """Consecutive overflows needed to back off.
+
+        Args:
+            up_to_date: False (default): never block, the value the compute side sees now.
+                True: wait until every setter launched so far has been applied.
+        """
         return self._hyper_value("hysteresis", up_to_date)
 
     def _get_growth_tracker(self, up_to_date: bool = False) -> int:
@@ -982,8 +1008,12 @@ class GradScaler:
 
     def get_growth_tracker(self, up_to_date: bool = False) -> int:
         """Consecutive non-overflowing updates since the last growth or backoff (torch's
-        ``_get_growth_tracker``). Never blocks by default (value of the newest finished update);
-        ``up_to_date=True`` waits for every launched step and update."""
+        ``_get_growth_tracker``).
+
+        Args:
+            up_to_date: False (default): never block, the value of the newest finished update.
+                True: wait for every launched step and update.
+        """
         return self._get_growth_tracker(up_to_date)
 
     def _set_hyper(self, name: str, value: Any) -> None:
