@@ -187,6 +187,7 @@ def test_sft_trainer_equals_trls_with_the_synchronous_step(tmp_path, lora):
     datasets = pytest.importorskip("datasets")
     tokenizer, words = _tokenizer()
     data = datasets.Dataset.from_dict({"text": _sentences(words)})
+    evals = datasets.Dataset.from_dict({"text": _sentences(words, n=8, seed=9)})
 
     def config(out):
         base = training_args(out).to_dict()
@@ -230,6 +231,7 @@ def test_sft_trainer_equals_trls_with_the_synchronous_step(tmp_path, lora):
         model=model(),
         args=config(tmp_path / "plain"),
         train_dataset=data,
+        eval_dataset=evals,
         processing_class=tokenizer,
         peft_config=peft_config(),
     )
@@ -238,6 +240,7 @@ def test_sft_trainer_equals_trls_with_the_synchronous_step(tmp_path, lora):
         model=model(),
         args=config(tmp_path / "rp"),
         train_dataset=data,
+        eval_dataset=evals,
         processing_class=tokenizer,
         peft_config=peft_config(),
         async_step=False,
@@ -254,6 +257,21 @@ def test_sft_trainer_equals_trls_with_the_synchronous_step(tmp_path, lora):
     assert trained and (not lora or all("lora_" in n for n, _ in trained))
     for name, param in trained:
         torch.testing.assert_close(param.detach(), reference[name].detach(), rtol=1e-5, atol=1e-6)
+    # TRL's token metrics, logged at every step as TRL logs them (from roundpipe's head)
+    for key in ("entropy", "mean_token_accuracy", "num_tokens"):
+        got, want = _logged(ours.state.log_history, key), _logged(plain.state.log_history, key)
+        assert len(got) == len(want) == 20, key
+        torch.testing.assert_close(
+            torch.tensor(got, dtype=torch.float64),
+            torch.tensor(want, dtype=torch.float64),
+            rtol=1e-5,
+            atol=1e-6,
+        )
+    assert 0 < max(_logged(ours.state.log_history, "mean_token_accuracy")) < 1
+    # and in the evaluation, with TRL's eval loss
+    got_eval, want_eval = ours.evaluate(), plain.evaluate()
+    for key in ("eval_loss", "eval_entropy", "eval_mean_token_accuracy"):
+        assert got_eval[key] == pytest.approx(want_eval[key], rel=1e-5), key
 
 
 def _worker(mode, out, result):

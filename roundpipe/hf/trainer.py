@@ -71,6 +71,17 @@ __all__ = ["RoundPipeTrainerMixin", "Trainer", "unsupported_arguments"]
 # checkpoints are roundpipe.checkpoint's (every rank calls save at the same step, rank 0 writes;
 # every rank loads on resume).
 
+# [Note: TRL's token metrics]
+# TRL's SFTTrainer logs, for every batch of the step (each of its compute_loss calls), the mean
+# entropy of the model's distribution over the predicted tokens and the share of them whose most
+# likely token is the label, each a sum over every rank's batch divided by every rank's count,
+# and at a log the mean of those per-batch values since the last log; num_tokens is the running
+# count of attended input tokens over every rank. Here the head computes the per-token values
+# from each chunk's logits while they exist (chunked_causal_lm_loss(token_stats=True)) and
+# returns them summed per row with the loss; the step's loss_fn keeps them, the main thread
+# sums the rows of each batch after the call, and the log gathers the batches' sums over the
+# ranks (the same batches on every rank, in order) before dividing, as TRL does.
+
 # TrainingArguments that roundpipe cannot honour: (is it set, what to do instead).
 _UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "deepspeed": (
@@ -274,6 +285,10 @@ class RoundPipeTrainerMixin:
     :class:`roundpipe.distributed.DataParallel` that averages the gradients over the ranks (None
     in one process; see docs/distributed.md, "The Trainer"). Main thread only.
     """
+
+    # Whether the logs carry TRL's token metrics (entropy, mean_token_accuracy, num_tokens),
+    # computed in roundpipe's head (roundpipe.hf.SFTTrainer sets it).
+    _token_metrics = False
 
     def __init__(
         self,
@@ -599,6 +614,8 @@ class _TrainLoop:
         self.last_logged = t.state.global_step
         self.tokens_since_log = 0
         self.tokens_total = 0
+        self.batch_stats: list[torch.Tensor] = []  # per batch since the last log: TRL's sums
+        self.attended_since_log = 0
         self.log_clock = time.perf_counter()
         model.train()
         t.control = t.callback_handler.on_train_begin(args, t.state, t.control)
@@ -701,23 +718,35 @@ class _TrainLoop:
         ):
             factor = self.data_parallel.world_size
         scaler = self.scaler
-        if scaler is not None:
-            scale = scaler.get_scale()
+        scale = scaler.get_scale() if scaler is not None else 1.0
+        stages: Any = model.module
+        head = stages[-1]
+        # Each microbatch's rows of token statistics (the head's, [Note: TRL's token metrics]),
+        # by microbatch index; written by the workers, read after the call has returned.
+        mb_stats: dict[int, torch.Tensor] = {}
+
+        def loss_fn(out: Any, _: Any, mb: Any) -> torch.Tensor:
+            if isinstance(out, tuple):
+                out, mb_stats[mb.index] = out[0], out[1].detach()
+            out = out * factor if factor != 1 else out
+            return scaler.scale(out) if scaler is not None else out
+
+        head.token_stats = t._token_metrics
+        try:
             loss = model.forward_backward(
-                input_kwargs=batch,
-                loss_fn=lambda mb_loss, _: scaler.scale(mb_loss * factor),
-                run_config=run_config,
+                input_kwargs=batch, loss_fn=loss_fn, run_config=run_config
             )
-            value = float(loss) / scale
-        elif factor != 1:
-            loss = model.forward_backward(
-                input_kwargs=batch,
-                loss_fn=lambda mb_loss, _: mb_loss * factor,
-                run_config=run_config,
+        finally:
+            head.token_stats = False
+        value = float(loss) / scale
+        if t._token_metrics:
+            rows = torch.cat([mb_stats[i] for i in sorted(mb_stats)]).cpu()
+            sizes = [int(b["input_ids"].shape[0]) for b in batches]
+            self.batch_stats.extend(part.sum(dim=0) for part in rows.split(sizes))
+            self.attended_since_log += sum(
+                int(b["attention_mask"].sum()) if "attention_mask" in b else b["input_ids"].numel()
+                for b in batches
             )
-            value = float(loss)
-        else:
-            value = float(model.forward_backward(input_kwargs=batch, run_config=run_config))
         record = _StepRecord()
         self.record = record
         step_fn = self.step_fn
@@ -741,6 +770,8 @@ class _TrainLoop:
             self.loss_since_log = 0.0
             self.tokens_since_log = 0
             self.log_clock = now
+            if t._token_metrics:
+                logs.update(self._token_metric_logs())
             self.last_logged = t.state.global_step
             t.store_flos()
             self.pending.append(_PendingLog(logs, self.record, t.state.global_step, t.state.epoch))
@@ -751,6 +782,28 @@ class _TrainLoop:
         if t.control.should_save:
             self._save()
             t.control = t.callback_handler.on_save(t.args, t.state, t.control)
+
+    def _token_metric_logs(self) -> dict[str, float]:
+        """TRL's ``entropy``, ``mean_token_accuracy`` and ``num_tokens`` of the batches since
+        the last log (see [Note: TRL's token metrics]); every rank at the same log."""
+        t = self.t
+        sums = torch.stack(self.batch_stats) if self.batch_stats else torch.zeros(0, 3)
+        attended = torch.tensor([float(self.attended_since_log)], dtype=torch.float64)
+        self.batch_stats = []
+        self.attended_since_log = 0
+        if self.data_parallel is not None:
+            device = t.args.device
+            sums = t.accelerator.gather(sums.to(device)[None]).reshape(-1, *sums.shape).sum(0)
+            attended = t.accelerator.gather(attended.to(device)).sum().reshape(1)
+        sums, attended = sums.cpu(), attended.cpu()
+        valid = sums[:, 2]
+        ratios = torch.where(valid > 0, sums[:, :2] / valid.clamp(min=1)[:, None], 0.0)
+        t._total_train_tokens = getattr(t, "_total_train_tokens", 0) + int(attended.item())
+        logs = {"num_tokens": float(t._total_train_tokens)}
+        if len(ratios):
+            logs["entropy"] = float(ratios[:, 0].mean())
+            logs["mean_token_accuracy"] = float(ratios[:, 1].mean())
+        return logs
 
     def _over_ranks(self, loss: float, tokens: int) -> tuple[float, int]:
         """(the mean of ``loss`` over the ranks, the sum of ``tokens``): what the plain Trainer
@@ -776,6 +829,7 @@ class _TrainLoop:
             if logs["grad_norm"] is None:
                 del logs["grad_norm"]
             order = ["loss", "grad_norm", "learning_rate", "tokens_per_second", "loss_scale"]
+            order += ["entropy", "mean_token_accuracy", "num_tokens"]
             logs = {k: logs[k] for k in order if k in logs}
             now_step, now_epoch = t.state.global_step, t.state.epoch
             t.state.global_step, t.state.epoch = entry.global_step, entry.epoch
