@@ -199,3 +199,30 @@ def test_the_trainer_example_under_torchrun(tmp_path):
     assert out.count("train tokens/s") == 1  # rank 0 reports
     assert "reloaded in plain transformers" in out
     assert sorted(p.name for p in (tmp_path / "out").glob("checkpoint-*")) == ["checkpoint-4"]
+
+
+@pytest.mark.timeout(400)
+def test_sft_trainers_token_metrics_over_two_ranks_equal_one_process(tmp_path):
+    """TRL averages each batch's entropy and accuracy, pooled over the ranks: two ranks of 2
+    samples x 2 batches equal one process of 4 samples x 2 batches (the pooled batches)."""
+    pytest.importorskip("trl")
+    pytest.importorskip("datasets")
+    records, _ = _torchrun("sft", tmp_path / "two", tmp_path / "two")
+    trainer_dp_worker.run("sft", str(tmp_path / "one"), str(tmp_path / "one"))
+    one = torch.load(f"{tmp_path / 'one'}-rank0.pt", weights_only=False)
+    for key in ("loss", "grad_norm", "entropy", "mean_token_accuracy", "num_tokens"):
+        want = _logged(one, key)
+        assert len(want) == 6, key
+        for rank in records:
+            torch.testing.assert_close(
+                torch.tensor(_logged(rank, key), dtype=torch.float64),
+                torch.tensor(want, dtype=torch.float64),
+                rtol=1e-5,
+                atol=1e-6,
+            )
+    for name, value in one["masters"].items():
+        torch.testing.assert_close(records[0]["masters"][name], value, rtol=1e-5, atol=1e-6)
+    # The evaluation's: over two ranks TRL weighs the batches' tokens as one process does not
+    # (see the eval loss above), so the same metrics, each equal on both ranks.
+    for key in ("eval_loss", "eval_entropy", "eval_mean_token_accuracy"):
+        assert records[0]["eval"][key] == records[1]["eval"][key], key

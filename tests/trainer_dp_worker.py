@@ -4,9 +4,10 @@ one-process run at the same global batch (without torchrun's environment).
     torchrun --nproc-per-node 2 tests/trainer_dp_worker.py MODE OUTPUT_DIR RESULT
     python tests/trainer_dp_worker.py MODE OUTPUT_DIR RESULT
 
-MODE: ``full`` (12 steps), ``stop`` (a checkpoint at step 7, then stop) or ``resume`` (from the
-newest checkpoint in OUTPUT_DIR). The global batch is 8 samples either way: 2 ranks x 2
-samples x 2 accumulated batches, or 1 process x 2 samples x 4 batches. Each rank writes
+MODE: ``full`` (12 steps), ``stop`` (a checkpoint at step 7, then stop), ``resume`` (from the
+newest checkpoint in OUTPUT_DIR): a global batch of 8 samples, 2 ranks x 2 samples x 2
+accumulated batches or 1 process x 2 samples x 4 batches; or ``sft`` (roundpipe.hf.SFTTrainer
+on sentences, 6 steps of 2 accumulated batches of 8 / 2 / world samples). Each rank writes
 ``RESULT-rank{R}.pt``: its log history, masters, evaluation loss and what it saw of the run.
 """
 
@@ -17,7 +18,14 @@ import torch
 import transformers
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from trainer_common import collate, tiny_llama, token_dataset, training_args  # noqa: E402
+from trainer_common import (  # noqa: E402
+    collate,
+    sentences,
+    tiny_llama,
+    token_dataset,
+    training_args,
+    word_tokenizer,
+)
 
 import roundpipe  # noqa: E402
 
@@ -33,12 +41,63 @@ class StopAt(transformers.TrainerCallback):
             control.should_training_stop = True
 
 
+def sft_trainer(output_dir, per_device):
+    """roundpipe.hf.SFTTrainer on 24 sentences, 6 steps of 2 accumulated batches."""
+    import datasets
+    import trl
+
+    tokenizer, words = word_tokenizer()
+    base = training_args(output_dir).to_dict()
+    keep = {"learning_rate", "lr_scheduler_type", "warmup_steps", "weight_decay", "max_grad_norm"}
+    config = trl.SFTConfig(
+        output_dir=str(output_dir),
+        max_length=16,
+        packing=False,
+        bf16=False,
+        use_cpu=True,
+        per_device_train_batch_size=per_device,
+        gradient_accumulation_steps=2,
+        max_steps=6,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        seed=0,
+        disable_tqdm=True,
+        **{k: v for k, v in base.items() if k in keep},
+    )
+    model = tiny_llama()
+    model.config.pad_token_id = tokenizer.pad_token_id
+    model.config.eos_token_id = tokenizer.eos_token_id
+    return roundpipe.hf.SFTTrainer(
+        model=model,
+        args=config,
+        train_dataset=datasets.Dataset.from_dict({"text": sentences(words)}),
+        eval_dataset=datasets.Dataset.from_dict({"text": sentences(words, n=8, seed=9)}),
+        processing_class=tokenizer,
+    )
+
+
 def run(mode, output_dir, result):
     world = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's; TrainingArguments reads it too
+    ga = GLOBAL_BATCH // (PER_DEVICE * world)
+    if mode == "sft":
+        # TRL's token metrics are per batch, each pooled over the ranks: batch i of a step on
+        # two ranks (2 samples each) pools the samples of batch i of one process with 4.
+        trainer = sft_trainer(output_dir, GLOBAL_BATCH // 2 // world)
+        trainer.train()
+        torch.save(
+            {
+                "log_history": trainer.state.log_history,
+                "masters": trainer.model.master_state_dict(),
+                "eval": trainer.evaluate(),
+            },
+            f"{result}-rank{trainer.args.process_index}.pt",
+        )
+        return
     args = training_args(
         output_dir,
         per_device_train_batch_size=PER_DEVICE,
-        gradient_accumulation_steps=GLOBAL_BATCH // (PER_DEVICE * world),
+        gradient_accumulation_steps=ga,
         max_steps=STEPS,
         save_strategy="steps",
         save_steps=STOP,

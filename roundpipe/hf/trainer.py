@@ -797,7 +797,7 @@ class _TrainLoop:
             attended = t.accelerator.gather(attended.to(device)).sum().reshape(1)
         sums, attended = sums.cpu(), attended.cpu()
         valid = sums[:, 2]
-        ratios = torch.where(valid > 0, sums[:, :2] / valid.clamp(min=1)[:, None], 0.0)
+        ratios = torch.where((valid > 0)[:, None], sums[:, :2] / valid.clamp(min=1)[:, None], 0.0)
         t._total_train_tokens = getattr(t, "_total_train_tokens", 0) + int(attended.item())
         logs = {"num_tokens": float(t._total_train_tokens)}
         if len(ratios):
