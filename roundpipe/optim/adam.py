@@ -15,6 +15,7 @@ because plain torch allows it.
 from __future__ import annotations
 
 import inspect
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -24,6 +25,7 @@ from torch.optim.adam import adam as _torch_adam
 
 from roundpipe import optim_queue
 from roundpipe.grad_access import MasterParameter, WrappedParameter
+from roundpipe.optim.placement import StateInRAM, StatePlacement, make_placement
 
 __all__ = ["Adam", "AdamW"]
 
@@ -156,6 +158,16 @@ class Adam(torch.optim.Adam):
     additionally checks, here and in :meth:`add_param_group`, that every parameter can be
     fused; ``fused=False`` runs exactly torch's non-fused path.
 
+    Where the state lives is chosen here, once (:mod:`roundpipe.optim.placement`):
+    ``state_dir=None`` (the default) keeps the moments in RAM as torch does, and refuses with a
+    ``MemoryError`` naming ``state_dir`` when they cannot fit the free host RAM;
+    ``state_dir="/nvme/run1"`` keeps them in a file under that directory, streamed through
+    ``state_buffer_bytes`` of host memory on each step (default 256 MiB; reads of the next
+    chunks prefetched and writes behind the update, see :mod:`roundpipe.optim.spill`): every
+    parameter must then take the fused kernel on the host (a contiguous float or complex
+    tensor in host memory, no fused=False/foreach/differentiable/capturable), and the result is
+    bitwise the in-RAM optimizer's. I/O failures raise :class:`roundpipe.optim.SpillError`.
+
     Implementation options (``foreach``, ``fused``, ``capturable``, ``differentiable``) belong
     to this optimizer, not to a checkpoint: :meth:`load_state_dict` keeps them, so a checkpoint
     of a foreach torch.optim.Adam loads into a fused roundpipe Adam and the other way round.
@@ -185,8 +197,11 @@ class Adam(torch.optim.Adam):
         differentiable: bool = False,
         fused: bool | None = None,
         decoupled_weight_decay: bool = False,
+        state_dir: str | os.PathLike[str] | None = None,
+        state_buffer_bytes: int | None = None,
     ) -> None:
         """Any thread; does not wait for the optimizer thread (no launched work can use it yet)."""
+        self._placement: StatePlacement = make_placement(state_dir, state_buffer_bytes)
         if fused and differentiable:
             raise RuntimeError(
                 "Adam: fused=True cannot be combined with differentiable=True (the "
@@ -226,6 +241,7 @@ class Adam(torch.optim.Adam):
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         self._constructed = True  # unpickled or deep-copied: past construction
+        self.__dict__.setdefault("_placement", StateInRAM())
 
     # -- GradScaler protocol (see [Note: fused by default]) -------------------------------------
     @property
@@ -250,6 +266,11 @@ class Adam(torch.optim.Adam):
             _wait_for_launched_work()
         super().add_param_group(param_group)
         group = self.param_groups[-1]
+        try:
+            self._placement.check_group(self, group)
+        except BaseException:
+            self.param_groups.pop()
+            raise
         if group["fused"]:
             if group["differentiable"] or group["foreach"]:
                 self.param_groups.pop()
@@ -280,7 +301,7 @@ class Adam(torch.optim.Adam):
         """torch.optim.Adam's state dict (loadable by torch). Any thread; off the optimizer
         thread it first waits for launched work, so the state is not torn by a running step."""
         _wait_for_launched_work()
-        return super().state_dict()
+        return self._placement.state_dict(self, super().state_dict)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a roundpipe or torch Adam state dict, keeping this optimizer's implementation
@@ -291,6 +312,14 @@ class Adam(torch.optim.Adam):
         super().load_state_dict(state_dict)
         for group, options in zip(self.param_groups, impl):
             group.update(options)
+        self._placement.after_load(self)
+
+    def close(self) -> None:
+        """Release what the state's placement holds: with ``state_dir``, its file (removed) and
+        I/O threads; the optimizer cannot step afterwards. Idempotent; collecting the optimizer
+        does the same. Any thread; off the optimizer thread it first waits for launched work."""
+        _wait_for_launched_work()
+        self._placement.close()
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One Adam step over every parameter with a gradient; returns ``closure()``'s loss.
@@ -309,12 +338,7 @@ class Adam(torch.optim.Adam):
         grad_scale: Tensor | None = getattr(self, "grad_scale", None)
         found_inf: Tensor | None = getattr(self, "found_inf", None)
         with torch.set_grad_enabled(self.defaults["differentiable"]):
-            for group in self.param_groups:
-                fused, other = self._split_group(group)
-                if fused:
-                    _fused_step(group, fused, grad_scale, found_inf)
-                if other:
-                    self._torch_step(group, other, grad_scale, found_inf)
+            self._placement.step(self, grad_scale, found_inf)
         return loss
 
     # -- private ----------------------------------------------------------------------------------
@@ -439,11 +463,7 @@ def _fused_step(
     group: dict, buckets: dict, grad_scale: Tensor | None, found_inf: Tensor | None
 ) -> None:
     """Run torch's fused Adam/AdamW kernel once per (device, dtype) bucket of ``_split_group``."""
-    amsgrad = group["amsgrad"]
-    kernel = torch._fused_adamw_ if group.get("decoupled_weight_decay") else torch._fused_adam_
-    beta1, beta2 = (_hyper_float(b) for b in group["betas"])
-    lr = group["lr"]
-    for (device, _), (params, grads, exp_avgs, exp_avg_sqs, max_sqs, steps) in buckets.items():
+    for (device, _), lists in buckets.items():
         device_scale = None
         if grad_scale is not None:
             device_scale = grad_scale.to(device=device, dtype=torch.float32)
@@ -452,30 +472,46 @@ def _fused_step(
             # The CPU kernel skips only when found_inf == 1.0, but a scaler sums the per-device
             # flags (2.0 with two devices), so turn it back into a 0/1 flag.
             device_skip = (found_inf.to(device) != 0).to(torch.float32)
-        device_lr = lr
-        if isinstance(lr, Tensor) and lr.device != device:
-            device_lr = lr.to(device)
+        steps = lists[5]
         torch._foreach_add_(steps, 1)
-        kernel(
-            params,
-            grads,
-            exp_avgs,
-            exp_avg_sqs,
-            max_sqs,
-            steps,
-            amsgrad=amsgrad,
-            lr=device_lr,
-            beta1=beta1,
-            beta2=beta2,
-            weight_decay=group["weight_decay"],
-            eps=group["eps"],
-            maximize=group["maximize"],
-            grad_scale=device_scale,
-            found_inf=device_skip,
-        )
+        _run_fused_kernel(group, device, lists, device_scale, device_skip)
         if device_skip is not None:
             # The kernel left everything untouched on overflow; undo the count without a sync.
             torch._foreach_sub_(steps, [device_skip] * len(steps))
+
+
+def _run_fused_kernel(
+    group: dict,
+    device: torch.device,
+    lists: list[list[Tensor]],
+    device_scale: Tensor | None,
+    device_skip: Tensor | None,
+) -> None:
+    """One call of torch's fused Adam/AdamW kernel on ``lists`` (params, grads, exp_avgs,
+    exp_avg_sqs, max_exp_avg_sqs, steps: the steps already counted) of ``group``."""
+    params, grads, exp_avgs, exp_avg_sqs, max_sqs, steps = lists
+    kernel = torch._fused_adamw_ if group.get("decoupled_weight_decay") else torch._fused_adam_
+    beta1, beta2 = (_hyper_float(b) for b in group["betas"])
+    lr = group["lr"]
+    if isinstance(lr, Tensor) and lr.device != device:
+        lr = lr.to(device)
+    kernel(
+        params,
+        grads,
+        exp_avgs,
+        exp_avg_sqs,
+        max_sqs,
+        steps,
+        amsgrad=group["amsgrad"],
+        lr=lr,
+        beta1=beta1,
+        beta2=beta2,
+        weight_decay=group["weight_decay"],
+        eps=group["eps"],
+        maximize=group["maximize"],
+        grad_scale=device_scale,
+        found_inf=device_skip,
+    )
 
 
 def _wait_for_launched_work() -> None:
@@ -505,6 +541,8 @@ class AdamW(Adam):
         capturable: bool = False,
         differentiable: bool = False,
         fused: bool | None = None,
+        state_dir: str | os.PathLike[str] | None = None,
+        state_buffer_bytes: int | None = None,
     ) -> None:
         """Any thread; does not wait for the optimizer thread."""
         super().__init__(
@@ -520,6 +558,8 @@ class AdamW(Adam):
             differentiable=differentiable,
             fused=fused,
             decoupled_weight_decay=True,
+            state_dir=state_dir,
+            state_buffer_bytes=state_buffer_bytes,
         )
 
     def __setstate__(self, state: dict[str, Any]) -> None:
