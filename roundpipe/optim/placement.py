@@ -21,7 +21,6 @@ import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
-import torch
 from torch import Tensor
 
 from roundpipe.memory.host import format_bytes
@@ -127,4 +126,3 @@ def fused_only_reason(group: dict, p: Tensor) -> str | None:
     if not p.is_contiguous():
         return "it is not contiguous"
     return None
-

@@ -221,7 +221,9 @@ class StateOnDisk:
         # One increment per parameter per step, before its chunks run (as the in-RAM path).
         torch._foreach_add_([opt.state[self._params[i].tensor]["step"] for i in grads], 1)
         chunks = [
-            i for i, chunk in enumerate(self._chunks) if any(s.param in grads for s in chunk.segments)
+            i
+            for i, chunk in enumerate(self._chunks)
+            if any(s.param in grads for s in chunk.segments)
         ]
 
         def update(chunk: _Chunk, rows: list[Tensor]) -> None:
