@@ -2,7 +2,7 @@
 reaches, and how much of it the next iteration hides.
 
     python benchmarks/bench_spill.py [--dir DIR] [--numel N] [--rounds K] [--repeat R]
-                                     [--width W] [--layers L] [--iters I]
+                                     [--width W] [--layers L] [--batch B] [--iters I]
 
 Part a, the optimizer step alone: roundpipe.optim.AdamW on N fp32 params (split into 8
 tensors) with the state in RAM and with it in files under ``--dir`` (default: a temporary
@@ -157,8 +157,8 @@ def part_a(args: argparse.Namespace) -> dict[str, float]:
 
 
 def part_b(args: argparse.Namespace, per_param: dict[str, float]) -> None:
-    batch = torch.randn(64, args.width)
-    label = torch.randint(0, args.width, (64,))
+    batch = torch.randn(args.batch, args.width)
+    label = torch.randint(0, args.width, (args.batch,))
     models = {}
     for name in ("compute only", "in RAM", "on disk"):
         torch.manual_seed(0)
@@ -222,8 +222,9 @@ def main() -> None:
     parser.add_argument("--numel", type=int, default=50_000_000, help="part a's params (50M)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--repeat", type=int, default=3, help="part a's steps per round")
-    parser.add_argument("--width", type=int, default=2048)
-    parser.add_argument("--layers", type=int, default=12, help="part b: 12 x 2048^2 = 50M params")
+    parser.add_argument("--width", type=int, default=1024)
+    parser.add_argument("--layers", type=int, default=16, help="part b: 16 x 1024^2 = 17M params")
+    parser.add_argument("--batch", type=int, default=64, help="part b's batch (2 microbatches)")
     parser.add_argument("--iters", type=int, default=3, help="part b's iterations per round")
     parser.add_argument("--part", choices=["a", "b", "ab"], default="ab")
     args = parser.parse_args()

@@ -11,7 +11,7 @@ and runs the step over them; the optimizer's update code never asks where they a
 
 Both give the same ``state_dict`` (torch's format) and bitwise the same update. Thread: a
 placement is used by its optimizer's methods only, so it belongs to whichever thread the
-optimizer's [Note: threads] in :mod:`roundpipe.optim.adam` gives it (the optimizer thread while
+"Threads" paragraph of :class:`roundpipe.optim.Adam` gives them (the optimizer thread while
 launched work is pending).
 """
 
