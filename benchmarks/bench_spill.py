@@ -21,6 +21,12 @@ computes), iteration time in three modes alternated: no step at all (the compute
 state in RAM, the state on disk. Hidden fraction of a step = 1 - (iteration - compute) / step,
 with the step's time from part a's medians scaled per parameter. The step runs on the CPU
 beside the compute here, so on a machine with few cores they compete for the cores.
+
+Part c (``--part c``), host memory: part b's model in a fresh process per mode, the growth of
+its RSS (``/proc/self/status`` VmRSS, and the peak VmHWM) from before the model is built to after
+two training iterations, per parameter: with no optimizer (weights, masters and gradients,
+10 B/param, and the runtime), with the state in RAM (8 B/param more planned) and on disk
+(only the streaming buffer more).
 """
 
 from __future__ import annotations
@@ -216,6 +222,88 @@ def part_b(args: argparse.Namespace, per_param: dict[str, float]) -> None:
             opt.close()
 
 
+def _rss() -> tuple[int, int]:
+    values = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key, _, rest = line.partition(":")
+            if key in ("VmRSS", "VmHWM"):
+                values[key] = int(rest.split()[0]) * 1024
+    return values["VmRSS"], values["VmHWM"]
+
+
+def rss_child(args: argparse.Namespace, mode: str) -> None:
+    """One mode of part c, in this (fresh) process: prints one JSON line."""
+    import json
+
+    before, _ = _rss()
+    torch.manual_seed(0)
+    seq = nn.Sequential(*[nn.Linear(args.width, args.width) for _ in range(args.layers)]).half()
+    model = roundpipe.RoundPipe(
+        seq,
+        optim_dtype=torch.float32,
+        devices="cpu",
+        memory_check=False,
+        model_run_config=roundpipe.RoundPipeRunConfig(num_microbatch=2),
+    )
+    options = {"state_dir": args.dir} if mode == "on disk" else {}
+    opt = None
+    if mode != "no optimizer":
+        opt = roundpipe.optim.AdamW(model.optim_parameters(), lr=1e-5, **options)
+    batch = torch.randn(8, args.width)
+    label = torch.randint(0, args.width, (8,))
+    for _ in range(2):
+        model.forward_backward(
+            input_args=(batch,), label=label, loss_fn=lambda o, y: F.cross_entropy(o.float(), y)
+        )
+        # The gradients are kept: they are part of the state.
+        model.step(lambda: opt.step() if opt is not None else None)
+    model.synchronize()
+    after, peak = _rss()
+    numel = sum(p.numel() for p in model.optim_parameters())
+    print(
+        json.dumps({"mode": mode, "numel": numel, "growth": after - before, "peak": peak - before})
+    )
+    if opt is not None:
+        opt.close()
+
+
+def part_c(args: argparse.Namespace) -> None:
+    import json
+    import subprocess
+
+    from roundpipe.optim.spill import DEFAULT_BUFFER_BYTES
+
+    rows = []
+    for mode in ("no optimizer", "in RAM", "on disk"):
+        cmd = [sys.executable, __file__, "--rss-mode", mode, "--dir", args.dir]
+        cmd += ["--width", str(args.width), "--layers", str(args.layers)]
+        out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+        rows.append(json.loads(out.strip().splitlines()[-1]))
+    numel = rows[0]["numel"]
+    base = rows[0]["growth"]
+    print(
+        f"## c. host RSS growth, {args.layers} fp16 Linear({args.width}, {args.width}), "
+        f"{numel / 1e6:.1f}M params, wrap + 2 iterations, a fresh process per mode\n"
+    )
+    print(
+        "| mode | RSS growth B/param | peak growth B/param | optimizer's share B/param "
+        "(growth - no optimizer's) | planned B/param |"
+    )
+    print("|---|---:|---:|---:|---:|")
+    for row, planned in zip(rows, ("10 + runtime", "18", "10 + buffer")):
+        share = "" if row is rows[0] else f"{(row['growth'] - base) / numel:.2f}"
+        print(
+            f"| {row['mode']} | {row['growth'] / numel:.2f} | {row['peak'] / numel:.2f} | "
+            f"{share} | {planned} |"
+        )
+    print(
+        f"\n(the buffer is {DEFAULT_BUFFER_BYTES / numel:.2f} B/param here if every page of it "
+        f"is touched; the runtime's own RSS, threads and torch's first-use allocations, is in "
+        f"every row)\n"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dir", default=None, help="state_dir (default: a temporary directory)")
@@ -224,19 +312,26 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3, help="part a's steps per round")
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=16, help="part b: 16 x 1024^2 = 17M params")
-    parser.add_argument("--batch", type=int, default=64, help="part b's batch (2 microbatches)")
+    parser.add_argument("--batch", type=int, default=8, help="part b's batch (2 microbatches)")
     parser.add_argument("--iters", type=int, default=3, help="part b's iterations per round")
-    parser.add_argument("--part", choices=["a", "b", "ab"], default="ab")
+    parser.add_argument("--part", choices=["a", "b", "ab", "c", "abc"], default="abc")
+    parser.add_argument("--rss-mode", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory(dir=args.dir or os.getcwd()) as tmp:
+    if args.rss_mode:
+        rss_child(args, args.rss_mode)
+        return
+    with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         args.dir = tmp
         print(
             f"# torch {torch.__version__}, {torch.get_num_threads()} threads, "
             f"os.cpu_count()={os.cpu_count()}, state_dir on {_filesystem(tmp)}\n"
         )
-        per_param = part_a(args)
-        if "b" in args.part:
-            part_b(args, per_param)
+        if "a" in args.part:
+            per_param = part_a(args)
+            if "b" in args.part:
+                part_b(args, per_param)
+        if "c" in args.part:
+            part_c(args)
 
 
 def _filesystem(path: str) -> str:
