@@ -113,7 +113,11 @@ def part_a(args: argparse.Namespace) -> dict[str, float]:
         params = [nn.Parameter(torch.randn(n, generator=gen)) for n in sizes]
         for p in params:
             p.grad = torch.randn(p.shape, generator=gen) * 1e-3
-        options = {"state_dir": args.dir} if name == "on disk" else {}
+        options = (
+            {"state_dir": args.dir, "state_buffer_bytes": args.buffer_mib << 20}
+            if name == "on disk"
+            else {}
+        )
         made[name] = roundpipe.optim.AdamW(params, lr=1e-4, **options)
     clock = _IOClock()
     clock.wrap(made["on disk"]._placement)  # type: ignore[arg-type]
@@ -177,7 +181,11 @@ def part_b(args: argparse.Namespace, per_param: dict[str, float]) -> None:
         )
         opt = None
         if name != "compute only":
-            options = {"state_dir": args.dir} if name == "on disk" else {}
+            options = (
+                {"state_dir": args.dir, "state_buffer_bytes": args.buffer_mib << 20}
+                if name == "on disk"
+                else {}
+            )
             opt = roundpipe.optim.AdamW(model.optim_parameters(), lr=1e-5, **options)
         models[name] = (model, opt)
     numel = sum(p.numel() for p in models["in RAM"][0].optim_parameters())
@@ -246,7 +254,11 @@ def rss_child(args: argparse.Namespace, mode: str) -> None:
         memory_check=False,
         model_run_config=roundpipe.RoundPipeRunConfig(num_microbatch=2),
     )
-    options = {"state_dir": args.dir} if mode == "on disk" else {}
+    options = (
+        {"state_dir": args.dir, "state_buffer_bytes": args.buffer_mib << 20}
+        if mode == "on disk"
+        else {}
+    )
     opt = None
     if mode != "no optimizer":
         opt = roundpipe.optim.AdamW(model.optim_parameters(), lr=1e-5, **options)
@@ -272,12 +284,11 @@ def part_c(args: argparse.Namespace) -> None:
     import json
     import subprocess
 
-    from roundpipe.optim.spill import DEFAULT_BUFFER_BYTES
-
     rows = []
     for mode in ("no optimizer", "in RAM", "on disk"):
         cmd = [sys.executable, __file__, "--rss-mode", mode, "--dir", args.dir]
         cmd += ["--width", str(args.width), "--layers", str(args.layers)]
+        cmd += ["--buffer-mib", str(args.buffer_mib)]
         out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
         rows.append(json.loads(out.strip().splitlines()[-1]))
     numel = rows[0]["numel"]
@@ -298,7 +309,7 @@ def part_c(args: argparse.Namespace) -> None:
             f"{share} | {planned} |"
         )
     print(
-        f"\n(the buffer is {DEFAULT_BUFFER_BYTES / numel:.2f} B/param here if every page of it "
+        f"\n(the {args.buffer_mib} MiB buffer is {(args.buffer_mib << 20) / numel:.2f} B/param here if every page of it "
         f"is touched; the runtime's own RSS, threads and torch's first-use allocations, is in "
         f"every row)\n"
     )
@@ -312,6 +323,9 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3, help="part a's steps per round")
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=16, help="part b: 16 x 1024^2 = 17M params")
+    parser.add_argument(
+        "--buffer-mib", type=int, default=256, help="state_buffer_bytes in MiB (default 256)"
+    )
     parser.add_argument("--batch", type=int, default=8, help="part b's batch (2 microbatches)")
     parser.add_argument("--iters", type=int, default=3, help="part b's iterations per round")
     parser.add_argument("--part", choices=["a", "b", "ab", "c", "abc"], default="abc")

@@ -141,9 +141,9 @@ def test_each_step_streams_every_chunk_once_reads_ahead_and_writes_behind(tmp_pa
     reader_submit, writer_submit = store._reader.submit, store._writer.submit
     monkeypatch.setattr(store._reader, "submit", lambda *a: log.append("R") or reader_submit(*a))
     monkeypatch.setattr(store._writer, "submit", lambda *a: log.append("W") or writer_submit(*a))
-    kernel = roundpipe.optim.adam._run_fused_kernel
+    kernel = roundpipe.optim.kernel.run_fused_kernel
     monkeypatch.setattr(
-        roundpipe.optim.adam, "_run_fused_kernel", lambda *a: log.append("K") or kernel(*a)
+        roundpipe.optim.spill, "run_fused_kernel", lambda *a: log.append("K") or kernel(*a)
     )
     params[0].grad = torch.randn(6 * 1536)
     opt.step()

@@ -15,16 +15,13 @@ import tempfile
 import weakref
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from roundpipe.memory.host import format_bytes
-from roundpipe.optim.placement import fused_only_reason
-
-if TYPE_CHECKING:
-    from roundpipe.optim.adam import Adam
+from roundpipe.optim.kernel import fused_only_reason, run_fused_kernel
 
 __all__ = ["StateOnDisk", "SpillError", "DEFAULT_BUFFER_BYTES", "SLOTS"]
 
@@ -171,7 +168,7 @@ class StateOnDisk:
         )
 
     # -- StatePlacement ---------------------------------------------------------------------
-    def check_group(self, opt: Adam, group: dict) -> None:
+    def check_group(self, opt: torch.optim.Optimizer, group: dict) -> None:
         for index, p in enumerate(group["params"]):
             why = fused_only_reason(group, p)
             if why is not None:
@@ -182,9 +179,9 @@ class StateOnDisk:
                     f"state_dir, or make it a contiguous fp32 tensor in host memory"
                 )
 
-    def step(self, opt: Adam, grad_scale: Tensor | None, found_inf: Tensor | None) -> None:
-        from roundpipe.optim.adam import _run_fused_kernel
-
+    def step(
+        self, opt: torch.optim.Optimizer, grad_scale: Tensor | None, found_inf: Tensor | None
+    ) -> None:
         self._lay_out(opt)
         if found_inf is not None and bool(found_inf):
             return  # the kernel would leave everything untouched: so does the file
@@ -241,7 +238,7 @@ class StateOnDisk:
                     lists[2 + r].append(rows[r][seg.pos : seg.pos + seg.length])
                 lists[5].append(opt.state[record.tensor]["step"])
             for group, lists in by_group.values():
-                _run_fused_kernel(group, torch.device("cpu"), lists, device_scale, device_skip)
+                run_fused_kernel(group, torch.device("cpu"), lists, device_scale, device_skip)
 
         try:
             self._stream(chunks, update)
@@ -250,7 +247,9 @@ class StateOnDisk:
                 steps = [opt.state[self._params[i].tensor]["step"] for i in grads]
                 torch._foreach_sub_(steps, [device_skip] * len(steps))
 
-    def state_dict(self, opt: Adam, base: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    def state_dict(
+        self, opt: torch.optim.Optimizer, base: Callable[[], dict[str, Any]]
+    ) -> dict[str, Any]:
         self._lay_out(opt)
         result = base()
         params = [p for g in opt.param_groups for p in g["params"]]
@@ -268,7 +267,7 @@ class StateOnDisk:
             state.update(zip(names, tensors))
         return result
 
-    def after_load(self, opt: Adam) -> None:
+    def after_load(self, opt: torch.optim.Optimizer) -> None:
         self._lay_out(opt)
         names = ["exp_avg", "exp_avg_sq", "max_exp_avg_sq"]
         for record in self._params:
@@ -293,7 +292,7 @@ class StateOnDisk:
         self._finalizer()
 
     # -- private ----------------------------------------------------------------------------
-    def _lay_out(self, opt: Adam) -> None:
+    def _lay_out(self, opt: torch.optim.Optimizer) -> None:
         """Give every parameter not laid out yet its chunks at the end of the file."""
         params = [(p, g) for g in opt.param_groups for p in g["params"]]
         new = [(p, g) for p, g in params if id(p) not in self._index]
