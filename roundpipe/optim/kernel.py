@@ -57,7 +57,7 @@ def hyper_float(x: float | Tensor) -> float:
 def fused_step(
     group: dict, buckets: dict, grad_scale: Tensor | None, found_inf: Tensor | None
 ) -> None:
-    """Run torch's fused Adam/AdamW kernel once per (device, dtype) bucket of ``_split_group``."""
+    """Run torch's fused Adam/AdamW kernel once per (device, dtype) bucket of ``StateInRAM._split_group`` (roundpipe.optim.placement)."""
     for (device, _), lists in buckets.items():
         device_scale = None
         if grad_scale is not None:

@@ -47,12 +47,7 @@ class StatePlacement(Protocol):
     def step(
         self, opt: torch.optim.Optimizer, grad_scale: Tensor | None, found_inf: Tensor | None
     ) -> None:
-        for group in opt.param_groups:
-            fused, other = self.split_group(opt, group)
-            if fused:
-                fused_step(group, fused, grad_scale, found_inf)
-            if other:
-                self.torch_step(opt, group, other, grad_scale, found_inf)
+        """One update of every parameter with a gradient, honouring the GradScaler's tensors."""
 
     def state_dict(
         self, opt: torch.optim.Optimizer, base: Callable[[], dict[str, Any]]
@@ -76,11 +71,11 @@ class StateInRAM:
         self, opt: torch.optim.Optimizer, grad_scale: Tensor | None, found_inf: Tensor | None
     ) -> None:
         for group in opt.param_groups:
-            fused, other = self.split_group(opt, group)
+            fused, other = self._split_group(opt, group)
             if fused:
                 fused_step(group, fused, grad_scale, found_inf)
             if other:
-                self.torch_step(opt, group, other, grad_scale, found_inf)
+                self._torch_step(opt, group, other, grad_scale, found_inf)
 
     def state_dict(
         self, opt: torch.optim.Optimizer, base: Callable[[], dict[str, Any]]
@@ -93,7 +88,7 @@ class StateInRAM:
     def close(self) -> None:
         pass
 
-    def split_group(self, opt: torch.optim.Optimizer, group: dict) -> tuple[dict, list[Tensor]]:
+    def _split_group(self, opt: torch.optim.Optimizer, group: dict) -> tuple[dict, list[Tensor]]:
         """Init lazy state and send each parameter with a grad to the fused or to torch's path.
 
         Returns ``(buckets, other)``: ``buckets`` maps ``(device, dtype)`` to the six tensor
@@ -152,7 +147,7 @@ class StateInRAM:
             lists[5].append(step)
         return buckets, other
 
-    def torch_step(
+    def _torch_step(
         self,
         opt: torch.optim.Optimizer,
         group: dict,
