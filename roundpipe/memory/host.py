@@ -34,7 +34,8 @@ class HostTerms:
     ``weights``: the model's own parameters and buffers (allocated already, by the caller);
     ``masters``: the master copies of the trainable parameters (``optim_dtype``);
     ``grads``: the masters' gradients (one per master, in its dtype);
-    ``optimizer``: the optimizer's state, estimated as Adam's (two moments per master);
+    ``optimizer``: the optimizer's state, estimated as Adam's (two moments per master), or,
+    with ``optimizer_dir`` (``Adam(state_dir=...)``), the host buffer it streams through;
     ``pinned_overhead``: what the pinned pool takes beyond the weights' bytes (padding and
     block slack, see [Note: the pinned pool]; 0 on a CPU pool, which pins nothing);
     ``activations``: host bytes of stage inputs offloaded to the host (or, on a CPU pool, the
@@ -55,6 +56,7 @@ class HostTerms:
     master_dtype: torch.dtype | None = None
     available: int | None = None
     weights_allocated: bool = True
+    optimizer_dir: str | None = None
 
     @property
     def new_bytes(self) -> int:
@@ -81,7 +83,12 @@ class HostTerms:
                 self.masters,
             ),
             ("gradients of the masters", self.grads),
-            ("optimizer state (estimated as Adam: 2 x masters)", self.optimizer),
+            (
+                f"optimizer state: in files under {self.optimizer_dir} (streaming buffer)"
+                if self.optimizer_dir
+                else "optimizer state (estimated as Adam: 2 x masters)",
+                self.optimizer,
+            ),
             ("pinned pool padding and block slack", self.pinned_overhead),
         ]
         if self.activations:
