@@ -57,7 +57,8 @@ def hyper_float(x: float | Tensor) -> float:
 def fused_step(
     group: dict, buckets: dict, grad_scale: Tensor | None, found_inf: Tensor | None
 ) -> None:
-    """Run torch's fused Adam/AdamW kernel once per (device, dtype) bucket of ``StateInRAM._split_group`` (roundpipe.optim.placement)."""
+    """Run torch's fused Adam/AdamW kernel once per (device, dtype) bucket of ``buckets`` (as
+    the in-RAM placement of :mod:`roundpipe.optim.placement` splits a group)."""
     for (device, _), lists in buckets.items():
         device_scale = None
         if grad_scale is not None:
