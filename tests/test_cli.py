@@ -216,3 +216,47 @@ def test_the_plan_command_says_what_to_change_when_it_does_not_fit(tmp_path):
     assert "of 23.49 GiB free" in proc.stdout or "GiB free" in proc.stdout
     bad = run_cli("plan", str(path), "--seq-len", "32", "--device-memory", "24 gigs")
     assert bad.returncode == 2 and "24GiB" in bad.stderr
+
+
+def test_the_longest_sequence_is_the_edge_of_the_plan(tmp_path):
+    """ConfigPlanner.longest_seq_len (the plan command's --max-seq-len): the plan at the
+    answer fits and one step more does not; found by bisection over plans, not runs."""
+    pytest.importorskip("transformers")
+    from roundpipe.hf.memory_cli import ConfigPlanner
+
+    planner = ConfigPlanner(
+        str(_tiny_config(tmp_path)), devices="emu", device_memory=700 << 20, host_memory=1 << 40
+    )
+    longest = planner.longest_seq_len(8192, step=128)
+    assert 1024 <= longest < 4096 and longest % 128 == 0  # 1024 fits, 4096 does not
+    assert planner.plan(longest).fits and not planner.plan(longest + 128).fits
+
+
+def test_identical_decoder_layers_are_traced_once(tmp_path, monkeypatch):
+    """A plan of the whole model (built on the meta device) traces the embedding, one decoder
+    layer and the head, and gives every decoder layer that layer's bytes."""
+    pytest.importorskip("transformers")
+    from roundpipe.hf.memory_cli import ConfigPlanner
+    from roundpipe.memory import trace
+
+    traced = []
+    real = trace._trace_one
+    monkeypatch.setattr(
+        trace, "_trace_one", lambda stage, *a: traced.append(stage.index) or real(stage, *a)
+    )
+    plan = ConfigPlanner(str(_tiny_config(tmp_path)), devices="emu").plan(32)
+    assert traced == [0, 1, 5]  # embedding, the first of 4 decoder layers, head
+    rows = plan.stages[1:5]
+    assert len({(r.input, r.forward, r.backward) for r in rows}) == 1
+
+
+@pytest.mark.slow
+def test_the_plan_command_finds_the_longest_sequence(tmp_path):
+    pytest.importorskip("transformers")
+    path = _tiny_config(tmp_path)
+    proc = run_cli(
+        "plan", str(path), "--max-seq-len", "8192", "--seq-step", "128", "--devices", "emu",
+        "--device-memory", "700MiB", "--host-memory", "1TiB",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "Longest sequence that fits: " in proc.stdout and "fits" in proc.stdout

@@ -164,6 +164,11 @@ class Decoder(nn.Module):
             self.top_k = int(config.num_experts_per_tok)
             router.register_forward_hook(self._tap)
 
+    def extra_repr(self) -> str:
+        # Which mask it takes: part of what decides its memory (see [Note: identical stages]
+        # in roundpipe.memory.trace).
+        return f"kind={self.kind!r}"
+
     def forward(self, x: Any, context: dict[str, Any]) -> Any:
         sums = None
         if isinstance(x, tuple):
