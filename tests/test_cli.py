@@ -115,7 +115,7 @@ def test_plan_of_a_transformers_config_reports_host_and_device(tmp_path, lora):
     out = proc.stdout
     assert proc.returncode == 0, out + proc.stderr
     assert "Host RAM" in out and "Device emu:0: peak" in out and "Largest term" in out
-    # The host terms count all six layers (the device plan uses a two-layer cut).
+    # The host terms count all six layers (the plan is of the whole model, on the meta device).
     layer = 4 * 64 * 64 // 2 + 2 * 64 * 16 * 2 + 3 * 64 * 128 + 2 * 64  # q,o + k,v + mlp + norms
     total = 2 * 512 * 64 + 64 + 6 * layer
     # LoRA: A (4 x in) and B (out x 4) on q, o (64 -> 64) and k, v (64 -> 32) of six layers.
