@@ -115,7 +115,7 @@ def test_plan_of_a_transformers_config_reports_host_and_device(tmp_path, lora):
     out = proc.stdout
     assert proc.returncode == 0, out + proc.stderr
     assert "Host RAM" in out and "Device emu:0: peak" in out and "Largest term" in out
-    # The host terms count all six layers (the device plan uses a two-layer cut).
+    # The host terms count all six layers (the plan is of the whole model, on the meta device).
     layer = 4 * 64 * 64 // 2 + 2 * 64 * 16 * 2 + 3 * 64 * 128 + 2 * 64  # q,o + k,v + mlp + norms
     total = 2 * 512 * 64 + 64 + 6 * layer
     # LoRA: A (4 x in) and B (out x 4) on q, o (64 -> 64) and k, v (64 -> 32) of six layers.
@@ -241,3 +241,47 @@ def test_a_plan_with_a_spill_dir_counts_only_the_streaming_buffer(tmp_path, caps
     assert not any("--spill-dir" in line for line in hints)
     assert main([path, "--seq-len", "32", "--devices", "emu", "--spill-dir", str(tmp_path)]) == 0
     assert "streaming buffer" in capsys.readouterr().out
+
+
+def test_the_longest_sequence_is_the_edge_of_the_plan(tmp_path):
+    """ConfigPlanner.longest_seq_len (the plan command's --max-seq-len): the plan at the
+    answer fits and one step more does not; found by bisection over plans, not runs."""
+    pytest.importorskip("transformers")
+    from roundpipe.hf.memory_cli import ConfigPlanner
+
+    planner = ConfigPlanner(
+        str(_tiny_config(tmp_path)), devices="emu", device_memory=700 << 20, host_memory=1 << 40
+    )
+    longest = planner.longest_seq_len(16384, step=128)
+    assert 0 < longest < 16384 and longest % 128 == 0
+    assert planner.plan(longest).fits and not planner.plan(longest + 128).fits
+
+
+def test_identical_decoder_layers_are_traced_once(tmp_path, monkeypatch):
+    """A plan of the whole model (built on the meta device) traces the embedding, one decoder
+    layer and the head, and gives every decoder layer that layer's bytes."""
+    pytest.importorskip("transformers")
+    from roundpipe.hf.memory_cli import ConfigPlanner
+    from roundpipe.memory import trace
+
+    traced = []
+    real = trace._trace_one
+    monkeypatch.setattr(
+        trace, "_trace_one", lambda stage, *a: traced.append(stage.index) or real(stage, *a)
+    )
+    plan = ConfigPlanner(str(_tiny_config(tmp_path)), devices="emu").plan(32)
+    assert traced == [0, 1, 5]  # embedding, the first of 4 decoder layers, head
+    rows = plan.stages[1:5]
+    assert len({(r.input, r.forward, r.backward) for r in rows}) == 1
+
+
+@pytest.mark.slow
+def test_the_plan_command_finds_the_longest_sequence(tmp_path):
+    pytest.importorskip("transformers")
+    path = _tiny_config(tmp_path)
+    proc = run_cli(
+        "plan", str(path), "--max-seq-len", "16384", "--seq-step", "128", "--devices", "emu",
+        "--device-memory", "700MiB", "--host-memory", "1TiB",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "Longest sequence that fits: " in proc.stdout and "fits" in proc.stdout

@@ -15,7 +15,6 @@ except ImportError as exc:  # pragma: no cover - exercised in a subprocess test
 from roundpipe.hf.check import CheckReport, WrapCheckError, check_stages
 from roundpipe.hf.families import Family, families, family_of, register_family, softcap_logits
 from roundpipe.hf.loss import chunked_causal_lm_loss
-from roundpipe.hf.trainer import Trainer
 from roundpipe.hf.wrap import HFRoundPipe, default_loss_chunk_tokens, wrap
 
 __all__ = [
@@ -36,6 +35,12 @@ __all__ = [
 
 
 def __getattr__(name: str):
+    # transformers' Trainer imports most of transformers (seconds): imported when
+    # roundpipe.hf.Trainer is first used, so wrap and the plan command start without it.
+    if name == "Trainer":
+        from roundpipe.hf.trainer import Trainer
+
+        return Trainer
     # TRL is an optional extra: imported when roundpipe.hf.SFTTrainer is first used.
     if name == "SFTTrainer":
         from roundpipe.hf.sft import SFTTrainer

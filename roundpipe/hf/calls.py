@@ -192,8 +192,13 @@ def parse_batch(batch: Mapping[str, Any], call: str) -> HFBatch:
                 "pass the count of predicted tokens (labels other than -100), or leave it out",
             ) from None
     stage_kwargs: dict[str, Any] = {"input_ids": ids}
-    if batch.get("attention_mask") is not None:
-        stage_kwargs["attention_mask"] = batch["attention_mask"]
+    mask = batch.get("attention_mask")
+    # A mask without padding is no mask to transformers, which then attends causally with no
+    # (tokens x tokens) mask (SDPA's and flash's is_causal); kept, its mask is built on the
+    # device and, for SDPA, widened to the compute dtype in every layer (a 72k-token sequence:
+    # 5 GB of bool mask, 10 GB of bf16 per layer).
+    if mask is not None and not (isinstance(mask, torch.Tensor) and bool(mask.all())):
+        stage_kwargs["attention_mask"] = mask
     position_ids = batch.get("position_ids")
     if position_ids is not None:
         if position_ids.dim() == 2 and position_ids.shape[0] == 1 and ids.shape[0] > 1:

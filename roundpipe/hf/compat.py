@@ -79,7 +79,7 @@ def build_mask(
     config: Any,
     embeds: torch.Tensor,
     attention_mask: torch.Tensor | None,
-    position_ids: torch.Tensor,
+    position_ids: torch.Tensor | None,
 ) -> Any:
     """``builder(config, embeddings, attention_mask, no cache, position_ids)`` under the
     parameter names this transformers gives them; the mask the model's attention takes (None

@@ -2,26 +2,26 @@
 before anything is trained: host RAM term by term and each device's peak, at a sequence length
 and microbatch size, with the largest term named.
 
-The host terms are counted for the whole model from its shapes alone (built on the meta device:
-no weights are allocated). The device peak comes from :meth:`HFRoundPipe.memory_plan` of the
-same architecture cut to two decoder layers, built for real at the chosen dtype: the stages
-stream through a device one at a time, so every decoder layer past the second adds host bytes
-but not device bytes.
+The whole model is built on the meta device (shapes only: no weights are allocated) and
+wrapped as :func:`roundpipe.hf.wrap` wraps it, so the host terms and every stage's device bytes
+are the real model's; a plan traces one decoder layer and reuses its bytes for the identical
+ones (see [Note: identical stages] in :mod:`roundpipe.memory.trace`), so planning a 70B model
+costs about what a small one does. ``--max-seq-len`` answers "how long a sequence fits": a
+bisection over the plan (:class:`ConfigPlanner`), never a run.
 
 The question it answers is "does it fit on my machine": ``--device-memory 24GiB`` or ``--gpu
 rtx4090`` (:data:`GPUS`) plans against that GPU instead of the local device, with the reserve a
 GPU needs beside the tensors (see [Note: the device reserve] in
 :mod:`roundpipe.devices.accelerator`), and ``--host-memory`` against that much RAM.
 ``--spill-dir DIR`` plans Adam's state in files there (``roundpipe.optim.AdamW(state_dir=DIR)``):
-only its streaming buffer counts against the host. Planned
-from a config, the weights do not exist yet, so they count against the host like every other
-term. When it does not fit, the report ends with what to change.
+only its streaming buffer counts against the host. Planned from a config, the weights do not
+exist yet, so they count against the host like every other term. When it does not fit, the
+report ends with what to change.
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
 import dataclasses
 import json
 import os
@@ -30,11 +30,13 @@ from typing import Any
 
 import torch
 
+from roundpipe.hf.defaults import default_loss_chunk_tokens, kept_input_bytes, offload_needed
 from roundpipe.memory.host import format_bytes, host_terms
 from roundpipe.memory.probe import host_memory_available
+from roundpipe.memory.search import longest_fitting
 from roundpipe.optim.spill import DEFAULT_BUFFER_BYTES
 
-__all__ = ["GPUS", "CUDA_CONTEXT", "main", "parse_size", "plan_config"]
+__all__ = ["GPUS", "CUDA_CONTEXT", "ConfigPlanner", "main", "parse_size", "plan_config"]
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -93,86 +95,134 @@ def _with_lora(model: Any, rank: int) -> Any:
     return get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets))
 
 
-def plan_config(
-    path: str,
-    *,
-    seq_len: int,
-    batch_size: int = 1,
-    num_microbatch: int = 1,
-    dtype: torch.dtype = torch.bfloat16,
-    optim_dtype: torch.dtype = torch.float32,
-    lora: int = 0,
-    devices: str | None = None,
-    offload_activations: bool = False,
-    device_memory: int | None = None,
-    compute_capability: int = 9,
-    host_memory: int | None = None,
-    spill_dir: str | None = None,
-) -> Any:
-    """The :class:`roundpipe.MemoryPlan` of training the causal LM that ``path`` (a config.json
-    or a local model directory) describes: host terms for the whole model, device peaks from a
-    two-layer cut of it (see the module doc). ``device_memory``: plan against a GPU of that
-    many bytes (its total: the CUDA context is taken off) and compute capability
-    ``compute_capability`` instead of the local device; ``host_memory``: against that much host
-    RAM instead of what this machine has free; ``spill_dir``: Adam's state in files there
-    (``roundpipe.optim.AdamW(state_dir=spill_dir)``), so only its streaming buffer counts
-    against the host."""
-    from transformers import AutoModelForCausalLM
+class ConfigPlanner:
+    """Memory plans of training the causal LM that ``path`` (a config.json or a local model
+    directory) describes, at any sequence length, from one model of shapes only: the whole
+    model is built on the meta device (no weights are allocated, so the host terms and every
+    stage are the real model's), wrapped once, and each plan traces one decoder layer and
+    reuses it for the identical ones (see [Note: identical stages] in
+    :mod:`roundpipe.memory.trace`). ``device_memory``: plan against a GPU of that many bytes
+    (its total: the CUDA context is taken off) and compute capability ``compute_capability``
+    instead of the local device, with the loss chunk and the activation offload chosen for it
+    as :func:`roundpipe.hf.wrap` chooses them for a local device
+    (:mod:`roundpipe.hf.defaults`); ``offload_activations`` None: chosen per length;
+    ``host_memory``: against that much host RAM instead of what this machine has free;
+    ``spill_dir``: Adam's state in files there (``roundpipe.optim.AdamW(state_dir=spill_dir)``),
+    so only its streaming buffer counts against the host. Main thread."""
 
-    import roundpipe
-    from roundpipe import RoundPipeRunConfig
+    def __init__(
+        self,
+        path: str,
+        *,
+        batch_size: int = 1,
+        num_microbatch: int = 1,
+        dtype: torch.dtype = torch.bfloat16,
+        optim_dtype: torch.dtype = torch.float32,
+        lora: int = 0,
+        devices: str | None = None,
+        offload_activations: bool | None = None,
+        device_memory: int | None = None,
+        compute_capability: int = 9,
+        host_memory: int | None = None,
+        spill_dir: str | None = None,
+    ) -> None:
+        from transformers import AutoModelForCausalLM
 
-    config = _load_config(path)
-    with torch.device("meta"):
-        whole = _with_lora(AutoModelForCausalLM.from_config(config, dtype=dtype), lora)
-    # Shapes only: the meta model's terms are the whole model's (nothing pinned is counted).
-    available = host_memory if host_memory is not None else host_memory_available()
-    host = dataclasses.replace(
-        host_terms(whole, optim_dtype, None, available), weights_allocated=False
-    )
-    if spill_dir is not None:
-        host = dataclasses.replace(host, optimizer=DEFAULT_BUFFER_BYTES, optimizer_dir=spill_dir)
-    layers = int(config.num_hidden_layers)
+        import roundpipe
 
-    cut = copy.deepcopy(config)
-    cut.num_hidden_layers = min(layers, 2)
-    if getattr(cut, "layer_types", None) is not None:
-        cut.layer_types = list(cut.layer_types)[: cut.num_hidden_layers]
-    small = _with_lora(AutoModelForCausalLM.from_config(cut, dtype=dtype), lora)
-    if devices is None:
-        devices = "cuda:0" if torch.cuda.is_available() else "emu"
-    model = roundpipe.hf.wrap(
-        small,
-        optim_dtype=optim_dtype,
-        devices=devices,
-        memory_check=False,
-        model_run_config=RoundPipeRunConfig(
-            num_microbatch=num_microbatch, offload_activations=offload_activations
-        ),
-    )
-    ids = torch.zeros((batch_size, seq_len), dtype=torch.long)
-    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
-    plan = model.memory_plan(input_kwargs=batch)
-    # Stage inputs offloaded to the host: one per decoder layer, so scaled to the whole model.
-    activations = plan.host.activations * max(layers, 1) // max(cut.num_hidden_layers, 1)
-    host = dataclasses.replace(host, activations=activations)
-    devs = plan.devices
-    if device_memory is not None:
-        from roundpipe.devices.accelerator import cublas_workspace_bytes, device_reserve
-
-        workspace = cublas_workspace_bytes(compute_capability)
-        gpu_devs = []
-        for d in devs:
-            reserve, note = device_reserve(d.peak, workspace)
-            gpu_devs.append(
-                dataclasses.replace(
-                    d, available=device_memory - CUDA_CONTEXT, reserve=reserve, reserve_note=note
-                )
+        self.path = path
+        self.config = config = _load_config(path)
+        self.batch_size = batch_size
+        self.num_microbatch = num_microbatch
+        self.offload_activations = offload_activations
+        self.device_memory = device_memory
+        self.compute_capability = compute_capability
+        self.itemsize = dtype.itemsize
+        with torch.device("meta"):
+            whole = _with_lora(AutoModelForCausalLM.from_config(config, dtype=dtype), lora)
+        # Shapes only: the meta model's terms are the whole model's (nothing pinned is counted).
+        available = host_memory if host_memory is not None else host_memory_available()
+        self.host = dataclasses.replace(
+            host_terms(whole, optim_dtype, None, available), weights_allocated=False
+        )
+        if spill_dir is not None:
+            self.host = dataclasses.replace(
+                self.host, optimizer=DEFAULT_BUFFER_BYTES, optimizer_dir=spill_dir
             )
-        devs = tuple(gpu_devs)
-    return dataclasses.replace(
-        plan, host=host, devices=devs, name=f" {type(small).__name__} ({path})"
-    )
+        if devices is None:
+            devices = "cuda:0" if torch.cuda.is_available() else "emu"
+        chunk = None
+        if device_memory is not None:
+            chunk = default_loss_chunk_tokens(
+                int(getattr(config, "vocab_size", 0) or 0), device_memory - CUDA_CONTEXT
+            )
+        self.model = roundpipe.hf.wrap(
+            whole,
+            optim_dtype=optim_dtype,
+            devices=devices,
+            check=False,  # a meta model computes nothing to compare
+            memory_check=False,
+            loss_chunk_tokens=chunk,
+        )
+
+    def offloads(self, seq_len: int) -> bool:
+        """Whether the plan at ``seq_len`` offloads the stage inputs (given, or chosen as wrap
+        chooses it for the target device)."""
+        if self.offload_activations is not None:
+            return self.offload_activations
+        free = None if self.device_memory is None else self.device_memory - CUDA_CONTEXT
+        if free is None:
+            free = self.model.device_free()
+        kept = kept_input_bytes(
+            int(self.config.num_hidden_layers),
+            self.batch_size * seq_len,
+            int(self.config.hidden_size),
+            self.itemsize,
+        )
+        return offload_needed(kept, free)
+
+    def plan(self, seq_len: int) -> Any:
+        """The :class:`roundpipe.MemoryPlan` of one ``forward_backward`` of ``batch_size``
+        sequences of ``seq_len`` tokens."""
+        from roundpipe import RoundPipeRunConfig
+
+        run_config = RoundPipeRunConfig(
+            num_microbatch=self.num_microbatch, offload_activations=self.offloads(seq_len)
+        )
+        ids = torch.zeros((self.batch_size, seq_len), dtype=torch.long)
+        batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+        plan = self.model.memory_plan(input_kwargs=batch, run_config=run_config)
+        host = dataclasses.replace(self.host, activations=plan.host.activations)
+        devs = plan.devices
+        if self.device_memory is not None:
+            from roundpipe.devices.accelerator import cublas_workspace_bytes, device_reserve
+
+            workspace = cublas_workspace_bytes(self.compute_capability)
+            gpu_devs = []
+            for d in devs:
+                reserve, note = device_reserve(d.peak, workspace)
+                gpu_devs.append(
+                    dataclasses.replace(
+                        d,
+                        available=self.device_memory - CUDA_CONTEXT,
+                        reserve=reserve,
+                        reserve_note=note,
+                    )
+                )
+            devs = tuple(gpu_devs)
+        name = f" {type(self.model.hf_model).__name__} ({self.path})"
+        return dataclasses.replace(plan, host=host, devices=devs, name=name)
+
+    def longest_seq_len(self, limit: int, step: int = 1) -> int:
+        """The longest sequence, a multiple of ``step`` of at most ``limit`` tokens, whose plan
+        fits (host and devices), by bisection over :meth:`plan`; 0 if ``step`` does not."""
+        return longest_fitting(lambda n: self.plan(n).fits, limit, step)
+
+
+def plan_config(path: str, *, seq_len: int, **kwargs: Any) -> Any:
+    """The :class:`roundpipe.MemoryPlan` of training the causal LM that ``path`` describes at
+    ``seq_len`` tokens per sequence (``kwargs``: :class:`ConfigPlanner`'s)."""
+    return ConfigPlanner(path, **kwargs).plan(seq_len)
 
 
 def what_to_change(plan: Any, *, lora: int, offload_activations: bool, seq_len: int) -> list[str]:
@@ -210,6 +260,10 @@ def what_to_change(plan: Any, *, lora: int, offload_activations: bool, seq_len: 
     return lines
 
 
+# --max-seq-len searches up to this many tokens unless given a limit.
+MAX_SEQ_LEN_LIMIT = 1 << 20
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m roundpipe plan",
@@ -217,7 +271,23 @@ def main(argv: list[str] | None = None) -> int:
         "roundpipe.hf.wrap: host RAM and device peak, before anything is trained.",
     )
     parser.add_argument("config", help="a transformers config.json, or a local model directory")
-    parser.add_argument("--seq-len", type=int, required=True, help="tokens per sequence")
+    length = parser.add_mutually_exclusive_group(required=True)
+    length.add_argument("--seq-len", type=int, help="tokens per sequence")
+    length.add_argument(
+        "--max-seq-len",
+        type=int,
+        nargs="?",
+        const=MAX_SEQ_LEN_LIMIT,
+        metavar="LIMIT",
+        help="find the longest sequence that fits (at most LIMIT tokens, default "
+        f"{MAX_SEQ_LEN_LIMIT}), by a search over the plan, and print its plan",
+    )
+    parser.add_argument(
+        "--seq-step",
+        type=int,
+        default=256,
+        help="--max-seq-len answers a multiple of this many tokens (256)",
+    )
     parser.add_argument("--batch-size", type=int, default=1, help="sequences per batch (1)")
     parser.add_argument("--num-microbatch", type=int, default=1, help="microbatches (1)")
     parser.add_argument("--dtype", choices=sorted(_DTYPES), default="bf16", help="weights (bf16)")
@@ -230,8 +300,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--offload-activations",
-        action="store_true",
-        help="keep stage inputs in host memory (RoundPipeRunConfig.offload_activations)",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="keep stage inputs in host memory (RoundPipeRunConfig.offload_activations; "
+        "default: where they would take more than a quarter of the device, as wrap chooses)",
     )
     parser.add_argument(
         "--device-memory",
@@ -260,14 +332,15 @@ def main(argv: list[str] | None = None) -> int:
         host_memory = parse_size(args.host_memory) if args.host_memory else None
     except ValueError as exc:
         parser.error(str(exc))
+    if args.seq_step < 1 or (args.max_seq_len is not None and args.max_seq_len < args.seq_step):
+        parser.error("--seq-step must be a positive int no larger than --max-seq-len's limit")
     major = 9
     if args.gpu:
         if device_memory is not None:
             parser.error("give --gpu or --device-memory, not both")
         device_memory, major = GPUS[args.gpu]
-    plan = plan_config(
+    planner = ConfigPlanner(
         args.config,
-        seq_len=args.seq_len,
         batch_size=args.batch_size,
         num_microbatch=args.num_microbatch,
         dtype=_DTYPES[args.dtype],
@@ -280,11 +353,24 @@ def main(argv: list[str] | None = None) -> int:
         host_memory=host_memory,
         spill_dir=args.spill_dir,
     )
+    seq_len = args.seq_len
+    if args.max_seq_len is not None:
+        seq_len = planner.longest_seq_len(args.max_seq_len, args.seq_step)
+        if not seq_len:
+            print(f"No sequence fits: not even {args.seq_step} tokens. At {args.seq_step}:")
+            seq_len = args.seq_step
+        else:
+            limit = " (the search's limit)" if seq_len + args.seq_step > args.max_seq_len else ""
+            print(
+                f"Longest sequence that fits: {seq_len} tokens{limit} x {args.batch_size} "
+                f"sequence(s), a multiple of {args.seq_step} (found by a search over the plan)"
+            )
+    plan = planner.plan(seq_len)
     print(plan)
     if not plan.fits:
         print("DOES NOT FIT. What would make it fit:")
         for line in what_to_change(
-            plan, lora=args.lora, offload_activations=args.offload_activations, seq_len=args.seq_len
+            plan, lora=args.lora, offload_activations=planner.offloads(seq_len), seq_len=seq_len
         ):
             print(line)
         return 1

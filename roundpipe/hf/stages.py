@@ -57,6 +57,11 @@ class Embed(nn.Module):
         hidden = self.embed_tokens(input_ids)
         if self.transform is not None:
             hidden = self.transform(hidden)
+        # Positions the batch gives may mark packed sequences, which the mask builders read;
+        # the arange made here marks none, so the builders get None: on fake tensors (a memory
+        # plan) they cannot read it and would build the (tokens x tokens) mask a real run
+        # skips.
+        mask_positions = position_ids
         if position_ids is None:  # as the HF decoder does without a cache
             position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
         if self.own_mask is not None:
@@ -65,7 +70,7 @@ class Embed(nn.Module):
         else:
             masks = {
                 kind: compat.build_mask(
-                    builders[kind], self.config, hidden, attention_mask, position_ids
+                    builders[kind], self.config, hidden, attention_mask, mask_positions
                 )
                 for kind in self.kinds
             }
@@ -163,6 +168,11 @@ class Decoder(nn.Module):
             self.num_experts = num_experts(config)
             self.top_k = int(config.num_experts_per_tok)
             router.register_forward_hook(self._tap)
+
+    def extra_repr(self) -> str:
+        # Which mask it takes: part of what decides its memory (see [Note: identical stages]
+        # in roundpipe.memory.trace).
+        return f"kind={self.kind!r}"
 
     def forward(self, x: Any, context: dict[str, Any]) -> Any:
         sums = None

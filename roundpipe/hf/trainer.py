@@ -616,6 +616,7 @@ class _TrainLoop:
         self.tokens_total = 0
         self.batch_stats: list[torch.Tensor] = []  # per batch since the last log: TRL's sums
         self.attended_since_log = 0
+        self.attended_total = 0  # TRL's num_tokens (not restored on resume, as TRL's)
         self.log_clock = time.perf_counter()
         model.train()
         t.control = t.callback_handler.on_train_begin(args, t.state, t.control)
@@ -798,8 +799,8 @@ class _TrainLoop:
         sums, attended = sums.cpu(), attended.cpu()
         valid = sums[:, 2]
         ratios = torch.where((valid > 0)[:, None], sums[:, :2] / valid.clamp(min=1)[:, None], 0.0)
-        t._total_train_tokens = getattr(t, "_total_train_tokens", 0) + int(attended.item())
-        logs = {"num_tokens": float(t._total_train_tokens)}
+        self.attended_total += int(attended.item())
+        logs = {"num_tokens": float(self.attended_total)}
         if len(ratios):
             logs["entropy"] = float(ratios[:, 0].mean())
             logs["mean_token_accuracy"] = float(ratios[:, 1].mean())

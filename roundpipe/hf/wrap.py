@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -14,27 +15,18 @@ from roundpipe import optim_queue
 from roundpipe.hf import compat
 from roundpipe.hf.calls import causal_lm_loss, count_predicted, parse_batch, positional_batch
 from roundpipe.hf.check import check_stages
+from roundpipe.hf.defaults import default_loss_chunk_tokens, kept_input_bytes, offload_needed
 from roundpipe.hf.families import Family, family_of, layer_attention_types
 from roundpipe.hf.names import HFNames, export_state_dict
 from roundpipe.hf.stages import Decoder, Embed, Head, has_experts
 from roundpipe.main_thread import check_main_thread
+from roundpipe.memory.checks import DeviceMemoryError
 from roundpipe.memory.report import MemoryPlan
+from roundpipe.memory.search import longest_fitting
 from roundpipe.runtime import RoundPipe, RoundPipeRunConfig
 from roundpipe.runtime.optimizer_ctx import in_optimizer_ctx
 
 __all__ = ["wrap", "HFRoundPipe", "default_loss_chunk_tokens"]
-
-# The loss head's chunk, by default: as many tokens as make this many bytes of fp32 logits (the
-# chunk's logits and their gradient exist at once), at least 128. A 152k vocabulary gets 1024
-# tokens (0.6 GB of logits), where 16k tokens at once would take 9.7 GB.
-LOSS_CHUNK_BYTES = 1 << 30
-
-
-def default_loss_chunk_tokens(vocab_size: int) -> int:
-    """Tokens per chunk of the loss head for ``vocab_size``: a power of two whose fp32 logits
-    take at most :data:`LOSS_CHUNK_BYTES`, at least 128."""
-    tokens = max(LOSS_CHUNK_BYTES // (4 * max(vocab_size, 1)), 128)
-    return 1 << (tokens.bit_length() - 1)
 
 
 def _identity_loss(loss: Any, label: Any) -> torch.Tensor:
@@ -80,6 +72,64 @@ class HFRoundPipe(RoundPipe):
         self._router_aux = self._is_moe and bool(
             getattr(self._config, "output_router_logits", False)
         )
+
+    # -- defaults that fit --------------------------------------------------------------------------
+    def device_free(self) -> int | None:
+        """Bytes the smallest device of the pool has free now (None: a CPU pool, which computes
+        in host memory). Any thread."""
+        free = [b.memory_available() for b in self._pool.backends]
+        known = [f for f in free if f is not None]
+        return min(known) if self._pool.streaming and len(known) == len(free) else None
+
+    def fitting_run_config(
+        self, input_kwargs: dict[str, Any] | None, run_config: RoundPipeRunConfig | None
+    ) -> RoundPipeRunConfig | None:
+        """``run_config`` with what the call needs to fit chosen where neither it nor the model's
+        config chooses (see :mod:`roundpipe.hf.defaults`): ``offload_activations=True`` when the
+        stage inputs kept for the recompute of this batch would not fit the device. Main
+        thread."""
+        chosen = [c for c in (run_config, self.model_run_config) if c is not None]
+        if any(c.offload_activations is not None for c in chosen):
+            return run_config
+        recompute = next((c.recompute for c in chosen if c.recompute is not None), True)
+        if not recompute:  # offload moves the inputs a recompute keeps
+            return run_config
+        ids = (input_kwargs or {}).get("input_ids")
+        if not isinstance(ids, torch.Tensor):
+            return run_config
+        itemsize = next(self.hf_model.parameters()).element_size()
+        kept = kept_input_bytes(
+            int(self._config.num_hidden_layers),
+            ids.numel(),
+            int(self._config.hidden_size),
+            itemsize,
+        )
+        if not offload_needed(kept, self.device_free()):
+            return run_config
+        if run_config is None:
+            return RoundPipeRunConfig(offload_activations=True)
+        return dataclasses.replace(run_config, offload_activations=True)
+
+    def longest_seq_len(
+        self,
+        limit: int,
+        batch_size: int = 1,
+        run_config: RoundPipeRunConfig | None = None,
+        step: int = 1,
+    ) -> int:
+        """The longest sequence, at most ``limit`` tokens (a multiple of ``step``), whose
+        ``forward_backward`` of ``batch_size`` rows fits every device of the pool by the
+        memory plan (with the defaults that fit chosen at each length), found by bisection over
+        :meth:`memory_plan` (:func:`roundpipe.memory.search.longest_fitting`): nothing runs. 0
+        when not even ``step`` tokens fit. Main thread; about log2(limit / step) plans."""
+
+        def fits(seq_len: int) -> bool:
+            ids = torch.zeros((batch_size, seq_len), dtype=torch.long)
+            batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+            plan = self.memory_plan(input_kwargs=batch, run_config=run_config)
+            return all(d.fits for d in plan.devices)
+
+        return longest_fitting(fits, limit, step)
 
     # -- names ------------------------------------------------------------------------------------
     def optim_named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
@@ -250,7 +300,7 @@ class HFRoundPipe(RoundPipe):
             input_kwargs=self._hf_kwargs(input_kwargs, input_args, "memory_plan"),
             label=label,
             loss_fn=loss_fn or _identity_loss,
-            run_config=run_config,
+            run_config=self.fitting_run_config(input_kwargs, run_config),
             return_outputs=return_outputs,
         )
 
@@ -268,13 +318,32 @@ class HFRoundPipe(RoundPipe):
         whole batch and returns it; the token losses are summed over ``num_items_in_batch``
         where the batch gives it (a count over several batches, for gradient accumulation),
         else over the batch's count of predicted tokens. Main thread; blocks as RoundPipe's."""
-        return super().forward_backward(
-            input_kwargs=self._hf_kwargs(input_kwargs, input_args),
-            label=label,
-            loss_fn=loss_fn or _identity_loss,
-            return_outputs=return_outputs,
-            run_config=run_config,
-        )
+        try:
+            return super().forward_backward(
+                input_kwargs=self._hf_kwargs(input_kwargs, input_args),
+                label=label,
+                loss_fn=loss_fn or _identity_loss,
+                return_outputs=return_outputs,
+                run_config=self.fitting_run_config(input_kwargs, run_config),
+            )
+        except DeviceMemoryError as exc:  # refused by the plan, before anything was allocated
+            ids = (input_kwargs or {}).get("input_ids")
+            if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
+                raise
+            rows, seq_len = ids.shape
+            longest = self.longest_seq_len(seq_len - 1, rows, run_config)
+            if longest:
+                hint = (
+                    f"The longest sequence that fits, {rows} row(s) per batch at these settings: "
+                    f"{longest} tokens (a search over the memory plan; nothing ran)"
+                )
+            else:
+                hint = (
+                    f"No sequence of {rows} row(s) fits at these settings (the stages' weights "
+                    f"and gradient sums alone do not): train LoRA adapters, or use a device "
+                    f"with more memory"
+                )
+            raise DeviceMemoryError(f"{exc}\n{hint}") from exc
 
     def forward(
         self, *args: Any, run_config: RoundPipeRunConfig | None = None, **kwargs: Any
@@ -343,7 +412,8 @@ def wrap(
         family: where the model keeps its parts; default: the family registered for
             ``model.config.model_type`` (see :func:`roundpipe.hf.register_family`).
         loss_chunk_tokens: tokens per chunk of the loss head (the fp32 logits of this many
-            tokens exist at once); default :func:`default_loss_chunk_tokens` of the vocabulary.
+            tokens exist at once); default :func:`default_loss_chunk_tokens` of the vocabulary
+            and of what the pool's smallest device has free at the wrap.
         check: before anything else, compare the stages with the model's own forward on a
             cut of it (:func:`roundpipe.hf.check_stages`) and raise ``WrapCheckError`` naming
             the part that differs; a few seconds and a copy of the cut in fp32. ``False``
@@ -374,8 +444,10 @@ def wrap(
             f"'mlp.gate'), the router's path in a decoder layer); or set "
             f"config.output_router_logits = False to train without that loss"
         )
-    if loss_chunk_tokens is None:
-        loss_chunk_tokens = default_loss_chunk_tokens(int(getattr(config, "vocab_size", 0) or 0))
+    vocab_size = int(getattr(config, "vocab_size", 0) or 0)
+    chosen_chunk = loss_chunk_tokens
+    if loss_chunk_tokens is None:  # the check's; the model's is chosen from its devices below
+        loss_chunk_tokens = default_loss_chunk_tokens(vocab_size)
     if not isinstance(loss_chunk_tokens, int) or loss_chunk_tokens < 1:
         raise ValueError(f"loss_chunk_tokens must be a positive int, got {loss_chunk_tokens!r}")
     compat.disable_checkpointing(base)
@@ -398,4 +470,8 @@ def wrap(
         Head(parts, config, loss_chunk_tokens, family),
     )
     kwargs.setdefault("name", type(base).__name__)
-    return HFRoundPipe(model, stages, **kwargs)
+    wrapped = HFRoundPipe(model, stages, **kwargs)
+    if chosen_chunk is None:
+        head: Any = stages[-1]
+        head.chunk_tokens = default_loss_chunk_tokens(vocab_size, wrapped.device_free())
+    return wrapped

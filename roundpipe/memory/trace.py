@@ -415,27 +415,25 @@ def trace_stages(
     untraced: dict[int, StageNotTraceable] = {}
     measured: list[int] = []
     done: dict[Any, list[ActionBytes | None]] = {}
-    modules = [m for stage in stages for m in stage.modules]
-    with _attributes_kept(modules):
-        for m, chunk in enumerate(chunks):
-            label = labels[m] if training and m < len(labels) else None
-            leaves, spec = pytree.tree_flatten((chunk, label))
-            key = (
-                spec,
-                tuple(
-                    (tuple(x.shape), x.dtype, x.requires_grad)
-                    if isinstance(x, torch.Tensor)
-                    else repr(x)
-                    for x in leaves
-                ),
-            )
-            if key not in done:
-                done[key] = _trace_microbatch(
-                    stages, chunk, label, m, call, device, cast_dtype, untraced, measured,
-                    FakeTensorMode,
-                )  # fmt: skip
-            for s in range(S):
-                table[s][m] = done[key][s]
+    for m, chunk in enumerate(chunks):
+        label = labels[m] if training and m < len(labels) else None
+        leaves, spec = pytree.tree_flatten((chunk, label))
+        key = (
+            spec,
+            tuple(
+                (tuple(x.shape), x.dtype, x.requires_grad)
+                if isinstance(x, torch.Tensor)
+                else repr(x)
+                for x in leaves
+            ),
+        )
+        if key not in done:
+            done[key] = _trace_microbatch(
+                stages, chunk, label, m, call, device, cast_dtype, untraced, measured,
+                FakeTensorMode,
+            )  # fmt: skip
+        for s in range(S):
+            table[s][m] = done[key][s]
     return StageTraces(table, untraced, sorted(set(measured)))
 
 
@@ -467,6 +465,8 @@ def _trace_microbatch(
     inp: Any = None
     context: Any = None
     failed: int | None = None
+    # Stages already traced, by what decides their bytes (see [Note: identical stages]).
+    priced: dict[Any, tuple[ActionBytes, Any, Any]] = {}
     for s, stage in enumerate(stages):
         if failed is not None:
             untraced.setdefault(
@@ -479,8 +479,14 @@ def _trace_microbatch(
             row.append(None)
             continue
         last = s == len(stages) - 1 and call.training
+        key = None if s == 0 or last else _stage_key(stage, inp, context)
+        if key is not None and key in priced:
+            bytes_, out, context = priced[key]
+            inp = ((out,), {})
+            row.append(bytes_)
+            continue
         try:
-            with mode:
+            with mode, _attributes_kept(stage.modules):
                 if s == 0:
                     inp = _fake_like(chunk, device, cast_dtype)
                     fake_label = _fake_like(label, torch.device("cpu"), None)
@@ -491,6 +497,8 @@ def _trace_microbatch(
                 bytes_, out, context = _trace_one(
                     stage, last, inp, context, m, call, live, device, fake, fake_label
                 )
+            if key is not None:
+                priced[key] = (bytes_, out, context)
             inp = ((out,), {})
             row.append(bytes_)
             continue
@@ -502,7 +510,10 @@ def _trace_microbatch(
             reason.__cause__ = exc
         measured_bytes = None
         if call.real_runs:
-            measured_bytes = _real_run(stage, s, last, chunk, inp, context, label, m, call, real)
+            with _attributes_kept(stage.modules):
+                measured_bytes = _real_run(
+                    stage, s, last, chunk, inp, context, label, m, call, real
+                )
         if measured_bytes is None:
             untraced[s] = reason
             failed = s
@@ -513,6 +524,49 @@ def _trace_microbatch(
         measured.append(s)
         row.append(bytes_)
     return row
+
+
+# [Note: identical stages]
+# A decoder of 80 layers is 80 stages whose bytes are the same: same module structure (its
+# repr, which names every submodule with its sizes and settings, and its class), the same
+# parameters and buffers (shapes, dtypes, strides, requires_grad), and the same input and
+# context (shapes, dtypes, requires_grad; non-tensors by repr). A stage whose key equals one
+# traced before in the same microbatch reuses that trace (its bytes and its output), so a
+# plan prices one layer, not every layer: planning a 70B model costs about what a 2-layer cut
+# does. The first stage (it takes the batch) and the last (it takes the loss) are always
+# traced. A module whose memory depends on something its repr does not show (an attribute
+# set outside __init__'s submodules) says so in its extra_repr, as roundpipe.hf's Decoder
+# does with its attention type.
+def _stage_key(stage: Stage, inp: Any, context: Any) -> Any:
+    """What decides a stage's traced bytes (see [Note: identical stages]); None: not
+    comparable (an input that is not a tensor tree of known shapes)."""
+
+    def sig(tree: Any) -> tuple:
+        leaves, spec = pytree.tree_flatten(tree)
+        return (
+            str(spec),
+            tuple(
+                (tuple(x.shape), x.dtype, x.requires_grad, x.device.type)
+                if isinstance(x, torch.Tensor)
+                else repr(x)
+                for x in leaves
+            ),
+        )
+
+    layers = []
+    for layer in stage.layers:
+        module = layer.module
+        tensors = [
+            (n, tuple(t.shape), t.stride(), t.dtype, t.requires_grad)
+            for n, t in (*module.named_parameters(), *module.named_buffers())
+        ]
+        hooks = any(
+            m._forward_hooks or m._forward_pre_hooks or m._backward_hooks for m in module.modules()
+        )
+        if hooks:  # a hook may keep or make tensors its repr does not show
+            return None
+        layers.append((type(module), repr(module), tuple(tensors), layer.takes_context))
+    return (tuple(layers), sig(inp), sig(context))
 
 
 def _real_run(

@@ -116,7 +116,10 @@ class Params:
             master = None
             if p.requires_grad:
                 dtype = master_dtype_of(p, optim_dtype)
-                master = MasterParameter(p.detach().to(device="cpu", dtype=dtype, copy=True))
+                if p.is_meta:  # a model of shapes only, for memory plans: its masters too
+                    master = MasterParameter(torch.empty_like(p, dtype=dtype, device="meta"))
+                else:
+                    master = MasterParameter(p.detach().to(device="cpu", dtype=dtype, copy=True))
             self.records.append(ParamRecord(name, p, master))
         self._by_param = {id(r.param): r for r in self.records}
         self.masters: dict[str, nn.Parameter] = {

@@ -1,0 +1,65 @@
+"""Defaults that fit: what :func:`roundpipe.hf.wrap` chooses for a wrapped causal LM from the
+device it trains on, so that a long batch trains without hand-picked options (docs/memory.md,
+"Defaults that fit").
+
+* The loss head's chunk (:func:`default_loss_chunk_tokens`): as many tokens as make
+  :data:`LOSS_CHUNK_SHARE` of the device's memory in fp32 logits (at most
+  :data:`LOSS_CHUNK_BYTES`), so the chunk shrinks with the device and the vocabulary.
+* Activation offload (:func:`offload_needed`), per call: the stage inputs a recompute keeps
+  between the forward and the backward (one per decoder layer and microbatch, each tokens x
+  hidden) go to pinned host memory when they would take more than :data:`KEPT_INPUTS_SHARE`
+  of what the smallest device has free; otherwise they stay on the device, where they cost no
+  transfer.
+
+Any thread; pure arithmetic on sizes.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "KEPT_INPUTS_SHARE",
+    "LOSS_CHUNK_BYTES",
+    "LOSS_CHUNK_SHARE",
+    "MIN_LOSS_CHUNK_TOKENS",
+    "default_loss_chunk_tokens",
+    "kept_input_bytes",
+    "offload_needed",
+]
+
+# The fp32 logits of one chunk of the loss head take at most this share of the device's
+# memory: with their gradient, the low-precision logits and the softmax the chunk's working set
+# is about four times that, an eighth of the device.
+LOSS_CHUNK_SHARE = 1 / 32
+# ... and never more than this many bytes (a 152k vocabulary: 1,024 tokens, 0.6 GB of logits),
+# which is also the chunk where no device is known (a CPU pool computes in host memory).
+LOSS_CHUNK_BYTES = 1 << 30
+# The fewest tokens per chunk: below, the per-chunk launches cost more than the logits save.
+MIN_LOSS_CHUNK_TOKENS = 16
+# Stage inputs kept on the device for the backward may take at most this share of its free
+# memory; the rest is for the stages' weights, gradient sums and the activations inside a stage.
+KEPT_INPUTS_SHARE = 1 / 4
+
+
+def default_loss_chunk_tokens(vocab_size: int, device_memory: int | None = None) -> int:
+    """Tokens per chunk of the loss head: the largest power of two whose fp32 logits over
+    ``vocab_size`` take at most :data:`LOSS_CHUNK_SHARE` of ``device_memory`` (bytes; None: no
+    device, only the cap) and :data:`LOSS_CHUNK_BYTES`, at least
+    :data:`MIN_LOSS_CHUNK_TOKENS`."""
+    budget = LOSS_CHUNK_BYTES
+    if device_memory is not None:
+        budget = min(budget, int(device_memory * LOSS_CHUNK_SHARE))
+    tokens = max(budget // (4 * max(vocab_size, 1)), MIN_LOSS_CHUNK_TOKENS)
+    return 1 << (tokens.bit_length() - 1)
+
+
+def kept_input_bytes(num_layers: int, tokens: int, hidden_size: int, itemsize: int) -> int:
+    """Bytes of the stage inputs a recompute keeps on the device for the backward: one hidden
+    state (``tokens`` x ``hidden_size`` of ``itemsize`` bytes, ``tokens`` the batch's) per
+    decoder layer and the head."""
+    return (num_layers + 1) * tokens * hidden_size * itemsize
+
+
+def offload_needed(kept_bytes: int, device_free: int | None) -> bool:
+    """Whether stage inputs of ``kept_bytes`` go to host memory on a device with
+    ``device_free`` bytes free (None: unknown, a CPU pool: never)."""
+    return device_free is not None and kept_bytes > device_free * KEPT_INPUTS_SHARE
