@@ -104,13 +104,16 @@ def plan_config(
     device_memory: int | None = None,
     compute_capability: int = 9,
     host_memory: int | None = None,
+    ranks: int = 1,
 ) -> Any:
     """The :class:`roundpipe.MemoryPlan` of training the causal LM that ``path`` (a config.json
     or a local model directory) describes: host terms for the whole model, device peaks from a
     two-layer cut of it (see the module doc). ``device_memory``: plan against a GPU of that
     many bytes (its total: the CUDA context is taken off) and compute capability
     ``compute_capability`` instead of the local device; ``host_memory``: against that much host
-    RAM instead of what this machine has free."""
+    RAM instead of what this machine has free; ``ranks``: the state sharded over that many
+    data-parallel ranks (:class:`roundpipe.distributed.ShardedState`), the host terms of the
+    rank with the largest share."""
     from transformers import AutoModelForCausalLM
 
     import roundpipe
@@ -122,7 +125,7 @@ def plan_config(
     # Shapes only: the meta model's terms are the whole model's (nothing pinned is counted).
     available = host_memory if host_memory is not None else host_memory_available()
     host = dataclasses.replace(
-        host_terms(whole, optim_dtype, None, available), weights_allocated=False
+        host_terms(whole, optim_dtype, None, available, ranks=ranks), weights_allocated=False
     )
     layers = int(config.num_hidden_layers)
 
@@ -181,6 +184,11 @@ def what_to_change(plan: Any, *, lora: int, offload_activations: bool, seq_len: 
         lines.append(
             "    --optim-dtype bf16: masters, gradients and optimizer state in half the bytes"
         )
+        if not lora:
+            lines.append(
+                "    --ranks N: masters and optimizer state sharded over N data-parallel ranks "
+                "(machines), roundpipe.distributed.ShardedState"
+            )
     for dev in plan.devices:
         if dev.fits:
             continue
@@ -235,7 +243,17 @@ def main(argv: list[str] | None = None) -> int:
         metavar="SIZE",
         help="plan against this much host RAM, e.g. 128GiB (default: what is free here)",
     )
+    parser.add_argument(
+        "--ranks",
+        type=int,
+        default=1,
+        help="data-parallel ranks the masters, gradients' owners and optimizer state are "
+        "sharded over (roundpipe.distributed.ShardedState; default 1: not sharded); the host "
+        "terms are one rank's",
+    )
     args = parser.parse_args(argv)
+    if args.ranks < 1:
+        parser.error("--ranks must be >= 1")
     try:
         device_memory = parse_size(args.device_memory) if args.device_memory else None
         host_memory = parse_size(args.host_memory) if args.host_memory else None
@@ -259,6 +277,7 @@ def main(argv: list[str] | None = None) -> int:
         device_memory=device_memory,
         compute_capability=major,
         host_memory=host_memory,
+        ranks=args.ranks,
     )
     print(plan)
     if not plan.fits:
