@@ -795,7 +795,7 @@ class DataParallel:
         grads = [g for g in (self._masters[i].grad for i in mine) if g is not None]
         norms: Sequence[torch.Tensor]
         if foreach:
-            norms = torch._foreach_norm(grads, norm_type)  # type: ignore[arg-type]
+            norms = torch._foreach_norm(grads, norm_type)
         else:
             norms = [torch.linalg.vector_norm(g, norm_type) for g in grads]
         dtype = grads[0].dtype if grads else torch.float32

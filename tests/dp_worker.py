@@ -181,6 +181,16 @@ def train(cfg, rank=0, world=1, dp=None):
         except rpd.DataParallelError as again:
             record["error"]["again"] = str(again)
             record["error"]["again_seconds"] = time.monotonic() - t0
+    record["num_trainable"] = sum(1 for p in model.module.parameters() if p.requires_grad)
+    record["master_storage_bytes"] = sum(
+        m.untyped_storage().nbytes() for m in model.state_access().params.grad_targets
+    )
+    record["optimizer_state_bytes"] = sum(
+        t.numel() * t.element_size()
+        for st in opt.state.values()
+        for t in st.values()
+        if isinstance(t, torch.Tensor)
+    )
     record["masters"] = model.master_state_dict()
     record["params"] = {k: v.clone() for k, v in model.state_dict().items()}
     record["scaler"] = scaler.state_dict()
