@@ -60,6 +60,21 @@ def test_the_host_terms_of_a_rank_count_its_share_and_every_gradient():
     assert "this rank's share of 2" in dict(two.rows()).__repr__()
 
 
+def test_the_plan_command_counts_one_ranks_share(tmp_path):
+    pytest.importorskip("transformers")
+    from roundpipe.hf.memory_cli import main, plan_config
+    from test_cli import _tiny_config
+
+    path = str(_tiny_config(tmp_path))
+    one = plan_config(path, seq_len=32, devices="emu").host
+    four = plan_config(path, seq_len=32, devices="emu", ranks=4).host
+    assert four.ranks == 4 and four.grads == one.grads and four.weights == one.weights
+    assert one.masters / 4 <= four.masters < one.masters / 2
+    assert four.optimizer == 2 * four.masters
+    with pytest.raises(SystemExit):
+        main([path, "--seq-len", "32", "--ranks", "0"])
+
+
 # -- one rank: the placement's paths against no data parallelism -------------------------------
 
 
