@@ -261,7 +261,7 @@ def launch(world, cfg, all_ranks=False):
                     text=True,
                 )
             )
-        outs = [p.communicate(timeout=600)[0] for p in procs]
+        outs = [p.communicate(timeout=1800)[0] for p in procs]
     finally:
         for p in procs:
             if p.poll() is None:
@@ -286,8 +286,8 @@ def main():
     parser.add_argument("--threads", type=int, default=1, help="OMP threads per process")
     parser.add_argument("--rounds", type=int, default=2, help="alternations of the contenders")
     parser.add_argument("--memory", action="store_true", help="host RSS per rank (see above)")
-    parser.add_argument("--memory-layers", type=int, default=6)
-    parser.add_argument("--memory-steps", type=int, default=3)
+    parser.add_argument("--memory-layers", type=int, default=4)
+    parser.add_argument("--memory-steps", type=int, default=2)
     parser.add_argument("--seq-len", type=int, default=64)
     args = parser.parse_args()
     if args.worker:

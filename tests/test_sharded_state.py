@@ -22,12 +22,31 @@ from roundpipe.runtime.placement import shard_by_bytes
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import dp_worker  # noqa: E402
-from test_distributed import group_of_one, run_ranks  # noqa: E402, F401
+from test_distributed import run_ranks  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
     not dist.is_available() or not dist.is_gloo_available(),
     reason="torch.distributed with gloo is needed",
 )
+
+
+@pytest.fixture
+def one_rank(tmp_path):
+    """A gloo group of this process alone (as test_distributed's ``group_of_one``)."""
+    assert not dist.is_initialized(), "a process group leaked from an earlier test"
+    dist.init_process_group(
+        "gloo",
+        store=dist.FileStore(str(tmp_path / "store"), 1),
+        rank=0,
+        world_size=1,
+        timeout=rpd._as_timedelta(10),
+    )
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+        if rpd._ACTIVE is not None:  # a failed test left a DataParallel attached
+            rpd._ACTIVE, rpd._ACTIVE_USERS = None, 0
 
 
 # -- owners -----------------------------------------------------------------------------------
@@ -62,8 +81,9 @@ def test_the_host_terms_of_a_rank_count_its_share_and_every_gradient():
 
 def test_the_plan_command_counts_one_ranks_share(tmp_path):
     pytest.importorskip("transformers")
-    from roundpipe.hf.memory_cli import main, plan_config
     from test_cli import _tiny_config
+
+    from roundpipe.hf.memory_cli import main, plan_config
 
     path = str(_tiny_config(tmp_path))
     one = plan_config(path, seq_len=32, devices="emu").host
@@ -78,7 +98,7 @@ def test_the_plan_command_counts_one_ranks_share(tmp_path):
 # -- one rank: the placement's paths against no data parallelism -------------------------------
 
 
-def test_a_sharded_group_of_one_trains_bitwise_as_no_data_parallelism(group_of_one):
+def test_a_sharded_group_of_one_trains_bitwise_as_no_data_parallelism(one_rank):
     cfg = {"steps": 4, "mode": "async", "dtype": "fp16", "inf_step": 1, "clip": 1.0}
     plain = dp_worker.train(cfg)
     sharded = dp_worker.train({**cfg, "shard": True}, dp={"bucket_cap_mb": 1e-4})
@@ -89,7 +109,7 @@ def test_a_sharded_group_of_one_trains_bitwise_as_no_data_parallelism(group_of_o
     assert sharded["norms"] == plain["norms"]
 
 
-def test_a_sharded_model_refuses_what_it_cannot_do(group_of_one, tmp_path):
+def test_a_sharded_model_refuses_what_it_cannot_do(one_rank, tmp_path):
     placement = rpd.ShardedState()
     model = RoundPipe(nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 2)), state_placement=placement)
     assert model.state_placement is placement and placement.owners == [0, 0, 0, 0]
