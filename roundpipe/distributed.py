@@ -103,9 +103,10 @@ __all__ = [
 # The scaler's flag (c) is unchanged: each rank checks the gradients it owns and the MAX over
 # the ranks is the one decision. A rank's own sum of two ranks' gradients is a + b on both
 # paths, so with 2 ranks the masters equal the replicated run's bit for bit; with more ranks
-# gloo's reduce may add in another order than its all-reduce (docs/distributed.md says by how
-# much). A global gradient norm (DataParallel.clip_grad_norm_) all-reduces the ranks' partial
-# sums. model.synchronize(), model.step() and load_state_dict() copy masters into the model:
+# that holds where gloo's reduce adds in the order of its all-reduce (it did at 4 ranks in
+# tests/test_sharded_state.py). A global gradient norm (DataParallel.clip_grad_norm_)
+# all-reduces the per-tensor norms, each filled in by its owner, and reduces them as torch
+# does, so it equals torch's norm of all the gradients bit for bit. model.synchronize(), model.step() and load_state_dict() copy masters into the model:
 # collectives, so every rank calls them at the same point of its loop (as it calls step).
 
 
