@@ -36,6 +36,14 @@ SECTIONS = [
         "parameters, with the share of memory bandwidth reached (Adam moves 28 bytes per parameter).",
     ),
     (
+        "Optimizer state on disk",
+        "spill",
+        "benchmarks/bench_spill.py",
+        "the AdamW step with its state in files (`state_dir=`) against in RAM, the read and write "
+        "bandwidth the spilled step reaches on the machine's disk next to plain sequential file "
+        "I/O, and how much of the step the next iteration hides in training (async step).",
+    ),
+    (
         "Runtime",
         "runtime",
         "benchmarks/bench_runtime.py",

@@ -8,6 +8,7 @@ sources with a byte-level tokenizer made here (nothing is downloaded), then save
     python examples/trainer_hf.py --sft --lora 8       # TRL's SFTTrainer with a LoRA adapter
     python examples/trainer_hf.py --plain              # the same script on the plain Trainer
     python examples/trainer_hf.py --devices emu:2      # the emulated accelerator
+    torchrun --standalone --nproc-per-node 2 examples/trainer_hf.py   # 2 data-parallel ranks
 
 What changes from the plain Trainer script (``--plain`` runs the left side)::
 
@@ -21,6 +22,9 @@ The model stays in host memory (bf16 weights and fp32 masters); every TrainingAr
 the script sets (batch size, gradient accumulation, cosine schedule with warmup, weight decay,
 clipping, logging, checkpoints) means what it means to the plain Trainer. The optimizer step
 runs one step behind on roundpipe's optimizer thread (``async_step=False`` waits for it).
+Under torchrun the same script runs data parallel: each rank trains on its share of every
+global batch (``--batch-size`` x ``--grad-accum`` x the ranks), the gradients are averaged over
+the ranks, and rank 0 logs, saves and reloads (docs/distributed.md, "The Trainer").
 """
 
 import argparse
@@ -105,6 +109,8 @@ def main():
     texts = corpus(args.corpus_bytes, args.seq_len)
     hf_model = build_model(args, tokenizer)
     out = args.out or tempfile.mkdtemp(prefix="trainer_hf_")
+    if args.out is None and "MASTER_PORT" in os.environ:  # torchrun: one directory for every rank
+        out = os.path.join(tempfile.gettempdir(), f"trainer_hf_{os.environ['MASTER_PORT']}")
     options = dict(
         output_dir=out,
         per_device_train_batch_size=args.batch_size,
@@ -172,11 +178,15 @@ def main():
             **extra,
         )
     result = trainer.train()
+    final = os.path.join(out, "final")
+    trainer.save_model(final)  # under torchrun rank 0 writes
+    if not trainer.is_world_process_zero():
+        return
     history = [e for e in trainer.state.log_history if "loss" in e]
     print(f"loss {history[0]['loss']:.3f} -> {history[-1]['loss']:.3f}")
     print(f"train tokens/s {result.metrics.get('train_tokens_per_second', float('nan')):.0f}")
-    final = os.path.join(out, "final")
-    trainer.save_model(final)
+    if trainer.args.world_size > 1:
+        print(f"{trainer.args.world_size} data-parallel ranks")
     if args.lora:
         print(f"saved the adapter to {final}")
     else:

@@ -106,8 +106,9 @@ __all__ = [
 # that holds where gloo's reduce adds in the order of its all-reduce (it did at 4 ranks in
 # tests/test_sharded_state.py). A global gradient norm (DataParallel.clip_grad_norm_)
 # all-reduces the per-tensor norms, each filled in by its owner, and reduces them as torch
-# does, so it equals torch's norm of all the gradients bit for bit. model.synchronize(), model.step() and load_state_dict() copy masters into the model:
-# collectives, so every rank calls them at the same point of its loop (as it calls step).
+# does, so it equals torch's norm of all the gradients bit for bit. model.synchronize(),
+# model.step() and load_state_dict() copy masters into the model: collectives, so every rank
+# calls them at the same point of its loop (as it calls step).
 
 
 # The models a DataParallel is attached to (main thread).

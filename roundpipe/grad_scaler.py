@@ -36,6 +36,7 @@ __all__ = [
     "OptState",
     "ScalerSnapshot",
     "ScaleCollapseWarning",
+    "note_step_launched",
     "note_used_by_steps",
 ]
 
@@ -76,6 +77,17 @@ __all__ = [
 # the main thread reads it only after the item's event is set. The getters and snapshot() read
 # those host copies and the front scale's (``_front_copy``), never a device tensor: monitoring
 # never syncs the device, and neither does U (a host copy is started without waiting).
+
+# [Note: which update]
+# update() is async exactly when a launched step that uses this scaler has not been waited for.
+# "Uses" is what the launch saw: model.step and optim_thread.launch search the step function
+# (roundpipe.step_check) and hand the launched item to the scalers they found
+# (note_step_launched); a model keeps the scalers its earlier steps used, so its later steps
+# count for them too. Steps of other models, plain loops stepping on the main thread and
+# launches of other libraries do not change this scaler's mode: nothing process-wide is read.
+# An update() that finds neither such a launch nor a step() on the main thread since the
+# previous update() is refused at once (a step function that uses the scaler where the search
+# cannot see it would otherwise race it): the error says to name the scaler in the function.
 
 
 class AgreesOnOverflow(Protocol):
@@ -249,6 +261,14 @@ def note_used_by_steps(scaler: GradScaler) -> None:
     scaler._mark_used_by_steps()
 
 
+def note_step_launched(scalers: Iterable[GradScaler], item: optim_queue.WorkItem) -> None:
+    """Record that the launched step ``item`` uses each of ``scalers``: their next
+    :meth:`GradScaler.update` is asynchronous while the step is not waited for (see
+    [Note: which update]). The launching thread, right after the launch; never blocks."""
+    for scaler in scalers:
+        scaler._note_step(item)
+
+
 class GradScaler:
     """A drop-in for :class:`torch.amp.GradScaler` whose scale is double-buffered between the
     compute threads and the roundpipe optimizer thread, so :meth:`update` never waits for a
@@ -274,7 +294,8 @@ class GradScaler:
 
     Threads. Attributes owned by the main thread: ``_front``, ``_front_copy``,
     ``_front_replicas``, ``_mirror``, ``_published``, ``_pending``, ``_last_item``,
-    ``_launch_mark``, ``_stepped_on_main``. Attributes of the back side (``_scale``, ``_back``,
+    ``_launch_mark``, ``_stepped_on_main``, ``_steps_launched`` and ``_newest_step`` (written by
+    the launching thread, see [Note: which update]). Attributes of the back side (``_scale``, ``_back``,
     ``_growth_tracker``, ``_hyper``, ``_per_optimizer_states``, counters) are touched by the
     optimizer thread, or by the main thread when no launched work can touch them.
     ``_used_by_steps`` (launched steps use the scaler) is set by the optimizer thread, or by the
@@ -337,7 +358,9 @@ class GradScaler:
         self._pending: optim_queue.WorkItem | None = None  # the last launched update
         # What a step since the previous update() looks like from the main thread: a launch
         # (model.step) or a step()/unscale_() called on the main thread itself.
-        self._launch_mark = optim_queue.last_launch()
+        self._steps_launched = 0  # launched steps found to use this scaler (note_step_launched)
+        self._newest_step: optim_queue.WorkItem | None = None  # the newest of them
+        self._launch_mark = 0  # _steps_launched at the previous update()
         self._stepped_on_main = False
         self._last_item: optim_queue.WorkItem | None = None  # the last launched back work
         self._used_by_steps = False
@@ -372,6 +395,12 @@ class GradScaler:
     def _mark_used_by_steps(self) -> None:
         """See :func:`note_used_by_steps`."""
         self._used_by_steps = True
+
+    def _note_step(self, item: optim_queue.WorkItem) -> None:
+        """See :func:`note_step_launched`."""
+        if self._enabled:
+            self._steps_launched += 1
+            self._newest_step = item
 
     def _lazy_init(self, device: torch.device) -> None:
         with self._init_lock:
@@ -687,7 +716,13 @@ class GradScaler:
         """Whether ``step(optimizer)`` of this iteration skipped the update (inf/NaN gradients).
 
         Call it on the thread that called ``step`` (usually inside the step function), after
-        ``step`` and before ``update``. Syncs with the device that holds the gradients.
+        ``step`` and before ``update``.
+
+        .. warning::
+            Syncs with the device that holds the gradients.
+
+        Args:
+            optimizer: the optimizer given to this iteration's ``step``.
         """
         if not self._enabled:
             return False
@@ -736,26 +771,25 @@ class GradScaler:
             )
         self._check_initialized("update")
         new_value = None if new_scale is None else self._check_new_scale(new_scale)
-        # A scaler that stepped on this thread this iteration and that no launched step uses
-        # belongs to a loop on this thread: a step of another model's loop is no concern of it.
-        launched = optim_queue.has_unwaited_launch() and (
-            self._used_by_steps or not self._stepped_on_main
-        )
+        # See [Note: which update]: only the launched steps that use this scaler count.
+        launch_mark = self._steps_launched
+        stepped_by_launch = launch_mark != self._launch_mark
+        newest = self._newest_step
+        launched = newest is not None and not optim_queue.was_waited(newest)
         if is_async is None:
             is_async = launched
-        launch_mark = optim_queue.last_launch()
-        if (
-            is_async
-            and new_value is None
-            and launch_mark == self._launch_mark
-            and not self._stepped_on_main
-        ):
-            # Left alone, the update launched now would find no step and fail on the optimizer
-            # thread, reported one iteration later; the call that is wrong is this one.
+        if new_value is None and not stepped_by_launch and not self._stepped_on_main:
+            # Left alone, the update would find no step (launched: it fails on the optimizer
+            # thread, reported one iteration later; sync: it races a step roundpipe did not see);
+            # the call that is wrong is this one.
             raise RuntimeError(
-                "GradScaler.update() was called with no step since the previous update(): nothing "
-                "was launched on the optimizer thread (model.step) and scaler.step() did not run "
-                "on this thread. Call scaler.update() once per iteration, after model.step(...)."
+                "GradScaler.update() was called with no step that uses this scaler since the "
+                "previous update(): no step launched on the optimizer thread (model.step) refers "
+                "to it and scaler.step() did not run on this thread. Call scaler.update() once "
+                "per iteration, after model.step(...). If the step function does use the scaler "
+                "through an object roundpipe does not search (its closure, globals, defaults, "
+                "bound method objects and one level of callables are searched), name the scaler "
+                "in the step function, e.g. model.step(lambda: (scaler.step(opt), ...))."
             )
         self._launch_mark = launch_mark
         self._stepped_on_main = False
@@ -926,19 +960,39 @@ class GradScaler:
         return getattr(self._mirror, name)
 
     def get_growth_factor(self, up_to_date: bool = False) -> float:
-        """The growth factor. Never blocks unless ``up_to_date`` (then waits for pending setters)."""
+        """The growth factor.
+
+        Args:
+            up_to_date: False (default): never block, the value the compute side sees now.
+                True: wait until every setter launched so far has been applied.
+        """
         return self._hyper_value("growth_factor", up_to_date)
 
     def get_backoff_factor(self, up_to_date: bool = False) -> float:
-        """The backoff factor. Never blocks unless ``up_to_date`` (then waits for pending setters)."""
+        """The backoff factor.
+
+        Args:
+            up_to_date: False (default): never block, the value the compute side sees now.
+                True: wait until every setter launched so far has been applied.
+        """
         return self._hyper_value("backoff_factor", up_to_date)
 
     def get_growth_interval(self, up_to_date: bool = False) -> int:
-        """The growth interval. Never blocks unless ``up_to_date`` (then waits for pending setters)."""
+        """The growth interval.
+
+        Args:
+            up_to_date: False (default): never block, the value the compute side sees now.
+                True: wait until every setter launched so far has been applied.
+        """
         return self._hyper_value("growth_interval", up_to_date)
 
     def get_hysteresis(self, up_to_date: bool = False) -> int:
-        """Consecutive overflows needed to back off. Never blocks unless ``up_to_date``."""
+        """Consecutive overflows needed to back off.
+
+        Args:
+            up_to_date: False (default): never block, the value the compute side sees now.
+                True: wait until every setter launched so far has been applied.
+        """
         return self._hyper_value("hysteresis", up_to_date)
 
     def _get_growth_tracker(self, up_to_date: bool = False) -> int:
@@ -954,8 +1008,12 @@ class GradScaler:
 
     def get_growth_tracker(self, up_to_date: bool = False) -> int:
         """Consecutive non-overflowing updates since the last growth or backoff (torch's
-        ``_get_growth_tracker``). Never blocks by default (value of the newest finished update);
-        ``up_to_date=True`` waits for every launched step and update."""
+        ``_get_growth_tracker``).
+
+        Args:
+            up_to_date: False (default): never block, the value of the newest finished update.
+                True: wait for every launched step and update.
+        """
         return self._get_growth_tracker(up_to_date)
 
     def _set_hyper(self, name: str, value: Any) -> None:
@@ -966,7 +1024,8 @@ class GradScaler:
             return
         setattr(self._mirror, name, value)
         self._setter_seq += 1
-        if optim_queue.has_unwaited_launch() or (
+        newest = self._newest_step
+        if (newest is not None and not optim_queue.was_waited(newest)) or (
             self._last_item is not None and not self._last_item.done()
         ):
             self._last_item = self._launch(self._apply_hyper, name, value, self._setter_seq)
@@ -1066,7 +1125,7 @@ class GradScaler:
             return dict
         if on_optimizer_thread():
             raise RuntimeError("GradScaler.state_dict_in_order() is for the main thread")
-        if optim_queue.last_launch() != self._launch_mark or self._stepped_on_main:
+        if self._steps_launched != self._launch_mark or self._stepped_on_main:
             raise RuntimeError(
                 "a checkpoint of this GradScaler was asked for between model.step() (or "
                 "scaler.step()) and scaler.update(): the scaler then holds half an iteration "

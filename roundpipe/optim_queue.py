@@ -57,6 +57,7 @@ __all__ = [
     "has_pending_launch",
     "has_unwaited_launch",
     "last_launch",
+    "was_waited",
     "failure_count",
     "set_num_threads",
     "get_num_threads",
@@ -577,6 +578,13 @@ def has_unwaited_launch() -> bool:
     (a wait on it or on later work, or the report of its failure). ``scaler.update()`` is
     asynchronous then. Any thread; never blocks."""
     return _EXECUTOR.has_unwaited_launch()
+
+
+def was_waited(item: WorkItem) -> bool:
+    """Whether a thread other than the optimizer thread has waited for ``item`` (or for later
+    work, or had its failure reported) since it was launched. Any thread; never blocks."""
+    with _EXECUTOR._lock:
+        return item.seq <= _EXECUTOR._waited_seq
 
 
 def last_launch() -> int:

@@ -26,6 +26,7 @@ from collections.abc import Callable
 from typing import Any
 
 from roundpipe import optim_queue
+from roundpipe.grad_scaler import note_step_launched
 from roundpipe.optim_queue import *  # noqa: F403 -- this module is the queue's public face
 from roundpipe.step_check import check_step_fn
 
@@ -47,5 +48,5 @@ def launch(fn: Callable, *args: Any, **kwargs: Any) -> None:
         *args: positional arguments for ``fn``.
         **kwargs: keyword arguments for ``fn``.
     """
-    check_step_fn(fn)
-    optim_queue.launch_step(fn, *args, **kwargs)
+    scalers = check_step_fn(fn)
+    note_step_launched(scalers, optim_queue.launch_step(fn, *args, **kwargs))

@@ -216,3 +216,28 @@ def test_the_plan_command_says_what_to_change_when_it_does_not_fit(tmp_path):
     assert "of 23.49 GiB free" in proc.stdout or "GiB free" in proc.stdout
     bad = run_cli("plan", str(path), "--seq-len", "32", "--device-memory", "24 gigs")
     assert bad.returncode == 2 and "24GiB" in bad.stderr
+
+
+def test_a_plan_with_a_spill_dir_counts_only_the_streaming_buffer(tmp_path, capsys):
+    pytest.importorskip("transformers")
+    from roundpipe.hf.memory_cli import main, plan_config, what_to_change
+    from roundpipe.optim.spill import DEFAULT_BUFFER_BYTES
+
+    path = str(_tiny_config(tmp_path))
+    plain = plan_config(path, seq_len=32, devices="emu", host_memory=10**12)
+    spilled = plan_config(
+        path, seq_len=32, devices="emu", host_memory=10**12, spill_dir=str(tmp_path)
+    )
+    assert plain.host.optimizer == 2 * plain.host.masters
+    assert spilled.host.optimizer == DEFAULT_BUFFER_BYTES
+    assert spilled.host.total == plain.host.total - plain.host.optimizer + DEFAULT_BUFFER_BYTES
+    assert f"optimizer state: in files under {tmp_path}" in str(spilled)
+    # A host short of RAM is told about --spill-dir, unless it is spilled already.
+    small = plan_config(path, seq_len=32, devices="emu", host_memory=1 << 20)
+    hints = what_to_change(small, lora=0, offload_activations=False, seq_len=32)
+    assert any("--spill-dir DIR" in line for line in hints)
+    small = plan_config(path, seq_len=32, devices="emu", host_memory=1 << 20, spill_dir="/x")
+    hints = what_to_change(small, lora=0, offload_activations=False, seq_len=32)
+    assert not any("--spill-dir" in line for line in hints)
+    assert main([path, "--seq-len", "32", "--devices", "emu", "--spill-dir", str(tmp_path)]) == 0
+    assert "streaming buffer" in capsys.readouterr().out

@@ -308,6 +308,37 @@ def test_the_chunked_loss_keeps_one_chunks_logits_on_the_device():
     assert peaks[10**6] - peaks[64] >= logits_bytes  # at least one fp32 logits tensor saved
 
 
+@pytest.mark.parametrize("chunk", [7, 10**6], ids=["chunked", "whole"])
+def test_the_heads_token_statistics_are_those_of_the_whole_logits(chunk):
+    """chunked_causal_lm_loss(token_stats=True): per token, the entropy of the softmax, whether
+    the top-1 token is the label, and 1, where the label is not -100; the loss and its gradient
+    as without them (TRL's entropy and mean_token_accuracy are sums of them)."""
+    from roundpipe.hf import chunked_causal_lm_loss
+
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(3, 10, 16, generator=g)
+    head = torch.nn.Linear(16, 24, bias=False)
+    labels = torch.randint(24, (3, 10), generator=g)
+    labels[0, :4] = -100
+    logits = head(hidden).detach()
+    labels[1, 2] = int(logits[1, 2].argmax())  # at least one top-1 hit
+    loss, stats = chunked_causal_lm_loss(hidden, head, labels, 20, chunk, token_stats=True)
+    loss.backward()
+    grad = head.weight.grad.clone()
+    head.weight.grad = None
+    plain = chunked_causal_lm_loss(hidden, head, labels, 20, chunk)
+    plain.backward()
+    assert torch.equal(loss, plain) and torch.equal(grad, head.weight.grad)
+    valid = labels != -100
+    probs = logits.softmax(-1)
+    entropy = -(probs * probs.log()).sum(-1)
+    assert stats.shape == (3, 10, 3) and not stats.requires_grad
+    torch.testing.assert_close(stats[..., 0], entropy * valid)
+    assert torch.equal(stats[..., 1], ((logits.argmax(-1) == labels) & valid).float())
+    assert torch.equal(stats[..., 2], valid.float())
+    assert stats[..., 1].sum() >= 1
+
+
 @pytest.mark.slow
 def test_import_roundpipe_works_without_transformers_and_hf_names_the_install():
     code = (

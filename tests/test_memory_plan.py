@@ -476,3 +476,19 @@ def test_cublas_workspace_bytes_follow_torchs_defaults_and_settings(major, env, 
     from roundpipe.devices.accelerator import cublas_workspace_bytes
 
     assert cublas_workspace_bytes(major, env) == int(expected_mib * 2**20)
+
+
+def test_live_bytes_counts_each_storage_once_and_forgets_without_recounting():
+    from roundpipe.memory.live import LiveBytes
+
+    live = LiveBytes()
+    assert live.add(1, 100) and live.add(2, 50)
+    assert not live.add(1, 100)  # already counted
+    assert (live.live, live.peak) == (150, 150)
+    assert live.remove(1) == 100 and (live.live, live.peak) == (50, 150)
+    live.reset_peak()
+    assert live.peak == 50
+    live.forget()  # storage 2 stays known: seen again, it is not counted again
+    assert (live.live, live.peak) == (0, 0) and 2 in live and not live.add(2, 50)
+    assert live.add(3, 10) and live.remove(2) == 0  # a forgotten storage's death changes nothing
+    assert (live.live, live.peak) == (10, 10)

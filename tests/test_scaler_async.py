@@ -65,7 +65,15 @@ class Harness:
         self.const = torch.linspace(0.5, 2.0, 4, requires_grad=True)
         self.used, self.stepped_with, self.skipped = [], [], []
 
-    def iteration(self, overflow, wait=False, step_error=None, new_scale=None, is_async=None):
+    def iteration(
+        self,
+        overflow,
+        wait=False,
+        step_error=None,
+        new_scale=None,
+        is_async=None,
+        before_update=None,
+    ):
         scaler = self.scaler
         self.used.append(scaler.get_scale())
         loss = scaler.scale((self.const * self.const).sum() * (math.inf if overflow else 1.0))
@@ -83,6 +91,8 @@ class Harness:
         optim_thread.launch(step)
         if wait:
             optim_thread.synchronize()
+        if before_update is not None:
+            before_update()
         scaler.update(new_scale, is_async=is_async)
 
 
@@ -270,7 +280,7 @@ def test_update_without_a_step_since_the_last_is_refused_at_that_call():
         if k in (1, 3):
             with pytest.raises(
                 RuntimeError,
-                match=r"no step since the previous update\(\).*once per "
+                match=r"no step that uses this scaler since the previous update\(\).*once per "
                 r"iteration, after model\.step",
             ):
                 run.scaler.update()  # misplaced: a second update in the iteration
@@ -454,3 +464,72 @@ def test_async_run_resumes_bit_for_bit_in_a_new_process(tmp_path):
     resumed = torch.load(tmp_path / "out.pt")
     assert resumed["used"] == full.used[30:]
     assert torch.equal(resumed["master"], full.master.detach())
+
+
+class _Blocked:
+    """Another loop's step that stays running (unwaited) until released."""
+
+    def __init__(self):
+        self.release = threading.Event()
+        self.watchdog = threading.Timer(30.0, self.release.set)  # a broken scaler fails, not hangs
+
+    def launch(self):
+        self.watchdog.start()
+        other = GradScaler("cpu", init_scale=2.0**3)
+        opt = torch.optim.SGD([nn.Parameter(torch.ones(2))], lr=0.1)
+        optim_thread.launch(lambda: (self.release.wait(), other, opt))
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.release.set()
+        self.watchdog.cancel()
+        optim_thread.synchronize()
+
+
+def test_another_loops_unwaited_step_does_not_make_this_scalers_update_async():
+    # [Note: which update]: only steps that use this scaler decide its mode. Its own step was
+    # waited for, so the update is sync even though another loop launched a step since (still
+    # running, unwaited): the overflow backs off at once, as torch's scaler does, and the update
+    # does not wait for the other step.
+    run = Harness(GradScaler("cpu", init_scale=2.0**6))
+    with _Blocked() as blocked:
+        run.iteration(True, wait=True, before_update=blocked.launch)
+        assert not blocked.release.is_set()
+        assert run.scaler.get_scale() == 2.0**5  # sync: the backoff is in effect now
+        assert optim_thread.has_unwaited_launch()
+    ref, run = LagOneReference(2.0**6, 2000), Harness(GradScaler("cpu", init_scale=2.0**6))
+    for k in range(3):  # its own unwaited steps make it async
+        ref.update_async(k == 1)
+        run.iteration(k == 1)
+        assert run.scaler.get_scale() == ref.front
+    optim_thread.synchronize()
+
+
+def test_a_checkpoint_of_the_scaler_is_not_refused_for_another_loops_step():
+    run = Harness(GradScaler("cpu", init_scale=2.0**6))
+    run.iteration(False)
+    with _Blocked() as blocked:  # after this scaler's update(): not this scaler's half iteration
+        blocked.launch()
+        state_in_order = run.scaler.state_dict_in_order()
+    state = state_in_order()
+    assert state["scale"] == 2.0**6
+
+
+def test_a_scaler_the_launch_cannot_see_is_refused_at_update_with_the_fix():
+    scaler = GradScaler("cpu", init_scale=2.0**6)
+    hidden = [[scaler]]  # two containers deep: beyond what the launch searches
+    master = nn.Parameter(torch.ones(4))
+    opt = torch.optim.SGD([master], lr=0.1)
+    const = torch.ones(4, requires_grad=True)
+    (grad,) = torch.autograd.grad(scaler.scale((const * const).sum()), [const])
+
+    def step():
+        master.grad = grad
+        hidden[0][0].step(opt)
+
+    optim_thread.launch(step)
+    with pytest.raises(RuntimeError, match=r"name the scaler in the step function"):
+        scaler.update()
+    optim_thread.synchronize()

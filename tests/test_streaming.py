@@ -17,6 +17,34 @@ from roundpipe.testing import emu
 SHAPES = list(itertools.product([1, 2, 3, 5], [1, 2, 4, 16], [1, 2, 3]))
 
 
+def _uploads(plan, device):
+    return [t for t in plan.transfers(device) if t.kind is TransferKind.UPLOAD]
+
+
+def _first_upload(plan, device):
+    """The upload of ``device``'s first run (None: no upload, or no actions)."""
+    uploads = _uploads(plan, device)
+    return uploads[0] if uploads else None
+
+
+def _upload_after(plan, action):
+    """The upload of the run that the compute action after ``action`` on its device starts."""
+    actions = plan.per_device[action.device]
+    i = actions.index(action)
+    if i + 1 == len(actions):
+        return None
+    return next((t for t in _uploads(plan, action.device) if t.action == actions[i + 1]), None)
+
+
+def _hands_off(plan, action):
+    """Whether the program records a device event after ``action`` for another device."""
+    return any(
+        a.kind is ActionKind.HANDOFF
+        and (a.stage, a.mb_index, a.of) == (action.stage, action.mb_index, action.kind)
+        for a in plan.program[action.device]
+    )
+
+
 def _moves(plan):
     ups, downs = Counter(), Counter()
     for t in plan.transfers():
@@ -37,7 +65,7 @@ def test_stage_major_training_plan_runs_and_moves_each_stage_at_most_twice(S, M,
         assert len(runs) == len(set(runs))
         # A device's first upload is at its first action (None: a device without stages);
         # every later one is named at the end of the run before it.
-        first = plan.first_upload(d)
+        first = _first_upload(plan, d)
         assert (first.action if first else None) == (actions[0] if actions else None)
         ups = [
             t.action
@@ -47,7 +75,7 @@ def test_stage_major_training_plan_runs_and_moves_each_stage_at_most_twice(S, M,
         assert ups[1:] == [
             b
             for a, b in zip(actions, actions[1:])
-            if plan.upload_after(a) is not None and plan.upload_after(a).action == b
+            if _upload_after(plan, a) is not None and _upload_after(plan, a).action == b
         ]
 
 
@@ -368,7 +396,7 @@ def test_two_devices_hand_off_through_device_events(monkeypatch):
     plan = model.plan()
     # Each stage's output (forward) and input gradients (backward) go to the other device with
     # a device event; the host waits for each device once, after its last action.
-    handoffs = [a for a in plan.actions() if plan.hands_off(a)]
+    handoffs = [a for a in plan.actions() if _hands_off(plan, a)]
     assert len(handoffs) == 2 * (5 - 1) * 4
     assert len(events) == len(handoffs)
     assert sorted(str(d) for d in waits) == ["emu:0", "emu:1"]

@@ -20,10 +20,12 @@ import roundpipe  # noqa: E402
 sys.path.insert(0, str(Path(__file__).parent))
 from trainer_common import (  # noqa: E402
     collate,
+    sentences,
     step_losses,
     tiny_llama,
     token_dataset,
     training_args,
+    word_tokenizer,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -159,34 +161,14 @@ def test_the_async_step_equals_the_lag_one_reference(tmp_path):
     assert step_losses(sync.state.log_history)[2:] != step_losses(ours.state.log_history)[2:]
 
 
-def _tokenizer():
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    words = "the a cat dog bird sees likes eats runs sleeps big small red green and".split()
-    vocab = {"[PAD]": 0, "[UNK]": 1, "[EOS]": 2, **{w: i + 3 for i, w in enumerate(words)}}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    return transformers.PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token="[PAD]", unk_token="[UNK]", eos_token="[EOS]"
-    ), words
-
-
-def _sentences(words, n=24, seed=3):
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(n):
-        k = int(torch.randint(4, 12, (1,), generator=g))
-        out.append(" ".join(words[int(i)] for i in torch.randint(len(words), (k,), generator=g)))
-    return out
-
-
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 def test_sft_trainer_equals_trls_with_the_synchronous_step(tmp_path, lora):
     trl = pytest.importorskip("trl")
     datasets = pytest.importorskip("datasets")
-    tokenizer, words = _tokenizer()
-    data = datasets.Dataset.from_dict({"text": _sentences(words)})
+    tokenizer, words = word_tokenizer()
+    data = datasets.Dataset.from_dict({"text": sentences(words)})
+    evals = datasets.Dataset.from_dict({"text": sentences(words, n=8, seed=9)})
 
     def config(out):
         base = training_args(out).to_dict()
@@ -230,6 +212,7 @@ def test_sft_trainer_equals_trls_with_the_synchronous_step(tmp_path, lora):
         model=model(),
         args=config(tmp_path / "plain"),
         train_dataset=data,
+        eval_dataset=evals,
         processing_class=tokenizer,
         peft_config=peft_config(),
     )
@@ -238,6 +221,7 @@ def test_sft_trainer_equals_trls_with_the_synchronous_step(tmp_path, lora):
         model=model(),
         args=config(tmp_path / "rp"),
         train_dataset=data,
+        eval_dataset=evals,
         processing_class=tokenizer,
         peft_config=peft_config(),
         async_step=False,
@@ -254,6 +238,21 @@ def test_sft_trainer_equals_trls_with_the_synchronous_step(tmp_path, lora):
     assert trained and (not lora or all("lora_" in n for n, _ in trained))
     for name, param in trained:
         torch.testing.assert_close(param.detach(), reference[name].detach(), rtol=1e-5, atol=1e-6)
+    # TRL's token metrics, logged at every step as TRL logs them (from roundpipe's head)
+    for key in ("entropy", "mean_token_accuracy", "num_tokens"):
+        got, want = _logged(ours.state.log_history, key), _logged(plain.state.log_history, key)
+        assert len(got) == len(want) == 20, key
+        torch.testing.assert_close(
+            torch.tensor(got, dtype=torch.float64),
+            torch.tensor(want, dtype=torch.float64),
+            rtol=1e-5,
+            atol=1e-6,
+        )
+    assert 0 < max(_logged(ours.state.log_history, "mean_token_accuracy")) < 1
+    # and in the evaluation, with TRL's eval loss
+    got_eval, want_eval = ours.evaluate(), plain.evaluate()
+    for key in ("eval_loss", "eval_entropy", "eval_mean_token_accuracy"):
+        assert got_eval[key] == pytest.approx(want_eval[key], rel=1e-5), key
 
 
 def _worker(mode, out, result):

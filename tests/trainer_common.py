@@ -1,5 +1,6 @@
 """What tests/test_trainer.py and its subprocess worker share: a tiny Llama built from a config,
-a dataset and a collator made on the machine, TrainingArguments, a lag-one reference."""
+a dataset and a collator made on the machine, a word tokenizer and sentences for TRL,
+TrainingArguments."""
 
 import torch
 
@@ -76,3 +77,27 @@ def training_args(output_dir, **overrides):
 
 def step_losses(log_history):
     return [e["loss"] for e in log_history if "loss" in e and "train_loss" not in e]
+
+
+def word_tokenizer():
+    """A WordLevel tokenizer of a few words (for TRL's SFTTrainer), and the words."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = "the a cat dog bird sees likes eats runs sleeps big small red green and".split()
+    vocab = {"[PAD]": 0, "[UNK]": 1, "[EOS]": 2, **{w: i + 3 for i, w in enumerate(words)}}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="[PAD]", unk_token="[UNK]", eos_token="[EOS]"
+    ), words
+
+
+def sentences(words, n=24, seed=3):
+    """``n`` sentences of 4 to 11 of ``words``."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        k = int(torch.randint(4, 12, (1,), generator=g))
+        out.append(" ".join(words[int(i)] for i in torch.randint(len(words), (k,), generator=g)))
+    return out

@@ -126,9 +126,12 @@ def _accepted() -> str:
     return "'cpu', 'cpu:N' (N CPU workers), " + ", ".join(forms)
 
 
-def parse_devices(
-    spec: str | torch.device | Sequence[str | torch.device],
-) -> tuple[WorkerDevice, ...]:
+# What a device pool is named by: ``"cpu"``, ``"cpu:2"``, ``"cuda:0,1"``, a torch.device, or a
+# sequence of those.
+DeviceSpec = str | torch.device | Sequence[str | torch.device]
+
+
+def parse_devices(spec: DeviceSpec) -> tuple[WorkerDevice, ...]:
     """Parse a device spec; raises ``ValueError`` naming the accepted forms. Any thread."""
     if isinstance(spec, torch.device):
         spec = str(spec)
@@ -164,7 +167,7 @@ def parse_devices(
     return tuple(WorkerDevice(name, i) for i in indices)
 
 
-def _check_one_kind(devices: Sequence[WorkerDevice], spec: Any) -> None:
+def _check_one_kind(devices: Sequence[WorkerDevice], spec: DeviceSpec) -> None:
     if len({d.type for d in devices}) > 1:
         raise ValueError(
             f"device spec {spec!r} mixes device types; a pool is all CPU, all CUDA or all emulated"
@@ -173,7 +176,7 @@ def _check_one_kind(devices: Sequence[WorkerDevice], spec: Any) -> None:
         raise ValueError(f"device spec {spec!r} names a device twice")
 
 
-def resolve_devices(devices: Any = None) -> tuple[WorkerDevice, ...]:
+def resolve_devices(devices: DeviceSpec | None = None) -> tuple[WorkerDevice, ...]:
     """``devices`` if given, else ``$ROUNDPIPE_DEVICES`` if set, else every CUDA device, else one
     CPU worker."""
     if devices is not None:
@@ -277,7 +280,7 @@ class DevicePool:
     (CPU pools: 0, see [Note: the calling thread runs CPU device 0]), or None. ``streaming``:
     whether the stages stream through accelerators (see [Note: streaming])."""
 
-    def __init__(self, devices: Any = None) -> None:
+    def __init__(self, devices: DeviceSpec | None = None) -> None:
         self.devices = resolve_devices(devices)
         self.device_type = self.devices[0].type
         self.streaming = self.device_type != "cpu"

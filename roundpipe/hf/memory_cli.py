@@ -11,7 +11,9 @@ but not device bytes.
 The question it answers is "does it fit on my machine": ``--device-memory 24GiB`` or ``--gpu
 rtx4090`` (:data:`GPUS`) plans against that GPU instead of the local device, with the reserve a
 GPU needs beside the tensors (see [Note: the device reserve] in
-:mod:`roundpipe.devices.accelerator`), and ``--host-memory`` against that much RAM. Planned
+:mod:`roundpipe.devices.accelerator`), and ``--host-memory`` against that much RAM.
+``--spill-dir DIR`` plans Adam's state in files there (``roundpipe.optim.AdamW(state_dir=DIR)``):
+only its streaming buffer counts against the host. Planned
 from a config, the weights do not exist yet, so they count against the host like every other
 term. When it does not fit, the report ends with what to change.
 """
@@ -30,6 +32,7 @@ import torch
 
 from roundpipe.memory.host import format_bytes, host_terms
 from roundpipe.memory.probe import host_memory_available
+from roundpipe.optim.spill import DEFAULT_BUFFER_BYTES
 
 __all__ = ["GPUS", "CUDA_CONTEXT", "main", "parse_size", "plan_config"]
 
@@ -105,6 +108,7 @@ def plan_config(
     compute_capability: int = 9,
     host_memory: int | None = None,
     ranks: int = 1,
+    spill_dir: str | None = None,
 ) -> Any:
     """The :class:`roundpipe.MemoryPlan` of training the causal LM that ``path`` (a config.json
     or a local model directory) describes: host terms for the whole model, device peaks from a
@@ -113,7 +117,9 @@ def plan_config(
     ``compute_capability`` instead of the local device; ``host_memory``: against that much host
     RAM instead of what this machine has free; ``ranks``: the state sharded over that many
     data-parallel ranks (:class:`roundpipe.distributed.ShardedState`), the host terms of the
-    rank with the largest share."""
+    rank with the largest share; ``spill_dir``: Adam's state in files there
+    (``roundpipe.optim.AdamW(state_dir=spill_dir)``), so only its streaming buffer counts
+    against the host."""
     from transformers import AutoModelForCausalLM
 
     import roundpipe
@@ -127,6 +133,8 @@ def plan_config(
     host = dataclasses.replace(
         host_terms(whole, optim_dtype, None, available, ranks=ranks), weights_allocated=False
     )
+    if spill_dir is not None:
+        host = dataclasses.replace(host, optimizer=DEFAULT_BUFFER_BYTES, optimizer_dir=spill_dir)
     layers = int(config.num_hidden_layers)
 
     cut = copy.deepcopy(config)
@@ -177,6 +185,11 @@ def what_to_change(plan: Any, *, lora: int, offload_activations: bool, seq_len: 
     if host.available is not None and host.new_bytes > host.available:
         short = host.new_bytes - host.available
         lines.append(f"  host RAM: {format_bytes(short)} more (or any of these):")
+        if host.optimizer_dir is None:
+            lines.append(
+                "    --spill-dir DIR: the optimizer state in files on a fast disk "
+                "(roundpipe.optim.AdamW(..., state_dir=DIR))"
+            )
         if not lora:
             lines.append(
                 "    --lora 16: only the adapters get masters, gradients and optimizer state"
@@ -251,6 +264,12 @@ def main(argv: list[str] | None = None) -> int:
         "sharded over (roundpipe.distributed.ShardedState; default 1: not sharded); the host "
         "terms are one rank's",
     )
+    parser.add_argument(
+        "--spill-dir",
+        metavar="DIR",
+        help="keep Adam's state in files under DIR (roundpipe.optim.AdamW(state_dir=DIR)): only "
+        "its streaming buffer counts against the host",
+    )
     args = parser.parse_args(argv)
     if args.ranks < 1:
         parser.error("--ranks must be >= 1")
@@ -278,6 +297,7 @@ def main(argv: list[str] | None = None) -> int:
         compute_capability=major,
         host_memory=host_memory,
         ranks=args.ranks,
+        spill_dir=args.spill_dir,
     )
     print(plan)
     if not plan.fits:

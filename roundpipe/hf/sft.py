@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 import transformers
 
 try:
@@ -18,6 +19,7 @@ except ImportError as exc:  # pragma: no cover - exercised without trl installed
         '".[hf,trl]" in the roundpipe checkout)'
     ) from exc
 
+from roundpipe.hf.loss import IGNORE_INDEX
 from roundpipe.hf.trainer import RoundPipeTrainerMixin
 
 __all__ = ["SFTTrainer"]
@@ -29,9 +31,14 @@ class SFTTrainer(RoundPipeTrainerMixin, trl.SFTTrainer):
     is roundpipe's, as :class:`roundpipe.hf.Trainer`'s, with the same extra arguments
     (:class:`roundpipe.hf.trainer.RoundPipeTrainerMixin`).
 
-    The evaluation loss is transformers' (the wrapped model's ``model(**batch).loss``);
-    TRL's extra metrics (entropy, mean token accuracy) need its fused head and are not logged.
-    ``padding_free`` is refused: the stages take one row of position ids for the batch."""
+    The training logs carry TRL's ``entropy``, ``mean_token_accuracy`` and ``num_tokens``,
+    computed in roundpipe's chunked head (see [Note: TRL's token metrics]); the evaluation's
+    loss is transformers' (the wrapped model's ``model(**batch).loss``, TRL's mean over the
+    tokens) and its ``eval_entropy`` and ``eval_mean_token_accuracy`` are computed from that
+    call's logits. ``padding_free`` is refused: the stages take one row of position ids for the
+    batch."""
+
+    _token_metrics = True
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -47,14 +54,36 @@ class SFTTrainer(RoundPipeTrainerMixin, trl.SFTTrainer):
         self, model: Any, inputs: Any, return_outputs: bool = False, num_items_in_batch: Any = None
     ) -> Any:
         """transformers' ``compute_loss``: ``model(**inputs)`` and its loss (the evaluation's;
-        training computes its loss in roundpipe's head)."""
-        return transformers.Trainer.compute_loss(
+        training computes its loss in roundpipe's head), and, for TRL's metrics, the entropy and
+        top-1 accuracy over the batch's predicted tokens, from the call's logits. Main thread."""
+        loss, outputs = transformers.Trainer.compute_loss(
             self,
             model,
             inputs,
-            return_outputs=return_outputs,
+            return_outputs=True,
             num_items_in_batch=num_items_in_batch,
         )
+        trainer: Any = self
+        labels = inputs.get("labels")
+        if labels is not None and getattr(outputs, "logits", None) is not None:
+            mode = "train" if model.training else "eval"
+            logits = outputs.logits[:, :-1].detach().float()
+            targets = labels[:, 1:].to(logits.device)
+            valid = targets != IGNORE_INDEX
+            log_probs = torch.log_softmax(logits, dim=-1)
+            entropy = -(log_probs.exp() * log_probs).sum(dim=-1)
+            top1 = (logits.argmax(dim=-1) == targets) & valid
+            gather = trainer.accelerator.gather_for_metrics
+            num_valid = gather(valid.sum()).sum()
+            entropy_sum = gather((entropy * valid).sum()).sum()
+            num_correct = gather(top1.sum()).sum()
+            found = num_valid > 0
+            metrics = trainer._metrics[mode]
+            metrics["entropy"].append((entropy_sum / num_valid).item() if found else 0.0)
+            metrics["mean_token_accuracy"].append(
+                (num_correct / num_valid).item() if found else 0.0
+            )
+        return (loss, outputs) if return_outputs else loss
 
     def prediction_step(
         self, model: Any, inputs: Any, prediction_loss_only: bool, ignore_keys: Any = None

@@ -233,7 +233,12 @@ class Head(nn.Module):
     """The final norm and the output projection. Training (the context has labels): the sum of
     the microbatch's token losses over the batch's count of predicted tokens, computed in chunks
     of ``chunk_tokens`` (see :func:`chunked_causal_lm_loss`), plus the weighted load-balancing
-    loss in a mixture-of-experts family. Inference: the logits."""
+    loss in a mixture-of-experts family; with ``token_stats`` set, ``(loss, stats)``, ``stats``
+    each row's sums of :func:`chunked_causal_lm_loss`'s token statistics (rows x 3: entropy,
+    top-1 hits, predicted tokens). Inference: the logits.
+
+    ``token_stats`` is written on the main thread between calls (roundpipe.hf.Trainer's, for
+    TRL's metrics) and read by the worker that runs the stage during a call."""
 
     takes_context = True
 
@@ -249,8 +254,11 @@ class Head(nn.Module):
         self.num_experts = num_experts(config) if family.router is not None else 0
         # What the model does to the logits before its loss (soft-capping, scaling).
         self.transform = None if family.logits is None else family.logits(config)
+        self.token_stats = False
 
-    def forward(self, x: Any, context: dict[str, Any]) -> torch.Tensor:
+    def forward(
+        self, x: Any, context: dict[str, Any]
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         sums = None
         if isinstance(x, tuple):
             x, *sums = x
@@ -259,6 +267,7 @@ class Head(nn.Module):
         if labels is None:
             logits = self.lm_head(hidden)
             return logits if self.transform is None else self.transform(logits)
+        token_stats = self.token_stats
         loss = chunked_causal_lm_loss(
             hidden,
             self.lm_head,
@@ -266,7 +275,12 @@ class Head(nn.Module):
             context["num_items"],
             self.chunk_tokens,
             transform=self.transform,
+            token_stats=token_stats,
         )
+        stats = None
+        if token_stats:
+            loss, stats = loss
+            stats = stats.reshape(stats.shape[0], -1, 3).sum(dim=1)  # per row
         if sums is not None and self.aux_on:
             counts, probs, rows = sums
             aux = torch.sum((counts / rows) * (probs / rows)) * self.num_experts
@@ -274,4 +288,4 @@ class Head(nn.Module):
             # microbatches add up to one load-balancing term (docs/hf.md).
             share = (labels != IGNORE_INDEX).sum() / context["num_items"]
             loss = loss + self.aux_coef * aux * share
-        return loss
+        return loss if stats is None else (loss, stats)

@@ -5,7 +5,9 @@ the model is wrapped by :func:`roundpipe.hf.wrap` at construction and stays in h
 :meth:`RoundPipeTrainerMixin.train` is a loop over the Trainer's own pieces (its dataloader,
 ``get_batch_samples``, optimizer class and decay groups, scheduler, callbacks, ``log``,
 ``evaluate``, TrainerState) whose steps are roundpipe's: one ``forward_backward`` per optimizer
-step and ``model.step`` on the optimizer thread (see [Note: the Trainer's step]).
+step and ``model.step`` on the optimizer thread (see [Note: the Trainer's step]). Under
+torchrun its processes are roundpipe's data-parallel ranks (see [Note: the Trainer's data
+parallelism]).
 """
 
 from __future__ import annotations
@@ -20,10 +22,12 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import transformers
 from torch import nn
 
 from roundpipe import checkpoint, optim_thread
+from roundpipe.distributed import DataParallel
 from roundpipe.grad_scaler import GradScaler
 from roundpipe.hf.wrap import HFRoundPipe, wrap
 from roundpipe.runtime import RoundPipeRunConfig
@@ -48,6 +52,35 @@ __all__ = ["RoundPipeTrainerMixin", "Trainer", "unsupported_arguments"]
 # logs (the gradient norm, the learning rate it used, the scale) is written into a _StepRecord on
 # the optimizer thread; a log waits for the record of its step at the next step or before an
 # evaluation, a save or the end, so a log costs the main thread no wait for the optimizer.
+
+# [Note: the Trainer's data parallelism]
+# Under torchrun the Trainer's processes are roundpipe's data-parallel ranks. The Trainer's
+# TrainingArguments (accelerate) initialised the process group; the Trainer's own dataloader
+# gives each rank its share of every global batch (accelerate's BatchSamplerShard: of the one
+# seeded order of batches, rank r takes batches r, r + world, ...), and its get_batch_samples
+# counts the label tokens of a step over every rank (average_tokens_across_devices). Each rank's
+# loss is then its token losses' sum over that global count, times the world size, as
+# transformers' compute_loss does, so that DataParallel's average over the ranks is the
+# gradient of the whole global batch; the clipping, run after that average on every rank, sees
+# the same averaged gradients everywhere: its norm is the global one. The model gets its
+# DataParallel at construction, over a process group of its own (_trainer_group): the Trainer
+# issues collectives on the main thread (the token count, the logged loss, the evaluation's
+# gather, the flos) while DataParallel's run on the optimizer thread, and the collectives of one
+# group must come in the same order on every rank, which two threads cannot promise; two groups
+# are independent. Logs show the mean loss over the ranks and the tokens of all of them;
+# checkpoints are roundpipe.checkpoint's (every rank calls save at the same step, rank 0 writes;
+# every rank loads on resume).
+
+# [Note: TRL's token metrics]
+# TRL's SFTTrainer logs, for every batch of the step (each of its compute_loss calls), the mean
+# entropy of the model's distribution over the predicted tokens and the share of them whose most
+# likely token is the label, each a sum over every rank's batch divided by every rank's count,
+# and at a log the mean of those per-batch values since the last log; num_tokens is the running
+# count of attended input tokens over every rank. Here the head computes the per-token values
+# from each chunk's logits while they exist (chunked_causal_lm_loss(token_stats=True)) and
+# returns them summed per row with the loss; the step's loss_fn keeps them, the main thread
+# sums the rows of each batch after the call, and the log gathers the batches' sums over the
+# ranks (the same batches on every rank, in order) before dividing, as TRL does.
 
 # TrainingArguments that roundpipe cannot honour: (is it set, what to do instead).
 _UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
@@ -103,16 +136,56 @@ def unsupported_arguments(args: Any) -> list[str]:
         value = getattr(args, name, None)
         if value is not None and is_set(value):
             problems.append(f"{name}={value!r}: {fix}")
-    if int(getattr(args, "world_size", 1) or 1) > 1:
+    if _world_size(args) > 1 and getattr(args, "save_on_each_node", False):
         problems.append(
-            f"a distributed run (world_size={args.world_size}, e.g. torchrun): roundpipe.hf."
-            "Trainer trains in one process; run one process whose device pool holds every "
-            'accelerator (devices="cuda:0,1"), or write the loop with roundpipe.distributed.'
-            "DataParallel (examples/data_parallel.py, docs/distributed.md)"
+            "save_on_each_node=True: under data parallelism roundpipe.checkpoint writes on "
+            "rank 0 only and every rank reads it; leave save_on_each_node=False and put "
+            "output_dir on a file system every node reads"
         )
     if getattr(args, "fp16", False) and getattr(args, "bf16", False):
         problems.append("fp16=True and bf16=True: choose one")
     return problems
+
+
+def _world_size(args: Any) -> int:
+    return int(getattr(args, "world_size", 1) or 1)
+
+
+# The process group of the Trainers' DataParallel in this process, with the world group it was
+# made from (main thread). One per process: roundpipe's checkpoints gather over one group.
+_TRAINER_GROUP: dict[str, Any] = {}
+
+
+def _trainer_group(args: Any) -> Any:
+    """The process group the Trainer's DataParallel averages over: every rank of the world,
+    apart from the world group the Trainer's own collectives use (see [Note: the Trainer's data
+    parallelism]). Made once per process, by every rank (``new_group`` is a collective)."""
+    world = dist.group.WORLD
+    if _TRAINER_GROUP.get("world") is not world:
+        _TRAINER_GROUP["world"] = world
+        _TRAINER_GROUP["group"] = dist.new_group(timeout=args.ddp_timeout_delta)
+    return _TRAINER_GROUP["group"]
+
+
+def _data_parallel(args: Any, model: HFRoundPipe) -> DataParallel | None:
+    """The DataParallel of a distributed run (``args.world_size > 1``), None in one process."""
+    world = _world_size(args)
+    if world <= 1:
+        return None
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(
+            f"TrainingArguments report world_size={world} but torch.distributed is not "
+            f"initialized; launch the script with torchrun (e.g. `torchrun --nproc-per-node "
+            f"{world} train.py`), whose TrainingArguments initialise it"
+        )
+    group = _trainer_group(args)
+    if dist.get_world_size(group) != world:
+        raise RuntimeError(
+            f"TrainingArguments report world_size={world} but the process group has "
+            f"{dist.get_world_size(group)} ranks; build TrainingArguments after the process "
+            f"group (torchrun's environment) and keep one process group per run"
+        )
+    return DataParallel(model, process_group=group)
 
 
 @dataclasses.dataclass
@@ -198,16 +271,24 @@ class RoundPipeTrainerMixin:
       (then every step equals the plain Trainer's).
     * ``num_microbatch``: microbatches of one optimizer step (default: one per batch of the
       gradient accumulation, ``gradient_accumulation_steps``).
-    * ``devices``: roundpipe's device pool (default ``"cpu"`` with ``use_cpu=True``, else
-      ``$ROUNDPIPE_DEVICES``, else every CUDA device, else the CPU).
+    * ``devices``: roundpipe's device pool (default ``"cpu"`` with ``use_cpu=True``; under
+      torchrun on GPUs, the rank's own GPU, ``args.device``; else ``$ROUNDPIPE_DEVICES``, else
+      every CUDA device, else the CPU).
     * ``wrap_kwargs``: more arguments for :func:`roundpipe.hf.wrap` (``loss_chunk_tokens``,
       ``check``, ``model_run_config``, ``memory_check``).
     * ``checkpoint_hf`` (default False): each checkpoint also holds ``hf/``, the model as
       ``from_pretrained`` loads it.
 
     ``self.model`` is the :class:`roundpipe.hf.HFRoundPipe` (``self.hf_model`` the model given,
-    whose parameters hold the trained weights after training). Main thread only.
+    whose parameters hold the trained weights after training). Under torchrun
+    (``args.world_size > 1``) ``self.data_parallel`` is the
+    :class:`roundpipe.distributed.DataParallel` that averages the gradients over the ranks (None
+    in one process; see docs/distributed.md, "The Trainer"). Main thread only.
     """
+
+    # Whether the logs carry TRL's token metrics (entropy, mean_token_accuracy, num_tokens),
+    # computed in roundpipe's head (roundpipe.hf.SFTTrainer sets it).
+    _token_metrics = False
 
     def __init__(
         self,
@@ -273,10 +354,18 @@ class RoundPipeTrainerMixin:
         options.setdefault("optim_dtype", torch.float32)
         if devices is None and trainer.args.use_cpu and "devices" not in options:
             devices = "cpu"  # the Trainer's use_cpu=True: roundpipe's pool is the CPU too
+        if (
+            devices is None
+            and "devices" not in options
+            and _world_size(trainer.args) > 1
+            and trainer.args.device.type == "cuda"
+        ):
+            devices = str(trainer.args.device)  # torchrun: one GPU per rank, the rank's own
         if devices is not None:
             options["devices"] = devices
         self.hf_model = hf_model
         self._rp = wrap(hf_model, **options)
+        self.data_parallel = _data_parallel(trainer.args, self._rp)
         # The Trainer's evaluation hands the model to accelerate, which would move it to the
         # device and wrap its forward; the model stays where roundpipe keeps it.
         setattr(self._rp, "_is_accelerate_prepared", True)  # noqa: B010 (an nn.Module attribute)
@@ -425,6 +514,7 @@ class _TrainLoop:
         self.model = model
         self.pending: list[_PendingLog] = []
         self.scaler: GradScaler | None = None
+        self.data_parallel: DataParallel | None = trainer.data_parallel
 
     # -- setup ------------------------------------------------------------------------------------
     def _sizes(self, dataloader: Any) -> tuple[int, int, int, int | None]:
@@ -497,6 +587,8 @@ class _TrainLoop:
         t.create_optimizer()
         t.create_scheduler(num_training_steps=max_steps, optimizer=t.optimizer)
         scaler = GradScaler() if args.fp16 else None
+        if scaler is not None and self.data_parallel is not None:
+            scaler.join_data_parallel(self.data_parallel)  # every rank skips the same steps
         self.scaler = scaler
         self._resume(resume, scaler)
         t.state.init_training_references(t, max_steps, num_epochs, None)
@@ -522,6 +614,8 @@ class _TrainLoop:
         self.last_logged = t.state.global_step
         self.tokens_since_log = 0
         self.tokens_total = 0
+        self.batch_stats: list[torch.Tensor] = []  # per batch since the last log: TRL's sums
+        self.attended_since_log = 0
         self.log_clock = time.perf_counter()
         model.train()
         t.control = t.callback_handler.on_train_begin(args, t.state, t.control)
@@ -547,14 +641,15 @@ class _TrainLoop:
         model.synchronize()
         self._flush_logs(wait=True)
         checkpoint.wait()
-        self.total_loss += self.loss_since_log
+        remaining, self.tokens_total = self._over_ranks(self.loss_since_log, self.tokens_total)
+        self.total_loss += remaining
         steps = t.state.global_step - initial_step
         train_loss = self.total_loss / max(steps, 0.001)
         runtime = time.time() - start
         metrics = {
             "train_runtime": round(runtime, 4),
             "train_samples_per_second": round(
-                steps * t._train_batch_size * ga / max(runtime, 1e-9), 3
+                steps * t._train_batch_size * ga * _world_size(args) / max(runtime, 1e-9), 3
             ),
             "train_steps_per_second": round(steps / max(runtime, 1e-9), 3),
             "train_tokens_per_second": round(self.tokens_total / max(runtime, 1e-9), 3),
@@ -596,7 +691,8 @@ class _TrainLoop:
             self.tokens_since_log += tokens
             self.tokens_total += tokens
             if args.include_num_input_tokens_seen not in (False, "no", None):
-                t.state.num_input_tokens_seen += tokens
+                # every rank's, as the Trainer counts them (a collective per step, as its)
+                t.state.num_input_tokens_seen += int(self._over_ranks(0.0, tokens)[1])
             t.state.global_step += 1
             t.state.epoch = epoch + (step + 1) / steps_in_epoch
             t.control = t.callback_handler.on_step_end(args, t.state, t.control)
@@ -612,17 +708,45 @@ class _TrainLoop:
         if num_items is not None:
             batch["num_items_in_batch"] = _as_count(num_items)
         run_config = RoundPipeRunConfig(num_microbatch=t.num_microbatch or len(batches))
+        # Over the ranks the token count is the global one: each rank's loss is its share of
+        # the global mean times the world size ([Note: the Trainer's data parallelism]).
+        factor = 1
+        if (
+            self.data_parallel is not None
+            and num_items is not None
+            and t.args.average_tokens_across_devices
+        ):
+            factor = self.data_parallel.world_size
         scaler = self.scaler
-        if scaler is not None:
-            scale = scaler.get_scale()
+        scale = scaler.get_scale() if scaler is not None else 1.0
+        stages: Any = model.module
+        head = stages[-1]
+        # Each microbatch's rows of token statistics (the head's, [Note: TRL's token metrics]),
+        # by microbatch index; written by the workers, read after the call has returned.
+        mb_stats: dict[int, torch.Tensor] = {}
+
+        def loss_fn(out: Any, _: Any, mb: Any) -> torch.Tensor:
+            if isinstance(out, tuple):
+                out, mb_stats[mb.index] = out[0], out[1].detach()
+            out = out * factor if factor != 1 else out
+            return scaler.scale(out) if scaler is not None else out
+
+        head.token_stats = t._token_metrics
+        try:
             loss = model.forward_backward(
-                input_kwargs=batch,
-                loss_fn=lambda mb_loss, _: scaler.scale(mb_loss),
-                run_config=run_config,
+                input_kwargs=batch, loss_fn=loss_fn, run_config=run_config
             )
-            value = float(loss) / scale
-        else:
-            value = float(model.forward_backward(input_kwargs=batch, run_config=run_config))
+        finally:
+            head.token_stats = False
+        value = float(loss) / scale
+        if t._token_metrics:
+            rows = torch.cat([mb_stats[i] for i in sorted(mb_stats)]).cpu()
+            sizes = [int(b["input_ids"].shape[0]) for b in batches]
+            self.batch_stats.extend(part.sum(dim=0) for part in rows.split(sizes))
+            self.attended_since_log += sum(
+                int(b["attention_mask"].sum()) if "attention_mask" in b else b["input_ids"].numel()
+                for b in batches
+            )
         record = _StepRecord()
         self.record = record
         step_fn = self.step_fn
@@ -635,16 +759,19 @@ class _TrainLoop:
     def _log_save_evaluate(self, ignore_keys: Any) -> None:
         t = self.t
         if t.control.should_log and t.state.global_step > self.last_logged:
+            loss, tokens = self._over_ranks(self.loss_since_log, self.tokens_since_log)
             now = time.perf_counter()
             steps = t.state.global_step - self.last_logged
-            logs: dict[str, float] = {"loss": self.loss_since_log / steps}
-            logs["tokens_per_second"] = self.tokens_since_log / max(now - self.log_clock, 1e-9)
+            logs: dict[str, float] = {"loss": loss / steps}
+            logs["tokens_per_second"] = tokens / max(now - self.log_clock, 1e-9)
             if self.scaler is not None:
                 logs["loss_scale"] = self.scaler.get_scale()
-            self.total_loss += self.loss_since_log
+            self.total_loss += loss
             self.loss_since_log = 0.0
             self.tokens_since_log = 0
             self.log_clock = now
+            if t._token_metrics:
+                logs.update(self._token_metric_logs())
             self.last_logged = t.state.global_step
             t.store_flos()
             self.pending.append(_PendingLog(logs, self.record, t.state.global_step, t.state.epoch))
@@ -655,6 +782,38 @@ class _TrainLoop:
         if t.control.should_save:
             self._save()
             t.control = t.callback_handler.on_save(t.args, t.state, t.control)
+
+    def _token_metric_logs(self) -> dict[str, float]:
+        """TRL's ``entropy``, ``mean_token_accuracy`` and ``num_tokens`` of the batches since
+        the last log (see [Note: TRL's token metrics]); every rank at the same log."""
+        t = self.t
+        sums = torch.stack(self.batch_stats) if self.batch_stats else torch.zeros(0, 3)
+        attended = torch.tensor([float(self.attended_since_log)], dtype=torch.float64)
+        self.batch_stats = []
+        self.attended_since_log = 0
+        if self.data_parallel is not None:
+            device = t.args.device
+            sums = t.accelerator.gather(sums.to(device)[None]).reshape(-1, *sums.shape).sum(0)
+            attended = t.accelerator.gather(attended.to(device)).sum().reshape(1)
+        sums, attended = sums.cpu(), attended.cpu()
+        valid = sums[:, 2]
+        ratios = torch.where((valid > 0)[:, None], sums[:, :2] / valid.clamp(min=1)[:, None], 0.0)
+        t._total_train_tokens = getattr(t, "_total_train_tokens", 0) + int(attended.item())
+        logs = {"num_tokens": float(t._total_train_tokens)}
+        if len(ratios):
+            logs["entropy"] = float(ratios[:, 0].mean())
+            logs["mean_token_accuracy"] = float(ratios[:, 1].mean())
+        return logs
+
+    def _over_ranks(self, loss: float, tokens: int) -> tuple[float, int]:
+        """(the mean of ``loss`` over the ranks, the sum of ``tokens``): what the plain Trainer
+        logs under torchrun. One gather on the Trainer's process group, on the main thread, at
+        the same point on every rank; in one process the values themselves."""
+        if self.data_parallel is None:
+            return loss, tokens
+        local = torch.tensor([loss, float(tokens)], dtype=torch.float64, device=self.t.args.device)
+        every = self.t.accelerator.gather(local).reshape(-1, 2).cpu()
+        return float(every[:, 0].mean()), int(every[:, 1].sum())
 
     def _flush_logs(self, wait: bool) -> None:
         """Emit the pending logs whose step has run (``wait``: every pending log, after
@@ -670,6 +829,7 @@ class _TrainLoop:
             if logs["grad_norm"] is None:
                 del logs["grad_norm"]
             order = ["loss", "grad_norm", "learning_rate", "tokens_per_second", "loss_scale"]
+            order += ["entropy", "mean_token_accuracy", "num_tokens"]
             logs = {k: logs[k] for k in order if k in logs}
             now_step, now_epoch = t.state.global_step, t.state.epoch
             t.state.global_step, t.state.epoch = entry.global_step, entry.epoch
@@ -691,8 +851,8 @@ class _TrainLoop:
         while training goes on; it holds the Trainer's state for resume_from_checkpoint."""
         t = self.t
         self._flush_logs(wait=True)
-        if not t.args.should_save:
-            return
+        if not t.args.should_save and self.data_parallel is None:
+            return  # under data parallelism every rank saves; rank 0 writes
         t.store_flos()
         name = f"checkpoint-{t.state.global_step}"
         t.state.stateful_callbacks = {}

@@ -37,8 +37,8 @@ def default_loss_chunk_tokens(vocab_size: int) -> int:
     return 1 << (tokens.bit_length() - 1)
 
 
-def _identity_loss(loss: torch.Tensor, label: Any) -> torch.Tensor:
-    return loss
+def _identity_loss(loss: Any, label: Any) -> torch.Tensor:
+    return loss[0] if isinstance(loss, tuple) else loss  # (loss, token stats): the Head's
 
 
 class HFRoundPipe(RoundPipe):
@@ -259,7 +259,7 @@ class HFRoundPipe(RoundPipe):
         input_args: Sequence[Any] = (),
         input_kwargs: dict[str, Any] | None = None,
         label: Any = None,
-        loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+        loss_fn: Callable[..., torch.Tensor] | None = None,
         return_outputs: bool = False,
         run_config: RoundPipeRunConfig | None = None,
     ) -> Any:

@@ -36,7 +36,8 @@ class HostTerms:
     holds: all of them, or with ``ranks`` > 1 (sharded state) the largest rank's share;
     ``grads``: the masters' gradients (one per trainable parameter, in its master's dtype:
     sharded too, every rank accumulates all of them until the step hands them to their owners);
-    ``optimizer``: the optimizer's state, estimated as Adam's (two moments per held master);
+    ``optimizer``: the optimizer's state, estimated as Adam's (two moments per held master),
+    or, with ``optimizer_dir`` (``Adam(state_dir=...)``), the host buffer it streams through;
     ``pinned_overhead``: what the pinned pool takes beyond the weights' bytes (padding and
     block slack, see [Note: the pinned pool]; 0 on a CPU pool, which pins nothing);
     ``activations``: host bytes of stage inputs offloaded to the host (or, on a CPU pool, the
@@ -58,6 +59,7 @@ class HostTerms:
     available: int | None = None
     weights_allocated: bool = True
     ranks: int = 1
+    optimizer_dir: str | None = None
 
     @property
     def new_bytes(self) -> int:
@@ -89,7 +91,12 @@ class HostTerms:
                 + (" (every parameter's until the step reduces them)" if self.ranks > 1 else ""),
                 self.grads,
             ),
-            ("optimizer state (estimated as Adam: 2 x masters)", self.optimizer),
+            (
+                f"optimizer state: in files under {self.optimizer_dir} (streaming buffer)"
+                if self.optimizer_dir
+                else "optimizer state (estimated as Adam: 2 x masters)",
+                self.optimizer,
+            ),
             ("pinned pool padding and block slack", self.pinned_overhead),
         ]
         if self.activations:

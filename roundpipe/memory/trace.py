@@ -31,6 +31,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from roundpipe.autocast import AutocastState, autocast_context
 from roundpipe.context import WithContext
+from roundpipe.memory.live import LiveBytes
 from roundpipe.microbatch import MicrobatchInfo
 from roundpipe.plan import ActionBytes
 from roundpipe.runtime.stages import Stage
@@ -61,11 +62,9 @@ class _LiveBytes(TorchDispatchMode):
     def __init__(self, device_type: str) -> None:
         super().__init__()
         self.device_type = device_type
-        self.live = 0  # bytes of the storages made since the last reset, alive now
-        self.peak = 0
+        # The bytes of the storages made since the last reset, alive now, and their peak.
+        self.count = LiveBytes()
         self.counting = True
-        self._window = 0  # storages of earlier windows freed now do not lower ``live``
-        self._sizes: dict[int, tuple[int, int]] = {}  # storage -> (bytes, window)
         self._known: set[int] = set()
 
     def know(self, tree: Any) -> None:
@@ -85,8 +84,7 @@ class _LiveBytes(TorchDispatchMode):
         """Count from here: ``live`` and ``peak`` start at 0, and only storages made from now on
         count (a finalizer of an older one, run late by the garbage collector, changes nothing).
         Returns 0, the base the caller subtracts."""
-        self._window += 1
-        self.live = self.peak = 0
+        self.count.forget()
         return 0
 
     @contextlib.contextmanager
@@ -102,21 +100,13 @@ class _LiveBytes(TorchDispatchMode):
             return
         storage = t.untyped_storage()
         key = storage._cdata
-        if key in self._sizes or key in self._known:
+        if key in self.count or key in self._known:
             return
         if not self.counting:
             self._add_known(storage)
             return
-        nbytes = storage.nbytes()
-        self._sizes[key] = (nbytes, self._window)
-        self.live += nbytes
-        self.peak = max(self.peak, self.live)
-        weakref.finalize(storage, self._free, key)
-
-    def _free(self, key: int) -> None:
-        nbytes, window = self._sizes.pop(key, (0, -1))
-        if window == self._window:
-            self.live -= nbytes
+        self.count.add(key, storage.nbytes())
+        weakref.finalize(storage, self.count.remove, key)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
@@ -283,7 +273,7 @@ def _traced(
     base = live.reset()
     with torch.no_grad(), autocast_context(call.autocast):
         out, context = _run_layers(stage, inp, context, tensors)
-    forward_peak = live.peak - base
+    forward_peak = live.count.peak - base
     output = _nbytes_new(out, before)
     if not call.training:
         return ActionBytes(_nbytes_new(inp, set()), output, forward_peak), out, context
@@ -309,8 +299,8 @@ def _traced(
                 )
                 outputs = [_loss(call, out_g, lbl, m)]
                 del lbl
-        graph = live.live - base
-        grad_forward_peak = live.peak - base
+        graph = live.count.live - base
+        grad_forward_peak = live.count.peak - base
         if last:
             grad_outputs = [torch.ones_like(outputs[0])]
         else:
@@ -318,12 +308,12 @@ def _traced(
             with live.paused():  # the gradient the stage after hands over: not this stage's
                 grad_outputs = [torch.ones_like(o) for o in outputs]
         inputs = wrt + params
-        live.peak = live.live  # the backward's own peak, still counted from before the forward
+        live.count.reset_peak()  # the backward's own peak, still counted from before the forward
         grads: list[Any] = [None] * len(inputs)
         if outputs and inputs:
             grads = list(torch.autograd.grad(outputs, inputs, grad_outputs, allow_unused=True))
-        grad_phase_peak = live.peak - base
-        backward_end = live.live - base
+        grad_phase_peak = live.count.peak - base
+        backward_end = live.count.live - base
     del grad_outputs
     input_grad = _nbytes_new([g for g in grads[: len(wrt)] if g is not None], set())
     param_grads = _nbytes_new([g for g in grads[len(wrt) :] if g is not None], set())

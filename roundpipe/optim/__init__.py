@@ -4,8 +4,11 @@
 param groups and ``state_dict``) that run torch's fused kernel by default and honour a
 GradScaler's ``grad_scale``/``found_inf`` on every path. Build them on the master copies:
 ``model.optim_parameters()``, or ``model.parameters()`` inside ``with roundpipe.OptimizerCtx():``.
+Where their state lives (RAM, or files under ``state_dir``) is chosen at construction
+(:mod:`roundpipe.optim.placement`, :mod:`roundpipe.optim.spill`).
 """
 
 from roundpipe.optim.adam import Adam, AdamW
+from roundpipe.optim.spill import SpillError
 
-__all__ = ["Adam", "AdamW"]
+__all__ = ["Adam", "AdamW", "SpillError"]

@@ -15,15 +15,16 @@ because plain torch allows it.
 from __future__ import annotations
 
 import inspect
+import os
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import Tensor
-from torch.optim.adam import adam as _torch_adam
 
 from roundpipe import optim_queue
-from roundpipe.grad_access import MasterParameter, WrappedParameter
+from roundpipe.optim.kernel import FUSED_DEVICE_TYPES, group_allows_fused, param_fits_fused
+from roundpipe.optim.placement import StateInRAM, StatePlacement, make_placement
 
 __all__ = ["Adam", "AdamW"]
 
@@ -61,86 +62,10 @@ __all__ = ["Adam", "AdamW"]
 # memory order (strides of size-1 dimensions do not matter); otherwise that parameter takes
 # torch's path for this step.
 
-_FUSABLE_TYPES = (Tensor, torch.nn.Parameter, MasterParameter, WrappedParameter)
-_COMPLEX_FUSABLE = (torch.complex64, torch.complex128)
 _IMPL_KEYS = ("foreach", "fused", "capturable", "differentiable")
 _TORCH_HAS_DECOUPLED = (
     "decoupled_weight_decay" in inspect.signature(torch.optim.Adam.__init__).parameters
 )
-
-
-def _fused_device_types() -> frozenset[str]:
-    try:
-        from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
-    except ImportError:  # older torch: the two backends with fused Adam for certain
-        return frozenset(("cpu", "cuda"))
-    return frozenset(_get_fused_kernels_supported_devices())
-
-
-_FUSED_DEVICE_TYPES = _fused_device_types()
-
-
-def _group_allows_fused(group: dict) -> bool:
-    return group["fused"] is not False and not group["foreach"] and not group["differentiable"]
-
-
-def _param_fits_fused(p: Tensor) -> bool:
-    """Static part of [Note: fused by default]: can the kernel take this parameter at all."""
-    return (
-        type(p) in _FUSABLE_TYPES
-        and p.layout is torch.strided
-        # is_cpu first: it is the common case and much cheaper than building p.device
-        and (p.is_cpu or p.device.type in _FUSED_DEVICE_TYPES)
-        and (p.is_floating_point() or p.dtype in _COMPLEX_FUSABLE)
-    )
-
-
-def _memory_order(t: Tensor) -> tuple | None:
-    """The strides that decide where each element lives, or None if ``t`` is not dense.
-
-    Dense: the elements fill exactly ``numel`` consecutive slots (no gaps, no overlap), in any
-    dimension order. Dimensions of size 1 are left out: their stride never moves an element.
-    """
-    dims = [(stride, size) for size, stride in zip(t.shape, t.stride()) if size != 1]
-    if t.numel() == 0:
-        return ()
-    expected = 1
-    for stride, size in sorted(dims):
-        if stride != expected:
-            return None
-        expected *= size
-    return tuple(stride for stride, _ in dims)
-
-
-def _fusable_layout(
-    p: Tensor, grad: Tensor, states: list[Tensor], dtype: torch.dtype, device: torch.device
-) -> bool:
-    """[Note: fused layout rule]: grad and states share ``p``'s dtype and dense memory order.
-
-    Runs for every parameter on every step, so it checks only what can differ: the ``.grad``
-    setter already enforces the grad's shape and device (not its dtype, with ``grad_dtype``);
-    states may come from any checkpoint, and a state of another size would make the CPU
-    kernel read or write out of bounds.
-    """
-    if grad.dtype != dtype:
-        return False
-    shape = p.shape
-    for t in states:
-        if t.shape != shape or t.dtype != dtype or t.device != device:
-            return False
-    # Fast path: contiguous tensors of one shape share one layout.
-    if p.is_contiguous() and grad.is_contiguous() and all(t.is_contiguous() for t in states):
-        return True
-    order = _memory_order(p)
-    return (
-        order is not None
-        and _memory_order(grad) == order
-        and all(_memory_order(t) == order for t in states)
-    )
-
-
-def _hyper_float(x: float | Tensor) -> float:
-    return float(x) if isinstance(x, Tensor) else x
 
 
 class Adam(torch.optim.Adam):
@@ -155,6 +80,16 @@ class Adam(torch.optim.Adam):
     for-loop path for the rest (see [Note: fused by default] in this module). ``fused=True``
     additionally checks, here and in :meth:`add_param_group`, that every parameter can be
     fused; ``fused=False`` runs exactly torch's non-fused path.
+
+    Where the state lives is chosen here, once (:mod:`roundpipe.optim.placement`):
+    ``state_dir=None`` (the default) keeps the moments in RAM as torch does, and refuses with a
+    ``MemoryError`` naming ``state_dir`` when they cannot fit the free host RAM;
+    ``state_dir="/nvme/run1"`` keeps them in a file under that directory, streamed through
+    ``state_buffer_bytes`` of host memory on each step (default 256 MiB; reads of the next
+    chunks prefetched and writes behind the update, see :mod:`roundpipe.optim.spill`): every
+    parameter must then take the fused kernel on the host (a contiguous float or complex
+    tensor in host memory, no fused=False/foreach/differentiable/capturable), and the result is
+    bitwise the in-RAM optimizer's. I/O failures raise :class:`roundpipe.optim.SpillError`.
 
     Implementation options (``foreach``, ``fused``, ``capturable``, ``differentiable``) belong
     to this optimizer, not to a checkpoint: :meth:`load_state_dict` keeps them, so a checkpoint
@@ -185,8 +120,11 @@ class Adam(torch.optim.Adam):
         differentiable: bool = False,
         fused: bool | None = None,
         decoupled_weight_decay: bool = False,
+        state_dir: str | os.PathLike[str] | None = None,
+        state_buffer_bytes: int | None = None,
     ) -> None:
         """Any thread; does not wait for the optimizer thread (no launched work can use it yet)."""
+        self._placement: StatePlacement = make_placement(state_dir, state_buffer_bytes)
         if fused and differentiable:
             raise RuntimeError(
                 "Adam: fused=True cannot be combined with differentiable=True (the "
@@ -226,12 +164,13 @@ class Adam(torch.optim.Adam):
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         self._constructed = True  # unpickled or deep-copied: past construction
+        self.__dict__.setdefault("_placement", StateInRAM())
 
     # -- GradScaler protocol (see [Note: fused by default]) -------------------------------------
     @property
     def _step_supports_amp_scaling(self) -> bool:
         return all(
-            _group_allows_fused(group) and all(_param_fits_fused(p) for p in group["params"])
+            group_allows_fused(group) and all(param_fits_fused(p) for p in group["params"])
             for group in self.param_groups
         )
 
@@ -250,6 +189,11 @@ class Adam(torch.optim.Adam):
             _wait_for_launched_work()
         super().add_param_group(param_group)
         group = self.param_groups[-1]
+        try:
+            self._placement.check_group(self, group)
+        except BaseException:
+            self.param_groups.pop()
+            raise
         if group["fused"]:
             if group["differentiable"] or group["foreach"]:
                 self.param_groups.pop()
@@ -259,12 +203,12 @@ class Adam(torch.optim.Adam):
                 )
             group_index = len(self.param_groups) - 1
             for index, p in enumerate(group["params"]):
-                if not _param_fits_fused(p):
+                if not param_fits_fused(p):
                     self.param_groups.pop()
                     raise RuntimeError(
                         f"Adam(fused=True) needs every parameter to be a dense floating-point or "
                         f"complex64/complex128 Tensor on a device with fused kernels "
-                        f"({sorted(_FUSED_DEVICE_TYPES)}); param_groups[{group_index}]['params']"
+                        f"({sorted(FUSED_DEVICE_TYPES)}); param_groups[{group_index}]['params']"
                         f"[{index}] is a {type(p).__name__} of {p.dtype} on "
                         f"{p.device.type}. Pass fused=None (the default) to fuse what fits and "
                         f"step the rest with torch's foreach/for-loop path, or fused=False"
@@ -280,7 +224,7 @@ class Adam(torch.optim.Adam):
         """torch.optim.Adam's state dict (loadable by torch). Any thread; off the optimizer
         thread it first waits for launched work, so the state is not torn by a running step."""
         _wait_for_launched_work()
-        return super().state_dict()
+        return self._placement.state_dict(self, super().state_dict)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a roundpipe or torch Adam state dict, keeping this optimizer's implementation
@@ -291,6 +235,14 @@ class Adam(torch.optim.Adam):
         super().load_state_dict(state_dict)
         for group, options in zip(self.param_groups, impl):
             group.update(options)
+        self._placement.after_load(self)
+
+    def close(self) -> None:
+        """Release what the state's placement holds: with ``state_dir``, its file (removed) and
+        I/O threads; the optimizer cannot step afterwards. Idempotent; collecting the optimizer
+        does the same. Any thread; off the optimizer thread it first waits for launched work."""
+        _wait_for_launched_work()
+        self._placement.close()
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One Adam step over every parameter with a gradient; returns ``closure()``'s loss.
@@ -309,173 +261,10 @@ class Adam(torch.optim.Adam):
         grad_scale: Tensor | None = getattr(self, "grad_scale", None)
         found_inf: Tensor | None = getattr(self, "found_inf", None)
         with torch.set_grad_enabled(self.defaults["differentiable"]):
-            for group in self.param_groups:
-                fused, other = self._split_group(group)
-                if fused:
-                    _fused_step(group, fused, grad_scale, found_inf)
-                if other:
-                    self._torch_step(group, other, grad_scale, found_inf)
+            self._placement.step(self, grad_scale, found_inf)
         return loss
 
     # -- private ----------------------------------------------------------------------------------
-    def _split_group(self, group: dict) -> tuple[dict, list[Tensor]]:
-        """Init lazy state and send each parameter with a grad to the fused or to torch's path.
-
-        Returns ``(buckets, other)``: ``buckets`` maps ``(device, dtype)`` to the six tensor
-        lists of one fused kernel call (real views of complex tensors); ``other`` lists the
-        parameters for torch's path.
-        """
-        buckets: dict[tuple, list[list[Tensor]]] = {}
-        other: list[Tensor] = []
-        group_fusable = _group_allows_fused(group)
-        amsgrad = group["amsgrad"]
-        for p in group["params"]:
-            grad = p.grad
-            if grad is None:
-                continue
-            if grad.is_sparse:
-                raise RuntimeError(
-                    "Adam does not support sparse gradients; use "
-                    "torch.optim.SparseAdam for sparse parameters"
-                )
-            takes_fused = group_fusable and _param_fits_fused(p)
-            state = self.state[p]
-            if not state:
-                _init_state(state, p, group, fused=takes_fused)
-            elif amsgrad and "max_exp_avg_sq" not in state:
-                # amsgrad switched on after the state was made (or loaded without it).
-                state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            if not takes_fused:
-                other.append(p)
-                continue
-            states = [state["exp_avg"], state["exp_avg_sq"]]
-            if amsgrad:
-                states.append(state["max_exp_avg_sq"])
-            dtype, device = p.dtype, p.device
-            if not _fusable_layout(p, grad, states, dtype, device):
-                other.append(p)
-                continue
-            step = state["step"]
-            if step.dtype != torch.float32 or step.device != device:
-                # e.g. loaded from a foreach checkpoint: the kernel reads a float32 step on the
-                # parameter's device.
-                state["step"] = step = step.to(device=device, dtype=torch.float32)
-            if dtype in _COMPLEX_FUSABLE:
-                # Adam on a complex tensor is Adam on its real view ([Note: fused by default]).
-                p, grad = torch.view_as_real(p), torch.view_as_real(grad)
-                states = [torch.view_as_real(t) for t in states]
-                dtype = p.dtype
-            lists = buckets.get((device, dtype))
-            if lists is None:
-                lists = buckets[(device, dtype)] = [[], [], [], [], [], []]
-            lists[0].append(p)
-            lists[1].append(grad)
-            lists[2].append(states[0])
-            lists[3].append(states[1])
-            if amsgrad:
-                lists[4].append(states[2])
-            lists[5].append(step)
-        return buckets, other
-
-    def _torch_step(
-        self, group: dict, params: list[Tensor], grad_scale: Tensor | None, found_inf: Tensor | None
-    ) -> None:
-        """torch.optim.Adam's own non-fused path for ``params``, with GradScaler unscaling."""
-        if found_inf is not None and bool(found_inf):
-            return  # a skipped step leaves params, state and the step count untouched
-        grads = [p.grad for p in params if p.grad is not None]
-        assert len(grads) == len(params)  # the caller passes params that have a gradient
-        if grad_scale is not None:
-            for g in grads:
-                g.div_(grad_scale.to(g.device))
-        states = [self.state[p] for p in params]
-        amsgrad = group["amsgrad"]
-        kwargs: dict[str, Any] = {}
-        if group.get("decoupled_weight_decay"):
-            kwargs["decoupled_weight_decay"] = True
-        _torch_adam(
-            params,
-            grads,
-            [s["exp_avg"] for s in states],
-            [s["exp_avg_sq"] for s in states],
-            [s["max_exp_avg_sq"] for s in states] if amsgrad else [],
-            [s["step"] for s in states],
-            # fused=None lets torch pick foreach or the for-loop exactly as torch.optim.Adam does
-            # for these params; fused=False keeps torch's fused=False choice (the for-loop).
-            foreach=group["foreach"],
-            fused=False if group["fused"] is False else None,
-            capturable=group["capturable"],
-            differentiable=group["differentiable"],
-            has_complex=any(p.is_complex() for p in params),
-            amsgrad=amsgrad,
-            beta1=group["betas"][0],
-            beta2=group["betas"][1],
-            lr=group["lr"],
-            weight_decay=group["weight_decay"],
-            eps=group["eps"],
-            maximize=group["maximize"],
-            **kwargs,
-        )
-
-
-def _init_state(state: dict, p: Tensor, group: dict, fused: bool) -> None:
-    # The step count lives where the path that reads it wants it, as torch keeps it: a float32
-    # on the parameter's device for the fused kernel, on the device for capturable, else on the
-    # host (float64 only under a float64 default dtype).
-    dtype = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
-    if fused:
-        state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
-    elif group["capturable"]:
-        state["step"] = torch.zeros((), dtype=dtype, device=p.device)
-    else:
-        state["step"] = torch.zeros((), dtype=dtype)
-    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-    if group["amsgrad"]:
-        state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-
-
-def _fused_step(
-    group: dict, buckets: dict, grad_scale: Tensor | None, found_inf: Tensor | None
-) -> None:
-    """Run torch's fused Adam/AdamW kernel once per (device, dtype) bucket of ``_split_group``."""
-    amsgrad = group["amsgrad"]
-    kernel = torch._fused_adamw_ if group.get("decoupled_weight_decay") else torch._fused_adam_
-    beta1, beta2 = (_hyper_float(b) for b in group["betas"])
-    lr = group["lr"]
-    for (device, _), (params, grads, exp_avgs, exp_avg_sqs, max_sqs, steps) in buckets.items():
-        device_scale = None
-        if grad_scale is not None:
-            device_scale = grad_scale.to(device=device, dtype=torch.float32)
-        device_skip = None
-        if found_inf is not None:
-            # The CPU kernel skips only when found_inf == 1.0, but a scaler sums the per-device
-            # flags (2.0 with two devices), so turn it back into a 0/1 flag.
-            device_skip = (found_inf.to(device) != 0).to(torch.float32)
-        device_lr = lr
-        if isinstance(lr, Tensor) and lr.device != device:
-            device_lr = lr.to(device)
-        torch._foreach_add_(steps, 1)
-        kernel(
-            params,
-            grads,
-            exp_avgs,
-            exp_avg_sqs,
-            max_sqs,
-            steps,
-            amsgrad=amsgrad,
-            lr=device_lr,
-            beta1=beta1,
-            beta2=beta2,
-            weight_decay=group["weight_decay"],
-            eps=group["eps"],
-            maximize=group["maximize"],
-            grad_scale=device_scale,
-            found_inf=device_skip,
-        )
-        if device_skip is not None:
-            # The kernel left everything untouched on overflow; undo the count without a sync.
-            torch._foreach_sub_(steps, [device_skip] * len(steps))
 
 
 def _wait_for_launched_work() -> None:
@@ -505,6 +294,8 @@ class AdamW(Adam):
         capturable: bool = False,
         differentiable: bool = False,
         fused: bool | None = None,
+        state_dir: str | os.PathLike[str] | None = None,
+        state_buffer_bytes: int | None = None,
     ) -> None:
         """Any thread; does not wait for the optimizer thread."""
         super().__init__(
@@ -520,6 +311,8 @@ class AdamW(Adam):
             differentiable=differentiable,
             fused=fused,
             decoupled_weight_decay=True,
+            state_dir=state_dir,
+            state_buffer_bytes=state_buffer_bytes,
         )
 
     def __setstate__(self, state: dict[str, Any]) -> None:

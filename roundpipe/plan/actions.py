@@ -226,10 +226,12 @@ class Plan:
         return (self.action(ActionKind.FORWARD, s, m), after)
 
     # -- the program's moves, summarised --------------------------------------------------------
-    def transfers(self) -> tuple[Transfer, ...]:
-        """The weight uploads and gradient downloads of the program, per device in the order of
-        the compute actions they serve (empty for a CPU plan)."""
-        return tuple(t for d in range(self.num_devices) for t in self._transfers(d))
+    def transfers(self, device: int | None = None) -> tuple[Transfer, ...]:
+        """The weight uploads and gradient downloads of the program (of ``device``, or of every
+        device in turn), in the order of the compute actions they serve (empty for a CPU
+        plan)."""
+        devices = range(self.num_devices) if device is None else (device,)
+        return tuple(t for d in devices for t in self._transfers(d))
 
     def _transfers(self, device: int) -> list[Transfer]:
         assert self.program is not None
@@ -246,39 +248,6 @@ class Plan:
             if a.kind.computes:
                 prev = a
         return [t for _, _, t in sorted(out, key=lambda x: x[:2])]
-
-    def first_upload(self, device: int) -> Transfer | None:
-        """The upload of ``device``'s first run (None: no upload, or no actions)."""
-        moves = [t for t in self._transfers(device) if t.kind is TransferKind.UPLOAD]
-        return moves[0] if moves else None
-
-    def upload_after(self, action: Action) -> Transfer | None:
-        """The upload of the run that the compute action after ``action`` on its device starts
-        (None if that action starts no run with an upload, or there is none)."""
-        actions = self.per_device[action.device]
-        i = actions.index(action)
-        if i + 1 == len(actions):
-            return None
-        nxt = actions[i + 1]
-        return next(
-            (
-                t
-                for t in self._transfers(action.device)
-                if t.kind is TransferKind.UPLOAD and t.action == nxt
-            ),
-            None,
-        )
-
-    def hands_off(self, action: Action) -> bool:
-        """Whether the program records a device event after ``action`` for another device."""
-        assert self.program is not None
-        return any(
-            a.kind is ActionKind.HANDOFF
-            and a.stage == action.stage
-            and a.mb_index == action.mb_index
-            and a.of is action.kind
-            for a in self.program[action.device]
-        )
 
     def __str__(self) -> str:
         mode = "train" if self.training else "infer"

@@ -21,8 +21,8 @@ from torch.utils import _pytree as pytree
 from torch.utils.hooks import RemovableHandle
 
 from roundpipe import optim_queue
-from roundpipe.devices import DevicePool
-from roundpipe.grad_scaler import GradScaler
+from roundpipe.devices import DevicePool, DeviceSpec
+from roundpipe.grad_scaler import GradScaler, note_step_launched
 from roundpipe.main_thread import check_main_thread
 from roundpipe.memory.checks import check_host_memory, skip_memory_check
 from roundpipe.memory.host import host_terms
@@ -116,7 +116,7 @@ class RoundPipe(nn.Module):
         optim_dtype: torch.dtype | None = None,
         name: str | None = None,
         model_run_config: RoundPipeRunConfig | None = None,
-        devices: Any = None,
+        devices: DeviceSpec | None = None,
         memory_check: bool = True,
         state_placement: StatePlacement | None = None,
     ) -> None:
@@ -308,13 +308,18 @@ class RoundPipe(nn.Module):
         *,
         inputs: tuple[Sequence[Any], dict[str, Any]] | None = None,
     ) -> Plan:
-        """The plan a call with ``run_config`` would execute: ``print`` it to see, per device,
-        the order and, on an accelerator, the program with every upload, prefetch, release,
-        gradient download, hand-off, offload and host wait (see [Note: the program] in
-        :mod:`roundpipe.plan.actions`). Under a ``device_memory_budget`` the offloads depend on
-        the sizes of the stage inputs: give the call's ``inputs`` (``(input_args,
-        input_kwargs)``) to plan with them; without, every stage input counts as 0 bytes.
-        Main thread."""
+        """The plan a call would execute: ``print`` it to see, per device, the order and, on an
+        accelerator, the program with every upload, prefetch, release, gradient download,
+        hand-off, offload and host wait (see [Note: the program] in
+        :mod:`roundpipe.plan.actions`). Main thread.
+
+        Args:
+            run_config: the call's :class:`RoundPipeRunConfig` (None: the model's).
+            training: plan a ``forward_backward`` (True) or an inference ``forward``.
+            inputs: the call's ``(input_args, input_kwargs)``. Under a ``device_memory_budget``
+                the offloads depend on the sizes of the stage inputs; without ``inputs`` every
+                stage input counts as 0 bytes.
+        """
         check_main_thread("plan")
         cfg = self._resolve(run_config)
         chunks = None
@@ -332,10 +337,10 @@ class RoundPipe(nn.Module):
         run_config: RoundPipeRunConfig | None = None,
         return_outputs: bool = False,
     ) -> MemoryPlan:
-        """What a ``forward_backward`` with these arguments (the same as
-        :meth:`forward_backward`'s) would take, host and devices, without running it:
-        ``print(model.memory_plan(input_args=(x,), label=y, loss_fn=loss_fn))`` prints the
-        report (docs/memory.md reads one). Host RAM: the weights, the masters, their gradients,
+        """What a ``forward_backward`` with these arguments would take, host and devices,
+        without running it: ``print(model.memory_plan(input_args=(x,), label=y,
+        loss_fn=loss_fn))`` prints the report (docs/memory.md reads one). The arguments are
+        :meth:`forward_backward`'s. Host RAM: the weights, the masters, their gradients,
         an Adam-sized optimizer state, the pinned pool's slack, the stage inputs an accelerator
         offloads (a CPU pool: the activations). Per device of an accelerator pool: the peak
         of the call's plan, from its program and each stage's activations, traced on fake
@@ -377,24 +382,34 @@ class RoundPipe(nn.Module):
         return_outputs: bool = False,
         run_config: RoundPipeRunConfig | None = None,
     ) -> Any:
-        """Forward and backward of one batch, in microbatches; returns the sum of the microbatch
-        losses (detached), or ``(loss, merged_outputs)`` with ``return_outputs``.
+        """Forward and backward of one batch, in microbatches.
 
-        ``input_args``/``input_kwargs`` (split into microbatches) reach the first layer only;
-        every later layer gets the previous layer's output as its one argument.
+        Gradients accumulate into the masters' ``.grad`` (``optim_dtype``); inputs that require
+        grad get theirs in ``.grad`` (through whatever graph produced them), as
+        ``loss.backward()`` would give them. The call stops at its first failure: no
+        microbatch runs after one has failed. Main thread; blocks until every gradient of the
+        call is accumulated, so nothing of it is in flight afterwards (it also waits for a step
+        launched before, whose gradient moves come first). If it raises, the gradients
+        accumulated since the last step are discarded, so the next iteration starts clean.
 
-        ``loss_fn(output, label_mb)`` runs once per microbatch on the worker of the last stage
-        and must return a single-element tensor; ``loss_fn(output, label_mb, mb)`` also gets a
-        :class:`roundpipe.MicrobatchInfo` (``mb.share``: the microbatch's fraction of the
-        batch, to weight a mean loss when the microbatches differ in size; a batch that does
-        not split evenly warns, once per model, for a two-argument ``loss_fn``). The call stops
-        at its first failure: no microbatch runs after one has failed. Gradients accumulate into the masters' ``.grad``
-        (``optim_dtype``); inputs that require grad get theirs in ``.grad`` (through whatever
-        graph produced them), as ``loss.backward()`` would give them. Main thread; blocks until
-        every gradient of the call is accumulated, so nothing of it is in flight afterwards (it
-        also waits for a step launched before, whose gradient moves come first). If it raises,
-        the gradients accumulated since the last step are discarded, so the next iteration
-        starts clean.
+        Args:
+            input_args: positional inputs, split into microbatches along their batch dimension;
+                they reach the first layer only (every later layer gets the previous layer's
+                output as its one argument).
+            input_kwargs: keyword inputs of the first layer, split the same way.
+            label: split the same way; each microbatch's part reaches ``loss_fn``.
+            loss_fn: ``loss_fn(output, label_mb)`` or ``loss_fn(output, label_mb, mb)``, run
+                once per microbatch on the worker of the last stage; returns a single-element
+                tensor. ``mb`` is a :class:`roundpipe.MicrobatchInfo` (``mb.share``: the
+                microbatch's fraction of the batch, to weight a mean loss when the microbatches
+                differ in size; a batch that does not split evenly warns, once per model, for a
+                two-argument ``loss_fn``).
+            return_outputs: also return the model's outputs, merged over the microbatches.
+            run_config: overrides the model-level :class:`RoundPipeRunConfig` for this call.
+
+        Returns:
+            The sum of the microbatch losses (detached), or ``(loss, merged_outputs)`` with
+            ``return_outputs``.
         """
         check_main_thread("forward_backward")
         self._check_fork()
@@ -474,13 +489,20 @@ class RoundPipe(nn.Module):
     ) -> Any:
         """Microbatched inference; differentiable when ``requires_grad`` (default: grad mode at
         the call) is on. Then a ``backward()`` through the output moves the parameter gradients
-        into the masters (as forward_backward does) and :meth:`step` may follow. ``run_config``
-        (keyword only, not passed to the model) overrides the model-level config for this call,
-        e.g. ``model(x, run_config=RoundPipeRunConfig(num_microbatch=1))`` for a small batch.
-        Main thread; blocks until the output is computed.
+        into the masters (as forward_backward does) and :meth:`step` may follow. Main thread;
+        blocks until the output is computed.
 
-        The arguments (split into microbatches) reach the first layer only, as in
-        :meth:`forward_backward`."""
+        Args:
+            *args: the first layer's positional inputs, split into microbatches (as in
+                :meth:`forward_backward`).
+            run_config: keyword only, not passed to the model: overrides the model-level
+                config for this call, e.g. ``model(x,
+                run_config=RoundPipeRunConfig(num_microbatch=1))`` for a small batch.
+            **kwargs: the first layer's keyword inputs, split the same way.
+
+        Returns:
+            The outputs of the microbatches, merged along the batch dimension.
+        """
         check_main_thread("forward")
         self._report_failures()
         cfg = self._resolve(run_config)
@@ -521,12 +543,18 @@ class RoundPipe(nn.Module):
     def step(self, step_fn: Callable[[], Any], is_async: bool = True) -> None:
         """Run ``step_fn`` on the optimizer thread, inside :class:`OptimizerCtx`.
 
-        Async (default): launch the master->model copy, then ``step_fn``, and return without
-        waiting; the next iteration computes with parameters one step older (see
-        [Note: staleness]). ``is_async=False``: launch ``step_fn``, then the copy, and wait
-        (zero-stale). Main thread. Raises ``RuntimeError`` if no gradients were produced since
-        the last step; re-raises an earlier failure of the optimizer thread (and then discards
-        the accumulated gradients).
+        Main thread. Raises ``RuntimeError`` if no gradients were produced since the last step;
+        re-raises an earlier failure of the optimizer thread (and then discards the accumulated
+        gradients).
+
+        Args:
+            step_fn: what one step does, e.g. ``lambda: (scaler.step(opt), opt.zero_grad())``;
+                a :class:`roundpipe.GradScaler` it names is found at launch and decides its
+                mode from this step (docs/scaler.md).
+            is_async: True (default): launch the master->model copy, then ``step_fn``, and
+                return without waiting; the next iteration computes with parameters one step
+                older (see [Note: staleness]). False: launch ``step_fn``, then the copy, and
+                wait (zero-stale).
         """
         check_main_thread("step")
         self._report_failures()
@@ -557,9 +585,13 @@ class RoundPipe(nn.Module):
         )
         if is_async:
             self._params.launch_copy()
-            optim_queue.launch_work(run, step=True, owners=owners)
+            note_step_launched(
+                self._step_scalers, optim_queue.launch_work(run, step=True, owners=owners)
+            )
             return
-        optim_queue.launch_work(run, step=True, owners=owners)
+        note_step_launched(
+            self._step_scalers, optim_queue.launch_work(run, step=True, owners=owners)
+        )
         self._params.launch_copy()
         self._wait_for_steps()
 

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from roundpipe.memory.live import LiveBytes
 from roundpipe.testing.caching_allocator import Block, DeviceAllocator, NoRoom
 from roundpipe.testing.emu.native import (
     DEVICE_COUNT,
@@ -71,9 +72,9 @@ __all__ = [
 # GPU. Without one, the capacity is the host's memory.
 
 _memory_lock = threading.RLock()  # finalizers may run on any thread, inside a charge
-_allocated_bytes = [0] * DEVICE_COUNT
-_peak_bytes = [0] * DEVICE_COUNT
-_live_storages: dict[int, int] = {}  # storage data pointer -> its bytes
+# Per device, the live storages (keyed by data pointer) and their peak: memory_allocated and
+# max_memory_allocated. The same count the planner's tracing keeps (roundpipe.memory.live).
+_live = [LiveBytes() for _ in range(DEVICE_COUNT)]
 _capacity: int | None = None
 _capacity_counts_reserved = False
 _allocators = [DeviceAllocator() for _ in range(DEVICE_COUNT)]
@@ -197,16 +198,16 @@ def charge(t: torch.Tensor, index: int, stream: tuple[int, int]) -> Block | None
     if nbytes == 0:
         return None
     with _memory_lock:
-        if key in _live_storages:
+        if any(key in live for live in _live):
             return None
         if (
             _capacity is not None
             and not _capacity_counts_reserved
-            and _allocated_bytes[index] + nbytes > _capacity
+            and _live[index].live + nbytes > _capacity
         ):
             raise torch.OutOfMemoryError(
                 f"{NAME}:{index} out of memory: tried to allocate {nbytes} bytes with "
-                f"{_allocated_bytes[index]} of {_capacity} bytes in use (the emulated capacity, "
+                f"{_live[index].live} of {_capacity} bytes in use (the emulated capacity, "
                 f"roundpipe.testing.emu.set_memory_capacity)"
             )
         _settle_blocks(index)
@@ -217,23 +218,20 @@ def charge(t: torch.Tensor, index: int, stream: tuple[int, int]) -> Block | None
             raise torch.OutOfMemoryError(
                 f"{NAME}:{index} out of memory: tried to allocate {nbytes} bytes, for which the "
                 f"caching allocator needs a new segment of {exc.wanted} bytes, with "
-                f"{allocator.reserved} bytes reserved ({_allocated_bytes[index]} in live "
+                f"{allocator.reserved} bytes reserved ({_live[index].live} in live "
                 f"tensors) and {overheads_held(index)} held by the context and cuBLAS "
                 f"workspaces, of {_capacity} (the emulated capacity counting reserved memory, "
                 f"roundpipe.testing.emu.set_memory_capacity); the difference is what a GPU's "
                 f"caching allocator keeps cached for other streams and pools, or cannot use"
             ) from None
-        _allocated_bytes[index] += nbytes
-        _peak_bytes[index] = max(_peak_bytes[index], _allocated_bytes[index])
-        _live_storages[key] = nbytes
+        _live[index].add(key, nbytes)
     return block
 
 
-def release(key: int, index: int, nbytes: int) -> None:
+def release(key: int, index: int) -> None:
     """A charged storage died (a finalizer, any thread): its bytes are no longer live."""
     with _memory_lock:
-        _allocated_bytes[index] -= nbytes
-        _live_storages.pop(key, None)
+        _live[index].remove(key)
 
 
 def free_block(index: int, block: Block, held_for: tuple) -> None:
@@ -251,13 +249,13 @@ def note_matmul(op: Any, stream: tuple[int, int]) -> None:
 
 # Memory, as torch.cuda reports it (see [Note: emulated device memory]).
 def memory_allocated(device: Any = None) -> int:
-    return _allocated_bytes[index_of(device)]
+    return _live[index_of(device)].live
 
 
 def memory_reserved(device: Any = None) -> int:
     index = index_of(device)
     if not STATE.rules.reserved_memory:
-        return _allocated_bytes[index]  # no cache: what is live is what is held
+        return _live[index].live  # no cache: what is live is what is held
     with _memory_lock:
         _settle_blocks(index)
         return _allocators[index].reserved
@@ -266,18 +264,18 @@ def memory_reserved(device: Any = None) -> int:
 def max_memory_reserved(device: Any = None) -> int:
     index = index_of(device)
     if not STATE.rules.reserved_memory:
-        return _peak_bytes[index]
+        return _live[index].peak
     return _allocators[index].peak_reserved
 
 
 def max_memory_allocated(device: Any = None) -> int:
-    return _peak_bytes[index_of(device)]
+    return _live[index_of(device)].peak
 
 
 def reset_peak_memory_stats(device: Any = None) -> None:
     index = index_of(device)
     with _memory_lock:
-        _peak_bytes[index] = _allocated_bytes[index]
+        _live[index].reset_peak()
         _settle_blocks(index)
         _allocators[index].reset_peak()
 
@@ -309,7 +307,7 @@ def mem_get_info(device: Any = None) -> tuple[int, int]:
     then negative, which a GPU's never is, and that sum still right."""
     index, total = index_of(device), _capacity_of_device()
     if not STATE.rules.reserved_memory:
-        return max(total - _allocated_bytes[index], 0), total
+        return max(total - _live[index].live, 0), total
     return total - memory_reserved(index) - overheads_held(index), total
 
 

@@ -449,7 +449,7 @@ def give_back(key: int, index: int, nbytes: int, block: Block) -> None:
     """A device storage died (its finalizer, any thread): its bytes are released, its stream
     order ends, and its block goes back to the allocator once the streams that
     ``record_stream`` named are done with it (see [Note: emulated allocator reuse])."""
-    release(key, index, nbytes)
+    release(key, index)
     access = _accesses.pop(key, None)  # its stream order ends with it (one dict op: no lock)
     held_for: tuple = ()
     guard = STATE.guard

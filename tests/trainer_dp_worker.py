@@ -1,0 +1,140 @@
+"""One rank of tests/test_trainer_dp.py's data-parallel Trainer runs (under torchrun), or the
+one-process run at the same global batch (without torchrun's environment).
+
+    torchrun --nproc-per-node 2 tests/trainer_dp_worker.py MODE OUTPUT_DIR RESULT
+    python tests/trainer_dp_worker.py MODE OUTPUT_DIR RESULT
+
+MODE: ``full`` (12 steps), ``stop`` (a checkpoint at step 7, then stop), ``resume`` (from the
+newest checkpoint in OUTPUT_DIR): a global batch of 8 samples, 2 ranks x 2 samples x 2
+accumulated batches or 1 process x 2 samples x 4 batches; or ``sft`` (roundpipe.hf.SFTTrainer
+on sentences, 6 steps of 2 accumulated batches of 8 / 2 / world samples). Each rank writes
+``RESULT-rank{R}.pt``: its log history, masters, evaluation loss and what it saw of the run.
+"""
+
+import os
+import sys
+
+import torch
+import transformers
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from trainer_common import (  # noqa: E402
+    collate,
+    sentences,
+    tiny_llama,
+    token_dataset,
+    training_args,
+    word_tokenizer,
+)
+
+import roundpipe  # noqa: E402
+
+STEPS, STOP, PER_DEVICE, GLOBAL_BATCH = 12, 7, 2, 8
+
+
+class StopAt(transformers.TrainerCallback):
+    def __init__(self, step):
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            control.should_training_stop = True
+
+
+def sft_trainer(output_dir, per_device):
+    """roundpipe.hf.SFTTrainer on 24 sentences, 6 steps of 2 accumulated batches."""
+    import datasets
+    import trl
+
+    tokenizer, words = word_tokenizer()
+    base = training_args(output_dir).to_dict()
+    keep = {"learning_rate", "lr_scheduler_type", "warmup_steps", "weight_decay", "max_grad_norm"}
+    config = trl.SFTConfig(
+        output_dir=str(output_dir),
+        max_length=16,
+        packing=False,
+        bf16=False,
+        use_cpu=True,
+        per_device_train_batch_size=per_device,
+        gradient_accumulation_steps=2,
+        max_steps=6,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        seed=0,
+        disable_tqdm=True,
+        **{k: v for k, v in base.items() if k in keep},
+    )
+    model = tiny_llama()
+    model.config.pad_token_id = tokenizer.pad_token_id
+    model.config.eos_token_id = tokenizer.eos_token_id
+    return roundpipe.hf.SFTTrainer(
+        model=model,
+        args=config,
+        train_dataset=datasets.Dataset.from_dict({"text": sentences(words)}),
+        eval_dataset=datasets.Dataset.from_dict({"text": sentences(words, n=8, seed=9)}),
+        processing_class=tokenizer,
+    )
+
+
+def run(mode, output_dir, result):
+    world = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's; TrainingArguments reads it too
+    ga = GLOBAL_BATCH // (PER_DEVICE * world)
+    if mode == "sft":
+        # TRL's token metrics are per batch, each pooled over the ranks: batch i of a step on
+        # two ranks (2 samples each) pools the samples of batch i of one process with 4.
+        trainer = sft_trainer(output_dir, GLOBAL_BATCH // 2 // world)
+        trainer.train()
+        torch.save(
+            {
+                "log_history": trainer.state.log_history,
+                "masters": trainer.model.master_state_dict(),
+                "eval": trainer.evaluate(),
+            },
+            f"{result}-rank{trainer.args.process_index}.pt",
+        )
+        return
+    args = training_args(
+        output_dir,
+        per_device_train_batch_size=PER_DEVICE,
+        gradient_accumulation_steps=ga,
+        max_steps=STEPS,
+        save_strategy="steps",
+        save_steps=STOP,
+        save_total_limit=2,
+        use_cpu=True,
+    )
+    trainer = roundpipe.hf.Trainer(
+        model=tiny_llama(),
+        args=args,
+        # 24 samples: 12 batches of 2, so every rank gets 6 and no batch is repeated to even
+        # out the ranks; 8 evaluation samples: one batch of 4 per rank.
+        train_dataset=token_dataset(n=24),
+        eval_dataset=token_dataset(n=8, seed=5),
+        data_collator=collate,
+        callbacks=[StopAt(STOP)] if mode == "stop" else [],
+    )
+    trainer.train(resume_from_checkpoint=True if mode == "resume" else None)
+    record = {
+        "world": args.world_size,
+        "log_history": trainer.state.log_history,
+        "step": trainer.state.global_step,
+        "masters": trainer.model.master_state_dict(),
+        "eval_loss": trainer.evaluate()["eval_loss"],
+        "is_world_process_zero": trainer.state.is_world_process_zero,
+        "model_type": type(trainer.model).__name__,
+        "wrapped_is_model": trainer.model_wrapped is trainer.model,
+        "accelerate_models": [type(m).__name__ for m in trainer.accelerator._models],
+        "param_devices": sorted({str(p.device) for p in trainer.hf_model.parameters()}),
+        "data_parallel": None
+        if trainer.data_parallel is None
+        else [trainer.data_parallel.rank, trainer.data_parallel.world_size],
+        "replicas_identical": None
+        if trainer.data_parallel is None
+        else trainer.data_parallel.replicas_identical(),
+    }
+    torch.save(record, f"{result}-rank{args.process_index}.pt")
+
+
+if __name__ == "__main__":
+    run(*sys.argv[1:])
