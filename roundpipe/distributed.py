@@ -12,6 +12,9 @@ Public API (``roundpipe.distributed``):
 
 * :func:`init_process_group`: torch's, with a backend picked for roundpipe and a finite timeout.
 * :class:`DataParallel`: attach data parallelism to a model.
+* :class:`ShardedState`: a model's state placement (``RoundPipe(state_placement=...)``) that
+  shards the masters, their gradients and the optimizer state over the ranks (see
+  [Note: sharded state]).
 * :func:`shard`: this rank's part of a global batch.
 * :func:`plan_buckets` / :class:`Bucket`: how gradients are grouped into all-reduce buckets.
 * :class:`DataParallelError`: a collective failed (another rank failed, or the timeout passed).
@@ -28,7 +31,7 @@ import os
 import sys
 import threading
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -40,10 +43,12 @@ from roundpipe import optim_queue
 from roundpipe.grad_scaler import GradScaler
 from roundpipe.main_thread import check_main_thread
 from roundpipe.runtime.model import RoundPipe
+from roundpipe.runtime.placement import StatePlacement, shard_by_bytes
 
 __all__ = [
     "DataParallel",
     "DataParallelError",
+    "ShardedState",
     "Bucket",
     "data_parallel_rank",
     "gather_bytes",
@@ -75,6 +80,35 @@ __all__ = [
 # passed) raises DataParallelError on the optimizer thread, reported on the main thread at the
 # next dependent call like any step failure; the group is then marked broken and every later
 # collective raises at once instead of waiting for a timeout again.
+
+
+# [Note: sharded state]
+# With RoundPipe(..., state_placement=ShardedState()) each rank holds the masters of a
+# contiguous run of the trainable parameters, whole parameters balanced by bytes
+# (shard_by_bytes; decided at construction, the same on every rank); the optimizer built on
+# model.optim_parameters() holds the optimizer state of that run only. The other parameters
+# have stand-ins (see [Note: state placement] in roundpipe.runtime.placement). The data-parallel
+# step changes in two places of [Note: data-parallel step]:
+#   (b') the gradients: every rank still accumulates all of its gradients (its microbatches
+#        touch every parameter); in the step work item, before step_fn, buckets that each hold
+#        one owner's parameters are summed onto that owner with async reduces (gloo's
+#        reduce_scatter needs one collective over every owner's chunk; a reduce per bucket
+#        moves the same bytes and keeps the buckets of [Note: data-parallel step]), divided by
+#        the world size there, and every rank drops the gradients it does not own;
+#   (d)  the weights: the master->model copy (Params.copy_masters_to_model, launched by step
+#        as today, so at the same point of [Note: staleness]) runs through
+#        ShardedState.copy_layer: per layer, each owner casts its masters into the model's
+#        low-precision parameters and broadcasts them (one flat broadcast per owner and dtype
+#        of the layer) into every other rank's, before the layer's "params ready" event.
+# The scaler's flag (c) is unchanged: each rank checks the gradients it owns and the MAX over
+# the ranks is the one decision. A rank's own sum of two ranks' gradients is a + b on both
+# paths, so with 2 ranks the masters equal the replicated run's bit for bit; with more ranks
+# that holds where gloo's reduce adds in the order of its all-reduce (it did at 4 ranks in
+# tests/test_sharded_state.py). A global gradient norm (DataParallel.clip_grad_norm_)
+# all-reduces the per-tensor norms, each filled in by its owner, and reduces them as torch
+# does, so it equals torch's norm of all the gradients bit for bit. model.synchronize(),
+# model.step() and load_state_dict() copy masters into the model: collectives, so every rank
+# calls them at the same point of its loop (as it calls step).
 
 
 # The models a DataParallel is attached to (main thread).
@@ -365,18 +399,22 @@ _ACTIVE: _Group | None = None
 _ACTIVE_USERS = 0
 
 
-def _activate(process_group: ProcessGroup | None, device: torch.device | str | None) -> _Group:
+def _activate(
+    process_group: ProcessGroup | None,
+    device: torch.device | str | None,
+    group: _Group | None = None,
+) -> _Group:
     global _ACTIVE, _ACTIVE_USERS
     with _ACTIVE_LOCK:
         if _ACTIVE is not None:
-            if _ACTIVE.pg is not process_group:
+            if _ACTIVE.pg is not process_group or (group is not None and group is not _ACTIVE):
                 raise RuntimeError(
                     "another DataParallel in this process uses a different process group; one "
                     "data-parallel group per process (checkpoints gather over it): pass the same "
                     "process_group, or close() the other DataParallel first"
                 )
         else:
-            _ACTIVE = _Group(process_group, device)
+            _ACTIVE = group if group is not None else _Group(process_group, device)
         _ACTIVE_USERS += 1
         return _ACTIVE
 
@@ -428,6 +466,137 @@ def gather_bytes(payload: bytes, what: str) -> list[bytes] | None:
     return [bytes(p[: int(n.item())].cpu().numpy()) for p, n in zip(parts, sizes)]
 
 
+# -- sharded state ----------------------------------------------------------------------------
+
+
+class ShardedState(StatePlacement):
+    """A state placement that shards the masters, their gradients (after each step's reduction)
+    and the optimizer state over the data-parallel ranks: pass it as
+    ``RoundPipe(..., state_placement=ShardedState())`` on every rank, then attach a
+    :class:`DataParallel` as usual (see [Note: sharded state]).
+
+    Each rank holds the masters of a contiguous run of the trainable parameters (whole
+    parameters, balanced by bytes: :func:`roundpipe.runtime.placement.shard_by_bytes`), and
+    ``model.optim_parameters()`` yields those only, so the optimizer built on them holds the
+    state of that run only. Host bytes per trainable parameter on a rank, fp16/bf16 weights
+    with fp32 masters and Adam: 2 (weights) + 4 (this rank's gradients, until the step hands
+    them to their owners) + 12/N (masters and Adam's moments), against 18 replicated.
+
+    Args:
+        process_group: the ranks to shard over (default: the world); the same group as the
+            :class:`DataParallel` that will attach.
+        device: where collectives run; default as :class:`DataParallel`'s.
+
+    Threads: construct it on the main thread (torch.distributed must be initialized); the
+    weight broadcast (:meth:`copy_layer`) runs on the optimizer thread. The owners are fixed
+    at the model's construction; ``attached`` is written by :class:`DataParallel` on the main
+    thread.
+    """
+
+    name = "sharded over data-parallel ranks"
+
+    def __init__(
+        self, process_group: ProcessGroup | None = None, device: torch.device | str | None = None
+    ) -> None:
+        check_main_thread("ShardedState", owner="roundpipe.distributed")
+        self._group = _Group(process_group, device)
+        self._owners: list[int] | None = None
+        self._owner_of: dict[int, int] = {}
+        self.attached = False
+
+    @property
+    def world_size(self) -> int:
+        """Ranks the state is sharded over. Any thread; never blocks."""
+        return self._group.world
+
+    @property
+    def rank(self) -> int:
+        """This process's rank in the group. Any thread; never blocks."""
+        return self._group.rank
+
+    @property
+    def owners(self) -> list[int]:
+        """The owner rank of each trainable parameter, in ``named_parameters()`` order (empty
+        before a model was built with this placement). Any thread; never blocks."""
+        return list(self._owners or [])
+
+    def assign(self, params: Any, master_bytes: Any) -> list[bool]:
+        """Construction of the model, main thread: choose the owners (see the class doc);
+        returns which masters this rank holds. A ShardedState serves one model."""
+        if self._owners is not None:
+            raise RuntimeError(
+                "this ShardedState already places another model's state: make one "
+                "ShardedState() per RoundPipe"
+            )
+        owners = shard_by_bytes(list(master_bytes), self._group.world)
+        self._owners = owners
+        self._owner_of = {id(p): o for p, o in zip(params, owners)}
+        return [o == self._group.rank for o in owners]
+
+    def check_step(self) -> None:
+        """Main thread, before a step: the gradients reach their owners only through the
+        :class:`DataParallel` step."""
+        if not self.attached:
+            raise RuntimeError(
+                "a RoundPipe whose state_placement is ShardedState steps only with a "
+                "DataParallel attached (its step sums each gradient onto the rank that holds "
+                "the master): call roundpipe.distributed.DataParallel(model) on every rank "
+                "before the first step"
+            )
+
+    def check_checkpoint(self, what: str) -> None:
+        """:mod:`roundpipe.checkpoint` does not write or read sharded state yet: refuse."""
+        raise NotImplementedError(
+            f"roundpipe.checkpoint.{what}() of a model with ShardedState is not implemented yet "
+            f"(each rank writing its shard, and loading with another number of ranks, are "
+            f"missing: issue 28). Meanwhile save on every rank, at the same point of the loop, "
+            f"torch.save({{'masters': model.master_state_dict(), 'optimizer': "
+            f"opt.state_dict(), 'model': model.state_dict(), 'scaler': scaler.state_dict()}}, "
+            f"f'rank{{rank}}.pt'), and load each rank's file with the same number of ranks "
+            f"(model.load_state_dict, model.load_master_state_dict, opt.load_state_dict)"
+        )
+
+    def copy_layer(self, pairs: Any) -> None:
+        """Optimizer thread, in the master->model copy: cast the held masters into the
+        model's parameters, then broadcast each owner's parameters of the layer to the other
+        ranks (see [Note: sharded state] (d)). A collective; raises
+        :class:`DataParallelError` if it fails."""
+        super().copy_layer(pairs)
+        group = self._group
+        if group.world == 1:
+            return
+        runs: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
+        for p, _, _ in pairs:
+            runs.setdefault((self._owner_of[id(p)], p.dtype), []).append(p)
+        what = "the broadcast of the updated weights (master->model copy)"
+        group.check_usable(what)
+        try:
+            with group.device_scope(), torch.no_grad():
+                for (owner, _), params in runs.items():
+                    if owner == group.rank:
+                        flat = torch._utils._flatten_dense_tensors([p.detach() for p in params])
+                        flat = flat.to(group.device)
+                    else:
+                        numel = sum(p.numel() for p in params)
+                        flat = torch.empty(numel, dtype=params[0].dtype, device=group.device)
+                    group.wait(
+                        dist.broadcast(
+                            flat, src=_global_rank(group, owner), group=group.pg, async_op=True
+                        )
+                    )
+                    if owner != group.rank:
+                        for p, v in zip(
+                            params, torch._utils._unflatten_dense_tensors(flat, params)
+                        ):
+                            p.copy_(v)
+        except Exception as exc:
+            raise group.failed(what, exc) from exc
+
+
+def _global_rank(group: _Group, rank: int) -> int:
+    return dist.get_global_rank(group.pg, rank) if group.pg is not None else rank
+
+
 # -- DataParallel -----------------------------------------------------------------------------
 
 
@@ -441,9 +610,16 @@ class DataParallel:
     bitwise identical on every rank. Each rank feeds its own shard (:func:`shard`) and computes
     its loss as the mean over that shard, as in one process.
 
+    With a model built with ``state_placement=ShardedState()``, each gradient is instead
+    summed onto the rank that holds its master (bucketed async reduces), that rank steps its
+    share, and the master->model copy broadcasts the updated weights from their owners (see
+    [Note: sharded state]): the masters are split over the ranks, the model parameters stay
+    bitwise identical on every rank. Use :meth:`clip_grad_norm_` for a global norm.
+
     Args:
         model: the :class:`RoundPipe` to train.
-        process_group: the group of ranks to average over (default: the world).
+        process_group: the group of ranks to average over (default: the world; with
+            :class:`ShardedState`, its group).
         bucket_cap_mb: the largest all-reduce, in MiB (default 25).
         buckets_in_flight: all-reduces running at once; each has a reused flat buffer of up to
             ``bucket_cap_mb``, so the extra memory is about their product (default 2).
@@ -482,11 +658,31 @@ class DataParallel:
         # optimizer thread can see the group (its scaler check would otherwise issue a
         # collective that the other ranks, already past their steps, do not).
         optim_queue.wait_all()
-        self._group = _activate(process_group, device)
+        placement = model.state_placement
+        self._shard = placement if isinstance(placement, ShardedState) else None
+        if self._shard is not None:
+            if process_group is not None and process_group is not self._shard._group.pg:
+                raise ValueError(
+                    "DataParallel(process_group=...) differs from the group of the model's "
+                    "ShardedState: pass the same group to both (or neither, for the world)"
+                )
+            if self._shard.attached:
+                raise RuntimeError("this model's ShardedState already has a DataParallel")
+            self._group = _activate(self._shard._group.pg, device, group=self._shard._group)
+        else:
+            self._group = _activate(process_group, device)
         self._model = model
-        self._masters = [m for _, m in model.optim_named_parameters()]
+        params = self._params = model.state_access().params
+        # Every gradient target: the masters, and with sharded state the stand-ins of the
+        # masters other ranks hold (see [Note: sharded state]).
+        named = [(r.name, r.master) for r in params.records if r.master is not None]
+        self._masters = [m for _, m in named]
+        self._held = [r.held for r in params.records if r.master is not None]
         self._cap = max(1, int(bucket_cap_mb * 2**20))
-        self._buckets = plan_buckets(model.optim_named_parameters(), self._cap)
+        self._owners: list[int | None] = (
+            list(self._shard.owners) if self._shard is not None else [None] * len(named)
+        )
+        self._buckets, self._bucket_owners = _owner_buckets(named, self._owners, self._cap)
         self._in_flight = buckets_in_flight
         self._rings: dict[torch.dtype, list[torch.Tensor]] = {}
         self._steps = 0
@@ -502,6 +698,8 @@ class DataParallel:
         self._scalers: weakref.WeakSet[GradScaler] = weakref.WeakSet()
         self._scaler_hook = model.register_step_scaler_hook(self._join_scaler)
         _ATTACHED.add(model)
+        if self._shard is not None:
+            self._shard.attached = True
 
     @property
     def rank(self) -> int:
@@ -519,8 +717,9 @@ class DataParallel:
         return list(self._buckets)
 
     def close(self) -> None:
-        """Detach from the model (later steps use this rank's own gradients). Main thread;
-        waits for the optimizer thread. Idempotent."""
+        """Detach from the model (later steps use this rank's own gradients; a model with
+        :class:`ShardedState` refuses to step until a DataParallel attaches again). Main
+        thread; waits for the optimizer thread. Idempotent."""
         if self._closed:
             return
         optim_queue.wait_all()
@@ -531,6 +730,8 @@ class DataParallel:
                 scaler.join_data_parallel(None)
         _ATTACHED.discard(self._model)
         self._closed = True
+        if self._shard is not None:
+            self._shard.attached = False
         _deactivate()
 
     def agree_found_inf(
@@ -564,6 +765,59 @@ class DataParallel:
         # After the gradient all-reduce every rank has the same gradients, so the same devices.
         return {like.device: agreed} if found_per_device else {}
 
+    def clip_grad_norm_(
+        self, max_norm: float, norm_type: float = 2.0, foreach: bool | None = None
+    ) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` over the masters of every rank, for use inside
+        ``step_fn``: the norm is the global one. Replicated, every rank holds every averaged
+        gradient and this is torch's clip of this rank's masters. With :class:`ShardedState`
+        each rank takes the norm of each gradient it owns, one all-reduce gives every rank all
+        of them (a vector with one entry per parameter, zeros where another rank owns it), and
+        every rank takes their norm as torch does (``torch.linalg.vector_norm`` of the stacked
+        per-tensor norms, in parameter order) and clips its own gradients by it
+        (``torch.nn.utils.clip_grads_with_norm_``): the same total, bit for bit, as torch's
+        clip of all the gradients in one process. Returns the total norm (a 0-d tensor).
+        Optimizer thread (inside ``step_fn``; every rank calls it at the same point); blocks
+        for one all-reduce when sharded.
+        """
+        if not optim_queue.on_optimizer_thread():
+            raise RuntimeError(
+                "DataParallel.clip_grad_norm_() runs inside step_fn (on the optimizer thread, "
+                "where the averaged gradients are): model.step(lambda: (dp.clip_grad_norm_(1.0), "
+                "opt.step(), opt.zero_grad()))"
+            )
+        held = [m for m in self._params.masters.values() if m.grad is not None]
+        group = self._group
+        if self._shard is None or group.world == 1:
+            return torch.nn.utils.clip_grad_norm_(held, max_norm, norm_type, foreach=foreach)
+        norm_type = float(norm_type)
+        n = len(self._masters)
+        # [norm of each gradient | 1 where it exists], filled at the owner, summed over ranks.
+        mine = [i for i, m in enumerate(self._masters) if self._held[i] and m.grad is not None]
+        grads = [g for g in (self._masters[i].grad for i in mine) if g is not None]
+        norms: Sequence[torch.Tensor]
+        if foreach:
+            norms = torch._foreach_norm(grads, norm_type)
+        else:
+            norms = [torch.linalg.vector_norm(g, norm_type) for g in grads]
+        dtype = grads[0].dtype if grads else torch.float32
+        vec = torch.zeros(2 * n, dtype=dtype)
+        for i, v in zip(mine, norms):
+            vec[i], vec[n + i] = v, 1
+        group.check_usable("clip_grad_norm_()")
+        try:
+            with group.device_scope():
+                t = vec.to(group.device)
+                group.wait(group.all_reduce(t))
+                vec = t.cpu()
+        except Exception as exc:
+            raise group.failed("the all-reduce of clip_grad_norm_()'s norms", exc) from exc
+        present = vec[n:] > 0
+        total = torch.linalg.vector_norm(torch.stack(list(vec[:n][present])), norm_type)
+        if held:
+            torch.nn.utils.clip_grads_with_norm_(held, max_norm, total, foreach=foreach)
+        return total
+
     def _join_scaler(self, scaler: GradScaler) -> None:
         """Main thread, when a step of the model first uses ``scaler`` (a
         :class:`roundpipe.GradScaler`): it agrees on overflows over this group from then on."""
@@ -572,7 +826,8 @@ class DataParallel:
 
     def replicas_identical(self) -> bool:
         """Whether every rank's masters and model parameters are bitwise identical (a digest
-        compared with one all-reduce, after every launched step). A debugging check: main
+        compared with one all-reduce, after every launched step; with :class:`ShardedState`,
+        whose masters differ by rank, the model parameters only). A debugging check: main
         thread; blocks; every rank must call it."""
         _require_open(self)
 
@@ -580,7 +835,8 @@ class DataParallel:
             group = self._group
             group.check_usable("replicas_identical()")
             digest = hashlib.sha256()
-            for t in self._masters + [p for p in self._model.module.parameters()]:
+            held = [] if self._shard is not None else self._masters
+            for t in held + [p for p in self._model.module.parameters()]:
                 digest.update(t.detach().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
             value = int.from_bytes(digest.digest()[:8], "little", signed=True) >> 1
             try:
@@ -596,12 +852,16 @@ class DataParallel:
         """Construction, on the optimizer thread: check that every rank built the same model,
         then broadcast rank 0's state (see [Note: data-parallel step] (a))."""
         group, model = self._group, self._model
+        # Sharded, the masters differ by rank: each rank takes its own from rank 0's params.
+        masters = [] if self._shard is not None else list(model.optim_named_parameters())
         named = (
-            [("master." + n, m) for n, m in model.optim_named_parameters()]
+            [("master." + n, m) for n, m in masters]
             + [("param." + n, p) for n, p in model.module.named_parameters()]
             + [("buffer." + n, b) for n, b in model.module.named_buffers()]
         )
-        layout = repr([(n, tuple(t.shape), str(t.dtype)) for n, t in named] + [self._cap])
+        layout = repr(
+            [(n, tuple(t.shape), str(t.dtype)) for n, t in named] + [self._cap, self._owners]
+        )
         fingerprint = (
             int.from_bytes(hashlib.sha256(layout.encode()).digest()[:8], "little", signed=True) >> 1
         )
@@ -621,13 +881,17 @@ class DataParallel:
                             tensors, torch._utils._unflatten_dense_tensors(flat, tensors)
                         ):
                             t.copy_(v)
+                    if self._shard is not None:
+                        for rec in self._params.records:
+                            if rec.master is not None and rec.held:
+                                rec.master.copy_(rec.param)
         except Exception as exc:
             raise group.failed("DataParallel's start (model check and broadcast)", exc) from exc
         if not same:
             raise ValueError(
                 f"{group.where()} the ranks built different models (parameter or buffer names, "
-                f"shapes or dtypes, or bucket_cap_mb differ); every rank must build the same "
-                f"model and DataParallel"
+                f"shapes or dtypes, bucket_cap_mb, or the state placement differ); every rank "
+                f"must build the same model and DataParallel"
             )
 
     def _ring(self, dtype: torch.dtype, slot: int) -> torch.Tensor:
@@ -674,11 +938,13 @@ class DataParallel:
 
         def finish() -> None:
             nonlocal counts
-            bucket, flat, work = in_flight.popleft()
+            bucket, owner, flat, work = in_flight.popleft()
             if counts is None:
                 group.wait(present_work)
                 counts = present.tolist()
             group.wait(work)
+            if owner not in (None, group.rank):
+                return  # summed onto its owner (see [Note: sharded state] (b'))
             flat.div_(group.world)
             for i, offset, n in zip(bucket.index, bucket.offsets, bucket.numels):
                 master = masters[i]
@@ -690,7 +956,7 @@ class DataParallel:
                 else:
                     master.grad.copy_(value)
 
-        for bucket in self._buckets:
+        for bucket, owner in zip(self._buckets, self._bucket_owners):
             if len(in_flight) == self._in_flight:
                 finish()
             flat = self._ring(bucket.dtype, used[bucket.dtype])[: bucket.numel]
@@ -702,11 +968,36 @@ class DataParallel:
                     piece.zero_()
                 else:
                     piece.view(grad.shape).copy_(grad)
-            in_flight.append((bucket, flat, group.all_reduce(flat)))
+            if owner is None:
+                work = group.all_reduce(flat)
+            else:
+                work = dist.reduce(
+                    flat, dst=_global_rank(group, owner), group=group.pg, async_op=True
+                )
+            in_flight.append((bucket, owner, flat, work))
         while in_flight:
             finish()
         if counts is None:
             group.wait(present_work)
+        for master, held in zip(masters, self._held):
+            if not held:
+                master.grad = None  # its owner has the sum
+
+
+def _owner_buckets(
+    named: Sequence[tuple[str, torch.Tensor]], owners: Sequence[int | None], cap_bytes: int
+) -> tuple[list[Bucket], list[int | None]]:
+    """The gradient buckets and each one's owner (None: all-reduced): :func:`plan_buckets` over
+    each owner's tensors, so that a bucket is summed onto one rank; ``index`` stays the
+    position in ``named``."""
+    buckets: list[Bucket] = []
+    bucket_owners: list[int | None] = []
+    for owner in dict.fromkeys(owners):
+        positions = [i for i, o in enumerate(owners) if o == owner]
+        for b in plan_buckets([named[i] for i in positions], cap_bytes):
+            buckets.append(dataclasses.replace(b, index=tuple(positions[j] for j in b.index)))
+            bucket_owners.append(owner)
+    return buckets, bucket_owners
 
 
 def _require_open(dp: DataParallel) -> None:

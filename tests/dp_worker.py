@@ -41,9 +41,11 @@ DEFAULTS = {
     "out": None,
     "seed": 0,
     "hidden": 16,
+    "shard": False,
+    "clip": None,
 }
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def global_batch(it, cfg):
@@ -54,7 +56,7 @@ def global_batch(it, cfg):
     return x, y
 
 
-def build(cfg):
+def build(cfg, shard=False):
     torch.manual_seed(cfg["seed"])
     seq = nn.Sequential(
         nn.Linear(8, cfg["hidden"]),
@@ -68,6 +70,7 @@ def build(cfg):
         optim_dtype=torch.float32,
         devices="cpu",
         model_run_config=RoundPipeRunConfig(num_microbatch=cfg["num_microbatch"]),
+        state_placement=rpd.ShardedState() if shard else None,
     )
     with OptimizerCtx():
         if cfg["optimizer"] == "adam":  # unscales in its own kernel (grad_scale/found_inf)
@@ -81,7 +84,7 @@ def build(cfg):
 def train(cfg, rank=0, world=1, dp=None):
     """The loop; ``dp`` None: one process on the whole global batch."""
     cfg = {**DEFAULTS, **cfg}
-    model, opt, scaler = build(cfg)
+    model, opt, scaler = build(cfg, shard=dp is not None and cfg["shard"])
     if dp is not None:
         dp = rpd.DataParallel(model, bucket_cap_mb=dp.get("bucket_cap_mb", 25.0))
     start = 0
@@ -93,7 +96,7 @@ def train(cfg, rank=0, world=1, dp=None):
         scaler.load_state_dict(state["scaler"])
         start = state["iteration"] + 1
     nm = cfg["num_microbatch"]
-    record = {"scales": {}, "skipped": {}, "losses": {}, "error": None}
+    record = {"scales": {}, "skipped": {}, "losses": {}, "norms": {}, "error": None}
     fail = cfg["fail"] if cfg["fail"] and cfg["fail"]["rank"] == rank else None
 
     def loss_fn(out, label):
@@ -125,7 +128,15 @@ def train(cfg, rank=0, world=1, dp=None):
                 if cfg["inf_step"] == it and cfg["inf_rank"] in (None, rank):
                     # After the gradient all-reduce, on one rank only: only the agreement on
                     # found_inf can make the other ranks skip this step too.
-                    next(iter(model.optim_parameters())).grad[0, 0] = float("inf")
+                    next(iter(model.optim_parameters())).grad.view(-1)[0] = float("inf")
+                if cfg["clip"] is not None:
+                    scaler.unscale_(opt)
+                    if dp is not None:
+                        record["norms"][it] = dp.clip_grad_norm_(cfg["clip"]).item()
+                    else:
+                        record["norms"][it] = torch.nn.utils.clip_grad_norm_(
+                            list(model.optim_parameters()), cfg["clip"]
+                        ).item()
                 scaler.step(opt)
                 record["skipped"][it] = scaler.step_was_skipped(opt)
                 opt.zero_grad()
@@ -170,6 +181,16 @@ def train(cfg, rank=0, world=1, dp=None):
         except rpd.DataParallelError as again:
             record["error"]["again"] = str(again)
             record["error"]["again_seconds"] = time.monotonic() - t0
+    record["num_trainable"] = sum(1 for p in model.module.parameters() if p.requires_grad)
+    record["master_storage_bytes"] = sum(
+        m.untyped_storage().nbytes() for m in model.state_access().params.grad_targets
+    )
+    record["optimizer_state_bytes"] = sum(
+        t.numel() * t.element_size()
+        for st in opt.state.values()
+        for t in st.values()
+        if isinstance(t, torch.Tensor)
+    )
     record["masters"] = model.master_state_dict()
     record["params"] = {k: v.clone() for k, v in model.state_dict().items()}
     record["scaler"] = scaler.state_dict()

@@ -210,7 +210,8 @@ def test_failed_master_copy_is_reported_and_recovered(monkeypatch):
     x = tagged_batch()
     model.forward_backward(input_args=(x,), loss_fn=loss_fn)
     good = model._params.layer_copies[4]
-    model._params.layer_copies[4] = [(good[0][0], torch.zeros(7))]  # a copy that cannot succeed
+    # A copy that cannot succeed:
+    model._params.layer_copies[4] = [(good[0][0], torch.zeros(7), True)]
     model.step(lambda: (opt.step(), opt.zero_grad()))
     with pytest.raises(RuntimeError, match="size"):
         model.forward_backward(input_args=(x,), loss_fn=loss_fn)

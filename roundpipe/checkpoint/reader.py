@@ -92,6 +92,7 @@ def load(
     check_main_thread("load", owner="roundpipe.checkpoint")
     if not callable(getattr(model, "state_access", None)):
         raise TypeError(f"load() takes a roundpipe.RoundPipe, got {type(model).__name__}")
+    model.state_access().params.placement.check_checkpoint("load")
     ckpt = _find(Path(path))
     where = f"checkpoint {ckpt.path}"
     refuse(version_problems(ckpt), where)

@@ -219,6 +219,7 @@ def save(
         or max_shard_bytes < 1
     ):
         raise ValueError(f"max_shard_bytes must be a positive int, got {max_shard_bytes!r}")
+    model.state_access().params.placement.check_checkpoint("save")
     export = hf_export.prepare(model, hf_dtype) if hf else None
     root_path = Path(root)
     if root_path.exists() and not root_path.is_dir():

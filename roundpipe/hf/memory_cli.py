@@ -107,7 +107,9 @@ class ConfigPlanner:
     as :func:`roundpipe.hf.wrap` chooses them for a local device
     (:mod:`roundpipe.hf.defaults`); ``offload_activations`` None: chosen per length;
     ``host_memory``: against that much host RAM instead of what this machine has free;
-    ``spill_dir``: Adam's state in files there (``roundpipe.optim.AdamW(state_dir=spill_dir)``),
+    ``ranks``: the state sharded over that many data-parallel ranks
+    (:class:`roundpipe.distributed.ShardedState`), the host terms of the rank with the largest
+    share; ``spill_dir``: Adam's state in files there (``roundpipe.optim.AdamW(state_dir=spill_dir)``),
     so only its streaming buffer counts against the host. Main thread."""
 
     def __init__(
@@ -124,6 +126,7 @@ class ConfigPlanner:
         device_memory: int | None = None,
         compute_capability: int = 9,
         host_memory: int | None = None,
+        ranks: int = 1,
         spill_dir: str | None = None,
     ) -> None:
         from transformers import AutoModelForCausalLM
@@ -143,7 +146,7 @@ class ConfigPlanner:
         # Shapes only: the meta model's terms are the whole model's (nothing pinned is counted).
         available = host_memory if host_memory is not None else host_memory_available()
         self.host = dataclasses.replace(
-            host_terms(whole, optim_dtype, None, available), weights_allocated=False
+            host_terms(whole, optim_dtype, None, available, ranks=ranks), weights_allocated=False
         )
         if spill_dir is not None:
             self.host = dataclasses.replace(
@@ -244,6 +247,11 @@ def what_to_change(plan: Any, *, lora: int, offload_activations: bool, seq_len: 
         lines.append(
             "    --optim-dtype bf16: masters, gradients and optimizer state in half the bytes"
         )
+        if not lora:
+            lines.append(
+                "    --ranks N: masters and optimizer state sharded over N data-parallel ranks "
+                "(machines), roundpipe.distributed.ShardedState"
+            )
     for dev in plan.devices:
         if dev.fits:
             continue
@@ -321,12 +329,22 @@ def main(argv: list[str] | None = None) -> int:
         help="plan against this much host RAM, e.g. 128GiB (default: what is free here)",
     )
     parser.add_argument(
+        "--ranks",
+        type=int,
+        default=1,
+        help="data-parallel ranks the masters, gradients' owners and optimizer state are "
+        "sharded over (roundpipe.distributed.ShardedState; default 1: not sharded); the host "
+        "terms are one rank's",
+    )
+    parser.add_argument(
         "--spill-dir",
         metavar="DIR",
         help="keep Adam's state in files under DIR (roundpipe.optim.AdamW(state_dir=DIR)): only "
         "its streaming buffer counts against the host",
     )
     args = parser.parse_args(argv)
+    if args.ranks < 1:
+        parser.error("--ranks must be >= 1")
     try:
         device_memory = parse_size(args.device_memory) if args.device_memory else None
         host_memory = parse_size(args.host_memory) if args.host_memory else None
@@ -351,6 +369,7 @@ def main(argv: list[str] | None = None) -> int:
         device_memory=device_memory,
         compute_capability=major,
         host_memory=host_memory,
+        ranks=args.ranks,
         spill_dir=args.spill_dir,
     )
     seq_len = args.seq_len

@@ -32,10 +32,12 @@ class HostTerms:
     """The host RAM of a wrapped model, term by term (bytes).
 
     ``weights``: the model's own parameters and buffers (allocated already, by the caller);
-    ``masters``: the master copies of the trainable parameters (``optim_dtype``);
-    ``grads``: the masters' gradients (one per master, in its dtype);
-    ``optimizer``: the optimizer's state, estimated as Adam's (two moments per master), or,
-    with ``optimizer_dir`` (``Adam(state_dir=...)``), the host buffer it streams through;
+    ``masters``: the master copies of the trainable parameters (``optim_dtype``) this process
+    holds: all of them, or with ``ranks`` > 1 (sharded state) the largest rank's share;
+    ``grads``: the masters' gradients (one per trainable parameter, in its master's dtype:
+    sharded too, every rank accumulates all of them until the step hands them to their owners);
+    ``optimizer``: the optimizer's state, estimated as Adam's (two moments per held master),
+    or, with ``optimizer_dir`` (``Adam(state_dir=...)``), the host buffer it streams through;
     ``pinned_overhead``: what the pinned pool takes beyond the weights' bytes (padding and
     block slack, see [Note: the pinned pool]; 0 on a CPU pool, which pins nothing);
     ``activations``: host bytes of stage inputs offloaded to the host (or, on a CPU pool, the
@@ -56,6 +58,7 @@ class HostTerms:
     master_dtype: torch.dtype | None = None
     available: int | None = None
     weights_allocated: bool = True
+    ranks: int = 1
     optimizer_dir: str | None = None
 
     @property
@@ -79,10 +82,15 @@ class HostTerms:
                 self.weights,
             ),
             (
-                f"master copies ({_count(self.trainable_numel)} trainable params, {dtype})",
+                f"master copies ({_count(self.trainable_numel)} trainable params, {dtype})"
+                + (f", this rank's share of {self.ranks}" if self.ranks > 1 else ""),
                 self.masters,
             ),
-            ("gradients of the masters", self.grads),
+            (
+                "gradients of the masters"
+                + (" (every parameter's until the step reduces them)" if self.ranks > 1 else ""),
+                self.grads,
+            ),
             (
                 f"optimizer state: in files under {self.optimizer_dir} (streaming buffer)"
                 if self.optimizer_dir
@@ -116,33 +124,46 @@ def host_terms(
     optim_dtype: torch.dtype | None,
     pinned: PinnedAllocator | None,
     available: int | None = None,
+    ranks: int = 1,
 ) -> HostTerms:
     """What wrapping ``module`` takes from the host, term by term (see :class:`HostTerms`);
-    ``pinned``: the pool's allocator on an accelerator pool (None: nothing pinned). Reads
-    shapes only. Main thread."""
+    ``pinned``: the pool's allocator on an accelerator pool (None: nothing pinned); ``ranks``:
+    data-parallel ranks the state is sharded over (1: not sharded; else the masters and the
+    optimizer state of the largest share, see :func:`roundpipe.runtime.placement.shard_by_bytes`).
+    Reads shapes only. Main thread."""
+    from roundpipe.runtime.placement import shard_by_bytes  # runtime imports this module
+
     tensors: dict[int, torch.Tensor] = {}
     for t in list(module.parameters()) + list(module.buffers()):
         tensors[id(t)] = t
     weights = storage_bytes(t for t in tensors.values() if t.numel() > 0)
-    masters = trainable = frozen = 0
+    trainable = frozen = 0
+    sizes = []
     dtypes = set()
     for p in module.parameters():
         if p.requires_grad:
             dtype = master_dtype_of(p, optim_dtype)
             dtypes.add(dtype)
-            masters += p.numel() * dtype.itemsize
+            sizes.append(p.numel() * dtype.itemsize)
             trainable += p.numel()
         else:
             frozen += p.numel()
+    masters = held = sum(sizes)
+    if ranks > 1:
+        share = [0] * ranks
+        for owner, size in zip(shard_by_bytes(sizes, ranks), sizes):
+            share[owner] += size
+        held = max(share)
     overhead = pinned_layout(module, pinned).overhead if pinned is not None else 0
     return HostTerms(
         weights=weights,
-        masters=masters,
+        masters=held,
         grads=masters,
-        optimizer=2 * masters,
+        optimizer=2 * held,
         pinned_overhead=overhead,
         trainable_numel=trainable,
         frozen_numel=frozen,
         master_dtype=next(iter(dtypes)) if len(dtypes) == 1 else None,
         available=available,
+        ranks=ranks,
     )

@@ -42,6 +42,7 @@ from roundpipe.runtime.executor import execute
 from roundpipe.runtime.grad_router import TOUCHES_GRADS, GradHooks, clear_grads
 from roundpipe.runtime.optimizer_ctx import in_optimizer_ctx, wrap_step
 from roundpipe.runtime.params import Params, StateAccess, check_state_dict
+from roundpipe.runtime.placement import StatePlacement
 from roundpipe.runtime.rng import RngMemo, learn_rng_use, restore_after_call
 from roundpipe.runtime.stage_ops import backward_to_inputs
 from roundpipe.runtime.stages import ModelStages, model_layers
@@ -117,6 +118,7 @@ class RoundPipe(nn.Module):
         model_run_config: RoundPipeRunConfig | None = None,
         devices: DeviceSpec | None = None,
         memory_check: bool = True,
+        state_placement: StatePlacement | None = None,
     ) -> None:
         super().__init__()
         if not isinstance(model, nn.Module):
@@ -130,6 +132,11 @@ class RoundPipe(nn.Module):
             raise TypeError("model_run_config must be a RoundPipeRunConfig")
         if optim_dtype is not None and not isinstance(optim_dtype, torch.dtype):
             raise ValueError(f"optim_dtype must be None or a torch.dtype, got {optim_dtype!r}")
+        if state_placement is not None and not isinstance(state_placement, StatePlacement):
+            raise TypeError(
+                f"state_placement must be None (host RAM) or a StatePlacement such as "
+                f"roundpipe.distributed.ShardedState(), got {type(state_placement).__name__}"
+            )
         self.module = model
         self.name = name
         self.model_run_config = model_run_config or RoundPipeRunConfig()
@@ -140,7 +147,11 @@ class RoundPipe(nn.Module):
         if self._memory_check:  # before anything is allocated
             check_host_memory(
                 host_terms(
-                    model, optim_dtype, pinned_allocator(self._pool), host_memory_available()
+                    model,
+                    optim_dtype,
+                    pinned_allocator(self._pool),
+                    host_memory_available(),
+                    ranks=state_placement.world_size if state_placement is not None else 1,
                 ),
                 f"RoundPipe{_tag(name)}",
                 bool(self.model_run_config.offload_activations),
@@ -150,7 +161,13 @@ class RoundPipe(nn.Module):
         self._optim_dtype = optim_dtype
         self._pool.backends[0].prepare_host(model)
         layers = model_layers(model)
-        self._params = Params(model, [layer.module for layer in layers], optim_dtype, owner=self)
+        self._params = Params(
+            model,
+            [layer.module for layer in layers],
+            optim_dtype,
+            owner=self,
+            placement=state_placement,
+        )
         self._stages = ModelStages(layers, self._params)
         self._hooks = GradHooks(self._params.records, owner=self)
         self._has_grads = False
@@ -166,8 +183,15 @@ class RoundPipe(nn.Module):
         self._step_scaler_hooks: OrderedDict[int, Callable[[GradScaler], None]] = OrderedDict()
         self._resolve(None)  # checks the model-level execute_plan now
 
+    @property
+    def state_placement(self) -> StatePlacement:
+        """Where the masters, their gradients and the optimizer state live (chosen at
+        construction). Any thread; never blocks."""
+        return self._params.placement
+
     def optim_parameters(self) -> Iterator[nn.Parameter]:
-        """The fp32 master parameters (one per trainable parameter). Any thread; never blocks."""
+        """The fp32 master parameters (one per trainable parameter; with a sharded
+        ``state_placement``, those of this rank's share only). Any thread; never blocks."""
         return iter(list(self._params.masters.values()))
 
     def optim_named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
@@ -548,6 +572,7 @@ class RoundPipe(nn.Module):
                 for hook in list(self._step_scaler_hooks.values()):
                     hook(scaler)
         owners = (self, *self._step_scalers)
+        self._params.placement.check_step()
         if not self._has_grads:
             raise RuntimeError(
                 "step() called with no gradients since the last step: run forward_backward() (or "
@@ -625,9 +650,7 @@ class RoundPipe(nn.Module):
 
     def _discard_grads(self, wait: bool = True) -> None:
         self._has_grads = False
-        item = self._params.launch(
-            clear_grads, list(self._params.masters.values()), touches=TOUCHES_GRADS
-        )
+        item = self._params.launch(clear_grads, self._params.grad_targets, touches=TOUCHES_GRADS)
         if wait:
             item.wait()
 

@@ -94,7 +94,7 @@ def wrap_step(
             # A failed step did not consume this iteration's gradients: drop them here, in
             # FIFO order, whichever call later reports the failure, so the next step does
             # not apply them twice.
-            clear_grads(list(params.masters.values()))
+            clear_grads(params.grad_targets)
             add_note(exc, f"[roundpipe{tag} step_fn]")
             raise
 

@@ -24,6 +24,7 @@ from torch import nn
 from roundpipe import optim_queue
 from roundpipe.grad_access import MasterParameter, guard_wrapped_params
 from roundpipe.memory.host import master_dtype_of
+from roundpipe.runtime.placement import StatePlacement
 
 __all__ = [
     "ParamRecord",
@@ -44,6 +45,9 @@ class ParamRecord:
     name: str
     param: nn.Parameter
     master: nn.Parameter | None
+    #: whether this process holds the master; else ``master`` is a stand-in that only collects
+    #: this process's gradient (see [Note: state placement] in roundpipe.runtime.placement)
+    held: bool = True
 
 
 class ParamsCopyFailed(Exception):
@@ -98,9 +102,12 @@ class ParamsReady:
 
 
 class Params:
-    """The wrapped model's parameter records, the masters (by name, in ``named_parameters()``
-    order), and the master->model copy (``layer_copies``: per layer, the (param, master) pairs
-    it copies, each param once, in its first layer)."""
+    """The wrapped model's parameter records, the masters this process holds (by name, in
+    ``named_parameters()`` order; all of them unless the placement shards them), every
+    gradient target (``grad_targets``: the masters and the stand-ins of the masters other
+    processes hold), and the master->model copy (``layer_copies``: per layer, the (param,
+    master, held) triples it copies, each param once, in its first layer), run through the
+    ``placement`` (see [Note: state placement] in roundpipe.runtime.placement)."""
 
     def __init__(
         self,
@@ -108,32 +115,48 @@ class Params:
         layer_modules: Sequence[nn.Module],
         optim_dtype: torch.dtype | None,
         owner: Any = None,
+        placement: StatePlacement | None = None,
     ) -> None:
         # The model whose work this launches (see [Note: error reporting] in optim_queue).
         self.owner = owner
+        self.placement = placement if placement is not None else StatePlacement()
+        named = list(module.named_parameters())
+        trainable = [p for _, p in named if p.requires_grad]
+        held = iter(
+            self.placement.assign(
+                trainable,
+                [p.numel() * master_dtype_of(p, optim_dtype).itemsize for p in trainable],
+            )
+        )
         self.records: list[ParamRecord] = []
-        for name, p in module.named_parameters():
-            master = None
+        for name, p in named:
+            master, mine = None, True
             if p.requires_grad:
                 dtype = master_dtype_of(p, optim_dtype)
-                if p.is_meta:  # a model of shapes only, for memory plans: its masters too
+                mine = next(held)
+                if not mine:  # one element of storage: it only collects this process's gradient
+                    master = MasterParameter(torch.zeros((), dtype=dtype).expand(p.shape))
+                elif p.is_meta:  # a model of shapes only, for memory plans: its masters too
                     master = MasterParameter(torch.empty_like(p, dtype=dtype, device="meta"))
                 else:
                     master = MasterParameter(p.detach().to(device="cpu", dtype=dtype, copy=True))
-            self.records.append(ParamRecord(name, p, master))
+            self.records.append(ParamRecord(name, p, master, mine))
         self._by_param = {id(r.param): r for r in self.records}
         self.masters: dict[str, nn.Parameter] = {
-            r.name: r.master for r in self.records if r.master is not None
+            r.name: r.master for r in self.records if r.master is not None and r.held
         }
+        self.grad_targets: list[nn.Parameter] = [
+            r.master for r in self.records if r.master is not None
+        ]
         self.cast_dtype = low_precision_dtype(module)
         seen: set = set()
-        self.layer_copies: list[list[tuple[nn.Parameter, nn.Parameter]]] = []
+        self.layer_copies: list[list[tuple[nn.Parameter, nn.Parameter, bool]]] = []
         for layer in layer_modules:
             pairs = []
             for rec in self.records_of(layer):
                 if rec.master is not None and rec not in seen:
                     seen.add(rec)
-                    pairs.append((rec.param, rec.master))
+                    pairs.append((rec.param, rec.master, rec.held))
             self.layer_copies.append(pairs)
         self.ready = ParamsReady(len(self.layer_copies), done=True)
         guard_wrapped_params(self, [r.param for r in self.records if r.master is not None])
@@ -169,11 +192,9 @@ class Params:
         """Optimizer thread: masters -> low-precision params, layer by layer."""
         layer = 0
         try:
-            with torch.no_grad():
-                for layer, pairs in enumerate(self.layer_copies):
-                    for p, master in pairs:
-                        p.copy_(master)
-                    ready.set(layer)
+            for layer, pairs in enumerate(self.layer_copies):
+                self.placement.copy_layer(pairs)
+                ready.set(layer)
         except BaseException as exc:  # noqa: B036 -- published to the workers, then re-raised
             ready.fail(layer, exc)
             raise
@@ -188,7 +209,7 @@ class Params:
     # -- state dicts ---------------------------------------------------------------------------
     def refresh_masters(self) -> None:
         """Main thread: the model params' values into the masters; blocks until done."""
-        pairs = [(m, p) for layer in self.layer_copies for p, m in layer]
+        pairs = [(m, p) for layer in self.layer_copies for p, m, held in layer if held]
         self.launch(copy_pairs, pairs, touches=("masters",)).wait()
 
     def load_masters(self, state_dict: dict[str, torch.Tensor]) -> None:

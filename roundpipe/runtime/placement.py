@@ -1,0 +1,100 @@
+"""Where the masters, their gradients and the optimizer state live: one placement per model,
+chosen at construction (``RoundPipe(..., state_placement=...)``), which the master->model
+copy, the data-parallel gradient reduction, checkpoints and the memory plan read; no other
+code branches on it. See [Note: state placement].
+
+* :class:`StatePlacement` (the default, ``state_placement=None``): every master in this
+  process's host RAM.
+* :class:`roundpipe.distributed.ShardedState`: each data-parallel rank holds the masters (and
+  so their gradients after the step's reduction, and the optimizer state) of its share of the
+  parameters; built on this class's interface.
+* :func:`shard_by_bytes`: the owner of each parameter, balanced by bytes (pure).
+
+Threads: a placement is configured on the main thread at construction (:meth:`assign`); its
+:meth:`copy_layer` runs on the optimizer thread (the master->model copy).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+__all__ = ["StatePlacement", "shard_by_bytes"]
+
+
+# [Note: state placement]
+# A placement decides, at construction, which trainable parameters have a master in this
+# process (``assign``); the others get a stand-in: a MasterParameter of the right shape and
+# dtype over one element of storage (an expanded scalar), never handed to the optimizer
+# (``optim_parameters()`` yields the held masters only), whose ``.grad`` collects this
+# process's gradient of the parameter until the data-parallel step hands it to its owner and
+# drops it. The master->model copy runs through ``copy_layer``: in RAM a local cast; sharded,
+# each owner casts its masters into the model's low-precision parameters and broadcasts them
+# to the other ranks (see [Note: sharded state] in roundpipe.distributed).
+
+
+class StatePlacement:
+    """Every master in this process's host RAM (the default placement).
+
+    A subclass decides which masters this process holds (:meth:`assign`) and how the
+    low-precision parameters get the updated values (:meth:`copy_layer`)."""
+
+    #: shown in reports and errors
+    name = "host RAM"
+
+    @property
+    def world_size(self) -> int:
+        """Over how many processes the state is spread (1: all here). Any thread."""
+        return 1
+
+    def assign(self, params: Sequence[nn.Parameter], master_bytes: Sequence[int]) -> list[bool]:
+        """Construction, main thread: for each trainable parameter (in ``named_parameters()``
+        order, with the bytes its master takes), whether this process holds its master."""
+        return [True] * len(params)
+
+    def copy_layer(self, pairs: Sequence[tuple[nn.Parameter, nn.Parameter, bool]]) -> None:
+        """Optimizer thread, inside the master->model copy: the new values of one layer's
+        parameters, from ``(param, master, held)`` triples (``held``: this process holds the
+        master; else ``master`` is a stand-in)."""
+        with torch.no_grad():
+            for p, master, held in pairs:
+                if held:
+                    p.copy_(master)
+
+    def check_step(self) -> None:
+        """Main thread, before a step is launched: raise if this placement cannot step now."""
+
+    def check_checkpoint(self, what: str) -> None:
+        """Main thread, before :mod:`roundpipe.checkpoint` saves or loads (``what``) a model
+        with this placement: raise if it cannot."""
+
+
+def shard_by_bytes(sizes: Sequence[int], world_size: int) -> list[int]:
+    """The owner rank of each item (a parameter's master bytes, in order): contiguous runs, one
+    per rank, whole items, each run ending at the item that takes it past its fair share of the
+    total (``(r + 1) * total / world_size``), so a rank's share exceeds the fair share by less
+    than one item. Every rank gets at least one item. Pure function: any thread.
+
+    Raises ``ValueError`` when there are fewer items than ranks."""
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+    if len(sizes) < world_size:
+        raise ValueError(
+            f"cannot shard {len(sizes)} trainable parameters over {world_size} ranks (every rank "
+            f"must own at least one): use fewer ranks, or keep the state on every rank "
+            f"(state_placement=None)"
+        )
+    total = sum(sizes)
+    owners: list[int] = []
+    rank, done = 0, 0
+    for i, size in enumerate(sizes):
+        left = len(sizes) - i  # items still to place, this one included
+        # Move on when this rank has its share, or when every later rank needs an item.
+        if rank < world_size - 1 and owners and owners[-1] == rank:
+            if done >= (rank + 1) * total / world_size or left == world_size - 1 - rank:
+                rank += 1
+        owners.append(rank)
+        done += size
+    return owners

@@ -1,0 +1,217 @@
+"""Model state sharded over data-parallel ranks (roundpipe.distributed.ShardedState): the owners,
+what a rank allocates, the sharded run against the replicated one (gloo, processes on this
+machine, through tests/dp_worker.py), the global gradient norm, the memory plan's ``ranks``, and
+what is refused."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from roundpipe import OptimizerCtx, RoundPipe
+from roundpipe import checkpoint as rpc
+from roundpipe import distributed as rpd
+from roundpipe.memory.host import host_terms
+from roundpipe.runtime.placement import shard_by_bytes
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import dp_worker  # noqa: E402
+from test_distributed import run_ranks  # noqa: E402
+
+pytestmark = pytest.mark.skipif(
+    not dist.is_available() or not dist.is_gloo_available(),
+    reason="torch.distributed with gloo is needed",
+)
+
+
+@pytest.fixture
+def one_rank(tmp_path):
+    """A gloo group of this process alone (as test_distributed's ``group_of_one``)."""
+    assert not dist.is_initialized(), "a process group leaked from an earlier test"
+    dist.init_process_group(
+        "gloo",
+        store=dist.FileStore(str(tmp_path / "store"), 1),
+        rank=0,
+        world_size=1,
+        timeout=rpd._as_timedelta(10),
+    )
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+        if rpd._ACTIVE is not None:  # a failed test left a DataParallel attached
+            rpd._ACTIVE, rpd._ACTIVE_USERS = None, 0
+
+
+# -- owners -----------------------------------------------------------------------------------
+
+
+def test_owners_are_contiguous_whole_parameters_balanced_by_bytes():
+    sizes = [400, 40, 400, 40, 400, 40, 16]
+    owners = shard_by_bytes(sizes, 2)
+    assert owners == sorted(owners) and set(owners) == {0, 1}
+    shares = [sum(s for s, o in zip(sizes, owners) if o == r) for r in (0, 1)]
+    assert shares == [840, 496]  # rank 0 passes half (668) by less than its last item
+    assert shard_by_bytes(sizes, 1) == [0] * len(sizes)
+    # Every rank gets an item, even when one item is most of the bytes.
+    assert shard_by_bytes([10_000, 1, 1, 1], 4) == [0, 1, 2, 3]
+    assert shard_by_bytes([1, 1, 1, 10_000], 3) == [0, 0, 1, 2]
+    with pytest.raises(ValueError, match="cannot shard 2 trainable parameters over 3 ranks"):
+        shard_by_bytes([1, 1], 3)
+
+
+def test_the_host_terms_of_a_rank_count_its_share_and_every_gradient():
+    seq = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64), nn.Linear(64, 64)).half()
+    whole = host_terms(seq, torch.float32, None)
+    two = host_terms(seq, torch.float32, None, ranks=2)
+    sizes = [p.numel() * 4 for p in seq.parameters()]
+    owners = shard_by_bytes(sizes, 2)
+    largest = max(sum(s for s, o in zip(sizes, owners) if o == r) for r in (0, 1))
+    assert (two.masters, two.optimizer) == (largest, 2 * largest)
+    assert two.grads == whole.grads == whole.masters  # every rank sums all its gradients
+    assert two.weights == whole.weights
+    assert "this rank's share of 2" in dict(two.rows()).__repr__()
+
+
+def test_the_plan_command_counts_one_ranks_share(tmp_path):
+    pytest.importorskip("transformers")
+    from test_cli import _tiny_config
+
+    from roundpipe.hf.memory_cli import main, plan_config
+
+    path = str(_tiny_config(tmp_path))
+    one = plan_config(path, seq_len=32, devices="emu").host
+    four = plan_config(path, seq_len=32, devices="emu", ranks=4).host
+    assert four.ranks == 4 and four.grads == one.grads and four.weights == one.weights
+    assert one.masters / 4 <= four.masters < one.masters / 2
+    assert four.optimizer == 2 * four.masters
+    with pytest.raises(SystemExit):
+        main([path, "--seq-len", "32", "--ranks", "0"])
+
+
+# -- one rank: the placement's paths against no data parallelism -------------------------------
+
+
+def test_a_sharded_group_of_one_trains_bitwise_as_no_data_parallelism(one_rank):
+    cfg = {"steps": 4, "mode": "async", "dtype": "fp16", "inf_step": 1, "clip": 1.0}
+    plain = dp_worker.train(cfg)
+    sharded = dp_worker.train({**cfg, "shard": True}, dp={"bucket_cap_mb": 1e-4})
+    assert rpd._ACTIVE is None
+    for name, value in plain["masters"].items():
+        assert torch.equal(sharded["masters"][name], value), name
+    assert sharded["skipped"] == plain["skipped"] and plain["skipped"][1] is True
+    assert sharded["norms"] == plain["norms"]
+
+
+def test_a_sharded_model_refuses_what_it_cannot_do(one_rank, tmp_path):
+    placement = rpd.ShardedState()
+    model = RoundPipe(nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 2)), state_placement=placement)
+    assert model.state_placement is placement and placement.owners == [0, 0, 0, 0]
+    with pytest.raises(RuntimeError, match="one ShardedState\\(\\) per RoundPipe"):
+        RoundPipe(nn.Linear(2, 2), state_placement=placement)
+    with pytest.raises(TypeError, match="state_placement must be None"):
+        RoundPipe(nn.Linear(2, 2), state_placement="shard")  # type: ignore[arg-type]
+    with OptimizerCtx():
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    batch = dict(input_args=(torch.randn(4, 3),), label=torch.randint(0, 2, (4,)))
+    model.forward_backward(**batch, loss_fn=F.cross_entropy)
+    with pytest.raises(RuntimeError, match="steps only with a DataParallel attached"):
+        model.step(lambda: opt.step())
+    dp = rpd.DataParallel(model)
+    try:
+        with pytest.raises(RuntimeError, match="inside step_fn"):
+            dp.clip_grad_norm_(1.0)
+        model.step(lambda: (opt.step(), opt.zero_grad()), is_async=False)
+        with pytest.raises(NotImplementedError, match="each rank writing its shard.*missing"):
+            rpc.save(tmp_path / "ckpts", model, opt)
+        with pytest.raises(NotImplementedError, match="loading with another number of ranks"):
+            rpc.load(tmp_path / "ckpts", model, opt)
+        assert not (tmp_path / "ckpts").exists()
+    finally:
+        dp.close()
+    model.forward_backward(**batch, loss_fn=F.cross_entropy)
+    with pytest.raises(RuntimeError, match="steps only with a DataParallel attached"):
+        model.step(lambda: opt.step())
+
+
+# -- several ranks ------------------------------------------------------------------------------
+
+
+def merged(records, key="masters"):
+    """The ranks' masters as one state dict; each name held by exactly one rank."""
+    out = {}
+    for rec in records.values():
+        for name, value in rec[key].items():
+            assert name not in out, f"{name} is held by two ranks"
+            out[name] = value
+    return out
+
+
+def assert_sharded_equals_replicated(world, cfg, tmp_path):
+    (tmp_path / "sharded").mkdir()
+    (tmp_path / "replicated").mkdir()
+    sharded, _ = run_ranks(world, {**cfg, "shard": True}, tmp_path / "sharded", deadline=150)
+    replicated, _ = run_ranks(world, cfg, tmp_path / "replicated", deadline=150)
+    assert sorted(sharded) == list(range(world))
+    whole = replicated[0]["masters"]
+    masters = merged(sharded)
+    assert sorted(masters) == sorted(whole)
+    for name, value in whole.items():
+        assert torch.equal(masters[name], value), name
+    for rank, rec in sharded.items():
+        assert rec["error"] is None and rec["replicas_identical"] is True
+        assert len(rec["masters"]) < len(whole)  # a share, not the whole
+        for name, value in replicated[0]["params"].items():
+            assert torch.equal(rec["params"][name], value), (rank, name)
+        for key in ("skipped", "scales", "scaler"):
+            assert rec[key] == replicated[rank][key], (rank, key)
+        assert repr(rec["norms"]) == repr(replicated[rank]["norms"])  # nan where it overflowed
+    return sharded, replicated
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_two_sharded_ranks_equal_the_replicated_run_bitwise(tmp_path, mode):
+    """fp16 weights, fp32 masters, Adam, GradScaler with a step skipped on one rank's overflow."""
+    cfg = {
+        "steps": 20,
+        "mode": mode,
+        "dtype": "fp16",
+        "inf_step": 3,
+        "inf_rank": 1,
+        "global_batch": 8,
+    }
+    sharded, _ = assert_sharded_equals_replicated(2, cfg, tmp_path)
+    assert sharded[0]["skipped"][3] is True  # rank 1's overflow skipped it on rank 0 too
+    assert sharded[0]["scaler"]["roundpipe"]["skipped_steps"] >= 1
+    # What a rank allocates: its masters and the one-element stand-ins of the others'; an
+    # optimizer state of its share only.
+    for rec in sharded.values():
+        held = sum(v.numel() * 4 for v in rec["masters"].values())
+        stand_ins = rec["num_trainable"] - len(rec["masters"])
+        assert rec["master_storage_bytes"] == held + 4 * stand_ins
+        assert rec["optimizer_state_bytes"] == 2 * held + 4 * len(rec["masters"])  # + steps
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_global_grad_norm_clips_the_sharded_run_as_the_replicated_one(tmp_path):
+    cfg = {"steps": 20, "mode": "sync", "dtype": "fp16", "optimizer": "sgd", "clip": 0.5}
+    sharded, replicated = assert_sharded_equals_replicated(2, cfg, tmp_path)
+    norms = sharded[0]["norms"]
+    assert len(norms) >= 19 and sum(n > 0.5 for n in norms.values()) >= 5  # it did clip
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_four_sharded_ranks_equal_the_replicated_run_bitwise(tmp_path):
+    cfg = {"steps": 20, "mode": "async", "dtype": "fp16", "inf_step": 3, "inf_rank": 2}
+    cfg["global_batch"] = 16
+    assert_sharded_equals_replicated(4, cfg, tmp_path)
