@@ -43,7 +43,7 @@ from roundpipe import optim_queue
 from roundpipe.grad_scaler import GradScaler
 from roundpipe.main_thread import check_main_thread
 from roundpipe.runtime.model import RoundPipe
-from roundpipe.runtime.placement import StatePlacement, shard_by_bytes
+from roundpipe.runtime.placement import MasterPlacement, shard_by_bytes
 
 __all__ = [
     "DataParallel",
@@ -469,7 +469,7 @@ def gather_bytes(payload: bytes, what: str) -> list[bytes] | None:
 # -- sharded state ----------------------------------------------------------------------------
 
 
-class ShardedState(StatePlacement):
+class ShardedState(MasterPlacement):
     """A state placement that shards the masters, their gradients (after each step's reduction)
     and the optimizer state over the data-parallel ranks: pass it as
     ``RoundPipe(..., state_placement=ShardedState())`` on every rank, then attach a

@@ -24,7 +24,7 @@ from torch import Tensor
 
 from roundpipe import optim_queue
 from roundpipe.optim.kernel import FUSED_DEVICE_TYPES, group_allows_fused, param_fits_fused
-from roundpipe.optim.placement import StateInRAM, StatePlacement, make_placement
+from roundpipe.optim.placement import OptimizerStatePlacement, StateInRAM, make_placement
 
 __all__ = ["Adam", "AdamW"]
 
@@ -124,7 +124,7 @@ class Adam(torch.optim.Adam):
         state_buffer_bytes: int | None = None,
     ) -> None:
         """Any thread; does not wait for the optimizer thread (no launched work can use it yet)."""
-        self._placement: StatePlacement = make_placement(state_dir, state_buffer_bytes)
+        self._placement: OptimizerStatePlacement = make_placement(state_dir, state_buffer_bytes)
         if fused and differentiable:
             raise RuntimeError(
                 "Adam: fused=True cannot be combined with differentiable=True (the "

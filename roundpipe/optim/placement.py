@@ -35,10 +35,10 @@ from roundpipe.optim.kernel import (
 )
 from roundpipe.optim.spill import StateOnDisk
 
-__all__ = ["StatePlacement", "StateInRAM", "make_placement"]
+__all__ = ["OptimizerStatePlacement", "StateInRAM", "make_placement"]
 
 
-class StatePlacement(Protocol):
+class OptimizerStatePlacement(Protocol):
     """What an optimizer asks of the place its state lives in."""
 
     def check_group(self, opt: torch.optim.Optimizer, group: dict) -> None:
@@ -274,7 +274,7 @@ def _init_state(state: dict, p: Tensor, group: dict, fused: bool) -> None:
 
 def make_placement(
     state_dir: str | os.PathLike[str] | None, state_buffer_bytes: int | None
-) -> StatePlacement:
+) -> OptimizerStatePlacement:
     """The placement of ``Adam(state_dir=..., state_buffer_bytes=...)``."""
     if state_dir is None:
         if state_buffer_bytes is not None:

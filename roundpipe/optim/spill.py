@@ -167,7 +167,7 @@ class StateOnDisk:
             self, _cleanup, [self._reader, self._writer], self._fd, self.path
         )
 
-    # -- StatePlacement ---------------------------------------------------------------------
+    # -- OptimizerStatePlacement ---------------------------------------------------------------------
     def check_group(self, opt: torch.optim.Optimizer, group: dict) -> None:
         for index, p in enumerate(group["params"]):
             why = fused_only_reason(group, p)

@@ -42,7 +42,7 @@ from roundpipe.runtime.executor import execute
 from roundpipe.runtime.grad_router import TOUCHES_GRADS, GradHooks, clear_grads
 from roundpipe.runtime.optimizer_ctx import in_optimizer_ctx, wrap_step
 from roundpipe.runtime.params import Params, StateAccess, check_state_dict
-from roundpipe.runtime.placement import StatePlacement
+from roundpipe.runtime.placement import MasterPlacement
 from roundpipe.runtime.rng import RngMemo, learn_rng_use, restore_after_call
 from roundpipe.runtime.stage_ops import backward_to_inputs
 from roundpipe.runtime.stages import ModelStages, model_layers
@@ -118,7 +118,7 @@ class RoundPipe(nn.Module):
         model_run_config: RoundPipeRunConfig | None = None,
         devices: DeviceSpec | None = None,
         memory_check: bool = True,
-        state_placement: StatePlacement | None = None,
+        state_placement: MasterPlacement | None = None,
     ) -> None:
         super().__init__()
         if not isinstance(model, nn.Module):
@@ -132,9 +132,9 @@ class RoundPipe(nn.Module):
             raise TypeError("model_run_config must be a RoundPipeRunConfig")
         if optim_dtype is not None and not isinstance(optim_dtype, torch.dtype):
             raise ValueError(f"optim_dtype must be None or a torch.dtype, got {optim_dtype!r}")
-        if state_placement is not None and not isinstance(state_placement, StatePlacement):
+        if state_placement is not None and not isinstance(state_placement, MasterPlacement):
             raise TypeError(
-                f"state_placement must be None (host RAM) or a StatePlacement such as "
+                f"state_placement must be None (host RAM) or a MasterPlacement such as "
                 f"roundpipe.distributed.ShardedState(), got {type(state_placement).__name__}"
             )
         self.module = model
@@ -184,7 +184,7 @@ class RoundPipe(nn.Module):
         self._resolve(None)  # checks the model-level execute_plan now
 
     @property
-    def state_placement(self) -> StatePlacement:
+    def state_placement(self) -> MasterPlacement:
         """Where the masters, their gradients and the optimizer state live (chosen at
         construction). Any thread; never blocks."""
         return self._params.placement

@@ -24,7 +24,7 @@ from torch import nn
 from roundpipe import optim_queue
 from roundpipe.grad_access import MasterParameter, guard_wrapped_params
 from roundpipe.memory.host import master_dtype_of
-from roundpipe.runtime.placement import StatePlacement
+from roundpipe.runtime.placement import MasterPlacement
 
 __all__ = [
     "ParamRecord",
@@ -115,11 +115,11 @@ class Params:
         layer_modules: Sequence[nn.Module],
         optim_dtype: torch.dtype | None,
         owner: Any = None,
-        placement: StatePlacement | None = None,
+        placement: MasterPlacement | None = None,
     ) -> None:
         # The model whose work this launches (see [Note: error reporting] in optim_queue).
         self.owner = owner
-        self.placement = placement if placement is not None else StatePlacement()
+        self.placement = placement if placement is not None else MasterPlacement()
         named = list(module.named_parameters())
         trainable = [p for _, p in named if p.requires_grad]
         held = iter(

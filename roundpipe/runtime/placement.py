@@ -3,7 +3,7 @@ chosen at construction (``RoundPipe(..., state_placement=...)``), which the mast
 copy, the data-parallel gradient reduction, checkpoints and the memory plan read; no other
 code branches on it. See [Note: state placement].
 
-* :class:`StatePlacement` (the default, ``state_placement=None``): every master in this
+* :class:`MasterPlacement` (the default, ``state_placement=None``): every master in this
   process's host RAM.
 * :class:`roundpipe.distributed.ShardedState`: each data-parallel rank holds the masters (and
   so their gradients after the step's reduction, and the optimizer state) of its share of the
@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-__all__ = ["StatePlacement", "shard_by_bytes"]
+__all__ = ["MasterPlacement", "shard_by_bytes"]
 
 
 # [Note: state placement]
@@ -35,7 +35,7 @@ __all__ = ["StatePlacement", "shard_by_bytes"]
 # to the other ranks (see [Note: sharded state] in roundpipe.distributed).
 
 
-class StatePlacement:
+class MasterPlacement:
     """Every master in this process's host RAM (the default placement).
 
     A subclass decides which masters this process holds (:meth:`assign`) and how the
