@@ -13,6 +13,7 @@ parallelism]).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -471,13 +472,14 @@ def _make_step_fn(
     optimizer: torch.optim.Optimizer,
     scheduler: Any,
     scaler: GradScaler | None,
-    masters: list[nn.Parameter],
+    clip: Callable[[float], torch.Tensor],
     max_grad_norm: float,
     ran: list[bool],
 ) -> Callable[[_StepRecord], None]:
     """The Trainer's optimizer step, for the optimizer thread: unscale (fp16), clip the whole
-    model's gradient norm, step (skipped on an overflow), step the scheduler unless the step
-    was skipped, zero the gradients; the record gets the norm and the learning rate used."""
+    model's gradient norm (``clip(max_norm)``, which returns it), step (skipped on an
+    overflow), step the scheduler unless the step was skipped, zero the gradients; the record
+    gets the norm and the learning rate used."""
     plateau = isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
 
     def step(record: _StepRecord) -> None:
@@ -485,7 +487,7 @@ def _make_step_fn(
             if scaler is not None:
                 scaler.unscale_(optimizer)
             if max_grad_norm is not None and max_grad_norm > 0:
-                norm = torch.nn.utils.clip_grad_norm_(masters, max_grad_norm)
+                norm = clip(max_grad_norm)
                 record.grad_norm = float(norm)
             record.learning_rate = float(scheduler.get_last_lr()[0])
             ran[0] = False
@@ -601,8 +603,16 @@ class _TrainLoop:
         ran = [False]
         t.optimizer.register_step_post_hook(lambda *_: ran.__setitem__(0, True))
         masters = [p for g in t.optimizer.param_groups for p in g["params"]]
+        # The global norm: under data parallelism the DataParallel's clip, which with sharded
+        # state gathers the norms of the gradients other ranks own.
+        dp = self.data_parallel
+        clip: Callable[[float], torch.Tensor] = (
+            dp.clip_grad_norm_
+            if dp is not None
+            else functools.partial(torch.nn.utils.clip_grad_norm_, masters)
+        )
         self.step_fn = _make_step_fn(
-            t.optimizer, t.lr_scheduler, scaler, masters, args.max_grad_norm, ran
+            t.optimizer, t.lr_scheduler, scaler, clip, args.max_grad_norm, ran
         )
         main_input = getattr(self.t.hf_model, "main_input_name", "input_ids")
         self.main_input = main_input if isinstance(main_input, str) else "input_ids"
