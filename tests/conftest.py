@@ -74,3 +74,26 @@ def pool_kind(request, monkeypatch):
             lambda devices=None: _on_emu(resolve(devices)),
         )
     return kind
+
+
+@pytest.fixture
+def group_of_one(tmp_path):
+    """A gloo process group of this process alone (a one-rank data-parallel run)."""
+    import torch.distributed as dist
+
+    from roundpipe import distributed as rpd
+
+    assert not dist.is_initialized(), "a process group leaked from an earlier test"
+    dist.init_process_group(
+        "gloo",
+        store=dist.FileStore(str(tmp_path / "store"), 1),
+        rank=0,
+        world_size=1,
+        timeout=rpd._as_timedelta(10),
+    )
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+        if rpd._ACTIVE is not None:  # a failed test left a DataParallel attached
+            rpd._ACTIVE, rpd._ACTIVE_USERS = None, 0

@@ -358,24 +358,6 @@ def test_init_process_group_without_torchrun_names_the_command(monkeypatch):
     assert not dist.is_initialized()
 
 
-@pytest.fixture
-def group_of_one(tmp_path):
-    assert not dist.is_initialized(), "a process group leaked from an earlier test"
-    dist.init_process_group(
-        "gloo",
-        store=dist.FileStore(str(tmp_path / "store"), 1),
-        rank=0,
-        world_size=1,
-        timeout=rpd._as_timedelta(10),
-    )
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-        if rpd._ACTIVE is not None:  # a failed test left a DataParallel attached
-            rpd._ACTIVE, rpd._ACTIVE_USERS = None, 0
-
-
 def test_a_group_of_one_trains_bitwise_as_no_data_parallelism(group_of_one):
     cfg = {"steps": 4, "mode": "async", "inf_step": 1}
     plain = dp_worker.train(cfg)

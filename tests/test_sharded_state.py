@@ -30,25 +30,6 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-@pytest.fixture
-def one_rank(tmp_path):
-    """A gloo group of this process alone (as test_distributed's ``group_of_one``)."""
-    assert not dist.is_initialized(), "a process group leaked from an earlier test"
-    dist.init_process_group(
-        "gloo",
-        store=dist.FileStore(str(tmp_path / "store"), 1),
-        rank=0,
-        world_size=1,
-        timeout=rpd._as_timedelta(10),
-    )
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-        if rpd._ACTIVE is not None:  # a failed test left a DataParallel attached
-            rpd._ACTIVE, rpd._ACTIVE_USERS = None, 0
-
-
 # -- owners -----------------------------------------------------------------------------------
 
 
@@ -98,7 +79,7 @@ def test_the_plan_command_counts_one_ranks_share(tmp_path):
 # -- one rank: the placement's paths against no data parallelism -------------------------------
 
 
-def test_a_sharded_group_of_one_trains_bitwise_as_no_data_parallelism(one_rank):
+def test_a_sharded_group_of_one_trains_bitwise_as_no_data_parallelism(group_of_one):
     cfg = {"steps": 4, "mode": "async", "dtype": "fp16", "inf_step": 1, "clip": 1.0}
     plain = dp_worker.train(cfg)
     sharded = dp_worker.train({**cfg, "shard": True}, dp={"bucket_cap_mb": 1e-4})
@@ -109,7 +90,7 @@ def test_a_sharded_group_of_one_trains_bitwise_as_no_data_parallelism(one_rank):
     assert sharded["norms"] == plain["norms"]
 
 
-def test_a_sharded_model_refuses_what_it_cannot_do(one_rank, tmp_path):
+def test_a_sharded_model_refuses_what_it_cannot_do(group_of_one, tmp_path):
     placement = rpd.ShardedState()
     model = RoundPipe(nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 2)), state_placement=placement)
     assert model.state_placement is placement and placement.owners == [0, 0, 0, 0]

@@ -7,7 +7,6 @@ tests/trainer_dp_worker.py's."""
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +19,7 @@ transformers = pytest.importorskip("transformers")
 
 sys.path.insert(0, str(Path(__file__).parent))
 import trainer_dp_worker  # noqa: E402
+from test_distributed import free_port  # noqa: E402
 from trainer_common import collate, step_losses, tiny_llama, token_dataset  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,12 +32,6 @@ pytestmark = [
         reason="torch.distributed with gloo is needed",
     ),
 ]
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _launch(script_args, nproc=2, timeout=240):
@@ -62,7 +56,7 @@ def _launch(script_args, nproc=2, timeout=240):
         "--master-addr",
         "127.0.0.1",
         "--master-port",
-        str(_free_port()),
+        str(free_port()),
         *map(str, script_args),
     ]
     proc = subprocess.Popen(
