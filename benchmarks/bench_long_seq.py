@@ -8,8 +8,9 @@ capacity, in one run.
 The device is the emulated accelerator (``roundpipe.testing.emu``) with its memory capacity set:
 it counts every device allocation exactly and raises ``torch.OutOfMemoryError`` past the
 capacity, as a GPU's allocator would (without a caching allocator's rounding and fragmentation).
-Each probe (one system, one length) runs one full iteration (forward, backward, optimizer step)
-in a fresh process, and a bisection over lengths finds the longest that trains.
+Each probe (one system, one length) runs two full iterations (forward, backward, optimizer step)
+in a fresh process, so that the second backward runs beside the optimizer state the first step
+made, as every step of a real run does; a bisection over lengths finds the longest that trains.
 
 - plain: what a transformers user does to fit a long sequence on one device: the model in bf16
   on the device (no fp32 copy), ``torch.optim.AdamW`` on the device (its state in bf16),
@@ -36,6 +37,8 @@ import time
 
 # 64 x the hidden size, as real models have it (Qwen3-1.7B: 151936 / 2048 = 74).
 HIDDEN = 128
+# Iterations per probe: from the second on, the optimizer's state exists during the backward.
+ITERATIONS = 2
 VOCAB = 64 * HIDDEN
 
 
@@ -58,13 +61,11 @@ def build(args, dtype):
     return AutoModelForCausalLM.from_config(config, dtype=dtype)
 
 
-def plain_iteration(args, model, batch):
-    """One iteration of plain transformers at its best standard options (see the module doc)."""
+def plain_iterations(args, model, batch):
+    """Plain transformers at its best standard options (see the module doc)."""
     import inspect
 
     import torch
-    import torch.nn.functional as F
-    from torch.utils.checkpoint import checkpoint
 
     enable = getattr(model, "activation_checkpointing_enable", None)
     if enable is not None and "offload" in inspect.signature(enable).parameters:
@@ -74,6 +75,15 @@ def plain_iteration(args, model, batch):
     model.config.use_cache = False
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     batch = {k: v.to("emu") for k, v in batch.items()}
+    for _ in range(ITERATIONS):
+        _plain_step(args, model, opt, batch)
+
+
+def _plain_step(args, model, opt, batch):
+    """One iteration: the model's hidden states, the loss in recomputed chunks, AdamW."""
+    import torch.nn.functional as F
+    from torch.utils.checkpoint import checkpoint
+
     hidden = model.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
     hidden = hidden.last_hidden_state[:, :-1].flatten(0, 1)
     labels = batch["labels"][:, 1:].flatten()
@@ -110,7 +120,7 @@ def probe(args):
     start = time.perf_counter()
     try:
         if args.impl == "plain":
-            plain_iteration(args, build(args, torch.bfloat16).to("emu"), batch)
+            plain_iterations(args, build(args, torch.bfloat16).to("emu"), batch)
         else:
             import roundpipe
             from roundpipe import OptimizerCtx, RoundPipeRunConfig
@@ -122,8 +132,9 @@ def probe(args):
             )
             with OptimizerCtx():
                 opt = roundpipe.optim.AdamW(model.parameters(), lr=1e-4)
-            model.forward_backward(input_kwargs=batch)
-            model.step(lambda: (opt.step(), opt.zero_grad()))
+            for _ in range(ITERATIONS):
+                model.forward_backward(input_kwargs=batch)
+                model.step(lambda: (opt.step(), opt.zero_grad()))
             model.synchronize()
         ok = True
     except torch.OutOfMemoryError:
