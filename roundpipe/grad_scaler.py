@@ -37,7 +37,6 @@ __all__ = [
     "ScalerSnapshot",
     "ScaleCollapseWarning",
     "note_step_launched",
-    "note_used_by_steps",
 ]
 
 
@@ -254,17 +253,12 @@ def _check_not_on_model_params(optimizer: torch.optim.Optimizer) -> None:
     check_optimizer_params(optimizer)
 
 
-def note_used_by_steps(scaler: GradScaler) -> None:
-    """Record that launched steps use ``scaler`` (``model.step`` or ``optim_thread.launch``
-    found it in the function it launches), so that the main thread may not touch its back side
-    while a step may run. The launching thread (usually the main thread); never blocks."""
-    scaler._mark_used_by_steps()
-
-
 def note_step_launched(scalers: Iterable[GradScaler], item: optim_queue.WorkItem) -> None:
-    """Record that the launched step ``item`` uses each of ``scalers``: their next
-    :meth:`GradScaler.update` is asynchronous while the step is not waited for (see
-    [Note: which update]). The launching thread, right after the launch; never blocks."""
+    """Record that the launched step ``item`` uses each of ``scalers`` (``model.step`` or
+    ``optim_thread.launch`` found them in the function it launched): the main thread may not
+    touch their back side while the step may run, and their next :meth:`GradScaler.update` is
+    asynchronous while it is not waited for (see [Note: which update]). The launching thread,
+    right after the launch; never blocks."""
     for scaler in scalers:
         scaler._note_step(item)
 
@@ -294,8 +288,8 @@ class GradScaler:
 
     Threads. Attributes owned by the main thread: ``_front``, ``_front_copy``,
     ``_front_replicas``, ``_mirror``, ``_published``, ``_pending``, ``_last_item``,
-    ``_launch_mark``, ``_stepped_on_main``, ``_steps_launched`` and ``_newest_step`` (written by
-    the launching thread, see [Note: which update]). Attributes of the back side (``_scale``, ``_back``,
+    ``_launch_mark``, ``_stepped_on_main``, ``_newest_step`` (written by the launching thread,
+    see [Note: which update]). Attributes of the back side (``_scale``, ``_back``,
     ``_growth_tracker``, ``_hyper``, ``_per_optimizer_states``, counters) are touched by the
     optimizer thread, or by the main thread when no launched work can touch them.
     ``_used_by_steps`` (launched steps use the scaler) is set by the optimizer thread, or by the
@@ -358,9 +352,10 @@ class GradScaler:
         self._pending: optim_queue.WorkItem | None = None  # the last launched update
         # What a step since the previous update() looks like from the main thread: a launch
         # (model.step) or a step()/unscale_() called on the main thread itself.
-        self._steps_launched = 0  # launched steps found to use this scaler (note_step_launched)
-        self._newest_step: optim_queue.WorkItem | None = None  # the newest of them
-        self._launch_mark = 0  # _steps_launched at the previous update()
+        # The newest launched step found to use this scaler (note_step_launched), and what it
+        # was at the previous update().
+        self._newest_step: optim_queue.WorkItem | None = None
+        self._launch_mark: optim_queue.WorkItem | None = None
         self._stepped_on_main = False
         self._last_item: optim_queue.WorkItem | None = None  # the last launched back work
         self._used_by_steps = False
@@ -392,15 +387,10 @@ class GradScaler:
         if self._enabled:
             self._data_parallel = data_parallel
 
-    def _mark_used_by_steps(self) -> None:
-        """See :func:`note_used_by_steps`."""
-        self._used_by_steps = True
-
     def _note_step(self, item: optim_queue.WorkItem) -> None:
         """See :func:`note_step_launched`."""
-        if self._enabled:
-            self._steps_launched += 1
-            self._newest_step = item
+        self._used_by_steps = True
+        self._newest_step = item
 
     def _lazy_init(self, device: torch.device) -> None:
         with self._init_lock:
@@ -772,9 +762,8 @@ class GradScaler:
         self._check_initialized("update")
         new_value = None if new_scale is None else self._check_new_scale(new_scale)
         # See [Note: which update]: only the launched steps that use this scaler count.
-        launch_mark = self._steps_launched
-        stepped_by_launch = launch_mark != self._launch_mark
-        newest = self._newest_step
+        newest = launch_mark = self._newest_step
+        stepped_by_launch = launch_mark is not self._launch_mark
         launched = newest is not None and not optim_queue.was_waited(newest)
         if is_async is None:
             is_async = launched
@@ -1125,7 +1114,7 @@ class GradScaler:
             return dict
         if on_optimizer_thread():
             raise RuntimeError("GradScaler.state_dict_in_order() is for the main thread")
-        if self._steps_launched != self._launch_mark or self._stepped_on_main:
+        if self._newest_step is not self._launch_mark or self._stepped_on_main:
             raise RuntimeError(
                 "a checkpoint of this GradScaler was asked for between model.step() (or "
                 "scaler.step()) and scaler.update(): the scaler then holds half an iteration "

@@ -35,7 +35,7 @@ __all__ = ["check_step_fn", "check_optimizer_step", "guard_optimizer"]
 #     object, and one level of callables among those), else on the optimizer thread when it
 #     steps an optimizer (then the launched step fails and the next roundpipe call reports it);
 #   * a roundpipe.GradScaler found there is marked as used by steps, so that the main thread
-#     may not touch its back side while a step may run (grad_scaler.note_used_by_steps);
+#     may not touch its back side while a step may run (grad_scaler.note_step_launched);
 #   * a torch optimizer found there (or stepping in a RoundPipe step) gets state_dict and
 #     load_state_dict pre-hooks that wait for launched work first, as the masters' .grad does
 #     ([Note: guarded master gradients] in grad_access.py). One registered on the optimizer
@@ -171,16 +171,16 @@ def _attributes(value: Any) -> Any:
 def check_step_fn(step_fn: Callable) -> list[grad_scaler.GradScaler]:
     """When ``model.step(step_fn)`` or ``optim_thread.launch`` launches it (any thread but the
     optimizer thread, usually the main thread): raise ``RuntimeError`` if the
-    step function refers to a ``torch.amp.GradScaler``; mark the ``roundpipe.GradScaler`` it
-    refers to as used by steps and guard the optimizers it refers to (see
-    [Note: what a step shares]). Returns those roundpipe scalers (the step's failure is theirs
-    too, see [Note: error reporting] in :mod:`roundpipe.optim_queue`). Never blocks."""
+    step function refers to a ``torch.amp.GradScaler``; guard the optimizers it refers to (see
+    [Note: what a step shares]). Returns the ``roundpipe.GradScaler`` objects it refers to, for
+    the launcher to hand the launched item (:func:`roundpipe.grad_scaler.note_step_launched`;
+    the step's failure is theirs too, see [Note: error reporting] in
+    :mod:`roundpipe.optim_queue`). Never blocks."""
     scalers: list[grad_scaler.GradScaler] = []
     for where, obj in _referenced_objects(step_fn):
         if _foreign_scaler(obj):
             raise _foreign_scaler_error(f"{where} of the step function")
         if issubclass(type(obj), grad_scaler.GradScaler):
-            grad_scaler.note_used_by_steps(obj)
             if not any(s is obj for s in scalers):
                 scalers.append(obj)
         elif issubclass(type(obj), torch.optim.Optimizer):

@@ -10,57 +10,10 @@
 * :mod:`.live`: bytes of the storages alive now (:class:`~roundpipe.memory.live.LiveBytes`),
   the count the tracer and the emulated device keep.
 
-The names below are imported when first read (PEP 562), so that the emulated device, which
-imports :mod:`.live` while :mod:`roundpipe.devices` is being imported, does not import the
-report (which needs :mod:`roundpipe.devices`) too early.
+Import from the modules themselves: the package re-exports nothing, so that importing one
+leaf (the emulated device imports :mod:`.live` while :mod:`roundpipe.devices` is being
+imported) does not import the report, which needs :mod:`roundpipe.devices`.
 
 The plan's device ledger is :mod:`roundpipe.plan.memory`'s; the pinned pools the devices copy
 from are :mod:`roundpipe.devices.pinned`'s.
 """
-
-from __future__ import annotations
-
-import importlib
-from typing import Any
-
-__all__ = [
-    "SKIP_CHECK_ENV",
-    "DeviceMemory",
-    "DeviceMemoryError",
-    "HostMemoryError",
-    "HostTerms",
-    "MemoryPlan",
-    "StageMemory",
-    "check_device_memory",
-    "check_host_memory",
-    "format_bytes",
-    "host_memory_available",
-    "host_terms",
-    "master_dtype_of",
-    "skip_memory_check",
-]
-
-# Where each name above lives.
-_HOME = {
-    **dict.fromkeys(
-        (
-            "SKIP_CHECK_ENV",
-            "DeviceMemoryError",
-            "HostMemoryError",
-            "check_device_memory",
-            "check_host_memory",
-            "skip_memory_check",
-        ),
-        "checks",
-    ),
-    **dict.fromkeys(("HostTerms", "format_bytes", "host_terms", "master_dtype_of"), "host"),
-    "host_memory_available": "probe",
-    **dict.fromkeys(("DeviceMemory", "MemoryPlan", "StageMemory"), "report"),
-}
-
-
-def __getattr__(name: str) -> Any:
-    home = _HOME.get(name)
-    if home is None:
-        raise AttributeError(f"module 'roundpipe.memory' has no attribute {name!r}")
-    return getattr(importlib.import_module(f"roundpipe.memory.{home}"), name)
