@@ -6,16 +6,22 @@
 #
 #     bash benchmarks/gpu_session.sh
 #
-# Everything lands under $OUT (or /tmp/gpu_out), eight files at most: summary.txt, smoke.log,
-# peer.jsonl, bench_err.log, profile.log, trace.json.gz, timeline.json, tests.log. Each part has
-# its own timeout and the order puts what matters most first, so a hang costs only its part.
+# Everything lands under $OUT (or /tmp/gpu_out): summary.txt, smoke.log, peer.jsonl,
+# bench_err.log, tests.log, profile.log, trace.json.gz, timeline.json, spill.log. Each part has
+# its own timeout, the order puts what matters most first, and a part that could run past
+# GPU_SESSION_SECONDS (default 480) from the start is skipped, so the call ends inside its limit.
 cd "$(dirname "$0")/.." || exit 1
 out=${OUT:-/tmp/gpu_out}; mkdir -p "$out"
 export PYTHONUNBUFFERED=1 ROUNDPIPE_DEVICES=cuda:0 TOKENIZERS_PARALLELISM=false
 sum="$out/summary.txt"; : > "$sum"
+started=$(date +%s); budget=${GPU_SESSION_SECONDS:-480}
 note() { echo "$*" | tee -a "$sum"; }
+fits() {  # seconds: whether a part of that limit ends inside the budget
+  if (( $(date +%s) - started + $1 > budget )); then note "skipped (budget): ${*:2}"; return 1; fi
+}
 part() {  # seconds log command...
   local s=$1 log=$2; shift 2
+  fits "$s" "$*" || return 0
   local t0=$(date +%s)
   echo "== $*" >> "$out/$log"
   timeout "$s" "$@" >> "$out/$log" 2>&1; local rc=$?
@@ -26,11 +32,12 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 grep -m1 'model name' /proc/cpuinfo | tee -a "$sum"; nproc | tee -a "$sum"
 python3 -c "import torch, sys; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'python', sys.version.split()[0])" | tee -a "$sum"
 python3 -c "import transformers, peft; print('machine transformers', transformers.__version__, 'peft', peft.__version__)" 2>&1 | tail -1 | tee -a "$sum"
-# roundpipe's own path: the checkout, and the wheels in .peer/whl-extra (a transformers inside the
-# supported range); the public RoundPipe gets its own folder, with the transformers 4.57 it
-# runs on (benchmarks/peer_setup.py downloads both).
+# roundpipe's own path: the checkout, with the machine's transformers where it is inside the
+# supported range, else the wheel in .peer/whl-extra; the public RoundPipe gets its own folder,
+# with the transformers 4.57 it runs on (benchmarks/peer_setup.py downloads both).
 ours="$PWD"
-if ls .peer/whl-extra/*.whl >/dev/null 2>&1; then
+if ! python3 -c "import sys, transformers; from packaging.version import Version; sys.exit(Version(transformers.__version__) < Version('4.56.2'))" 2>/dev/null \
+  && ls .peer/whl-extra/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/extra .peer/whl-extra/*.whl \
     && ours="$PWD:/tmp/extra"
 fi
@@ -41,6 +48,7 @@ python3 -c "import transformers; print('roundpipe runs with transformers', trans
 
 bench() {  # model impl pythonpath seconds [flags]
   local model=$1 impl=$2 path=$3 s=$4; shift 4
+  fits "$s" "bench $model $impl $*" || return 0
   local t0=$(date +%s)
   echo "== $model $impl $*" >> "$out/bench_err.log"
   PYTHONPATH=$path timeout "$s" python3 .peer/peer_bench.py --model "$model" --impl "$impl" \
@@ -48,25 +56,25 @@ bench() {  # model impl pythonpath seconds [flags]
   note "bench $model $impl $*: $(( $(date +%s) - t0 )) s"
 }
 
-# 1. Smoke: the self-check and the HF example on cuda:0.
-part 60 smoke.log python3 -m roundpipe
-part 75 smoke.log python3 examples/finetune_hf.py --steps 5
-# 2. Side by side, GPT 12 blocks: plain PyTorch with recompute, the public RoundPipe, roundpipe
-#    at 4 and 8 microbatches.
-bench gpt torch    "$ours"        70 --ckpt --layers 12
-bench gpt upstream /tmp/upstream  75 --layers 12
-bench gpt ours     "$ours"        75 --layers 12
-bench gpt ours     "$ours"        75 --layers 12 --mb 8
-# 3. One iteration under torch.profiler beside the plan's priced timeline (same GPT).
-part 100 profile.log python3 benchmarks/profile_gpu.py --layers 12 --out "$out"
-# 4. Qwen3-1.7B's shape, 8 layers: the public RoundPipe and roundpipe.hf.wrap.
-bench qwen3 upstream /tmp/upstream 75 --layers 8
-bench qwen3 ours     "$ours"       75 --layers 8
-# 5. The CUDA tests, in a process that never installs the emulated device.
-part 120 tests.log python3 -m pytest -q -p no:cacheprovider --noconftest --timeout 100 tests/test_cuda.py
-# 6. What is left: plain PyTorch without recompute, Qwen3 with transformers' checkpointing, bf16.
-bench gpt torch   "$ours" 60 --layers 12
-bench qwen3 torch "$ours" 75 --ckpt --layers 8
-part 75 smoke.log python3 examples/finetune_hf.py --steps 5 --dtype bf16
-part 60 smoke.log python3 examples/digits_classifier.py --steps 50
-note "done; files under $out"
+# 1. Smoke: the self-check and the HF example (wrap's defaults) on cuda:0.
+part 50 smoke.log python3 -m roundpipe
+part 70 smoke.log python3 examples/finetune_hf.py --steps 5
+# 2. Side by side, GPT 12 blocks: the public RoundPipe, roundpipe at 4 and 8 microbatches, plain
+#    PyTorch with recompute.
+bench gpt upstream /tmp/upstream  70 --layers 12
+bench gpt ours     "$ours"        70 --layers 12
+bench gpt ours     "$ours"        70 --layers 12 --mb 8
+bench gpt torch    "$ours"        60 --ckpt --layers 12
+# 3. The CUDA tests, in a process that never installs the emulated device.
+part 100 tests.log python3 -m pytest -q -p no:cacheprovider --noconftest --timeout 90 tests/test_cuda.py
+# 4. Qwen3-1.7B's shape, 8 layers: roundpipe.hf.wrap at its defaults and the public RoundPipe.
+bench qwen3 ours     "$ours"       70 --layers 8
+bench qwen3 upstream /tmp/upstream 70 --layers 8
+# 5. One iteration under torch.profiler beside the plan's priced timeline (same GPT).
+part 80 profile.log python3 benchmarks/profile_gpu.py --layers 12 --out "$out"
+# 6. What is left: Adam's state on this machine's disk, bf16, the digits example.
+part 60 spill.log python3 benchmarks/bench_spill.py --part a --numel 200000000 --rounds 2 --repeat 2
+part 60 smoke.log python3 examples/finetune_hf.py --steps 5 --dtype bf16
+part 60 smoke.log python3 examples/finetune_hf.py --steps 5 --lora 8
+part 45 smoke.log python3 examples/digits_classifier.py --steps 50
+note "done in $(( $(date +%s) - started )) s; files under $out"
