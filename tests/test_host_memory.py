@@ -270,6 +270,42 @@ def test_a_wrap_that_would_not_fit_raises_before_allocating(monkeypatch):
     assert not any(p.is_pinned() for p in model.parameters())
 
 
+def test_a_refused_wrap_names_sharding_and_spilling_with_their_numbers(monkeypatch):
+    model = _big_model()
+    terms = host_terms(model, None, None)
+    masters = terms.masters
+    # Room for everything but half the masters and optimizer state: two machines are enough;
+    # Adam's state on disk leaves weights' masters and gradients only, which fit too.
+    available = terms.new_bytes - (3 * masters) // 2 + 64
+    monkeypatch.setattr(roundpipe.runtime.model, "host_memory_available", lambda: available)
+    with pytest.raises(HostMemoryError) as info:
+        RoundPipe(model, name="big", devices="emu")
+    message = str(info.value)
+    per_machine = terms.new_bytes - 3 * masters + -(-3 * masters // 2)
+    assert (
+        "shard the masters and the optimizer state over 2 or more machines" in message
+        and f"about {format_bytes(per_machine)} to allocate per machine at 2" in message
+        and "state_placement=roundpipe.distributed.ShardedState()" in message
+    ), message
+    spilled = terms.new_bytes - 2 * masters
+    assert (
+        "roundpipe.optim.AdamW(..., state_dir=DIR)" in message
+        and f"about {format_bytes(spilled)} to allocate besides that buffer (which alone fits)"
+        in message
+    ), message
+    # With less room the machine count grows (3 x masters / n <= masters - 64: n = 4), and
+    # the spill alone is not enough.
+    monkeypatch.setattr(
+        roundpipe.runtime.model,
+        "host_memory_available",
+        lambda: terms.new_bytes - 2 * masters - 64,
+    )
+    with pytest.raises(HostMemoryError) as info:
+        RoundPipe(model, devices="emu")
+    assert "over 4 or more machines" in str(info.value)
+    assert "(not enough alone)" in str(info.value)
+
+
 def test_frozen_parameters_cost_no_master_gradient_or_optimizer_state(monkeypatch):
     model = _big_model()
     full = host_terms(model, None, None)

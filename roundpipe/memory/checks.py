@@ -63,6 +63,7 @@ def check_host_memory(terms: HostTerms, what: str, offload_activations: bool = F
         "keep the masters in bf16: RoundPipe(..., optim_dtype=torch.bfloat16) halves the "
         "masters, their gradients and the optimizer state (less precise updates)",
     ]
+    options.extend(_state_options(terms))
     if terms.pinned_overhead > terms.weights // 20:
         options.append(
             "let torch's pinned allocator take large blocks at their size "
@@ -81,6 +82,37 @@ def check_host_memory(terms: HostTerms, what: str, offload_activations: bool = F
     lines.append("Options:")
     lines.extend(f"  - {o}" for o in options)
     raise HostMemoryError("\n".join(lines))
+
+
+def _state_options(terms: HostTerms) -> list[str]:
+    """The placements for state larger than one machine's RAM, as options of a refused wrap,
+    each with what it would leave to allocate (skipping one already chosen)."""
+    assert terms.available is not None
+    options = []
+    if terms.ranks == 1:
+        # Sharded over N machines: each rank holds 1/N of the masters and the optimizer state;
+        # the gradients stay whole until the step reduces them (see HostTerms).
+        sharded = terms.masters + terms.optimizer
+        rest = terms.new_bytes - sharded
+        n = next((n for n in range(2, 1025) if rest + -(-sharded // n) <= terms.available), None)
+        if n is not None:
+            options.append(
+                f"shard the masters and the optimizer state over {n} or more machines "
+                f"(torchrun, one rank per machine; RoundPipe(..., state_placement="
+                f"roundpipe.distributed.ShardedState())): about "
+                f"{format_bytes(rest + -(-sharded // n))} to allocate per machine at {n} (ranks "
+                f"on one machine share its RAM, so it takes machines, not processes)"
+            )
+    if not terms.optimizer_dir and terms.optimizer:
+        left = terms.new_bytes - terms.optimizer
+        fits = "which alone fits" if left <= terms.available else "not enough alone"
+        options.append(
+            f"keep Adam's state in files on a fast disk: roundpipe.optim.AdamW(..., "
+            f"state_dir=DIR) streams it through a bounded buffer, about "
+            f"{format_bytes(left)} to allocate besides that buffer ({fits}); this check "
+            f"counts the state in RAM, so wrap with memory_check=False when you do"
+        )
+    return options
 
 
 class DeviceMemoryError(torch.OutOfMemoryError):
