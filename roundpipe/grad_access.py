@@ -9,7 +9,6 @@ See [Note: guarded master gradients] and [Note: gradients of the wrapped model].
 from __future__ import annotations
 
 import contextlib
-import os
 import sys
 import threading
 import warnings
@@ -22,6 +21,7 @@ from torch import nn
 
 from roundpipe import optim_queue
 from roundpipe.optim_queue import caller_must_wait
+from roundpipe.user_frame import user_stacklevel
 
 __all__ = ["MasterParameter", "WrappedParameter", "guard_wrapped_params"]
 
@@ -61,28 +61,8 @@ def _wait_for_launched_work(what: str) -> None:
         "gradients inside the step function instead, e.g. model.step(lambda: (opt.step(), "
         "opt.zero_grad())); see docs/threads-and-staleness.md",
         UserWarning,
-        stacklevel=_caller_stacklevel(),
+        stacklevel=user_stacklevel(),
     )
-
-
-# Frames in these directories are skipped when a warning names where it happened: the user's
-# line is the one that called torch (opt.zero_grad(), clip_grad_norm_) or roundpipe.
-_LIBRARY_DIRS = tuple(
-    os.path.dirname(os.path.abspath(path)) + os.sep for path in (torch.__file__, __file__)
-)
-
-
-def _caller_stacklevel() -> int:
-    """The ``stacklevel`` (for a ``warnings.warn`` in this module's helpers) that points at the
-    first frame outside torch and roundpipe: the user's code that led to the ``.grad`` access."""
-    frame: Any | None = sys._getframe(1)
-    level = 1
-    while frame is not None and frame.f_code.co_filename.startswith(_LIBRARY_DIRS):
-        if frame.f_back is None:
-            break
-        frame = frame.f_back
-        level += 1
-    return level
 
 
 class MasterParameter(nn.Parameter):
@@ -161,7 +141,7 @@ def _warn_none_grad() -> None:
         "model.parameters(), 1.0), scaler.step(opt), opt.zero_grad())); see README.md, "
         "'Clipping and schedulers'",
         UserWarning,
-        stacklevel=_caller_stacklevel(),
+        stacklevel=user_stacklevel(),
     )
 
 

@@ -11,14 +11,20 @@ this iteration), ``root`` (checkpoints), ``save_every`` (save after every N iter
 forward_backward and step), ``resume`` (load the newest checkpoint of ``root`` first),
 ``hf`` (write the HF directory too), ``dp`` (data parallel), ``keep_last``, ``wait`` (wait
 for every save), ``out`` (the record, JSON: per iteration the loss as float.hex, the final
-masters' and parameters' sha256, the scaler's state, what load returned).
+masters' and parameters' sha256, the scaler's state, what load returned, the warnings made
+while building the optimizer), ``state_dir`` and ``state_buffer_bytes`` (Adam's state in files),
+``announce_write_at`` (print "writing" once, when Adam's writer thread starts a write while the
+main thread is at that iteration).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import sys
+import threading
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -44,6 +50,9 @@ DEFAULTS = {
     "out": None,
     "width": 16,
     "announce_saves": False,
+    "state_dir": None,
+    "state_buffer_bytes": None,
+    "announce_write_at": None,
 }
 BATCH, NUM_MB = 8, 2
 
@@ -114,6 +123,28 @@ def digest(tensors):
     return h.hexdigest()[:16]
 
 
+def announce_writes(at):
+    """Print "writing" once, from Adam's writer thread, as it starts a write while the main
+    thread is at iteration ``at``; returns the cell the main loop keeps its iteration in."""
+    current = [-1]
+    if at is None:
+        return current
+    write, said = os.pwritev, []
+
+    def pwritev(fd, buffers, offset):
+        if (
+            not said
+            and current[0] == at
+            and threading.current_thread().name.startswith("roundpipe-adam-write")
+        ):
+            said.append(True)
+            print("writing", flush=True)
+        return write(fd, buffers, offset)
+
+    os.pwritev = pwritev
+    return current
+
+
 def main():
     cfg = {**DEFAULTS, **json.loads(sys.argv[1])}
     rank = 0
@@ -122,12 +153,19 @@ def main():
         rank = torch.distributed.get_rank()
     model = build_seq(cfg) if cfg["model"] == "seq" else build_lora(cfg)
     dp = rpd.DataParallel(model) if cfg["dp"] else None
-    with OptimizerCtx():
-        opt = roundpipe.optim.Adam(model.parameters(), lr=1e-2)
+    with OptimizerCtx(), warnings.catch_warnings(record=True) as made:
+        warnings.simplefilter("always")
+        opt = roundpipe.optim.Adam(
+            model.parameters(),
+            lr=1e-2,
+            state_dir=cfg["state_dir"],
+            state_buffer_bytes=cfg["state_buffer_bytes"],
+        )
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.7)
     scaler = GradScaler("cpu", init_scale=2.0**12, growth_interval=3)
     gen = torch.Generator().manual_seed(1)
-    record = {"losses": {}, "loaded": None, "saved": []}
+    record = {"losses": {}, "loaded": None, "saved": [], "warnings": [str(w.message) for w in made]}
+    current = announce_writes(cfg["announce_write_at"])
     start = 0
     if cfg["resume"]:
         extra = ckpt.load(cfg["root"], model, opt, scaler=scaler, scheduler=sched, progress=False)
@@ -171,6 +209,7 @@ def main():
             handle.wait()
 
     for it in range(start, cfg["steps"]):
+        current[0] = it
         if not pending:
             b = batch(cfg, gen)
             if dp is not None:

@@ -100,6 +100,51 @@ def test_a_process_killed_at_random_moments_while_saving_resumes_from_its_newest
     assert interrupted_writes >= 1  # the kills did land inside writes
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_process_killed_while_writing_adams_state_to_disk_resumes_from_its_checkpoint(tmp_path):
+    # Adam's state in files (state_dir), streamed through a small buffer so a step is many
+    # writes; the process is SIGKILLed as the writer thread starts one of them. The killed
+    # process leaves its state directory; the resumed run (same state_dir) removes it with a
+    # warning, loads the newest checkpoint and continues bit for bit as the in-RAM run.
+    steps = 6
+    base = {"model": "seq", "width": 1536, "steps": steps}
+    reference = run_worker({**base, "root": str(tmp_path / "unused")}, tmp_path / "full.json")
+    state_dir = tmp_path / "nvme"
+    spill = {"state_dir": str(state_dir), "state_buffer_bytes": 1 << 20}
+    root = tmp_path / "ckpts"
+    cfg = {**base, **spill, "root": str(root), "save_every": 1, "announce_write_at": 3}
+    proc = subprocess.Popen(
+        [sys.executable, str(WORKER), json.dumps(cfg)],
+        cwd=ROOT,
+        env=ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        for line in proc.stdout:
+            if line.startswith("writing"):
+                break
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        _, err = proc.communicate()
+    assert proc.returncode == -signal.SIGKILL, f"the run ended before the kill: {err}"
+    (left,) = list(state_dir.iterdir())  # the killed process's state directory
+    assert left.name.startswith("roundpipe-adam-") and (left / "adam_state.bin").stat().st_size
+    resumed = run_worker({**base, **spill, "root": str(root), "resume": True}, tmp_path / "r.json")
+    assert any(left.name in w and "killed processes" in w for w in resumed["warnings"])
+    start = resumed["loaded"]["iteration"]
+    assert 1 <= start <= 4  # saves are asynchronous: the newest complete one may lag
+    assert resumed["losses"] == {k: v for k, v in reference["losses"].items() if int(k) >= start}
+    assert resumed["masters"] == reference["masters"]
+    assert resumed["params"] == reference["params"]
+    assert list(state_dir.iterdir()) == []  # the resumed run's own directory went at its exit
+
+
 # -- in one process ------------------------------------------------------------------------------
 
 

@@ -5,6 +5,9 @@ streaming pipeline's order and byte counts; I/O failures reported with the direc
 import copy
 import errno
 import os
+import socket
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -281,3 +284,43 @@ def test_state_too_large_for_ram_names_state_dir(monkeypatch):
     monkeypatch.setattr(placement, "host_memory_available", lambda: 1000)
     with pytest.raises(MemoryError, match="state_dir"):
         rp_optim.Adam(_params())
+
+
+def _dead_pid():
+    proc = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    return int(proc.stdout)
+
+
+def test_a_killed_processs_state_directory_is_removed_by_the_next_optimizer(tmp_path):
+    host = socket.gethostname()
+    dead = _dead_pid()
+    orphan = tmp_path / f"roundpipe-adam-{host}-{dead}-abc_123"
+    orphan.mkdir()
+    (orphan / "adam_state.bin").write_bytes(b"\0" * (1 << 20))
+    # Another host's directory (a shared filesystem) and a live process's stay.
+    other_host = tmp_path / f"roundpipe-adam-{host}x-{dead}-def456"
+    live = tmp_path / f"roundpipe-adam-{host}-{os.getpid()}-ghi789"
+    unrelated = tmp_path / "roundpipe-adam-notes"
+    for d in (other_host, live, unrelated):
+        d.mkdir()
+    with pytest.warns(
+        UserWarning, match=r"removed 1 state directory left by killed processes"
+    ) as rec:
+        opt = rp_optim.Adam(_params(), lr=1e-2, state_dir=tmp_path)
+    assert orphan.name in str(rec[0].message) and "1.00 MiB freed" in str(rec[0].message)
+    assert rec[0].filename == __file__  # the warning points at the user's line
+    assert not orphan.exists()
+    assert other_host.exists() and live.exists() and unrelated.exists()
+    # The optimizer's own directory names this host and process, so it is found the same way.
+    (mine,) = [
+        p
+        for p in tmp_path.iterdir()
+        if p.name.startswith(f"roundpipe-adam-{host}-{os.getpid()}-") and p != live
+    ]
+    opt.close()
+    assert not mine.exists()

@@ -10,8 +10,11 @@ from __future__ import annotations
 import dataclasses
 import errno
 import os
+import re
 import shutil
+import socket
 import tempfile
+import warnings
 import weakref
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -22,12 +25,17 @@ from torch import Tensor
 
 from roundpipe.memory.host import format_bytes
 from roundpipe.optim.kernel import fused_only_reason, run_fused_kernel
+from roundpipe.user_frame import user_stacklevel
 
 __all__ = ["StateOnDisk", "SpillError", "DEFAULT_BUFFER_BYTES", "SLOTS"]
 
 # [Note: state on disk]
-# Layout: one file, ``adam_state.bin``, in a fresh directory ``roundpipe-adam-*`` made under
-# ``state_dir`` (removed when the optimizer is closed or collected). The parameters, in
+# Layout: one file, ``adam_state.bin``, in a fresh directory ``roundpipe-adam-HOST-PID-*``
+# made under ``state_dir`` (removed when the optimizer is closed or collected). A process that
+# was killed cannot remove its directory, and its file is as large as Adam's state: the next
+# StateOnDisk under the same ``state_dir`` removes, with a warning, every directory of this
+# host whose process no longer exists (see _remove_orphans). Nothing in such a file is ever
+# read back: a run resumes from a checkpoint, which holds the state itself. The parameters, in
 # ``param_groups`` order, are cut into chunks of at most one buffer slot; a chunk holds pieces
 # (segments) of parameters of one dtype, and is stored as its rows one after the other:
 # ``exp_avg`` of its segments, then ``exp_avg_sq``, then ``max_exp_avg_sq`` with amsgrad. So a
@@ -119,6 +127,45 @@ def _np(t: Tensor) -> memoryview:
     return memoryview(t.view(torch.uint8).numpy())  # type: ignore[arg-type]
 
 
+_DIR_PREFIX = "roundpipe-adam-"
+# mkdtemp's random suffix has no "-", so the PID is the last field before it.
+_DIR_NAME = re.compile(rf"^{re.escape(_DIR_PREFIX)}(?P<host>.+)-(?P<pid>\d+)-[^-]+$")
+
+
+def _process_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process (EPERM): it exists
+        return True
+    return True
+
+
+def _remove_orphans(state_dir: str) -> None:
+    """Remove the state directories under ``state_dir`` that processes of this host left when
+    they were killed (see [Note: state on disk]), with one warning naming them and the bytes
+    freed. A directory of another host (a shared filesystem) is left alone: its process cannot
+    be asked about."""
+    host = socket.gethostname()
+    removed, freed = [], 0
+    for entry in os.scandir(state_dir):
+        match = _DIR_NAME.match(entry.name)
+        if match is None or match["host"] != host or _process_exists(int(match["pid"])):
+            continue
+        for root, _, files in os.walk(entry.path):
+            freed += sum(os.stat(os.path.join(root, f)).st_blocks * 512 for f in files)
+        shutil.rmtree(entry.path, ignore_errors=True)
+        removed.append(entry.name)
+    if removed:
+        warnings.warn(
+            f"Adam(state_dir={state_dir!r}): removed {len(removed)} state director"
+            f"{'y' if len(removed) == 1 else 'ies'} left by killed processes "
+            f"({', '.join(sorted(removed))}; {format_bytes(freed)} freed on the disk)",
+            stacklevel=user_stacklevel(),
+        )
+
+
 def _cleanup(pools: list[ThreadPoolExecutor], fd: list[int], path: str) -> None:
     for pool in pools:
         pool.shutdown(wait=True)
@@ -147,7 +194,10 @@ class StateOnDisk:
         self.state_dir = os.fspath(state_dir)
         try:
             os.makedirs(self.state_dir, exist_ok=True)
-            self.path = tempfile.mkdtemp(prefix="roundpipe-adam-", dir=self.state_dir)
+            _remove_orphans(self.state_dir)
+            self.path = tempfile.mkdtemp(
+                prefix=f"{_DIR_PREFIX}{socket.gethostname()}-{os.getpid()}-", dir=self.state_dir
+            )
             self._fd = [os.open(os.path.join(self.path, _FILE), os.O_RDWR | os.O_CREAT, 0o600)]
         except OSError as exc:
             raise SpillError(
