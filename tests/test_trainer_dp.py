@@ -162,6 +162,32 @@ def test_two_ranks_equal_one_process_at_the_same_global_batch(two_ranks, tmp_pat
 
 
 @pytest.mark.timeout(400)
+def test_fp16_over_two_ranks_skips_the_same_steps_as_one_process(tmp_path):
+    # fp16 with roundpipe's GradScaler joined to the Trainer's DataParallel: the first steps
+    # overflow on some rank, every rank skips them (one decision), and the scale, learning rate
+    # and losses follow the one-process run at the same global batch.
+    records, _ = _torchrun("fp16", tmp_path / "out2", tmp_path / "result2")
+    trainer_dp_worker.run("fp16", str(tmp_path / "out1"), str(tmp_path / "result1"))
+    one = torch.load(f"{tmp_path / 'result1'}-rank0.pt", weights_only=False)
+    scales = _logged(one, "loss_scale")
+    assert scales[-1] < 2.0**28 and len(set(scales)) > 1, scales  # it backed off from 2**28
+    for rank in records:
+        assert _logged(rank, "loss_scale") == scales
+        assert _logged(rank, "learning_rate") == pytest.approx(_logged(one, "learning_rate"))
+        torch.testing.assert_close(
+            torch.tensor(step_losses(rank["log_history"])),
+            torch.tensor(step_losses(one["log_history"])),
+            rtol=1e-3,
+            atol=1e-3,
+        )
+    assert all(r["replicas_identical"] for r in records)
+    for name, value in records[0]["masters"].items():
+        assert torch.equal(records[1]["masters"][name], value), name
+        assert torch.isfinite(value).all()
+        torch.testing.assert_close(value, one["masters"][name], rtol=1e-3, atol=1e-4)
+
+
+@pytest.mark.timeout(400)
 def test_a_two_rank_run_resumes_in_new_processes_as_if_uninterrupted(two_ranks, tmp_path):
     full, _ = two_ranks
     out = tmp_path / "out"

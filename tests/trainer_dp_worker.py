@@ -5,8 +5,9 @@ one-process run at the same global batch (without torchrun's environment).
     python tests/trainer_dp_worker.py MODE OUTPUT_DIR RESULT
 
 MODE: ``full`` (12 steps), ``stop`` (a checkpoint at step 7, then stop), ``resume`` (from the
-newest checkpoint in OUTPUT_DIR): a global batch of 8 samples, 2 ranks x 2 samples x 2
-accumulated batches or 1 process x 2 samples x 4 batches; or ``sft`` (roundpipe.hf.SFTTrainer
+newest checkpoint in OUTPUT_DIR), ``fp16`` (``full`` in fp16, with a first loss scale so large
+that the first steps overflow and are skipped): a global batch of 8 samples, 2 ranks x 2
+samples x 2 accumulated batches or 1 process x 2 samples x 4 batches; or ``sft`` (roundpipe.hf.SFTTrainer
 on sentences, 6 steps of 2 accumulated batches of 8 / 2 / world samples). Each rank writes
 ``RESULT-rank{R}.pt``: its log history, masters, evaluation loss and what it saw of the run.
 """
@@ -94,8 +95,17 @@ def run(mode, output_dir, result):
             f"{result}-rank{trainer.args.process_index}.pt",
         )
         return
+    fp16 = {}
+    if mode == "fp16":
+        import functools
+
+        from roundpipe.hf import trainer as rp_trainer
+
+        rp_trainer.GradScaler = functools.partial(roundpipe.GradScaler, init_scale=2.0**28)
+        fp16 = {"fp16": True}
     args = training_args(
         output_dir,
+        **fp16,
         per_device_train_batch_size=PER_DEVICE,
         gradient_accumulation_steps=ga,
         max_steps=STEPS,
