@@ -492,3 +492,22 @@ def test_live_bytes_counts_each_storage_once_and_forgets_without_recounting():
     assert (live.live, live.peak) == (0, 0) and 2 in live and not live.add(2, 50)
     assert live.add(3, 10) and live.remove(2) == 0  # a forgotten storage's death changes nothing
     assert (live.live, live.peak) == (10, 10)
+
+
+def test_a_model_on_the_meta_device_plans_but_refuses_to_run_by_name():
+    with torch.device("meta"):
+        seq = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 4)).half()
+    model = RoundPipe(seq, name="shapes", devices="emu", memory_check=False)
+    x = torch.randn(4, 8)
+    plan = model.memory_plan(input_args=(x,), label=torch.zeros(4, dtype=torch.long))
+    assert plan.devices and plan.devices[0].peak > 0  # the plan works on shapes
+    for run in (
+        lambda: model.forward_backward(input_args=(x,), loss_fn=lambda out, _: out.float().sum()),
+        lambda: model(x),
+    ):
+        with pytest.raises(
+            RuntimeError,
+            match=r"shapes.*'0\.weight' is on the meta device.*"
+            r"can be planned \(memory_plan\(\), plan\(\)\) but not run",
+        ):
+            run()

@@ -266,6 +266,18 @@ def device_grad_dtype(pool: DevicePool, cfg: ResolvedRunConfig) -> torch.dtype |
     return None
 
 
+def _refuse_meta(tag: str, stage: Stage) -> None:
+    """A model built on the meta device has shapes only: it can be planned, not run."""
+    meta = next((rec.name for rec in stage.params if rec.param.is_meta), None)
+    if meta is not None:
+        raise RuntimeError(
+            f"{tag}: parameter {meta!r} is on the meta device (shapes only, no values): a model "
+            f"built on the meta device can be planned (memory_plan(), plan()) but not run. "
+            f"Build it with real weights (from_pretrained, or to_empty(device='cpu') and "
+            f"load_state_dict) and wrap that one"
+        )
+
+
 def prepare_call(
     model: ModelParts,
     cfg: ResolvedRunConfig,
@@ -284,6 +296,7 @@ def prepare_call(
     labels = split_label(label, M, sizes, cfg.split_label) if training else [None] * M
     stage_params: list[list[ParamRecord]] = []
     for stage in stages:
+        _refuse_meta(model.tag, stage)
         trainable = [rec for rec in stage.params if rec.param.requires_grad]
         if training or grad_enabled:
             for rec in trainable:
