@@ -94,8 +94,13 @@ class TrainingMonitor:
     numbers and may wait for the device that holds them.
 
     Create the monitor right before the loop (after loading a checkpoint, if any): it counts the
-    scaler's updates from there on. ``first_iteration`` numbers the first recorded iteration
-    (e.g. the iteration a resumed run starts at).
+    scaler's updates from there on.
+
+    Args:
+        scaler: the :class:`roundpipe.GradScaler` of the loop, whose scale in use and skipped
+            steps are recorded with each loss (None: losses only).
+        first_iteration: the number of the first recorded iteration (e.g. the iteration a
+            resumed run starts at); the history and the plot count from it.
     """
 
     def __init__(self, scaler=None, *, first_iteration: int = 0) -> None:
@@ -114,11 +119,16 @@ class TrainingMonitor:
         """Record one iteration. Main thread; never waits for the optimizer thread, never syncs
         on the loss (see the class docstring for the scaler's snapshot).
 
-        ``loss`` is a scalar tensor (detached here; ``forward_backward``'s return value as is) or
-        a float. ``scaled=True`` says the loss was multiplied by the scaler's scale (as in
-        ``loss_fn=lambda o, y: scaler.scale(...)``): the monitor stores it as is and divides it
-        by the scale in use when it converts it, so the history shows the unscaled loss. Call it
-        before ``scaler.update()``, so the scale in use is the one this iteration's loss used.
+        Call it before ``scaler.update()``, so the scale in use is the one this iteration's
+        loss used.
+
+        Args:
+            loss: a scalar tensor (detached here; ``forward_backward``'s return value as is) or
+                a float.
+            scaled: the loss was multiplied by the scaler's scale (as in ``loss_fn=lambda o, y:
+                scaler.scale(...)``): the monitor stores it as is and divides it by the scale in
+                use when it converts it, so the history shows the unscaled loss. Needs the
+                monitor to know the scaler (``ValueError`` otherwise).
         """
         scale: float | None = None
         steps = skipped = 0
@@ -193,6 +203,10 @@ class TrainingMonitor:
 
         Needs matplotlib (``python -m pip install matplotlib``, or the ``plot`` extra of the
         checkout: ``python -m pip install -e ".[plot]"``); without it raises ImportError.
+
+        Args:
+            path: the PNG file to write.
+            title: the figure's title (None: none).
         """
         try:
             from matplotlib.backends.backend_agg import FigureCanvasAgg
