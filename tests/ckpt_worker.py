@@ -9,15 +9,20 @@ roundpipe.hf.wrap, same optimizer, scheduler and scaler), ``devices``, ``steps``
 this iteration), ``root`` (checkpoints), ``save_every`` (save after every N iterations),
 ``save_at`` (also: iteration -> where: "end" after scaler.update, "after_fb" between
 forward_backward and step), ``resume`` (load the newest checkpoint of ``root`` first),
-``hf`` (write the HF directory too), ``dp`` (data parallel), ``keep_last``, ``wait`` (wait
-for every save), ``out`` (the record, JSON: per iteration the loss as float.hex, the final
-masters' and parameters' sha256, the scaler's state, what load returned).
+``hf`` (write the HF directory too), ``dp`` (data parallel), ``shard`` (with ShardedState),
+``timeout`` (the process group's, seconds), ``kill_in_broadcast`` ({"rank": r, "at": c}: rank
+r kills itself with SIGKILL in the weight broadcast, before the c-th layer's), ``keep_last``, ``wait`` (wait for every save), ``out`` (the record,
+JSON: per iteration the loss as float.hex, the final masters' and parameters' sha256, the
+scaler's state, what load returned, and this rank's masters and optimizer state by parameter
+name, as sha256, right after the load and at the end).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
+import signal
 import sys
 
 import torch
@@ -28,6 +33,7 @@ import roundpipe
 import roundpipe.checkpoint as ckpt
 from roundpipe import GradScaler, OptimizerCtx, RoundPipe, RoundPipeRunConfig
 from roundpipe import distributed as rpd
+from roundpipe.checkpoint import named
 
 DEFAULTS = {
     "model": "seq",
@@ -44,6 +50,9 @@ DEFAULTS = {
     "out": None,
     "width": 16,
     "announce_saves": False,
+    "shard": False,
+    "timeout": 60,
+    "kill_in_broadcast": None,
 }
 BATCH, NUM_MB = 8, 2
 
@@ -59,7 +68,39 @@ def build_seq(cfg):
         optim_dtype=torch.float32,
         devices=cfg["devices"],
         model_run_config=RoundPipeRunConfig(num_microbatch=NUM_MB),
+        state_placement=rpd.ShardedState() if cfg["shard"] else None,
     )
+
+
+def by_name(model, opt):
+    """This rank's masters and optimizer state, by parameter name, as sha256 digests."""
+    masters = dict(model.optim_named_parameters())
+    state = named.by_name(opt.state_dict(), named.param_names(opt, masters))["state"]
+    out = {f"master/{n}": digest([("", m)]) for n, m in masters.items()}
+    for name, values in state.items():
+        for key, value in values.items():
+            out[f"optimizer/{name}/{key}"] = digest([("", torch.as_tensor(value))])
+    return out
+
+
+def kill_in_broadcast(rank, at):
+    """Rank ``rank`` kills itself (SIGKILL) in the weight broadcast of the master->model copy:
+    before the ``at``-th layer's broadcast (counted from 1 over the run, layers with
+    parameters only), the earlier layers' done."""
+    if torch.distributed.get_rank() != rank:
+        return
+    calls = [0]
+    copy_layer = rpd.ShardedState.copy_layer
+
+    def killing_copy_layer(self, pairs):
+        if pairs:
+            calls[0] += 1
+            if calls[0] == at:
+                print(f"rank {rank}: killed in weight broadcast {at}", flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)
+        return copy_layer(self, pairs)
+
+    rpd.ShardedState.copy_layer = killing_copy_layer  # type: ignore[method-assign]
 
 
 def tiny_llama_config(*, tie_word_embeddings):
@@ -110,7 +151,7 @@ def digest(tensors):
     h = hashlib.sha256()
     for name, t in sorted(tensors):
         h.update(name.encode())
-        h.update(t.detach().contiguous().view(torch.uint8).numpy().tobytes())
+        h.update(t.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()[:16]
 
 
@@ -118,8 +159,10 @@ def main():
     cfg = {**DEFAULTS, **json.loads(sys.argv[1])}
     rank = 0
     if cfg["dp"]:
-        rpd.init_process_group("gloo", timeout=60)
+        rpd.init_process_group("gloo", timeout=cfg["timeout"])
         rank = torch.distributed.get_rank()
+        if cfg["kill_in_broadcast"]:
+            kill_in_broadcast(**cfg["kill_in_broadcast"])
     model = build_seq(cfg) if cfg["model"] == "seq" else build_lora(cfg)
     dp = rpd.DataParallel(model) if cfg["dp"] else None
     with OptimizerCtx():
@@ -133,6 +176,7 @@ def main():
         extra = ckpt.load(cfg["root"], model, opt, scaler=scaler, scheduler=sched, progress=False)
         record["loaded"] = {k: v for k, v in extra.items() if k != "data"}
         gen.set_state(extra["data"])
+        record["at_load"] = by_name(model, opt)
         start = extra["iteration"]
         pending = extra.get("pending_step", False)
     else:
@@ -195,6 +239,7 @@ def main():
     record["params"] = digest((n, p) for n, p in model.state_access().module.named_parameters())
     record["scaler"] = scaler.state_dict()
     record["lr"] = sched.get_last_lr()
+    record["at_end"] = by_name(model, opt)
     if dp is not None:
         record["replicas_identical"] = dp.replicas_identical()
         dp.close()
