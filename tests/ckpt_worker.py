@@ -11,7 +11,8 @@ this iteration), ``root`` (checkpoints), ``save_every`` (save after every N iter
 forward_backward and step), ``resume`` (load the newest checkpoint of ``root`` first),
 ``hf`` (write the HF directory too), ``dp`` (data parallel), ``shard`` (with ShardedState),
 ``timeout`` (the process group's, seconds), ``kill_in_broadcast`` ({"rank": r, "at": c}: rank
-r kills itself with SIGKILL in the weight broadcast, before the c-th layer's), ``keep_last``, ``wait`` (wait for every save), ``out`` (the record,
+r kills itself with SIGKILL in the weight broadcast, before the c-th layer's), ``keep_last``,
+``wait`` (wait for every save), ``out`` (the record,
 JSON: per iteration the loss as float.hex, the final masters' and parameters' sha256, the
 scaler's state, what load returned, and this rank's masters and optimizer state by parameter
 name, as sha256, right after the load and at the end).

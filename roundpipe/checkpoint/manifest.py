@@ -167,7 +167,7 @@ def verify_files(ckpt: Checkpoint, on_bytes: Callable[[int], None] | None = None
     for name, info in files.items():
         file = ckpt.path / name
         if not file.exists():
-            problems.append(f"{name} is missing")
+            problems.append(f"{name} is missing" + _whose(name, ckpt.manifest))
             continue
         size = file.stat().st_size
         if size != info["bytes"]:
@@ -197,6 +197,20 @@ def verify_files(ckpt: Checkpoint, on_bytes: Callable[[int], None] | None = None
         if entry is None:
             raise CheckpointFormatError(f"{ckpt.path / name} lacks tensor {key!r}")
         ckpt.tensors[key] = (ckpt.path / name, entry, start)
+
+
+def _whose(name: str, manifest: dict[str, Any]) -> str:
+    """Which rank wrote a file of a sharded checkpoint (see [Note: sharded checkpoints] in
+    roundpipe.checkpoint.state), and how to get it back."""
+    _, mark, rest = name.partition("-rank")
+    if not manifest.get("sharded") or not mark or not rest[:5].isdigit():
+        return ""
+    rank = int(rest[:5])
+    return (
+        f" (rank {rank} of the {manifest.get('world_size')} that saved it wrote it, with its "
+        f"share of the masters and optimizer state: copy it from where rank {rank} wrote the "
+        f"checkpoint, if that was another machine's disk, or load an earlier checkpoint)"
+    )
 
 
 def list_checkpoints(root: Path) -> list[Checkpoint]:
