@@ -478,11 +478,12 @@ def all_gather_bytes(payload: bytes, what: str) -> list[bytes]:
 # [Note: messages to rank 0]
 # A sharded checkpoint is written by every rank's writer thread, and rank 0 may write its
 # manifest only after every rank's files are complete. The writer threads cannot use
-# collectives (only the optimizer thread issues them, in launch order: see [Note: data-parallel
-# step]), so each rank posts a message under a key of its own to the process group's key-value
-# store (torch.distributed's rendezvous store, which every rank already reaches) and rank 0
-# blocks in the store's own wait for the keys, bounded by the process group's timeout: no
-# polling, and a rank that died makes rank 0's wait fail after that timeout instead of hanging.
+# collectives (only the optimizer thread issues them, in launch order: see
+# [Note: data-parallel step]), so each rank posts a message under a key of its own to the
+# process group's key-value store (torch.distributed's rendezvous store, which every rank
+# already reaches) and rank 0 blocks in the store's own wait for the keys, bounded by the
+# process group's timeout: no polling, and a rank that died makes rank 0's wait fail after
+# that timeout instead of hanging.
 
 
 def _store() -> Any:
