@@ -27,16 +27,31 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import ckpt_worker  # noqa: E402
 from test_checkpoint_resume import ROOT, WORKER, _free_port, run, run_ranks  # noqa: E402
 
-pytestmark = [
-    pytest.mark.slow,  # every test here runs processes (see the slow marker in pyproject.toml)
-    pytest.mark.skipif(
-        not dist.is_available() or not dist.is_gloo_available(),
-        reason="torch.distributed with gloo is needed",
-    ),
-]
+pytestmark = pytest.mark.skipif(
+    not dist.is_available() or not dist.is_gloo_available(),
+    reason="torch.distributed with gloo is needed",
+)
+# Every test but the first runs processes: marked slow (see the marker in pyproject.toml).
+
+from roundpipe import distributed as rpd  # noqa: E402
 
 N, K = 6, 3  # the uninterrupted run's iterations; the save's
 SEQ = {"model": "seq", "devices": "cpu", "shard": True}
+
+
+def test_rank_0_collects_what_ranks_post_and_names_what_did_not_come(group_of_one):
+    model = RoundPipe(nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 2)))
+    dp = rpd.DataParallel(model)
+    try:
+        rpd.post_to_rank0("a", b"one")
+        rpd.post_to_rank0("b", b"two")
+        assert rpd.collect_on_rank0(["a", "b"], "test") == [b"one", b"two"]
+        started = time.monotonic()
+        with pytest.raises(rpd.DataParallelError, match="nothing came for c within .* 10 s"):
+            rpd.collect_on_rank0(["c"], "test")  # the group's timeout bounds the wait
+        assert time.monotonic() - started >= 9
+    finally:
+        dp.close()
 
 
 def merged(records, key):
@@ -62,10 +77,12 @@ def saved(tmp_path_factory):
     return path, records
 
 
+@pytest.mark.slow
 def test_each_rank_writes_its_share_and_the_manifest_indexes_it(saved):
     path, records = saved
     manifest = json.loads((path / "manifest.json").read_text())
     assert manifest["world_size"] == 2 and manifest["sharded"] is True
+    assert manifest["format_version"] == 2  # an older roundpipe refuses it, by its version
     names = sorted(p.name for p in path.iterdir())
     assert "masters-rank00000-00001-of-00001.safetensors" in names
     assert "optimizer-rank00001-00001-of-00001.safetensors" in names
@@ -82,6 +99,7 @@ def test_each_rank_writes_its_share_and_the_manifest_indexes_it(saved):
     assert len(merged(records, "at_end")) == 6 * 4  # 6 masters, each with 3 Adam tensors
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_two_sharded_ranks_resume_bit_for_bit(saved, tmp_path):
     path, first = saved
@@ -105,6 +123,7 @@ def assert_continues(records):
         assert rec["at_end"] != {k: rec["at_load"][k] for k in rec["at_end"]}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_two_sharded_ranks_load_on_one_process_in_ram(saved, tmp_path):
     path, first = saved
@@ -114,6 +133,7 @@ def test_two_sharded_ranks_load_on_one_process_in_ram(saved, tmp_path):
     assert_continues([one])
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_two_sharded_ranks_load_on_four(saved, tmp_path):
     path, first = saved
@@ -126,6 +146,7 @@ def test_two_sharded_ranks_load_on_four(saved, tmp_path):
     assert_continues(four)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_one_process_in_ram_loads_on_two_sharded_ranks(tmp_path):
     root = tmp_path / "ckpts"
@@ -149,6 +170,7 @@ def _sched(opt):
     return torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.7)
 
 
+@pytest.mark.slow
 def test_a_missing_rank_file_or_other_names_are_refused_by_name(saved, tmp_path):
     path, _ = saved
     model = ckpt_worker.build_seq({**ckpt_worker.DEFAULTS, "shard": False})
@@ -180,6 +202,7 @@ def test_a_missing_rank_file_or_other_names_are_refused_by_name(saved, tmp_path)
         assert torch.equal(m, before[n]), n  # nothing changed
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_rank_killed_in_the_weight_broadcast_stops_the_other_in_bounded_time(tmp_path):
     """Rank 1 is killed (SIGKILL) in the weight broadcast of the master->model copy of

@@ -36,6 +36,7 @@ __all__ = [
     "MANIFEST",
     "FORMAT",
     "FORMAT_VERSION",
+    "UNSHARDED_FORMAT_VERSION",
     "Checkpoint",
     "write_manifest",
     "read_manifest",
@@ -48,8 +49,12 @@ __all__ = [
 
 MANIFEST = "manifest.json"
 FORMAT = "roundpipe checkpoint"
-# Raised when a change to the files means an older roundpipe could not read them.
-FORMAT_VERSION = 1
+# Raised when a change to the files means an older roundpipe could not read them. 2: sharded
+# checkpoints (each rank's masters and optimizer state by name, see [Note: sharded checkpoints]
+# in roundpipe.checkpoint.state), which an older roundpipe would misread; every other
+# checkpoint is still written as 1, which older versions read.
+FORMAT_VERSION = 2
+UNSHARDED_FORMAT_VERSION = 1
 
 
 def roundpipe_version() -> str:
@@ -59,10 +64,11 @@ def roundpipe_version() -> str:
 
 
 def write_manifest(directory: Path, manifest: dict[str, Any]) -> None:
-    """Write ``manifest.json`` into ``directory`` (the last file of a checkpoint), fsynced."""
+    """Write ``manifest.json`` into ``directory`` (the last file of a checkpoint), fsynced;
+    ``manifest`` may set ``format_version`` (default :data:`UNSHARDED_FORMAT_VERSION`)."""
     manifest = {
         "format": FORMAT,
-        "format_version": FORMAT_VERSION,
+        "format_version": UNSHARDED_FORMAT_VERSION,
         "roundpipe_version": roundpipe_version(),
         "torch_version": torch.__version__,
         "python_version": platform.python_version(),

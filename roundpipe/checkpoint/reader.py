@@ -85,6 +85,13 @@ def load(
     they were. The resumed run continues bit for bit as the saved one would have (same device
     pool and world size).
 
+    A checkpoint taken with sharded state (:class:`roundpipe.distributed.ShardedState`) on N
+    ranks loads on M sharded ranks or on one process with every master, and a checkpoint with
+    every master loads on M sharded ranks: each process reads the masters and optimizer state
+    (matched by parameter name) of the parameters it holds, from whichever files hold them (see
+    [Note: sharded checkpoints] in :mod:`roundpipe.checkpoint.state`). A sharded model loads
+    on every rank, after its :class:`roundpipe.distributed.DataParallel` is attached.
+
     ``progress``: a progress bar (tqdm, if installed) for a checkpoint of 64 MiB or more, or a
     callable given ``(bytes done, bytes total)``. Main thread; waits for the optimizer thread
     (and a checkpoint still being written) first, and re-raises a failure of the model's

@@ -30,7 +30,12 @@ import torch
 from roundpipe import distributed, optim_queue
 from roundpipe.checkpoint import hf_export, named
 from roundpipe.checkpoint.files import ShardWriter, file_crc32, remove_dir, sync_dir
-from roundpipe.checkpoint.manifest import fsync_tree, list_checkpoints, write_manifest
+from roundpipe.checkpoint.manifest import (
+    FORMAT_VERSION,
+    fsync_tree,
+    list_checkpoints,
+    write_manifest,
+)
 from roundpipe.checkpoint.progress import listener as progress_listener
 from roundpipe.checkpoint.state import GROUPS, TOUCHES, Capture, Completed, take_on_main_thread
 from roundpipe.main_thread import check_main_thread
@@ -58,8 +63,9 @@ class PendingCheckpoint:
 
     Written by the writer thread (the byte counts, the future) and by the optimizer thread
     (``bytes_total``, the hand-over); read by any thread. On a data-parallel rank other than 0,
-    which writes nothing, it is done when the rank's state has been sent to rank 0. Made by
-    :func:`save`, never by hand.
+    which writes nothing, it is done when the rank's state has been sent to rank 0; with
+    sharded state, when the rank's own files are written and posted to rank 0 (rank 0's is
+    done when the checkpoint is complete). Made by :func:`save`, never by hand.
     """
 
     def __init__(self, path: Path, sequence: int, owners: tuple) -> None:
@@ -199,7 +205,11 @@ def save(
 
     Under data parallelism (an open :class:`roundpipe.distributed.DataParallel`) every rank
     calls it at the same point; rank 0 writes the replicated state and every rank's RNG state
-    and ``extra`` (``root`` must be a directory rank 0 writes and every rank reads).
+    and ``extra`` (``root`` must be a directory rank 0 writes and every rank reads). With
+    sharded state (:class:`roundpipe.distributed.ShardedState`) each rank also writes the
+    masters and optimizer state it holds, in files of its own (``root`` must be a directory
+    every rank writes), and rank 0 the manifest once every rank's files are complete (see
+    [Note: sharded checkpoints] in :mod:`roundpipe.checkpoint.state`).
 
     Main thread; blocks only to take the small main-thread state (the buffers are copied, the
     rest is not). Raises at once for misuse (``TypeError``/``ValueError`` for what a checkpoint
@@ -407,6 +417,7 @@ class _Job:
                     "world_size": len(ranks),
                     "ranks": ranks,
                     "sharded": rank is not None,
+                    **({"format_version": FORMAT_VERSION} if rank is not None else {}),
                     "model": capture.description,
                     "state": completed.tree,
                     "files": files,
