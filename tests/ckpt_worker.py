@@ -11,7 +11,9 @@ this iteration), ``root`` (checkpoints), ``save_every`` (save after every N iter
 forward_backward and step), ``resume`` (load the newest checkpoint of ``root`` first),
 ``hf`` (write the HF directory too), ``dp`` (data parallel), ``shard`` (with ShardedState),
 ``timeout`` (the process group's, seconds), ``kill_in_broadcast`` ({"rank": r, "at": c}: rank
-r kills itself with SIGKILL in the weight broadcast, before the c-th layer's), ``keep_last``,
+r kills itself with SIGKILL in the weight broadcast, before the c-th layer's),
+``kill_in_write`` ({"rank": r, "save": c}: rank r kills itself on its checkpoint writer thread
+as it starts writing its share of its c-th save, counted from 1), ``keep_last``,
 ``wait`` (wait for every save), ``out`` (the record,
 JSON: per iteration the loss as float.hex, the final masters' and parameters' sha256, the
 scaler's state, what load returned, and this rank's masters and optimizer state by parameter
@@ -54,6 +56,7 @@ DEFAULTS = {
     "shard": False,
     "timeout": 60,
     "kill_in_broadcast": None,
+    "kill_in_write": None,
 }
 BATCH, NUM_MB = 8, 2
 
@@ -102,6 +105,26 @@ def kill_in_broadcast(rank, at):
         return copy_layer(self, pairs)
 
     rpd.ShardedState.copy_layer = killing_copy_layer  # type: ignore[method-assign]
+
+
+def kill_in_write(rank, save):
+    """Rank ``rank`` kills itself (SIGKILL) on its checkpoint writer thread as it starts
+    writing its share of its ``save``-th checkpoint."""
+    if torch.distributed.get_rank() != rank:
+        return
+    from roundpipe.checkpoint import writer
+
+    calls = [0]
+    write_share = writer._Job._write_share
+
+    def killing_write_share(self, *args):
+        calls[0] += 1
+        if calls[0] == save:
+            print(f"rank {rank}: killed writing its share of save {save}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return write_share(self, *args)
+
+    writer._Job._write_share = killing_write_share  # type: ignore[method-assign]
 
 
 def tiny_llama_config(*, tie_word_embeddings):
@@ -164,6 +187,8 @@ def main():
         rank = torch.distributed.get_rank()
         if cfg["kill_in_broadcast"]:
             kill_in_broadcast(**cfg["kill_in_broadcast"])
+        if cfg["kill_in_write"]:
+            kill_in_write(**cfg["kill_in_write"])
     model = build_seq(cfg) if cfg["model"] == "seq" else build_lora(cfg)
     dp = rpd.DataParallel(model) if cfg["dp"] else None
     with OptimizerCtx():

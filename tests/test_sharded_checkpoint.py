@@ -22,6 +22,7 @@ from torch import nn
 import roundpipe
 import roundpipe.checkpoint as ckpt
 from roundpipe import OptimizerCtx, RoundPipe
+from roundpipe import distributed as rpd
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import ckpt_worker  # noqa: E402
@@ -32,8 +33,6 @@ pytestmark = pytest.mark.skipif(
     reason="torch.distributed with gloo is needed",
 )
 # Every test but the first runs processes: marked slow (see the marker in pyproject.toml).
-
-from roundpipe import distributed as rpd  # noqa: E402
 
 N, K = 6, 3  # the uninterrupted run's iterations; the save's
 SEQ = {"model": "seq", "devices": "cpu", "shard": True}
@@ -160,6 +159,35 @@ def test_one_process_in_ram_loads_on_two_sharded_ranks(tmp_path):
     assert_continues(two)
 
 
+def start_ranks(cfg, world):
+    """``world`` ranks of the worker with torchrun's variables (their output piped)."""
+    port = _free_port()
+    procs = []
+    for rank in range(world):
+        env = {
+            **os.environ,
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world),
+            "LOCAL_RANK": str(rank),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "GLOO_SOCKET_IFNAME": "lo",
+            "OMP_NUM_THREADS": "1",
+            "PYTHONPATH": str(ROOT),
+        }
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(WORKER), json.dumps({**cfg, "dp": True})],
+                cwd=ROOT,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
+    return procs
+
+
 def _load_problem(path, model, opt):
     with pytest.raises(ckpt.CheckpointFormatError) as info:
         ckpt.load(path, model, opt, scaler=roundpipe.GradScaler(), scheduler=_sched(opt))
@@ -210,7 +238,6 @@ def test_a_rank_killed_in_the_weight_broadcast_stops_the_other_in_bounded_time(t
     DataParallelError within the process group's timeout (10 s); the last checkpoint loads."""
     root = tmp_path / "ckpts"
     timeout_s = 10
-    port = _free_port()
     cfg = {
         **SEQ,
         "dp": True,
@@ -223,29 +250,7 @@ def test_a_rank_killed_in_the_weight_broadcast_stops_the_other_in_bounded_time(t
         "kill_in_broadcast": {"rank": 1, "at": 3 * 3 + 2},
         "out": str(tmp_path / "killed.json"),
     }
-    procs = []
-    for rank in range(2):
-        env = {
-            **os.environ,
-            "RANK": str(rank),
-            "WORLD_SIZE": "2",
-            "LOCAL_RANK": str(rank),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "GLOO_SOCKET_IFNAME": "lo",
-            "OMP_NUM_THREADS": "1",
-            "PYTHONPATH": str(ROOT),
-        }
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, str(WORKER), json.dumps(cfg)],
-                cwd=ROOT,
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-        )
+    procs = start_ranks(cfg, 2)
     try:
         out1, _ = procs[1].communicate(timeout=120)
         killed_at = time.monotonic()
@@ -269,3 +274,45 @@ def test_a_rank_killed_in_the_weight_broadcast_stops_the_other_in_bounded_time(t
     for rec in resumed:
         assert rec["loaded"]["iteration"] == 3
         assert sorted(map(int, rec["losses"])) == list(range(3, N))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_rank_killed_writing_its_share_leaves_no_manifest_and_rank_0_says_whose(tmp_path):
+    """Rank 1 is killed (SIGKILL) on its writer thread as it starts its share of the third
+    checkpoint. Rank 0's wait for that save fails after the process group's timeout (10 s),
+    naming rank 1's files; the checkpoint has no manifest, and the second loads."""
+    root = tmp_path / "ckpts"
+    cfg = {
+        **SEQ,
+        "steps": N,
+        "root": str(root),
+        "save_every": 1,
+        "wait": True,
+        "timeout": 10,
+        "kill_in_write": {"rank": 1, "save": 3},
+        "out": str(tmp_path / "killed.json"),
+    }
+    procs = start_ranks(cfg, 2)
+    try:
+        out1, _ = procs[1].communicate(timeout=120)
+        killed_at = time.monotonic()
+        assert procs[1].returncode == -9 and "killed writing its share of save 3" in out1
+        _, err0 = procs[0].communicate(timeout=60)
+        stopped_after = time.monotonic() - killed_at
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    assert procs[0].returncode not in (0, None)
+    assert "DataParallelError" in err0 and "nothing came for" in err0 and "rank1" in err0, err0
+    print(f"rank 0's save failed {stopped_after:.1f} s after rank 1 was killed")
+    assert sorted(p.name for p in root.iterdir()) == ["ckpt-000001", "ckpt-000002"]
+    model = ckpt_worker.build_seq({**ckpt_worker.DEFAULTS, "shard": False})
+    with OptimizerCtx():
+        opt = roundpipe.optim.Adam(model.parameters(), lr=1e-2)
+    extra = ckpt.load(
+        root, model, opt, scaler=roundpipe.GradScaler(), scheduler=_sched(opt), progress=False
+    )
+    assert extra["iteration"] == 2
