@@ -52,6 +52,9 @@ __all__ = [
     "Bucket",
     "data_parallel_rank",
     "gather_bytes",
+    "all_gather_bytes",
+    "post_to_rank0",
+    "collect_on_rank0",
     "init_process_group",
     "plan_buckets",
     "shard",
@@ -439,11 +442,19 @@ def gather_bytes(payload: bytes, what: str) -> list[bytes] | None:
     ``[payload]`` without data parallelism. A collective: every rank calls it at the same
     point of its launched work (a checkpoint's work item), on the optimizer thread. Raises
     :class:`DataParallelError` naming ``what`` if it fails."""
+    parts = all_gather_bytes(payload, what)
+    group = _ACTIVE
+    return parts if group is None or group.rank == 0 else None
+
+
+def all_gather_bytes(payload: bytes, what: str) -> list[bytes]:
+    """Every rank's ``payload`` on every rank (in rank order); ``[payload]`` without data
+    parallelism. A collective, as :func:`gather_bytes`."""
     group = _ACTIVE
     if group is None:
         return [payload]
     if not optim_queue.on_optimizer_thread():
-        raise RuntimeError("gather_bytes() runs on the optimizer thread (in launched work)")
+        raise RuntimeError("all_gather_bytes() runs on the optimizer thread (in launched work)")
     group.check_usable(what)
     try:
         with group.device_scope():
@@ -461,9 +472,57 @@ def gather_bytes(payload: bytes, what: str) -> list[bytes] | None:
             group.wait(dist.all_gather(parts, data, group=group.pg, async_op=True))
     except Exception as exc:
         raise group.failed(what, exc) from exc
-    if group.rank != 0:
-        return None
     return [bytes(p[: int(n.item())].cpu().numpy()) for p, n in zip(parts, sizes)]
+
+
+# [Note: messages to rank 0]
+# A sharded checkpoint is written by every rank's writer thread, and rank 0 may write its
+# manifest only after every rank's files are complete. The writer threads cannot use
+# collectives (only the optimizer thread issues them, in launch order: see
+# [Note: data-parallel step]), so each rank posts a message under a key of its own to the
+# process group's key-value store (torch.distributed's rendezvous store, which every rank
+# already reaches) and rank 0 blocks in the store's own wait for the keys, bounded by the
+# process group's timeout: no polling, and a rank that died makes rank 0's wait fail after
+# that timeout instead of hanging.
+
+
+def _store() -> Any:
+    group = _ACTIVE
+    if group is None:
+        raise RuntimeError("no data-parallel group: messages to rank 0 need a DataParallel")
+    ranks = "-".join(str(_global_rank(group, r)) for r in range(group.world))
+    return group, dist.PrefixStore(
+        f"roundpipe/{ranks}/", dist.distributed_c10d._get_default_store()
+    )
+
+
+def post_to_rank0(key: str, payload: bytes) -> None:
+    """Post ``payload`` under ``key`` (unique to this rank and this use) for rank 0's
+    :func:`collect_on_rank0` (see [Note: messages to rank 0]). Any thread; never waits for
+    another rank."""
+    _, store = _store()
+    store.set(key, payload)
+
+
+def collect_on_rank0(keys: Sequence[str], what: str) -> list[bytes]:
+    """Rank 0: wait for every one of ``keys`` to be posted, and return their payloads (in
+    order). Any thread; blocks at most the process group's timeout, then raises
+    :class:`DataParallelError` naming ``what`` and the keys still missing."""
+    group, store = _store()
+    try:
+        store.wait(list(keys), group.timeout)
+    except Exception as exc:
+        missing = [k for k in keys if not store.check([k])]
+        raise DataParallelError(
+            f"{group.where()} {what}: nothing came for {', '.join(missing) or 'some keys'} "
+            f"within the process group's timeout of {group.timeout.total_seconds():g} s "
+            f"({(str(exc).strip().splitlines() or [type(exc).__name__])[0]}). The rank that "
+            f"should have posted it most likely failed or was killed"
+        ) from exc
+    values = [store.get(k) for k in keys]
+    for k in keys:
+        store.delete_key(k)
+    return values
 
 
 # -- sharded state ----------------------------------------------------------------------------
@@ -545,16 +604,16 @@ class ShardedState(MasterPlacement):
             )
 
     def check_checkpoint(self, what: str) -> None:
-        """:mod:`roundpipe.checkpoint` does not write or read sharded state yet: refuse."""
-        raise NotImplementedError(
-            f"roundpipe.checkpoint.{what}() of a model with ShardedState is not implemented yet "
-            f"(each rank writing its shard, and loading with another number of ranks, are "
-            f"missing: issue 28). Meanwhile save on every rank, at the same point of the loop, "
-            f"torch.save({{'masters': model.master_state_dict(), 'optimizer': "
-            f"opt.state_dict(), 'model': model.state_dict(), 'scaler': scaler.state_dict()}}, "
-            f"f'rank{{rank}}.pt'), and load each rank's file with the same number of ranks "
-            f"(model.load_state_dict, model.load_master_state_dict, opt.load_state_dict)"
-        )
+        """Main thread, before :mod:`roundpipe.checkpoint` saves or loads: each rank writes
+        and reads the state of the parameters it owns, and the ranks' files meet through the
+        :class:`DataParallel`'s group, so one must be attached (see
+        [Note: sharded checkpoints] in :mod:`roundpipe.checkpoint.state`)."""
+        if not self.attached:
+            raise RuntimeError(
+                f"roundpipe.checkpoint.{what}() of a model with ShardedState needs its "
+                f"DataParallel: call roundpipe.distributed.DataParallel(model) on every rank "
+                f"first (and {what} on every rank at the same point of the loop)"
+            )
 
     def copy_layer(self, pairs: Any) -> None:
         """Optimizer thread, in the master->model copy: cast the held masters into the

@@ -9,10 +9,16 @@ roundpipe.hf.wrap, same optimizer, scheduler and scaler), ``devices``, ``steps``
 this iteration), ``root`` (checkpoints), ``save_every`` (save after every N iterations),
 ``save_at`` (also: iteration -> where: "end" after scaler.update, "after_fb" between
 forward_backward and step), ``resume`` (load the newest checkpoint of ``root`` first),
-``hf`` (write the HF directory too), ``dp`` (data parallel), ``keep_last``, ``wait`` (wait
-for every save), ``out`` (the record, JSON: per iteration the loss as float.hex, the final
-masters' and parameters' sha256, the scaler's state, what load returned, the warnings made
-while building the optimizer), ``state_dir`` and ``state_buffer_bytes`` (Adam's state in files),
+``hf`` (write the HF directory too), ``dp`` (data parallel), ``shard`` (with ShardedState),
+``timeout`` (the process group's, seconds), ``kill_in_broadcast`` ({"rank": r, "at": c}: rank
+r kills itself with SIGKILL in the weight broadcast, before the c-th layer's),
+``kill_in_write`` ({"rank": r, "save": c}: rank r kills itself on its checkpoint writer thread
+as it starts writing its share of its c-th save, counted from 1), ``keep_last``,
+``wait`` (wait for every save), ``out`` (the record,
+JSON: per iteration the loss as float.hex, the final masters' and parameters' sha256, the
+scaler's state, what load returned, this rank's masters and optimizer state by parameter
+name, as sha256, right after the load and at the end, and the warnings made while building the
+optimizer), ``state_dir`` and ``state_buffer_bytes`` (Adam's state in files),
 ``announce_write_at`` (print "writing" once, when Adam's writer thread starts a write while the
 main thread is at that iteration).
 """
@@ -22,6 +28,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import signal
 import sys
 import threading
 import warnings
@@ -34,6 +41,7 @@ import roundpipe
 import roundpipe.checkpoint as ckpt
 from roundpipe import GradScaler, OptimizerCtx, RoundPipe, RoundPipeRunConfig
 from roundpipe import distributed as rpd
+from roundpipe.checkpoint import named
 
 DEFAULTS = {
     "model": "seq",
@@ -53,6 +61,10 @@ DEFAULTS = {
     "state_dir": None,
     "state_buffer_bytes": None,
     "announce_write_at": None,
+    "shard": False,
+    "timeout": 60,
+    "kill_in_broadcast": None,
+    "kill_in_write": None,
 }
 BATCH, NUM_MB = 8, 2
 
@@ -68,7 +80,59 @@ def build_seq(cfg):
         optim_dtype=torch.float32,
         devices=cfg["devices"],
         model_run_config=RoundPipeRunConfig(num_microbatch=NUM_MB),
+        state_placement=rpd.ShardedState() if cfg["shard"] else None,
     )
+
+
+def by_name(model, opt):
+    """This rank's masters and optimizer state, by parameter name, as sha256 digests."""
+    masters = dict(model.optim_named_parameters())
+    state = named.by_name(opt.state_dict(), named.param_names(opt, masters))["state"]
+    out = {f"master/{n}": digest([("", m)]) for n, m in masters.items()}
+    for name, values in state.items():
+        for key, value in values.items():
+            out[f"optimizer/{name}/{key}"] = digest([("", torch.as_tensor(value))])
+    return out
+
+
+def kill_in_broadcast(rank, at):
+    """Rank ``rank`` kills itself (SIGKILL) in the weight broadcast of the master->model copy:
+    before the ``at``-th layer's broadcast (counted from 1 over the run, layers with
+    parameters only), the earlier layers' done."""
+    if torch.distributed.get_rank() != rank:
+        return
+    calls = [0]
+    copy_layer = rpd.ShardedState.copy_layer
+
+    def killing_copy_layer(self, pairs):
+        if pairs:
+            calls[0] += 1
+            if calls[0] == at:
+                print(f"rank {rank}: killed in weight broadcast {at}", flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)
+        return copy_layer(self, pairs)
+
+    rpd.ShardedState.copy_layer = killing_copy_layer  # type: ignore[method-assign]
+
+
+def kill_in_write(rank, save):
+    """Rank ``rank`` kills itself (SIGKILL) on its checkpoint writer thread as it starts
+    writing its share of its ``save``-th checkpoint."""
+    if torch.distributed.get_rank() != rank:
+        return
+    from roundpipe.checkpoint import writer
+
+    calls = [0]
+    write_share = writer._Job._write_share
+
+    def killing_write_share(self, *args):
+        calls[0] += 1
+        if calls[0] == save:
+            print(f"rank {rank}: killed writing its share of save {save}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return write_share(self, *args)
+
+    writer._Job._write_share = killing_write_share  # type: ignore[method-assign]
 
 
 def tiny_llama_config(*, tie_word_embeddings):
@@ -119,7 +183,7 @@ def digest(tensors):
     h = hashlib.sha256()
     for name, t in sorted(tensors):
         h.update(name.encode())
-        h.update(t.detach().contiguous().view(torch.uint8).numpy().tobytes())
+        h.update(t.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()[:16]
 
 
@@ -149,8 +213,12 @@ def main():
     cfg = {**DEFAULTS, **json.loads(sys.argv[1])}
     rank = 0
     if cfg["dp"]:
-        rpd.init_process_group("gloo", timeout=60)
+        rpd.init_process_group("gloo", timeout=cfg["timeout"])
         rank = torch.distributed.get_rank()
+        if cfg["kill_in_broadcast"]:
+            kill_in_broadcast(**cfg["kill_in_broadcast"])
+        if cfg["kill_in_write"]:
+            kill_in_write(**cfg["kill_in_write"])
     model = build_seq(cfg) if cfg["model"] == "seq" else build_lora(cfg)
     dp = rpd.DataParallel(model) if cfg["dp"] else None
     with OptimizerCtx(), warnings.catch_warnings(record=True) as made:
@@ -171,6 +239,7 @@ def main():
         extra = ckpt.load(cfg["root"], model, opt, scaler=scaler, scheduler=sched, progress=False)
         record["loaded"] = {k: v for k, v in extra.items() if k != "data"}
         gen.set_state(extra["data"])
+        record["at_load"] = by_name(model, opt)
         start = extra["iteration"]
         pending = extra.get("pending_step", False)
     else:
@@ -234,6 +303,7 @@ def main():
     record["params"] = digest((n, p) for n, p in model.state_access().module.named_parameters())
     record["scaler"] = scaler.state_dict()
     record["lr"] = sched.get_last_lr()
+    record["at_end"] = by_name(model, opt)
     if dp is not None:
         record["replicas_identical"] = dp.replicas_identical()
         dp.close()

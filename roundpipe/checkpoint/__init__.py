@@ -9,6 +9,8 @@ Modules, by concern:
   checkpoints of a directory.
 * ``state``: what a checkpoint holds, which thread takes each part, how it is put back
   ([Note: a consistent checkpoint]).
+* ``named``: the optimizer state by parameter name, so a checkpoint of N ranks with sharded
+  state loads on M ([Note: sharded checkpoints] in ``state``).
 * ``writer``: :func:`save`, the writer thread, :class:`PendingCheckpoint`.
 * ``reader``: :func:`load`, :func:`latest`.
 * ``hf_export``: the HuggingFace directory of a wrapped HF model.

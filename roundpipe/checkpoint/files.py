@@ -304,8 +304,8 @@ def encode(value: Any, tensors: dict[str, torch.Tensor], key: str, where: str) -
     )
 
 
-def decode(value: Any, tensor: Callable[[str], torch.Tensor]) -> Any:
-    """The inverse of :func:`encode`; ``tensor(key)`` gives each tensor."""
+def decode(value: Any, tensor: Callable[[str], Any]) -> Any:
+    """The inverse of :func:`encode`; ``tensor(key)`` gives each tensor (or a stand-in for it)."""
     if isinstance(value, list):
         return [decode(v, tensor) for v in value]
     if not isinstance(value, dict):

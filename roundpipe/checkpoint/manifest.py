@@ -36,6 +36,7 @@ __all__ = [
     "MANIFEST",
     "FORMAT",
     "FORMAT_VERSION",
+    "UNSHARDED_FORMAT_VERSION",
     "Checkpoint",
     "write_manifest",
     "read_manifest",
@@ -48,8 +49,12 @@ __all__ = [
 
 MANIFEST = "manifest.json"
 FORMAT = "roundpipe checkpoint"
-# Raised when a change to the files means an older roundpipe could not read them.
-FORMAT_VERSION = 1
+# Raised when a change to the files means an older roundpipe could not read them. 2: sharded
+# checkpoints (each rank's masters and optimizer state by name, see [Note: sharded checkpoints]
+# in roundpipe.checkpoint.state), which an older roundpipe would misread; every other
+# checkpoint is still written as 1, which older versions read.
+FORMAT_VERSION = 2
+UNSHARDED_FORMAT_VERSION = 1
 
 
 def roundpipe_version() -> str:
@@ -59,10 +64,11 @@ def roundpipe_version() -> str:
 
 
 def write_manifest(directory: Path, manifest: dict[str, Any]) -> None:
-    """Write ``manifest.json`` into ``directory`` (the last file of a checkpoint), fsynced."""
+    """Write ``manifest.json`` into ``directory`` (the last file of a checkpoint), fsynced;
+    ``manifest`` may set ``format_version`` (default :data:`UNSHARDED_FORMAT_VERSION`)."""
     manifest = {
         "format": FORMAT,
-        "format_version": FORMAT_VERSION,
+        "format_version": UNSHARDED_FORMAT_VERSION,
         "roundpipe_version": roundpipe_version(),
         "torch_version": torch.__version__,
         "python_version": platform.python_version(),
@@ -167,7 +173,7 @@ def verify_files(ckpt: Checkpoint, on_bytes: Callable[[int], None] | None = None
     for name, info in files.items():
         file = ckpt.path / name
         if not file.exists():
-            problems.append(f"{name} is missing")
+            problems.append(f"{name} is missing" + _whose(name, ckpt.manifest))
             continue
         size = file.stat().st_size
         if size != info["bytes"]:
@@ -197,6 +203,20 @@ def verify_files(ckpt: Checkpoint, on_bytes: Callable[[int], None] | None = None
         if entry is None:
             raise CheckpointFormatError(f"{ckpt.path / name} lacks tensor {key!r}")
         ckpt.tensors[key] = (ckpt.path / name, entry, start)
+
+
+def _whose(name: str, manifest: dict[str, Any]) -> str:
+    """Which rank wrote a file of a sharded checkpoint (see [Note: sharded checkpoints] in
+    roundpipe.checkpoint.state), and how to get it back."""
+    _, mark, rest = name.partition("-rank")
+    if not manifest.get("sharded") or not mark or not rest[:5].isdigit():
+        return ""
+    rank = int(rest[:5])
+    return (
+        f" (rank {rank} of the {manifest.get('world_size')} that saved it wrote it, with its "
+        f"share of the masters and optimizer state: copy it from where rank {rank} wrote the "
+        f"checkpoint, if that was another machine's disk, or load an earlier checkpoint)"
+    )
 
 
 def list_checkpoints(root: Path) -> list[Checkpoint]:

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from roundpipe import distributed, optim_queue
+from roundpipe.checkpoint import named
 from roundpipe.checkpoint.files import (
     DTYPE_NAMES,
     CheckpointFormatError,
@@ -84,6 +85,13 @@ def load(
     they were. The resumed run continues bit for bit as the saved one would have (same device
     pool and world size).
 
+    A checkpoint taken with sharded state (:class:`roundpipe.distributed.ShardedState`) on N
+    ranks loads on M sharded ranks or on one process with every master, and a checkpoint with
+    every master loads on M sharded ranks: each process reads the masters and optimizer state
+    (matched by parameter name) of the parameters it holds, from whichever files hold them (see
+    [Note: sharded checkpoints] in :mod:`roundpipe.checkpoint.state`). A sharded model loads
+    on every rank, after its :class:`roundpipe.distributed.DataParallel` is attached.
+
     ``progress``: a progress bar (tqdm, if installed) for a checkpoint of 64 MiB or more, or a
     callable given ``(bytes done, bytes total)``. Main thread; waits for the optimizer thread
     (and a checkpoint still being written) first, and re-raises a failure of the model's
@@ -113,19 +121,37 @@ def load(
         problems = check_model(m["model"], access, where)
         if strict:
             problems += check_components(tree, optimizer, scheduler, scaler, where)
-        problems += check_optimizer(tree, optimizer, decode, where)
+        sharded_here = access.params.placement.world_size > 1
+        by_name = None
+        if optimizer is not None and ("optimizer_by_name" in tree or sharded_here):
+            by_name, found = _named_optimizer_state(tree, optimizer, access, where)
+            problems += found
+        else:
+            problems += check_optimizer(tree, optimizer, decode, where)
+        if sharded_here and tree.get("pending_grads"):
+            problems.append(
+                f"{where} was saved between forward_backward and step; a model with "
+                f"ShardedState resumes from a checkpoint saved after scaler.update() (or load "
+                f"this one with the placement and ranks it was saved with)"
+            )
         problems += _check_tensors(ckpt, m["model"], access)
         refuse(problems, where)
         access.params.synchronize()  # the model's own failures first, as load_state_dict
 
         reader = _Reader(ckpt, advance)
         try:
-            grads = {name: reader.load(f"grads/{name}") for name in tree.get("grad_names", [])}
-            optimizer_state = (
-                decode(tree["optimizer"], reader.load)
-                if optimizer is not None and "optimizer" in tree
-                else None
-            )
+            held = access.params.masters
+            grads = {
+                name: reader.load(f"grads/{name}")
+                for name in tree.get("grad_names", [])
+                if name in held
+            }
+            if by_name is not None:
+                optimizer_state = named.resolve(by_name, reader.load)
+            elif optimizer is not None and "optimizer" in tree:
+                optimizer_state = decode(tree["optimizer"], reader.load)
+            else:
+                optimizer_state = None
             scheduler_state = (
                 decode(tree["scheduler"], reader.load)
                 if scheduler is not None and "scheduler" in tree
@@ -179,6 +205,33 @@ def _find(path: Path) -> Checkpoint:
             + (f" (directories without a manifest: {', '.join(incomplete)})" if incomplete else "")
         )
     return found[-1]
+
+
+def _named_optimizer_state(
+    tree: dict[str, Any], optimizer: Any, access: Any, where: str
+) -> tuple[dict[str, Any] | None, list[str]]:
+    """The state dict of ``optimizer`` (its tensors as :class:`named.Key`, read later) out of
+    the checkpoint's optimizer state by master name, with this process's share only (see
+    [Note: sharded checkpoints] in :mod:`roundpipe.checkpoint.state`); or the problems."""
+    if "optimizer_by_name" in tree:
+        saved = decode(tree["optimizer_by_name"], named.Key)
+    elif "optimizer" in tree:
+        if "optimizer_params" not in tree:
+            return None, [
+                f"{where} names its optimizer state by number only (an older roundpipe wrote "
+                f"it): load it into a model with the placement it was saved with"
+            ]
+        saved = named.by_name(decode(tree["optimizer"], named.Key), tree["optimizer_params"])
+    else:
+        return None, []
+    try:
+        names = named.param_names(optimizer, access.params.masters)
+    except ValueError as exc:
+        return None, [str(exc)]
+    found = named.problems(saved, optimizer, names, where)
+    if found:
+        return None, found
+    return named.for_optimizer(named.keep(saved, names), optimizer, names), []
 
 
 def _check_tensors(ckpt: Checkpoint, description: dict[str, Any], access: Any) -> list[str]:

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from roundpipe.checkpoint import named
 from roundpipe.checkpoint.files import CheckpointFormatError, encode, pack
 from roundpipe.runtime.params import StateAccess
 
@@ -66,6 +67,25 @@ __all__ = [
 # A model that is not trained yet (no step launched) and the plain state dicts are the same
 # rule: whatever has been launched has run when the item runs.
 
+# [Note: sharded checkpoints]
+# With sharded state (a placement over several ranks: roundpipe.distributed.ShardedState) the
+# masters, their gradients and the optimizer state of a parameter exist on its owner only. Every
+# rank's save work item takes its own share (``Capture.complete``), and every rank's writer
+# thread writes it into the one temporary directory of the checkpoint (rank 0's name, learnt in
+# the save's all-gather), in files of its own (``masters-rank00001-...``); rank 0 also writes
+# what is replicated (the model's parameters and buffers, the scaler, the scheduler, every
+# rank's RNG state and ``extra``, as a replicated data-parallel checkpoint). Each rank then posts
+# its files' sizes, checksums and tensor index to rank 0 (see [Note: messages to rank 0] in
+# roundpipe.distributed); rank 0 waits for all of them, writes the manifest (its world size,
+# every file, and the file of every tensor) and renames the directory: as in one process, a
+# checkpoint that has its name is complete, and a rank that fails or dies leaves no manifest.
+# The optimizer state is stored by master name (roundpipe.checkpoint.named), not by the
+# rank-local numbers of optimizer.state_dict(); a replicated checkpoint records the name of
+# each number (``optimizer_params``). So a checkpoint of N ranks loads on M: each rank reads
+# the masters and the optimizer state of the parameters it holds now, from whichever files
+# hold them, and the replicated parts as from a replicated checkpoint. A sharded save between
+# forward_backward and step is refused: the gradients are then every rank's own, unreduced.
+
 # The groups of shards, in the order they are written (the parts they hold are released in
 # that order; gradients first, so that the next forward_backward's gradient moves can pass).
 GROUPS = ("grads", "model", "masters", "optimizer")
@@ -96,6 +116,8 @@ class Capture:
     scheduler: Any
     scaler_state: Callable[[], dict[str, Any]] | None
     rank_file: bytes
+    #: this rank, when the state is sharded over ranks (see [Note: sharded checkpoints])
+    shard_rank: int | None = None
 
     def complete(self, gather: Callable[[bytes], list[bytes] | None]) -> Completed:
         """Optimizer thread, in launch order: the rest of the state (live tensors, no copy)
@@ -108,8 +130,10 @@ class Capture:
                 "model.synchronize(), then save again"
             )
         masters = list(params.masters.items())
+        # Sharded, rank 0 writes what is replicated; every rank its own masters and state.
+        replicated = self.shard_rank in (None, 0)
         groups: dict[str, list[tuple[str, torch.Tensor]]] = {g: [] for g in GROUPS}
-        groups["model"] = list(self.model_tensors)
+        groups["model"] = list(self.model_tensors) if replicated else []
         groups["masters"] = [(f"masters/{n}", m.detach()) for n, m in masters]
         groups["grads"] = [
             (f"grads/{n}", m.grad.detach()) for n, m in masters if m.grad is not None
@@ -120,14 +144,20 @@ class Capture:
         }
         tensors: dict[str, torch.Tensor] = {}
         if self.optimizer is not None:
-            tree["optimizer"] = encode(
-                self.optimizer.state_dict(), tensors, "optimizer", "optimizer.state_dict()"
-            )
-        if self.scheduler is not None:
+            state = self.optimizer.state_dict()
+            names = named.param_names(self.optimizer, params.masters)
+            if self.shard_rank is None:
+                tree["optimizer"] = encode(state, tensors, "optimizer", "optimizer.state_dict()")
+                tree["optimizer_params"] = names
+            else:
+                tree["optimizer_by_name"] = encode(
+                    named.by_name(state, names), tensors, "optimizer", "optimizer.state_dict()"
+                )
+        if self.scheduler is not None and replicated:
             tree["scheduler"] = encode(
                 self.scheduler.state_dict(), tensors, "scheduler", "scheduler.state_dict()"
             )
-        if self.scaler_state is not None:
+        if self.scaler_state is not None and replicated:
             tree["scaler"] = encode(self.scaler_state(), tensors, "scaler", "scaler.state_dict()")
         groups["optimizer"] = list(tensors.items())
         return Completed(groups, tree, gather(self.rank_file))
@@ -152,7 +182,12 @@ def model_description(
         if is_param or copy_buffers:
             tensors.append((f"model/{name}", t.detach() if is_param else t.detach().clone()))
         entries.append([name, _dtype(t), list(t.shape), "param" if is_param else "buffer"])
-    masters = [[n, _dtype(m), list(m.shape)] for n, m in access.params.masters.items()]
+    # Every master, held here or not (a stand-in has the master's dtype and shape).
+    masters = [
+        [r.name, _dtype(r.master), list(r.master.shape)]
+        for r in access.params.records
+        if r.master is not None
+    ]
     return tensors, {"tensors": entries, "aliases": aliases, "masters": masters}
 
 
@@ -206,6 +241,13 @@ def take_on_main_thread(
     ``TypeError`` for an ``extra`` a checkpoint cannot hold and ``RuntimeError`` between a step
     and ``scaler.update()``, before anything is launched."""
     access = model.state_access()
+    shard_rank = rank if access.params.placement.world_size > 1 else None
+    if shard_rank is not None and access.pending_grads():
+        raise RuntimeError(
+            "a checkpoint of a model with ShardedState cannot be taken between "
+            "forward_backward and step: each rank's gradients are then its own, not yet summed "
+            "onto their owners. Save after model.step() and scaler.update()"
+        )
     scaler_state = None
     if scaler is not None:
         if not callable(getattr(scaler, "state_dict_in_order", None)):
@@ -236,6 +278,7 @@ def take_on_main_thread(
         scheduler=scheduler,
         scaler_state=scaler_state,
         rank_file=rank_file,
+        shard_rank=shard_rank,
     )
 
 
@@ -289,7 +332,7 @@ def check_components(
     """What differs between the parts in the checkpoint and the parts given to ``load``."""
     problems = []
     for part, given in (("optimizer", optimizer), ("scheduler", scheduler), ("scaler", scaler)):
-        saved = part in tree
+        saved = part in tree or (part == "optimizer" and "optimizer_by_name" in tree)
         if saved and given is None:
             problems.append(
                 f"{where} holds a {part} state but load() was given no {part}= (pass it, or "

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import json
 import os
 import threading
 from collections.abc import Callable, Iterable
@@ -27,9 +28,14 @@ from typing import Any
 import torch
 
 from roundpipe import distributed, optim_queue
-from roundpipe.checkpoint import hf_export
+from roundpipe.checkpoint import hf_export, named
 from roundpipe.checkpoint.files import ShardWriter, file_crc32, remove_dir, sync_dir
-from roundpipe.checkpoint.manifest import fsync_tree, list_checkpoints, write_manifest
+from roundpipe.checkpoint.manifest import (
+    FORMAT_VERSION,
+    fsync_tree,
+    list_checkpoints,
+    write_manifest,
+)
 from roundpipe.checkpoint.progress import listener as progress_listener
 from roundpipe.checkpoint.state import GROUPS, TOUCHES, Capture, Completed, take_on_main_thread
 from roundpipe.main_thread import check_main_thread
@@ -57,8 +63,9 @@ class PendingCheckpoint:
 
     Written by the writer thread (the byte counts, the future) and by the optimizer thread
     (``bytes_total``, the hand-over); read by any thread. On a data-parallel rank other than 0,
-    which writes nothing, it is done when the rank's state has been sent to rank 0. Made by
-    :func:`save`, never by hand.
+    which writes nothing, it is done when the rank's state has been sent to rank 0; with
+    sharded state, when the rank's own files are written and posted to rank 0 (rank 0's is
+    done when the checkpoint is complete). Made by :func:`save`, never by hand.
     """
 
     def __init__(self, path: Path, sequence: int, owners: tuple) -> None:
@@ -198,7 +205,11 @@ def save(
 
     Under data parallelism (an open :class:`roundpipe.distributed.DataParallel`) every rank
     calls it at the same point; rank 0 writes the replicated state and every rank's RNG state
-    and ``extra`` (``root`` must be a directory rank 0 writes and every rank reads).
+    and ``extra`` (``root`` must be a directory rank 0 writes and every rank reads). With
+    sharded state (:class:`roundpipe.distributed.ShardedState`) each rank also writes the
+    masters and optimizer state it holds, in files of its own (``root`` must be a directory
+    every rank writes), and rank 0 the manifest once every rank's files are complete (see
+    [Note: sharded checkpoints] in :mod:`roundpipe.checkpoint.state`).
 
     Main thread; blocks only to take the small main-thread state (the buffers are copied, the
     rest is not). Raises at once for misuse (``TypeError``/``ValueError`` for what a checkpoint
@@ -219,7 +230,14 @@ def save(
         or max_shard_bytes < 1
     ):
         raise ValueError(f"max_shard_bytes must be a positive int, got {max_shard_bytes!r}")
-    model.state_access().params.placement.check_checkpoint("save")
+    placement = model.state_access().params.placement
+    placement.check_checkpoint("save")
+    if hf and placement.world_size > 1:
+        raise ValueError(
+            "save(hf=True) needs every master in one process; with ShardedState each rank has "
+            "its share. Save without hf=, then load the checkpoint into the model on one "
+            "process (the default placement) and save it there with hf=True"
+        )
     export = hf_export.prepare(model, hf_dtype) if hf else None
     root_path = Path(root)
     if root_path.exists() and not root_path.is_dir():
@@ -301,6 +319,7 @@ class _Job:
         self.export = export
         self.keep_last = keep_last
         self.max_shard_bytes = max_shard_bytes
+        self.tmp_pid = os.getpid()  # sharded: rank 0's, whose temporary directory all share
 
     def hand_over(self) -> None:
         """Optimizer thread, in launch order: complete the state, hold what the writer reads,
@@ -308,12 +327,25 @@ class _Job:
         capture, self.capture = self.capture, None
         assert capture is not None, "a checkpoint handed over twice; please report"
         where = f"checkpoint {self.handle.path.name}"
+        sharded = capture.shard_rank is not None
         try:
-            completed = capture.complete(lambda data: distributed.gather_bytes(data, where))
+            if sharded:  # every rank writes (see [Note: sharded checkpoints])
+                completed = capture.complete(lambda data: distributed.all_gather_bytes(data, where))
+                first = json.loads(
+                    distributed.all_gather_bytes(
+                        json.dumps([str(self.handle.path), os.getpid()]).encode(), where
+                    )[0]
+                )
+                self.handle.path = Path(first[0])  # rank 0's name for it
+                self.tmp_pid = int(first[1])
+                if capture.shard_rank != 0:
+                    completed.rank_files = None
+            else:
+                completed = capture.complete(lambda data: distributed.gather_bytes(data, where))
         except BaseException:
             self.handle._finish(None)  # the item's own failure is what wait() raises
             raise
-        if completed.rank_files is None:  # a data-parallel rank other than 0 writes nothing
+        if completed.rank_files is None and not sharded:  # a replicated rank other than 0
             self.handle._finish(None)
             return
         self.handle.writes = True
@@ -336,16 +368,23 @@ class _Job:
         failure goes to the handle and the owners)."""
         handle = self.handle
         final = handle.path
-        tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
+        tmp = final.with_name(f".{final.name}.tmp-{self.tmp_pid}")
+        rank = capture.shard_rank
+        if rank is not None and rank != 0:
+            self._write_share(completed, hold, tmp, rank)
+            return
         try:
             try:
                 final.parent.mkdir(parents=True, exist_ok=True)
                 _remove_stale(final.parent)
-                tmp.mkdir()
+                tmp.mkdir(exist_ok=rank is not None)  # sharded: another rank may have made it
                 files: dict[str, dict[str, int]] = {}
                 index: dict[str, str] = {}
                 for group in GROUPS:
-                    for fname, shard in self._shards(group, completed.groups[group], tmp):
+                    prefix = (
+                        group if rank is None or group == "model" else f"{group}-rank{rank:05d}"
+                    )
+                    for fname, shard in self._shards(prefix, completed.groups[group], tmp):
                         shard.write(handle._advance)
                         files[fname] = {"bytes": shard.size, "crc32": shard.crc32}
                         index.update((key, fname) for key, _ in shard.tensors)
@@ -368,6 +407,8 @@ class _Job:
                 fname = f"rank-{r:05d}.safetensors"
                 files[fname] = {"bytes": len(data), "crc32": _write_blob(tmp / fname, data)}
                 ranks.append(fname)
+            if rank is not None:
+                self._join_shares(completed, files, index, len(ranks))
             write_manifest(
                 tmp,
                 {
@@ -375,6 +416,8 @@ class _Job:
                     "sequence": handle.sequence,
                     "world_size": len(ranks),
                     "ranks": ranks,
+                    "sharded": rank is not None,
+                    **({"format_version": FORMAT_VERSION} if rank is not None else {}),
                     "model": capture.description,
                     "state": completed.tree,
                     "files": files,
@@ -395,6 +438,72 @@ class _Job:
             handle._finish(exc)
         else:
             handle._finish(None)
+
+    def _share_key(self, rank: int) -> str:
+        return f"checkpoint/{self.handle.path}/{self.tmp_pid}/{self.handle.sequence}/rank{rank}"
+
+    def _write_share(
+        self, completed: Completed, hold: optim_queue.Hold, tmp: Path, rank: int
+    ) -> None:
+        """Writer thread of a sharded rank other than 0: its masters, gradients and optimizer
+        state into files of its own in the checkpoint's temporary directory, then their sizes,
+        checksums and tensors (or the failure) posted to rank 0 (see
+        [Note: sharded checkpoints]); never raises."""
+        handle = self.handle
+        message: dict[str, Any] = {"error": None}
+        try:
+            try:
+                tmp.mkdir(parents=True, exist_ok=True)
+                files: dict[str, dict[str, int]] = {}
+                index: dict[str, str] = {}
+                for group in GROUPS:
+                    prefix = f"{group}-rank{rank:05d}"
+                    for fname, shard in self._shards(prefix, completed.groups[group], tmp):
+                        shard.write(handle._advance)
+                        files[fname] = {"bytes": shard.size, "crc32": shard.crc32}
+                        index.update((key, fname) for key, _ in shard.tensors)
+                    hold.release([TOUCHES[group]])
+                sync_dir(tmp)
+            finally:
+                hold.release()
+            message.update(files=files, tensors=index, state=completed.tree)
+        except BaseException as exc:  # noqa: B036 -- posted to rank 0 and handed to the handle
+            message["error"] = f"{type(exc).__name__}: {exc}"
+            with contextlib.suppress(Exception):
+                distributed.post_to_rank0(self._share_key(rank), json.dumps(message).encode())
+            handle._finish(exc)
+            return
+        try:
+            distributed.post_to_rank0(self._share_key(rank), json.dumps(message).encode())
+        except BaseException as exc:  # noqa: B036 -- handed to the handle and the owners
+            handle._finish(exc)
+        else:
+            handle._finish(None)
+
+    def _join_shares(
+        self, completed: Completed, files: dict[str, Any], index: dict[str, str], world: int
+    ) -> None:
+        """Writer thread of rank 0, sharded: wait for every other rank's files (see
+        [Note: messages to rank 0] in roundpipe.distributed), and add them to the manifest's
+        ``files``, ``index`` and state."""
+        what = f"checkpoint {self.handle.path.name}: the files of every rank"
+        messages = distributed.collect_on_rank0([self._share_key(r) for r in range(1, world)], what)
+        tree = completed.tree
+        optimizers = [tree.get("optimizer_by_name")]
+        for r, raw in enumerate(messages, start=1):
+            message = json.loads(raw)
+            if message["error"] is not None:
+                raise RuntimeError(
+                    f"rank {r} could not write its share of checkpoint {self.handle.path.name} "
+                    f"({message['error']}); the checkpoint is not written, the earlier ones are "
+                    f"untouched"
+                )
+            files.update(message["files"])
+            index.update(message["tensors"])
+            tree["grad_names"] = tree["grad_names"] + message["state"]["grad_names"]
+            optimizers.append(message["state"].get("optimizer_by_name"))
+        if optimizers[0] is not None:
+            tree["optimizer_by_name"] = named.merge(optimizers)  # type: ignore[arg-type]
 
     def _shards(
         self, group: str, tensors: list[tuple[str, torch.Tensor]], directory: Path

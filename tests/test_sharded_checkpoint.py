@@ -1,0 +1,318 @@
+"""Checkpoints of sharded state (roundpipe.distributed.ShardedState) through roundpipe.checkpoint:
+each rank writes its share, rank 0 the manifest; a checkpoint of N ranks loads on M (1 in RAM,
+2, 4 sharded), bitwise; a rank killed in the weight broadcast stops the others in bounded time
+and the last checkpoint loads. The runs are new processes of tests/ckpt_worker.py under
+torchrun's variables (gloo, CPU), as tests/test_checkpoint_resume.py runs them."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import roundpipe
+import roundpipe.checkpoint as ckpt
+from roundpipe import OptimizerCtx, RoundPipe
+from roundpipe import distributed as rpd
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import ckpt_worker  # noqa: E402
+from test_checkpoint_resume import ROOT, WORKER, _free_port, run, run_ranks  # noqa: E402
+
+pytestmark = pytest.mark.skipif(
+    not dist.is_available() or not dist.is_gloo_available(),
+    reason="torch.distributed with gloo is needed",
+)
+# Every test but the first runs processes: marked slow (see the marker in pyproject.toml).
+
+N, K = 6, 3  # the uninterrupted run's iterations; the save's
+SEQ = {"model": "seq", "devices": "cpu", "shard": True}
+
+
+def test_rank_0_collects_what_ranks_post_and_names_what_did_not_come(group_of_one):
+    model = RoundPipe(nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 2)))
+    dp = rpd.DataParallel(model)
+    try:
+        rpd.post_to_rank0("a", b"one")
+        rpd.post_to_rank0("b", b"two")
+        assert rpd.collect_on_rank0(["a", "b"], "test") == [b"one", b"two"]
+        started = time.monotonic()
+        with pytest.raises(rpd.DataParallelError, match="nothing came for c within .* 10 s"):
+            rpd.collect_on_rank0(["c"], "test")  # the group's timeout bounds the wait
+        assert time.monotonic() - started >= 9
+    finally:
+        dp.close()
+
+
+def merged(records, key):
+    """The ranks' state by parameter name as one dict; each name from exactly one rank."""
+    out = {}
+    for rec in records:
+        for name, value in rec[key].items():
+            assert name not in out, f"{name} is held by two ranks"
+            out[name] = value
+    return out
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A checkpoint of 2 sharded ranks at iteration K, and the ranks' records (the state by
+    name at the save is their state at the end)."""
+    tmp = tmp_path_factory.mktemp("saved")
+    root = tmp / "ckpts"
+    records = run_ranks(
+        {**SEQ, "steps": K, "root": str(root), "save_at": {str(K - 1): "end"}}, tmp, "a"
+    )
+    (path,) = list(root.iterdir())
+    return path, records
+
+
+@pytest.mark.slow
+def test_each_rank_writes_its_share_and_the_manifest_indexes_it(saved):
+    path, records = saved
+    manifest = json.loads((path / "manifest.json").read_text())
+    assert manifest["world_size"] == 2 and manifest["sharded"] is True
+    assert manifest["format_version"] == 2  # an older roundpipe refuses it, by its version
+    names = sorted(p.name for p in path.iterdir())
+    assert "masters-rank00000-00001-of-00001.safetensors" in names
+    assert "optimizer-rank00001-00001-of-00001.safetensors" in names
+    assert "model-00001-of-00001.safetensors" in names  # replicated: rank 0 alone
+    for rank, rec in enumerate(records):
+        for key in rec["at_end"]:
+            kind, name = key.split("/", 1)
+            if kind == "master":
+                assert manifest["tensors"][f"masters/{name}"].startswith(f"masters-rank{rank:05d}")
+            else:
+                param = name.rsplit("/", 1)[0]
+                file = manifest["tensors"][f"optimizer/state/{name}"]
+                assert file.startswith(f"optimizer-rank{rank:05d}"), (param, file)
+    assert len(merged(records, "at_end")) == 6 * 4  # 6 masters, each with 3 Adam tensors
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_two_sharded_ranks_resume_bit_for_bit(saved, tmp_path):
+    path, first = saved
+    full = run_ranks({**SEQ, "steps": N, "root": str(tmp_path / "unused")}, tmp_path, "full")
+    second = run_ranks({**SEQ, "steps": N, "root": str(path), "resume": True}, tmp_path, "b")
+    for rank in range(2):
+        assert second[rank]["loaded"]["iteration"] == K
+        assert second[rank]["at_load"] == first[rank]["at_end"]
+        assert sorted(map(int, second[rank]["losses"])) == list(range(K, N))
+        assert {**first[rank]["losses"], **second[rank]["losses"]} == full[rank]["losses"]
+        for key in ("masters", "params", "scaler", "lr", "at_end"):
+            assert second[rank][key] == full[rank][key], (rank, key)
+        assert second[rank]["masters"] != first[rank]["masters"]
+        assert second[rank]["replicas_identical"]
+
+
+def assert_continues(records):
+    for rec in records:
+        assert sorted(map(int, rec["losses"])) == list(range(K, N))
+        assert all(math.isfinite(float.fromhex(v)) for v in rec["losses"].values())
+        assert rec["at_end"] != {k: rec["at_load"][k] for k in rec["at_end"]}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_two_sharded_ranks_load_on_one_process_in_ram(saved, tmp_path):
+    path, first = saved
+    one = run({"model": "seq", "steps": N, "root": str(path), "resume": True}, tmp_path, "one")
+    assert one["at_load"] == merged(first, "at_end")  # every master and Adam tensor, bitwise
+    assert one["loaded"]["iteration"] == K
+    assert_continues([one])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_two_sharded_ranks_load_on_four(saved, tmp_path):
+    path, first = saved
+    four = run_ranks(
+        {**SEQ, "steps": N, "root": str(path), "resume": True}, tmp_path, "four", world=4
+    )
+    assert merged(four, "at_load") == merged(first, "at_end")
+    assert all(len(rec["at_load"]) < 24 for rec in four)  # each its share
+    assert all(rec["replicas_identical"] for rec in four)
+    assert_continues(four)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_one_process_in_ram_loads_on_two_sharded_ranks(tmp_path):
+    root = tmp_path / "ckpts"
+    one = run(
+        {"model": "seq", "steps": K, "root": str(root), "save_at": {str(K - 1): "end"}},
+        tmp_path,
+        "one",
+    )
+    two = run_ranks({**SEQ, "steps": N, "root": str(root), "resume": True}, tmp_path, "two")
+    assert merged(two, "at_load") == one["at_end"]
+    assert_continues(two)
+
+
+def start_ranks(cfg, world):
+    """``world`` ranks of the worker with torchrun's variables (their output piped)."""
+    port = _free_port()
+    procs = []
+    for rank in range(world):
+        env = {
+            **os.environ,
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world),
+            "LOCAL_RANK": str(rank),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "GLOO_SOCKET_IFNAME": "lo",
+            "OMP_NUM_THREADS": "1",
+            "PYTHONPATH": str(ROOT),
+        }
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(WORKER), json.dumps({**cfg, "dp": True})],
+                cwd=ROOT,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
+    return procs
+
+
+def _load_problem(path, model, opt):
+    with pytest.raises(ckpt.CheckpointFormatError) as info:
+        ckpt.load(path, model, opt, scaler=roundpipe.GradScaler(), scheduler=_sched(opt))
+    return str(info.value)
+
+
+def _sched(opt):
+    return torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.7)
+
+
+@pytest.mark.slow
+def test_a_missing_rank_file_or_other_names_are_refused_by_name(saved, tmp_path):
+    path, _ = saved
+    model = ckpt_worker.build_seq({**ckpt_worker.DEFAULTS, "shard": False})
+    with OptimizerCtx():
+        opt = roundpipe.optim.Adam(model.parameters(), lr=1e-2)
+    before = {n: m.detach().clone() for n, m in model.optim_named_parameters()}
+    # A model whose parameter names differ (an extra layer shifts them).
+    other = RoundPipe(
+        nn.Sequential(
+            nn.Identity(), nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Linear(16, 4)
+        ).half(),
+        optim_dtype=torch.float32,
+    )
+    with OptimizerCtx():
+        other_opt = roundpipe.optim.Adam(other.parameters(), lr=1e-2)
+    problem = _load_problem(path, other, other_opt)
+    assert "lacks the model's tensors '1.weight'" in problem, problem
+    assert "has tensors this model has not: '0.weight'" in problem, problem
+    # A rank's files missing.
+    copy = tmp_path / path.name
+    copy.mkdir()
+    for f in path.iterdir():
+        if "rank00001" not in f.name or not f.name.startswith("masters"):
+            (copy / f.name).write_bytes(f.read_bytes())
+    problem = _load_problem(copy, model, opt)
+    assert "masters-rank00001-00001-of-00001.safetensors is missing (rank 1 of the 2" in problem
+    assert "load an earlier checkpoint" in problem
+    for n, m in model.optim_named_parameters():
+        assert torch.equal(m, before[n]), n  # nothing changed
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_rank_killed_in_the_weight_broadcast_stops_the_other_in_bounded_time(tmp_path):
+    """Rank 1 is killed (SIGKILL) in the weight broadcast of the master->model copy of
+    iteration 3's step, after checkpoints at 1, 2 and 3 (each waited for). Rank 0 raises
+    DataParallelError within the process group's timeout (10 s); the last checkpoint loads."""
+    root = tmp_path / "ckpts"
+    timeout_s = 10
+    cfg = {
+        **SEQ,
+        "dp": True,
+        "steps": N,
+        "root": str(root),
+        "save_every": 1,
+        "wait": True,
+        "timeout": timeout_s,
+        # 3 layers with parameters: the copy launched by the 4th step (iteration 3), its 2nd
+        "kill_in_broadcast": {"rank": 1, "at": 3 * 3 + 2},
+        "out": str(tmp_path / "killed.json"),
+    }
+    procs = start_ranks(cfg, 2)
+    try:
+        out1, _ = procs[1].communicate(timeout=120)
+        killed_at = time.monotonic()
+        assert procs[1].returncode == -9 and "killed in weight broadcast" in out1
+        _, err0 = procs[0].communicate(timeout=timeout_s + 50)
+        stopped_after = time.monotonic() - killed_at
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    assert procs[0].returncode not in (0, None)
+    assert "DataParallelError" in err0, err0
+    assert "the broadcast of the updated weights" in err0 or "failed" in err0, err0
+    print(f"rank 0 stopped {stopped_after:.1f} s after rank 1 was killed")
+    last = ckpt.latest(root)
+    assert last is not None and json.loads((last / "manifest.json").read_text())["sharded"]
+    resumed = run_ranks({**SEQ, "steps": N, "root": str(root), "resume": True}, tmp_path, "resumed")
+    # The checkpoint after iteration 2 (saved as iteration 3) was the last complete one.
+    assert sorted(p.name for p in root.iterdir()) == [f"ckpt-00000{i}" for i in (1, 2, 3)]
+    for rec in resumed:
+        assert rec["loaded"]["iteration"] == 3
+        assert sorted(map(int, rec["losses"])) == list(range(3, N))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_rank_killed_writing_its_share_leaves_no_manifest_and_rank_0_says_whose(tmp_path):
+    """Rank 1 is killed (SIGKILL) on its writer thread as it starts its share of the third
+    checkpoint. Rank 0's wait for that save fails after the process group's timeout (10 s),
+    naming rank 1's files; the checkpoint has no manifest, and the second loads."""
+    root = tmp_path / "ckpts"
+    cfg = {
+        **SEQ,
+        "steps": N,
+        "root": str(root),
+        "save_every": 1,
+        "wait": True,
+        "timeout": 10,
+        "kill_in_write": {"rank": 1, "save": 3},
+        "out": str(tmp_path / "killed.json"),
+    }
+    procs = start_ranks(cfg, 2)
+    try:
+        out1, _ = procs[1].communicate(timeout=120)
+        killed_at = time.monotonic()
+        assert procs[1].returncode == -9 and "killed writing its share of save 3" in out1
+        _, err0 = procs[0].communicate(timeout=60)
+        stopped_after = time.monotonic() - killed_at
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    assert procs[0].returncode not in (0, None)
+    assert "DataParallelError" in err0 and "nothing came for" in err0 and "rank1" in err0, err0
+    print(f"rank 0's save failed {stopped_after:.1f} s after rank 1 was killed")
+    assert sorted(p.name for p in root.iterdir()) == ["ckpt-000001", "ckpt-000002"]
+    model = ckpt_worker.build_seq({**ckpt_worker.DEFAULTS, "shard": False})
+    with OptimizerCtx():
+        opt = roundpipe.optim.Adam(model.parameters(), lr=1e-2)
+    extra = ckpt.load(
+        root, model, opt, scaler=roundpipe.GradScaler(), scheduler=_sched(opt), progress=False
+    )
+    assert extra["iteration"] == 2
