@@ -253,11 +253,13 @@ def test_the_next_stage_is_prefetched_on_the_copy_stream():
 
 
 def _streams_of(model):
-    """Stream id -> (device, "compute" or "copy") of the pool's backends."""
+    """(device, stream id) -> (device, "compute" or "copy") of the pool's backends (stream ids
+    are per device: two devices' streams may share one)."""
     out = {}
     for d, backend in enumerate(model._pool.backends):
-        out[backend.stream.stream_id] = (d, "compute")
-        out[backend.copy_stream.stream_id] = (d, "copy")
+        index = backend.torch_device.index
+        out[index, backend.stream.stream_id] = (d, "compute")
+        out[index, backend.copy_stream.stream_id] = (d, "copy")
     return out
 
 
@@ -286,7 +288,7 @@ def test_every_devices_first_upload_of_a_call_runs_on_its_copy_stream(devices):
         model.step(lambda: (opt.step(), opt.zero_grad()))
         streams = _streams_of(model)
         uploads = [
-            (stage_of[c.host_ptr], streams[c.stream_id])
+            (stage_of[c.host_ptr], streams[c.device, c.stream_id])
             for c in log
             if c.direction == "h2d" and c.host_ptr in stage_of
         ]
@@ -316,7 +318,7 @@ def test_every_upload_runs_on_the_copy_stream(devices):
         model.forward_backward(input_args=(x,), label=y, loss_fn=_loss)
     streams = _streams_of(model)
     kinds = Counter(
-        streams[c.stream_id][1] for c in log if c.direction == "h2d" and c.host_ptr in ptr
+        streams[c.device, c.stream_id][1] for c in log if c.direction == "h2d" and c.host_ptr in ptr
     )
     assert kinds == Counter({"copy": 2 * (2 + 2) + 2}), kinds  # two params a stage
 

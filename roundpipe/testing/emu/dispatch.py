@@ -49,8 +49,8 @@ class Copy:
     ``direction``: ``"h2d"`` or ``"d2h"``; ``host_ptr``: the data pointer of the host tensor,
     its first element (tensors of one pinned pool share a storage, not this): for an upload,
     what was read; for a download into an existing tensor, what was written; None for a
-    download that made a new tensor. ``stream_id``: the stream current on the emulated device
-    when the copy was made."""
+    download that made a new tensor. ``device``: the emulated device's index; ``stream_id``:
+    the stream current on it when the copy was made (stream ids are per device, as CUDA's)."""
 
     direction: str
     host_ptr: int | None
@@ -58,6 +58,7 @@ class Copy:
     dtype: torch.dtype
     pinned: bool
     stream_id: int
+    device: int = 0
 
 
 _copy_logs: list[list[Copy]] = []
@@ -83,6 +84,7 @@ def _log_copy(direction: str, host: torch.Tensor | None, emu: torch.Tensor) -> N
         emu.dtype,
         host is not None and host.is_pinned(),
         torch.accelerator.current_stream(emu.device).stream_id,
+        emu.device.index or 0,
     )
     for log in _copy_logs:
         log.append(entry)  # list.append is atomic: workers may log at once
