@@ -17,7 +17,7 @@ from roundpipe.hf.defaults import (  # noqa: E402
     MLP_TILE_BYTES,
     default_mlp_tile_tokens,
 )
-from roundpipe.testing import emu  # noqa: F401,E402  (installed by conftest)
+from roundpipe.testing import emu  # noqa: E402  (installed by conftest)
 
 memory = torch.get_device_module("emu")
 MIB = 1 << 20
