@@ -205,3 +205,38 @@ def test_the_plan_of_a_qwen3_1_7b_shaped_cut_is_the_measured_peak():
         f"tile {tile}: planned {planned} measured {measured} ({planned / measured - 1:+.2%}), {took:.1f} s"
     )
     assert abs(planned - measured) <= 0.02 * measured, (planned, measured)
+
+
+def test_the_plan_command_plans_the_tiled_layer(tmp_path, capsys):
+    """ConfigPlanner (the plan command) at a target device: the tile chosen for it as wrap
+    chooses it, a smaller device peak tiled than with --mlp-tile-tokens 0 at a long sequence,
+    and the same peak at a sequence of one tile (a microbatch of one tile runs untiled)."""
+    import json
+
+    from roundpipe.hf import memory_cli
+
+    config = {
+        "model_type": "llama",
+        "vocab_size": 512,
+        "hidden_size": 64,
+        "intermediate_size": 256,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+    }
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    device = 1 << 30  # 512 MiB after the CUDA context: 8 MiB / (3 x 256 x 2 bytes) -> 4,096
+    tiled = memory_cli.ConfigPlanner(str(path), devices="emu", device_memory=device)
+    assert tiled.model.module[1].mlp_tile_tokens == 4096
+    untiled = memory_cli.ConfigPlanner(
+        str(path), devices="emu", device_memory=device, mlp_tile_tokens=0
+    )
+    assert untiled.model.module[1].mlp_tile_tokens is None
+    long_peaks = [p.plan(16384).devices[0].peak for p in (tiled, untiled)]
+    assert long_peaks[0] < 0.8 * long_peaks[1], long_peaks
+    short_peaks = [p.plan(4096).devices[0].peak for p in (tiled, untiled)]
+    assert short_peaks[0] == short_peaks[1]
+    with pytest.raises(SystemExit):
+        memory_cli.main([str(path), "--seq-len", "64", "--mlp-tile-tokens", "-1"])
+    assert "--mlp-tile-tokens must be >= 0" in capsys.readouterr().err
