@@ -10,6 +10,11 @@ device it trains on, so that a long batch trains without hand-picked options (do
   hidden) go to pinned host memory when they would take more than :data:`KEPT_INPUTS_SHARE`
   of what the smallest device has free; otherwise they stay on the device, where they cost no
   transfer.
+* The decoder layers' MLP tile (:func:`default_mlp_tile_tokens`): the MLP and its norms run
+  in tiles of as many tokens as make their intermediates (gate, up and their product: about
+  three tokens x intermediate tensors) at most :data:`MLP_TILE_SHARE` of the device's memory
+  (at most :data:`MLP_TILE_BYTES`); a microbatch of more tokens than a tile runs in tiles, a
+  shorter one untiled, so the choice is per call and costs nothing where the sequence is short.
 
 Any thread; pure arithmetic on sizes.
 """
@@ -21,7 +26,11 @@ __all__ = [
     "LOSS_CHUNK_BYTES",
     "LOSS_CHUNK_SHARE",
     "MIN_LOSS_CHUNK_TOKENS",
+    "MIN_MLP_TILE_TOKENS",
+    "MLP_TILE_BYTES",
+    "MLP_TILE_SHARE",
     "default_loss_chunk_tokens",
+    "default_mlp_tile_tokens",
     "kept_input_bytes",
     "offload_needed",
 ]
@@ -38,6 +47,15 @@ MIN_LOSS_CHUNK_TOKENS = 16
 # Stage inputs kept on the device for the backward may take at most this share of its free
 # memory; the rest is for the stages' weights, gradient sums and the activations inside a stage.
 KEPT_INPUTS_SHARE = 1 / 4
+# One MLP tile's intermediates (three tokens x intermediate tensors in the weights' dtype) take
+# at most this share of the device's memory: with their gradients in the backward about twice
+# that, a thirty-second of the device.
+MLP_TILE_SHARE = 1 / 64
+# ... and never more than this many bytes, which is also the tile where no device is known.
+MLP_TILE_BYTES = 256 << 20
+# The fewest tokens per tile: below, the per-tile launches and recomputes cost more than the
+# intermediates save.
+MIN_MLP_TILE_TOKENS = 128
 
 
 def default_loss_chunk_tokens(vocab_size: int, device_memory: int | None = None) -> int:
@@ -63,3 +81,17 @@ def offload_needed(kept_bytes: int, device_free: int | None) -> bool:
     """Whether stage inputs of ``kept_bytes`` go to host memory on a device with
     ``device_free`` bytes free (None: unknown, a CPU pool: never)."""
     return device_free is not None and kept_bytes > device_free * KEPT_INPUTS_SHARE
+
+
+def default_mlp_tile_tokens(
+    intermediate_size: int, itemsize: int, device_memory: int | None = None
+) -> int:
+    """Tokens per tile of the decoder layers' MLP and norms: the largest power of two whose
+    three (tokens x ``intermediate_size``) tensors of ``itemsize`` bytes take at most
+    :data:`MLP_TILE_SHARE` of ``device_memory`` (bytes; None: no device, only the cap) and
+    :data:`MLP_TILE_BYTES`, at least :data:`MIN_MLP_TILE_TOKENS`."""
+    budget = MLP_TILE_BYTES
+    if device_memory is not None:
+        budget = min(budget, int(device_memory * MLP_TILE_SHARE))
+    tokens = max(budget // (3 * max(intermediate_size, 1) * itemsize), MIN_MLP_TILE_TOKENS)
+    return 1 << (tokens.bit_length() - 1)

@@ -36,10 +36,22 @@ __all__ = [
     "granite_logits",
     "cohere_logits",
     "OUTSIDE_LAYER_FEATURES",
+    "TOKEN_WISE",
 ]
 
 
 Transform = Callable[[torch.Tensor], torch.Tensor]
+
+# The token-wise submodules of a decoder layer in the registered dense layouts: the norm before
+# the attention, Llama's norm before the MLP (OLMo 2's after the attention) and the MLP, Gemma's
+# norms before and after it.
+TOKEN_WISE = (
+    "input_layernorm",
+    "post_attention_layernorm",
+    "pre_feedforward_layernorm",
+    "mlp",
+    "post_feedforward_layernorm",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +86,12 @@ class Family:
         handles: the config features outside the decoder layers that this family's
             ``embed_scale`` and ``logits`` implement (see :data:`OUTSIDE_LAYER_FEATURES`); a
             model with another one turned on is refused at wrap, naming it.
+        tiled: the names of a decoder layer's token-wise submodules (each output token
+            depends on its own input token only: the dense MLP, RMS and layer norms) that run
+            in token tiles on long microbatches (:mod:`roundpipe.hf.tiling`); those a layer
+            does not have are skipped. Default: the MLP and the norms around it in the
+            layouts of the registered dense families. A mixture-of-experts family tiles
+            nothing (``()``): its router is read once per layer call.
     """
 
     name: str
@@ -89,6 +107,7 @@ class Family:
     embed_scale: Callable[[Any], float | Transform | None] | None = None
     logits: Callable[[Any], Transform | None] | None = None
     handles: tuple[str, ...] = ()
+    tiled: tuple[str, ...] = TOKEN_WISE
 
     def parts(self, model: nn.Module) -> dict[str, Any]:
         """The parts of ``model`` (a ``*ForCausalLM``), by field name; raises ``TypeError``
@@ -247,7 +266,7 @@ def family_of(model: nn.Module) -> Family:
 
 for _name in ("llama", "mistral", "qwen2", "qwen3"):
     register_family(Family(_name, (_name,)))
-register_family(Family("qwen3_moe", ("qwen3_moe",), router="mlp.gate"))
+register_family(Family("qwen3_moe", ("qwen3_moe",), router="mlp.gate", tiled=()))
 for _name in ("phi3", "olmo2"):  # their differences from Llama are inside the decoder layers
     register_family(Family(_name, (_name,)))
 _SOFTCAP = ("final_logit_softcapping",)
@@ -284,6 +303,6 @@ register_family(Family("cohere", ("cohere",), logits=cohere_logits, handles=("lo
 # More mixture-of-experts families: where each layer keeps its router. Everything else of theirs
 # (Qwen2-MoE's shared expert and its gate, GPT-OSS's attention sinks and its sliding and full
 # layers by config.layer_types) runs inside the HF layer modules.
-register_family(Family("mixtral", ("mixtral",), router="mlp.gate"))
-register_family(Family("qwen2_moe", ("qwen2_moe",), router="mlp.gate"))
-register_family(Family("gpt_oss", ("gpt_oss",), router="mlp.router"))
+register_family(Family("mixtral", ("mixtral",), router="mlp.gate", tiled=()))
+register_family(Family("qwen2_moe", ("qwen2_moe",), router="mlp.gate", tiled=()))
+register_family(Family("gpt_oss", ("gpt_oss",), router="mlp.router", tiled=()))

@@ -30,7 +30,12 @@ from typing import Any
 
 import torch
 
-from roundpipe.hf.defaults import default_loss_chunk_tokens, kept_input_bytes, offload_needed
+from roundpipe.hf.defaults import (
+    default_loss_chunk_tokens,
+    default_mlp_tile_tokens,
+    kept_input_bytes,
+    offload_needed,
+)
 from roundpipe.memory.host import format_bytes, host_terms
 from roundpipe.memory.probe import host_memory_available
 from roundpipe.memory.search import longest_fitting
@@ -103,9 +108,10 @@ class ConfigPlanner:
     reuses it for the identical ones (see [Note: identical stages] in
     :mod:`roundpipe.memory.trace`). ``device_memory``: plan against a GPU of that many bytes
     (its total: the CUDA context is taken off) and compute capability ``compute_capability``
-    instead of the local device, with the loss chunk and the activation offload chosen for it
-    as :func:`roundpipe.hf.wrap` chooses them for a local device
+    instead of the local device, with the loss chunk, the MLP tile and the activation offload
+    chosen for it as :func:`roundpipe.hf.wrap` chooses them for a local device
     (:mod:`roundpipe.hf.defaults`); ``offload_activations`` None: chosen per length;
+    ``mlp_tile_tokens``: wrap's (None: chosen for the device, 0: untiled);
     ``host_memory``: against that much host RAM instead of what this machine has free;
     ``ranks``: the state sharded over that many data-parallel ranks
     (:class:`roundpipe.distributed.ShardedState`), the host terms of the rank with the largest
@@ -128,6 +134,7 @@ class ConfigPlanner:
         host_memory: int | None = None,
         ranks: int = 1,
         spill_dir: str | None = None,
+        mlp_tile_tokens: int | None = None,
     ) -> None:
         from transformers import AutoModelForCausalLM
 
@@ -159,6 +166,11 @@ class ConfigPlanner:
             chunk = default_loss_chunk_tokens(
                 int(getattr(config, "vocab_size", 0) or 0), device_memory - CUDA_CONTEXT
             )
+            if mlp_tile_tokens is None:
+                intermediate = getattr(config, "intermediate_size", 0) or 4 * config.hidden_size
+                mlp_tile_tokens = default_mlp_tile_tokens(
+                    int(intermediate), dtype.itemsize, device_memory - CUDA_CONTEXT
+                )
         self.model = roundpipe.hf.wrap(
             whole,
             optim_dtype=optim_dtype,
@@ -166,6 +178,7 @@ class ConfigPlanner:
             check=False,  # a meta model computes nothing to compare
             memory_check=False,
             loss_chunk_tokens=chunk,
+            mlp_tile_tokens=mlp_tile_tokens,
         )
 
     def offloads(self, seq_len: int) -> bool:
@@ -314,6 +327,14 @@ def main(argv: list[str] | None = None) -> int:
         "default: where they would take more than a quarter of the device, as wrap chooses)",
     )
     parser.add_argument(
+        "--mlp-tile-tokens",
+        type=int,
+        default=None,
+        metavar="N",
+        help="run each decoder layer's MLP and norms in tiles of N tokens (roundpipe.hf.wrap's "
+        "mlp_tile_tokens; 0: untiled; default: chosen for the device as wrap chooses it)",
+    )
+    parser.add_argument(
         "--device-memory",
         metavar="SIZE",
         help="plan against a GPU of this total memory, e.g. 24GiB (default: the local device)",
@@ -345,6 +366,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.ranks < 1:
         parser.error("--ranks must be >= 1")
+    if args.mlp_tile_tokens is not None and args.mlp_tile_tokens < 0:
+        parser.error("--mlp-tile-tokens must be >= 0 (0: untiled)")
     try:
         device_memory = parse_size(args.device_memory) if args.device_memory else None
         host_memory = parse_size(args.host_memory) if args.host_memory else None
@@ -371,6 +394,7 @@ def main(argv: list[str] | None = None) -> int:
         host_memory=host_memory,
         ranks=args.ranks,
         spill_dir=args.spill_dir,
+        mlp_tile_tokens=args.mlp_tile_tokens,
     )
     seq_len = args.seq_len
     if args.max_seq_len is not None:

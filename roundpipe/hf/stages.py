@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from roundpipe.context import WithContext
-from roundpipe.hf import compat
+from roundpipe.hf import compat, tiling
 from roundpipe.hf.families import Family
 from roundpipe.hf.loss import IGNORE_INDEX, chunked_causal_lm_loss
 
@@ -150,14 +150,29 @@ class Decoder(nn.Module):
     whose head adds the load-balancing loss (``config.output_router_logits``), the hidden states
     travel with the running sums that loss needs (``(hidden, tokens_per_expert, router_prob,
     rows)``), so the head computes it for the microbatch over every layer, as transformers does
-    over the batch; a layer without a router (a dense one) passes them on."""
+    over the batch; a layer without a router (a dense one) passes them on.
+
+    In a dense family the layer's token-wise submodules (:attr:`Family.tiled`: the MLP and its
+    norms) run in tiles of ``mlp_tile_tokens`` tokens when a microbatch has more
+    (:mod:`roundpipe.hf.tiling`; None: never). ``mlp_tile_tokens`` is written on the main thread
+    between calls (by :func:`roundpipe.hf.wrap`) and read by the worker that runs the stage."""
 
     takes_context = True
 
-    def __init__(self, layer: nn.Module, family: Family, config: Any, kind: str) -> None:
+    def __init__(
+        self,
+        layer: nn.Module,
+        family: Family,
+        config: Any,
+        kind: str,
+        mlp_tile_tokens: int | None = None,
+    ) -> None:
         super().__init__()
         self.layer = layer
         self.kind = kind  # its attention type: which of the context's masks it takes
+        # A family with a router keeps its MoE block whole (the tap reads one call per layer).
+        self.tiled = [] if family.router is not None else tiling.install(layer, family.tiled)
+        self.mlp_tile_tokens = mlp_tile_tokens
         self._tap: _RouterTap | None = None
         router = None
         if family.router is not None and getattr(config, "output_router_logits", False):
@@ -171,8 +186,9 @@ class Decoder(nn.Module):
 
     def extra_repr(self) -> str:
         # Which mask it takes: part of what decides its memory (see [Note: identical stages]
-        # in roundpipe.memory.trace).
-        return f"kind={self.kind!r}"
+        # in roundpipe.memory.trace), and so does the tile length.
+        tiles = self.mlp_tile_tokens if self.tiled else None
+        return f"kind={self.kind!r}, mlp_tile_tokens={tiles}"
 
     def forward(self, x: Any, context: dict[str, Any]) -> Any:
         sums = None
@@ -180,16 +196,17 @@ class Decoder(nn.Module):
             x, *sums = x
         if self._tap is not None:
             self._tap.start()
-        out = self.layer(
-            x,
-            **compat.layer_kwargs(
-                self.layer,
-                self.kind,
-                context["attention_masks"][self.kind],
-                context["position_ids"],
-                context["position_embeddings"],
-            ),
-        )
+        with tiling.tiles(self.mlp_tile_tokens if self.tiled else None):
+            out = self.layer(
+                x,
+                **compat.layer_kwargs(
+                    self.layer,
+                    self.kind,
+                    context["attention_masks"][self.kind],
+                    context["position_ids"],
+                    context["position_embeddings"],
+                ),
+            )
         hidden = out[0] if isinstance(out, tuple) else out
         if self._tap is None:
             return hidden if sums is None else (hidden, *sums)

@@ -15,7 +15,12 @@ from roundpipe import optim_queue
 from roundpipe.hf import compat
 from roundpipe.hf.calls import causal_lm_loss, count_predicted, parse_batch, positional_batch
 from roundpipe.hf.check import check_stages
-from roundpipe.hf.defaults import default_loss_chunk_tokens, kept_input_bytes, offload_needed
+from roundpipe.hf.defaults import (
+    default_loss_chunk_tokens,
+    default_mlp_tile_tokens,
+    kept_input_bytes,
+    offload_needed,
+)
 from roundpipe.hf.families import Family, family_of, layer_attention_types
 from roundpipe.hf.names import HFNames, export_state_dict
 from roundpipe.hf.stages import Decoder, Embed, Head, has_experts
@@ -400,6 +405,7 @@ def wrap(
     *,
     family: Family | None = None,
     loss_chunk_tokens: int | None = None,
+    mlp_tile_tokens: int | None = None,
     check: bool = True,
     **kwargs: Any,
 ) -> HFRoundPipe:
@@ -414,6 +420,13 @@ def wrap(
         loss_chunk_tokens: tokens per chunk of the loss head (the fp32 logits of this many
             tokens exist at once); default :func:`default_loss_chunk_tokens` of the vocabulary
             and of what the pool's smallest device has free at the wrap.
+        mlp_tile_tokens: tokens per tile of each decoder layer's MLP and its norms
+            (:mod:`roundpipe.hf.tiling`): a microbatch of more tokens runs them in tiles, each
+            recomputed alone in the backward, so no (tokens x intermediate) tensor of the
+            whole microbatch exists; 0: never tiled; default
+            :func:`roundpipe.hf.defaults.default_mlp_tile_tokens` of the intermediate size
+            and of what the pool's smallest device has free at the wrap. Dense families only:
+            a mixture-of-experts layer is not tiled.
         check: before anything else, compare the stages with the model's own forward on a
             cut of it (:func:`roundpipe.hf.check_stages`) and raise ``WrapCheckError`` naming
             the part that differs; a few seconds and a copy of the cut in fp32. ``False``
@@ -450,6 +463,15 @@ def wrap(
         loss_chunk_tokens = default_loss_chunk_tokens(vocab_size)
     if not isinstance(loss_chunk_tokens, int) or loss_chunk_tokens < 1:
         raise ValueError(f"loss_chunk_tokens must be a positive int, got {loss_chunk_tokens!r}")
+    if mlp_tile_tokens is not None and (
+        not isinstance(mlp_tile_tokens, int)
+        or isinstance(mlp_tile_tokens, bool)
+        or mlp_tile_tokens < 0
+    ):
+        raise ValueError(
+            f"mlp_tile_tokens must be an int >= 0 (0: no tiling; None: chosen from the "
+            f"device), got {mlp_tile_tokens!r}"
+        )
     compat.disable_checkpointing(base)
     config.use_cache = False
     layers = list(parts["layers"])[: config.num_hidden_layers]
@@ -466,12 +488,23 @@ def wrap(
         check_stages(base, family, kinds, loss_chunk_tokens)
     stages = nn.Sequential(
         Embed(parts, config, kinds, family),
-        *(Decoder(layer, family, config, kind) for layer, kind in zip(layers, kinds)),
+        *(
+            Decoder(layer, family, config, kind, mlp_tile_tokens or None)
+            for layer, kind in zip(layers, kinds)
+        ),
         Head(parts, config, loss_chunk_tokens, family),
     )
     kwargs.setdefault("name", type(base).__name__)
     wrapped = HFRoundPipe(model, stages, **kwargs)
+    free = wrapped.device_free()
     if chosen_chunk is None:
         head: Any = stages[-1]
-        head.chunk_tokens = default_loss_chunk_tokens(vocab_size, wrapped.device_free())
+        head.chunk_tokens = default_loss_chunk_tokens(vocab_size, free)
+    if mlp_tile_tokens is None:
+        itemsize = next(iter(base.parameters())).element_size()
+        intermediate = int(getattr(config, "intermediate_size", 0) or 4 * config.hidden_size)
+        tile = default_mlp_tile_tokens(intermediate, itemsize, free)
+        decoders: list[Any] = list(stages)[1:-1]
+        for decoder in decoders:
+            decoder.mlp_tile_tokens = tile
     return wrapped
