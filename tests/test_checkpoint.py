@@ -286,3 +286,26 @@ def test_the_hf_directory_of_a_full_model_loads_in_transformers_with_the_masters
         assert torch.equal(state["lm_head.weight"], state["model.embed_tokens.weight"])
     with pytest.raises(TypeError, match="roundpipe.hf.wrap"):
         ckpt.save(tmp_path / "plain", build()[0], hf=True)
+
+
+def test_a_save_between_forward_backward_and_step_is_refused_over_several_ranks(
+    tmp_path, monkeypatch
+):
+    # Each rank's accumulated gradients are its own until the step averages them: rank 0's copy
+    # restored on every rank would be wrong, so the save is refused before anything is launched.
+    from roundpipe import distributed
+
+    model, opt, scaler = build()
+    x, y = batch(0)
+    model.forward_backward(
+        input_args=(x,), label=y, loss_fn=lambda out, lbl: F.cross_entropy(out.float(), lbl)
+    )
+    monkeypatch.setattr(distributed, "data_parallel_rank", lambda: (0, 2))
+    with pytest.raises(RuntimeError, match=r"over 2 ranks.*between forward_backward and step"):
+        ckpt.save(tmp_path, model, opt, scaler=scaler)
+    assert list(tmp_path.iterdir()) == []
+    monkeypatch.undo()
+    # In one process the same save is allowed: the gradients are the whole batch's.
+    ckpt.save(tmp_path, model, opt, scaler=scaler).wait()
+    model.step(lambda: (opt.step(), opt.zero_grad()))
+    model.synchronize()

@@ -236,17 +236,23 @@ def take_on_main_thread(
     scaler: Any,
     extra: dict[str, Any] | None,
     rank: int,
+    world: int = 1,
 ) -> Capture:
     """What the main thread takes at ``save()`` (see [Note: a consistent checkpoint]); raises
     ``TypeError`` for an ``extra`` a checkpoint cannot hold and ``RuntimeError`` between a step
-    and ``scaler.update()``, before anything is launched."""
+    and ``scaler.update()``, or, over several data-parallel ranks, between ``forward_backward``
+    and the step, before anything is launched."""
     access = model.state_access()
     shard_rank = rank if access.params.placement.world_size > 1 else None
-    if shard_rank is not None and access.pending_grads():
+    if (shard_rank is not None or world > 1) and access.pending_grads():
+        # Each rank's accumulated gradients are its own until the step averages (or sums onto
+        # their owners) them: one rank's copy restored on every rank would train on its data
+        # alone for that step.
+        what = "with ShardedState" if shard_rank is not None else f"over {world} ranks"
         raise RuntimeError(
-            "a checkpoint of a model with ShardedState cannot be taken between "
-            "forward_backward and step: each rank's gradients are then its own, not yet summed "
-            "onto their owners. Save after model.step() and scaler.update()"
+            f"a checkpoint of a data-parallel model ({what}) cannot be taken between "
+            f"forward_backward and step: each rank's gradients are then its own, not yet "
+            f"averaged over the ranks. Save after model.step() and scaler.update()"
         )
     scaler_state = None
     if scaler is not None:

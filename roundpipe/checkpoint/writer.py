@@ -243,7 +243,9 @@ def save(
     if root_path.exists() and not root_path.is_dir():
         raise NotADirectoryError(f"save() writes checkpoints into a directory; {root} is a file")
     dp = distributed.data_parallel_rank()
-    capture = take_on_main_thread(model, optimizer, scheduler, scaler, extra, dp[0] if dp else 0)
+    capture = take_on_main_thread(
+        model, optimizer, scheduler, scaler, extra, dp[0] if dp else 0, dp[1] if dp else 1
+    )
     path, sequence = _reserve(root_path, name)
     owners = tuple(o for o in (model, scaler) if o is not None)
     handle = PendingCheckpoint(path, sequence, owners)
