@@ -173,6 +173,43 @@ def test_a_plan_from_a_config_counts_the_weights_against_the_host(tmp_path):
     assert not squeezed.fits
 
 
+def test_a_plan_from_a_config_counts_a_tied_embeddings_gradients_as_the_runtime_holds_them(
+    tmp_path,
+):
+    # A tied embedding is in the first and the last stage: on an accelerator each stage's
+    # gradients are downloaded into a pinned pool of their own, so its gradient is held twice
+    # until the second is added. The plan from the config counts what wrapping the same model
+    # with real weights and training it takes from the pinned pools (the emulated device
+    # counts them exactly).
+    transformers = pytest.importorskip("transformers")
+    from roundpipe.hf.memory_cli import plan_config
+    from roundpipe.testing import emu
+
+    path = _tiny_config(tmp_path)
+    config = json.loads(path.read_text())
+    path.write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    planned = plan_config(str(path), seq_len=32, devices="emu", host_memory=10**12).host
+    embedding = 512 * 64 * 4
+    assert planned.grads >= planned.masters + embedding
+
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(
+        transformers.AutoConfig.from_pretrained(str(path))
+    ).to(torch.bfloat16)
+    model = roundpipe.hf.wrap(hf, devices="emu")
+    with roundpipe.OptimizerCtx():
+        opt = roundpipe.optim.AdamW(model.optim_parameters(), lr=1e-3)
+    before = emu.pinned_memory_stats(reset_peak=True).allocated_bytes  # the model's weights
+    ids = torch.randint(0, 512, (1, 32))
+    for _ in range(2):
+        model.forward_backward(input_kwargs={"input_ids": ids, "labels": ids})
+        model.step(lambda: (opt.step(), opt.zero_grad()))
+    model.synchronize()
+    measured = emu.pinned_memory_stats().peak_allocated_bytes - before
+    # Beside the gradients each download carries its 4-byte inf/NaN flag (not planned).
+    assert 0 <= measured - planned.grads <= 64, (measured, planned.grads)
+
+
 def test_a_plan_for_a_named_gpu_uses_its_memory_and_reserve(tmp_path):
     pytest.importorskip("transformers")
     from roundpipe.devices.accelerator import cublas_workspace_bytes, device_reserve

@@ -208,7 +208,12 @@ class ConfigPlanner:
         ids = torch.zeros((self.batch_size, seq_len), dtype=torch.long)
         batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
         plan = self.model.memory_plan(input_kwargs=batch, run_config=run_config)
-        host = dataclasses.replace(self.host, activations=plan.host.activations)
+        # The masters' gradients as the runtime holds them (the wrapped model's plan): on an
+        # accelerator each stage's are downloaded into a pinned pool of their own, so a tied
+        # embedding (in the first and last stage) has two until the second is added.
+        host = dataclasses.replace(
+            self.host, activations=plan.host.activations, grads=plan.host.grads
+        )
         devs = plan.devices
         if self.device_memory is not None:
             from roundpipe.devices.accelerator import cublas_workspace_bytes, device_reserve
