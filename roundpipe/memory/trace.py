@@ -275,8 +275,13 @@ def _traced(
         out, context = _run_layers(stage, inp, context, tensors)
     forward_peak = live.count.peak - base
     output = _nbytes_new(out, before)
+    made = _nbytes_new(context, before) if stage.index == 0 else 0
     if not call.training:
-        return ActionBytes(_nbytes_new(inp, set()), output, forward_peak), out, context
+        return (
+            ActionBytes(_nbytes_new(inp, set()), output, forward_peak, context=made),
+            out,
+            context,
+        )
     # The forward with grad and the backward a recompute (or LAST) runs.
     wants = (lambda x: x.requires_grad) if stage.index == 0 else torch.is_floating_point
     with live.paused():
@@ -329,6 +334,7 @@ def _traced(
             backward_end=backward_end,
             input_grad=input_grad,
             param_grads=param_grads,
+            context=made,
         ),
         out,
         context,

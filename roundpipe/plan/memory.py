@@ -46,7 +46,10 @@ class ActionBytes:
     gradient they are handed; ``grad_phase_peak``: the most the backward alone reaches, counted
     from before its forward; ``backward_end``: what is alive at its end (the recomputed output,
     the parameter and input gradients); ``input_grad``: the gradient it hands to the stage
-    before; ``param_grads``: its parameters' gradients (before they are summed)."""
+    before; ``param_grads``: its parameters' gradients (before they are summed); ``context``
+    (stage 0 only): the microbatch's context its forward makes (an HF model's position ids,
+    rotary tables, shifted labels; see :mod:`roundpipe.context`), which every device that runs
+    one of the microbatch's stages holds until the call ends."""
 
     input: int = 0
     output: int = 0
@@ -58,6 +61,7 @@ class ActionBytes:
     backward_end: int = 0
     input_grad: int = 0
     param_grads: int = 0
+    context: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,6 +84,7 @@ TERMS = {
     "handoffs": "hand-offs (stage outputs, input gradients)",
     "graph": "saved activations (recompute off)",
     "outputs": "outputs kept to return",
+    "context": "microbatch contexts (positions, rotary tables, labels)",
     "action": "activations and workspace of the running action",
 }
 
@@ -111,6 +116,7 @@ class Held(enum.Enum):
     INPUT_GRAD = "gin"  # an input gradient until the stage before takes it
     GRAPH = "graph"  # activations a forward with grad saves (recompute off)
     RESULT = "res"  # a last-stage output kept until the call ends (per microbatch)
+    CONTEXT = "context"  # a microbatch's context, from its first use here to the call's end
 
     @property
     def term(self) -> str:
@@ -216,8 +222,18 @@ def device_peaks(
 
     walk = _Walk(plan)
     recompute = plan.recompute
+    has_context: set[tuple[int, int]] = set()  # (device, microbatch)
+
+    def hold_context(d: int, m: int) -> None:
+        if (d, m) not in has_context:
+            has_context.add((d, m))
+            if act(0, m).context:
+                walk.put(d, Held.CONTEXT, 0, m, act(0, m).context)
+
     for a in simulate(plan, moves=True):
         d, k, s, m = a.device, a.kind, a.stage, a.mb_index
+        if s > 0 and k in (ActionKind.FORWARD, ActionKind.LAST, ActionKind.BACKWARD):
+            hold_context(d, m)  # moved here before the stage runs
         if k in (ActionKind.UPLOAD, ActionKind.PREFETCH):
             walk.put(d, Held.WEIGHTS, s, -1, stages[s].upload)
         elif k is ActionKind.RELEASE:
@@ -238,6 +254,8 @@ def device_peaks(
             else:
                 walk.note(d, x.grad_forward_peak, a)
                 walk.put(d, Held.GRAPH, s, m, max(x.graph - x.output, 0))
+            if s == 0:
+                hold_context(d, m)  # made by this forward (its peak counted it): kept
             if s < S - 1:
                 walk.put(d, Held.OUTPUT, s, m, x.output)
             elif return_outputs or not plan.training:
