@@ -1,5 +1,6 @@
 """`python -m roundpipe`: versions, device pool and the self-check, run as a user runs it."""
 
+import gc
 import json
 import os
 import subprocess
@@ -199,6 +200,7 @@ def test_a_plan_from_a_config_counts_a_tied_embeddings_gradients_as_the_runtime_
     model = roundpipe.hf.wrap(hf, devices="emu")
     with roundpipe.OptimizerCtx():
         opt = roundpipe.optim.AdamW(model.optim_parameters(), lr=1e-3)
+    gc.collect()  # pinned pools earlier tests left to the collector: freed now, not mid-run
     before = emu.pinned_memory_stats(reset_peak=True).allocated_bytes  # the model's weights
     ids = torch.randint(0, 512, (1, 32))
     for _ in range(2):
