@@ -42,6 +42,33 @@ def run_worker(cfg, out):
     return json.loads(Path(out).read_text())
 
 
+def kill_when(cfg, prefix, count=1, delay=0.0):
+    """Run the worker and SIGKILL it ``delay`` seconds after the ``count``-th line it prints
+    starting with ``prefix`` (or when it ends); its return code and stderr."""
+    proc = subprocess.Popen(
+        [sys.executable, str(WORKER), json.dumps(cfg)],
+        cwd=ROOT,
+        env=ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        seen = 0
+        for line in proc.stdout:
+            seen += line.startswith(prefix)
+            if seen == count:
+                time.sleep(delay)  # a random moment of the write (the test's, not the library's)
+                break
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        _, err = proc.communicate()
+    return proc.returncode, err
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_a_process_killed_at_random_moments_while_saving_resumes_from_its_newest_checkpoint(
@@ -61,30 +88,8 @@ def test_a_process_killed_at_random_moments_while_saving_resumes_from_its_newest
         cfg = {**base, "root": str(root), "save_every": 1, "keep_last": 2, "announce_saves": True}
         kill_after = rng.randint(2, steps - 1)  # the save after iteration kill_after - 1
         delay = rng.uniform(0.0, 0.25)
-        proc = subprocess.Popen(
-            [sys.executable, str(WORKER), json.dumps(cfg)],
-            cwd=ROOT,
-            env=ENV,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        try:
-            seen = 0
-            for line in proc.stdout:
-                seen += line.startswith("saving")
-                if seen == kill_after:
-                    time.sleep(
-                        delay
-                    )  # a random moment of the write (the test's, not the library's)
-                    break
-            proc.send_signal(signal.SIGKILL)
-            proc.wait(timeout=60)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-            proc.communicate()
-        assert proc.returncode == -signal.SIGKILL, f"trial {trial}: the run ended before the kill"
+        returncode, _ = kill_when(cfg, "saving", kill_after, delay)
+        assert returncode == -signal.SIGKILL, f"trial {trial}: the run ended before the kill"
         leftovers = [p.name for p in root.iterdir() if p.name.startswith(".")]
         interrupted_writes += any(".tmp-" in name for name in leftovers)
         newest = ckpt.latest(root)
@@ -114,25 +119,8 @@ def test_a_process_killed_while_writing_adams_state_to_disk_resumes_from_its_che
     spill = {"state_dir": str(state_dir), "state_buffer_bytes": 1 << 20}
     root = tmp_path / "ckpts"
     cfg = {**base, **spill, "root": str(root), "save_every": 1, "announce_write_at": 3}
-    proc = subprocess.Popen(
-        [sys.executable, str(WORKER), json.dumps(cfg)],
-        cwd=ROOT,
-        env=ENV,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        for line in proc.stdout:
-            if line.startswith("writing"):
-                break
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        _, err = proc.communicate()
-    assert proc.returncode == -signal.SIGKILL, f"the run ended before the kill: {err}"
+    returncode, err = kill_when(cfg, "writing")
+    assert returncode == -signal.SIGKILL, f"the run ended before the kill: {err}"
     (left,) = list(state_dir.iterdir())  # the killed process's state directory
     assert left.name.startswith("roundpipe-adam-") and (left / "adam_state.bin").stat().st_size
     resumed = run_worker({**base, **spill, "root": str(root), "resume": True}, tmp_path / "r.json")

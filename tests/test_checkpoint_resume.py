@@ -42,34 +42,41 @@ def _free_port():
         return s.getsockname()[1]
 
 
+def start_ranks(cfg, world):
+    """``world`` ranks of the worker with torchrun's variables (their output piped)."""
+    port = _free_port()
+    procs = []
+    for rank in range(world):
+        env = {
+            **os.environ,
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world),
+            "LOCAL_RANK": str(rank),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "GLOO_SOCKET_IFNAME": "lo",
+            "OMP_NUM_THREADS": "1",
+            "PYTHONPATH": str(ROOT),
+        }
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(WORKER), json.dumps({**cfg, "dp": True})],
+                cwd=ROOT,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
+    return procs
+
+
 def run_ranks(cfg, tmp_path, tag, world=2, timeout=240):
     """``world`` ranks of the worker with the environment torchrun gives them."""
     out = tmp_path / f"{tag}.json"
-    port = _free_port()
     procs = []
     try:
-        for rank in range(world):
-            env = {
-                **os.environ,
-                "RANK": str(rank),
-                "WORLD_SIZE": str(world),
-                "LOCAL_RANK": str(rank),
-                "MASTER_ADDR": "127.0.0.1",
-                "MASTER_PORT": str(port),
-                "GLOO_SOCKET_IFNAME": "lo",
-                "OMP_NUM_THREADS": "1",
-                "PYTHONPATH": str(ROOT),
-            }
-            procs.append(
-                subprocess.Popen(
-                    [sys.executable, str(WORKER), json.dumps({**cfg, "dp": True, "out": str(out)})],
-                    cwd=ROOT,
-                    env=env,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.PIPE,
-                    text=True,
-                )
-            )
+        procs = start_ranks({**cfg, "out": str(out)}, world)
         for rank, p in enumerate(procs):
             _, err = p.communicate(timeout=timeout)
             assert p.returncode == 0, f"{tag} rank {rank}:\n{err}"

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -26,7 +24,7 @@ from roundpipe import distributed as rpd
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import ckpt_worker  # noqa: E402
-from test_checkpoint_resume import ROOT, WORKER, _free_port, run, run_ranks  # noqa: E402
+from test_checkpoint_resume import run, run_ranks, start_ranks  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
     not dist.is_available() or not dist.is_gloo_available(),
@@ -157,35 +155,6 @@ def test_one_process_in_ram_loads_on_two_sharded_ranks(tmp_path):
     two = run_ranks({**SEQ, "steps": N, "root": str(root), "resume": True}, tmp_path, "two")
     assert merged(two, "at_load") == one["at_end"]
     assert_continues(two)
-
-
-def start_ranks(cfg, world):
-    """``world`` ranks of the worker with torchrun's variables (their output piped)."""
-    port = _free_port()
-    procs = []
-    for rank in range(world):
-        env = {
-            **os.environ,
-            "RANK": str(rank),
-            "WORLD_SIZE": str(world),
-            "LOCAL_RANK": str(rank),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "GLOO_SOCKET_IFNAME": "lo",
-            "OMP_NUM_THREADS": "1",
-            "PYTHONPATH": str(ROOT),
-        }
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, str(WORKER), json.dumps({**cfg, "dp": True})],
-                cwd=ROOT,
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-        )
-    return procs
 
 
 def _load_problem(path, model, opt):
