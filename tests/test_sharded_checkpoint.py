@@ -157,6 +157,26 @@ def test_one_process_in_ram_loads_on_two_sharded_ranks(tmp_path):
     assert_continues(two)
 
 
+def kill_rank1(cfg, says, timeout):
+    """Two ranks of ``cfg``, whose rank 1 kills itself (SIGKILL) saying ``says``; rank 0 must
+    then fail within ``timeout`` seconds. Returns rank 0's stderr and how long after the kill
+    it ended."""
+    procs = start_ranks(cfg, 2)
+    try:
+        out1, _ = procs[1].communicate(timeout=120)
+        killed_at = time.monotonic()
+        assert procs[1].returncode == -9 and says in out1, out1
+        _, err0 = procs[0].communicate(timeout=timeout)
+        stopped_after = time.monotonic() - killed_at
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    assert procs[0].returncode not in (0, None)
+    return err0, stopped_after
+
+
 def _load_problem(path, model, opt):
     with pytest.raises(ckpt.CheckpointFormatError) as info:
         ckpt.load(path, model, opt, scaler=roundpipe.GradScaler(), scheduler=_sched(opt))
@@ -219,19 +239,7 @@ def test_a_rank_killed_in_the_weight_broadcast_stops_the_other_in_bounded_time(t
         "kill_in_broadcast": {"rank": 1, "at": 3 * 3 + 2},
         "out": str(tmp_path / "killed.json"),
     }
-    procs = start_ranks(cfg, 2)
-    try:
-        out1, _ = procs[1].communicate(timeout=120)
-        killed_at = time.monotonic()
-        assert procs[1].returncode == -9 and "killed in weight broadcast" in out1
-        _, err0 = procs[0].communicate(timeout=timeout_s + 50)
-        stopped_after = time.monotonic() - killed_at
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.communicate()
-    assert procs[0].returncode not in (0, None)
+    err0, stopped_after = kill_rank1(cfg, "killed in weight broadcast", timeout_s + 50)
     assert "DataParallelError" in err0, err0
     assert "the broadcast of the updated weights" in err0 or "failed" in err0, err0
     print(f"rank 0 stopped {stopped_after:.1f} s after rank 1 was killed")
@@ -262,19 +270,7 @@ def test_a_rank_killed_writing_its_share_leaves_no_manifest_and_rank_0_says_whos
         "kill_in_write": {"rank": 1, "save": 3},
         "out": str(tmp_path / "killed.json"),
     }
-    procs = start_ranks(cfg, 2)
-    try:
-        out1, _ = procs[1].communicate(timeout=120)
-        killed_at = time.monotonic()
-        assert procs[1].returncode == -9 and "killed writing its share of save 3" in out1
-        _, err0 = procs[0].communicate(timeout=60)
-        stopped_after = time.monotonic() - killed_at
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.communicate()
-    assert procs[0].returncode not in (0, None)
+    err0, stopped_after = kill_rank1(cfg, "killed writing its share of save 3", 60)
     assert "DataParallelError" in err0 and "nothing came for" in err0 and "rank1" in err0, err0
     print(f"rank 0's save failed {stopped_after:.1f} s after rank 1 was killed")
     assert sorted(p.name for p in root.iterdir()) == ["ckpt-000001", "ckpt-000002"]

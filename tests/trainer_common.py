@@ -101,3 +101,16 @@ def sentences(words, n=24, seed=3):
         k = int(torch.randint(4, 12, (1,), generator=g))
         out.append(" ".join(words[int(i)] for i in torch.randint(len(words), (k,), generator=g)))
     return out
+
+
+def stop_at(step):
+    """A Trainer callback that stops training at the end of ``step`` (a run cut short, as a
+    crash or a preemption would, after its checkpoint of that step)."""
+    from transformers import TrainerCallback
+
+    class StopAt(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == step:
+                control.should_training_stop = True
+
+    return StopAt()

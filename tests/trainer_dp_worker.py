@@ -16,12 +16,12 @@ import os
 import sys
 
 import torch
-import transformers
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from trainer_common import (  # noqa: E402
     collate,
     sentences,
+    stop_at,
     tiny_llama,
     token_dataset,
     training_args,
@@ -31,15 +31,6 @@ from trainer_common import (  # noqa: E402
 import roundpipe  # noqa: E402
 
 STEPS, STOP, PER_DEVICE, GLOBAL_BATCH = 12, 7, 2, 8
-
-
-class StopAt(transformers.TrainerCallback):
-    def __init__(self, step):
-        self.step = step
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step == self.step:
-            control.should_training_stop = True
 
 
 def sft_trainer(output_dir, per_device):
@@ -122,7 +113,7 @@ def run(mode, output_dir, result):
         train_dataset=token_dataset(n=24),
         eval_dataset=token_dataset(n=8, seed=5),
         data_collator=collate,
-        callbacks=[StopAt(STOP)] if mode == "stop" else [],
+        callbacks=[stop_at(STOP)] if mode == "stop" else [],
     )
     trainer.train(resume_from_checkpoint=True if mode == "resume" else None)
     record = {

@@ -5,26 +5,23 @@ import json
 import sys
 
 import torch
-import transformers
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from trainer_common import collate, step_losses, tiny_llama, token_dataset, training_args  # noqa: E402
+from trainer_common import (  # noqa: E402
+    collate,
+    step_losses,
+    stop_at,
+    tiny_llama,
+    token_dataset,
+    training_args,
+)
 
 import roundpipe  # noqa: E402
 
 
-class StopAt(transformers.TrainerCallback):
-    def __init__(self, step):
-        self.step = step
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step == self.step:
-            control.should_training_stop = True
-
-
 def main(mode, output_dir, result):
     args = training_args(output_dir, save_strategy="steps", save_steps=10, save_total_limit=2)
-    callbacks = [StopAt(10)] if mode == "stop" else []
+    callbacks = [stop_at(10)] if mode == "stop" else []
     trainer = roundpipe.hf.Trainer(
         model=tiny_llama(),
         args=args,

@@ -94,7 +94,8 @@ def _state_options(terms: HostTerms) -> list[str]:
         # the gradients stay whole until the step reduces them (see HostTerms).
         sharded = terms.masters + terms.optimizer
         rest = terms.new_bytes - sharded
-        n = next((n for n in range(2, 1025) if rest + -(-sharded // n) <= terms.available), None)
+        room = terms.available - rest  # what each machine has left for its share
+        n = max(2, -(-sharded // room)) if room > 0 else None
         if n is not None:
             options.append(
                 f"shard the masters and the optimizer state over {n} or more machines "
