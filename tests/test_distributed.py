@@ -236,10 +236,9 @@ def test_ranks_that_built_different_models_are_told_so(tmp_path):
         assert "never waited for" not in err, err
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(120)
-def test_the_example_under_torchrun(tmp_path):
-    port = free_port()
+def torchrun(script_args, nproc=2, timeout=240):
+    """Run ``script_args`` (a script and its arguments) under torchrun on 127.0.0.1; returns
+    its stdout."""
     env = dict(
         os.environ,
         GLOO_SOCKET_IFNAME="lo",
@@ -247,6 +246,7 @@ def test_the_example_under_torchrun(tmp_path):
         OMP_NUM_THREADS="1",
         PYTHONUNBUFFERED="1",
     )
+    env.pop("ROUNDPIPE_DEVICES", None)
     cmd = [
         sys.executable,
         "-m",
@@ -254,14 +254,12 @@ def test_the_example_under_torchrun(tmp_path):
         "--nnodes",
         "1",
         "--nproc-per-node",
-        "2",
+        str(nproc),
         "--master-addr",
         "127.0.0.1",
         "--master-port",
-        str(port),
-        str(ROOT / "examples" / "data_parallel.py"),
-        "--steps",
-        "40",
+        str(free_port()),
+        *map(str, script_args),
     ]
     proc = subprocess.Popen(
         cmd,
@@ -273,12 +271,19 @@ def test_the_example_under_torchrun(tmp_path):
         start_new_session=True,
     )
     try:
-        out, err = proc.communicate(timeout=100)
+        out, err = proc.communicate(timeout=timeout)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.communicate()
     assert proc.returncode == 0, f"{out}\n{err}"
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_the_example_under_torchrun(tmp_path):
+    out = torchrun([ROOT / "examples" / "data_parallel.py", "--steps", "40"], timeout=100)
     assert "2 ranks" in out and "masters identical on every rank: True" in out, out
     accuracy = float(out.split("test accuracy: ")[1].split()[0])
     assert accuracy > 0.5, out  # chance is 0.1

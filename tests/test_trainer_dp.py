@@ -5,9 +5,6 @@ losses, gradient norms, learning rates and final weights; the resume of a two-ra
 processes; the evaluation loss as transformers computes it over ranks. The runs are
 tests/trainer_dp_worker.py's."""
 
-import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -19,7 +16,7 @@ transformers = pytest.importorskip("transformers")
 
 sys.path.insert(0, str(Path(__file__).parent))
 import trainer_dp_worker  # noqa: E402
-from test_distributed import free_port  # noqa: E402
+from test_distributed import torchrun  # noqa: E402
 from trainer_common import collate, step_losses, tiny_llama, token_dataset  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,53 +31,9 @@ pytestmark = [
 ]
 
 
-def _launch(script_args, nproc=2, timeout=240):
-    """Run ``script_args`` (a script and its arguments) under torchrun on 127.0.0.1; returns
-    its stdout."""
-    env = dict(
-        os.environ,
-        GLOO_SOCKET_IFNAME="lo",
-        PYTHONPATH=str(ROOT),
-        OMP_NUM_THREADS="1",
-        PYTHONUNBUFFERED="1",
-    )
-    env.pop("ROUNDPIPE_DEVICES", None)
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nnodes",
-        "1",
-        "--nproc-per-node",
-        str(nproc),
-        "--master-addr",
-        "127.0.0.1",
-        "--master-port",
-        str(free_port()),
-        *map(str, script_args),
-    ]
-    proc = subprocess.Popen(
-        cmd,
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
-    assert proc.returncode == 0, f"{out}\n{err}"
-    return out
-
-
 def _torchrun(mode, output_dir, result, nproc=2):
     """Run the worker under torchrun; returns every rank's record and the stdout."""
-    out = _launch([WORKER, mode, output_dir, result], nproc)
+    out = torchrun([WORKER, mode, output_dir, result], nproc)
     return [torch.load(f"{result}-rank{r}.pt", weights_only=False) for r in range(nproc)], out
 
 
@@ -211,7 +164,7 @@ def test_a_two_rank_run_resumes_in_new_processes_as_if_uninterrupted(two_ranks, 
 
 @pytest.mark.timeout(300)
 def test_the_trainer_example_under_torchrun(tmp_path):
-    out = _launch(
+    out = torchrun(
         [ROOT / "examples" / "trainer_hf.py", "--steps", 4, "--layers", 1, "--hidden", 32]
         + ["--seq-len", 32, "--out", tmp_path / "out"]
     )
