@@ -208,8 +208,10 @@ def test_a_plan_from_a_config_counts_a_tied_embeddings_gradients_as_the_runtime_
         model.step(lambda: (opt.step(), opt.zero_grad()))
     model.synchronize()
     measured = emu.pinned_memory_stats().peak_allocated_bytes - before
-    # Beside the gradients each download carries its 4-byte inf/NaN flag (not planned).
-    assert 0 <= measured - planned.grads <= 64, (measured, planned.grads)
+    # Within the downloads' 4-byte inf/NaN flags (not planned) and the pool's block rounding,
+    # which depends on what blocks earlier tests left cached: far below the embedding's
+    # gradient (131,072 bytes), which the plan counted once before.
+    assert abs(measured - planned.grads) <= 1024, (measured, planned.grads)
 
 
 def test_a_plan_for_a_named_gpu_uses_its_memory_and_reserve(tmp_path):
