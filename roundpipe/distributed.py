@@ -28,6 +28,7 @@ import dataclasses
 import datetime
 import hashlib
 import os
+import queue
 import sys
 import threading
 import weakref
@@ -44,6 +45,7 @@ from roundpipe.grad_scaler import GradScaler
 from roundpipe.main_thread import check_main_thread
 from roundpipe.runtime.model import RoundPipe
 from roundpipe.runtime.placement import MasterPlacement, shard_by_bytes
+from roundpipe.workers import Future
 
 __all__ = [
     "DataParallel",
@@ -63,9 +65,10 @@ __all__ = [
 
 # [Note: data-parallel step]
 # Every rank runs the same loop, so every rank launches the same work on its optimizer thread in
-# the same order. Only the optimizer thread issues collectives (construction and the found_inf
-# agreement launch theirs there and wait), so the collectives of all ranks pair up in launch
-# order:
+# the same order. Only the optimizer thread issues collectives on the group (construction and
+# the found_inf agreement launch theirs there and wait; sharded state's stage reducer has a
+# process group of its own, see [Note: sharded state]), so the collectives of all ranks pair up
+# in launch order:
 #   (a) at construction: a check that every rank built the same model, then a broadcast of rank
 #       0's masters, model parameters and buffers;
 #   (b) per step, in the step work item, before step_fn: the masters' gradients, bucketed
@@ -92,12 +95,22 @@ __all__ = [
 # model.optim_parameters() holds the optimizer state of that run only. The other parameters
 # have stand-ins (see [Note: state placement] in roundpipe.runtime.placement). The data-parallel
 # step changes in two places of [Note: data-parallel step]:
-#   (b') the gradients: every rank still accumulates all of its gradients (its microbatches
-#        touch every parameter); in the step work item, before step_fn, buckets that each hold
-#        one owner's parameters are summed onto that owner with async reduces (gloo's
-#        reduce_scatter needs one collective over every owner's chunk; a reduce per bucket
-#        moves the same bytes and keeps the buckets of [Note: data-parallel step]), divided by
-#        the world size there, and every rank drops the gradients it does not own;
+#   (b') the gradients: every rank still computes all of its gradients (its microbatches touch
+#        every parameter), but each forward_backward hands each stage's sums, as the stage
+#        finishes, to the DataParallel's _StageReducer instead of the masters: a thread with a
+#        process group of its own (its collectives never interleave with the optimizer
+#        thread's), which sums them onto their owners with one dist.reduce per bucket of one
+#        owner's parameters (gloo's reduce_scatter needs one collective over every owner's
+#        chunk; a reduce per bucket moves the same bytes), each bucket carrying one count per
+#        parameter (how many ranks had a gradient: none, and it stays None). Stages are
+#        reduced in descending order whatever the order the workers hand them over in, and a
+#        failed call hands the stages it did not as no gradients, so every rank reduces the
+#        same stages in the same order. A rank keeps its owned sums and drops the rest at once
+#        (host gradients 4/N bytes per parameter, plus the stages in flight); the call's
+#        gradient moves, behind a running step on the optimizer thread, add the sums into the
+#        masters' .grad. In the step work item, before step_fn, each owner divides by the
+#        world size; gradients that reached .grad another way (a differentiable forward() and
+#        backward()) are summed onto their owners there first, with the owners' sums so far;
 #   (d)  the weights: the master->model copy (Params.copy_masters_to_model, launched by step
 #        as today, so at the same point of [Note: staleness]) runs through
 #        ShardedState.copy_layer: per layer, each owner casts its masters into the model's
@@ -300,7 +313,7 @@ def plan_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], cap_bytes: i
 class _Group:
     """A process group plus what roundpipe needs around it: the device collectives run on, the
     timeout, and whether a collective failed. ``broken`` is written and read on the optimizer
-    thread only."""
+    thread and on a :class:`_StageReducer`'s thread (one str, set once by :meth:`failed`)."""
 
     def __init__(
         self, process_group: ProcessGroup | None, device: torch.device | str | None
@@ -537,9 +550,10 @@ class ShardedState(MasterPlacement):
     Each rank holds the masters of a contiguous run of the trainable parameters (whole
     parameters, balanced by bytes: :func:`roundpipe.runtime.placement.shard_by_bytes`), and
     ``model.optim_parameters()`` yields those only, so the optimizer built on them holds the
-    state of that run only. Host bytes per trainable parameter on a rank, fp16/bf16 weights
-    with fp32 masters and Adam: 2 (weights) + 4 (this rank's gradients, until the step hands
-    them to their owners) + 12/N (masters and Adam's moments), against 18 replicated.
+    state of that run only. Each ``forward_backward`` sums each stage's gradients onto their
+    owners as the backward produces them. Host bytes per trainable parameter on a rank,
+    fp16/bf16 weights with fp32 masters and Adam: 2 (weights) + 16/N (its gradients, masters
+    and Adam's moments), plus the stages' sums on their way, against 18 replicated.
 
     Args:
         process_group: the ranks to shard over (default: the world); the same group as the
@@ -652,6 +666,168 @@ class ShardedState(MasterPlacement):
             raise group.failed(what, exc) from exc
 
 
+class _StageReducer:
+    """Sums each ``forward_backward``'s stage gradients onto their owners as the backward
+    produces them (see [Note: sharded state] (b')): a :class:`GradReducer` that
+    :class:`DataParallel` registers for a model with :class:`ShardedState`.
+
+    Stage workers :meth:`submit` a call's stages in whatever order they finish; this object's
+    thread reduces them in descending stage order (the order every rank's backward produces
+    them in, whatever the timing) over a process group of its own, so that its reduces never
+    interleave with the optimizer thread's collectives; per stage, buckets of one owner's
+    parameters plus one count per parameter (how many ranks had a gradient) are summed onto
+    the owner with ``dist.reduce``. A rank keeps what it owns and drops the rest at once. The
+    move launched for the stages (:meth:`install`, optimizer thread, behind a running step)
+    adds the sums into the masters' ``.grad``.
+
+    Threads: :meth:`submit` on the stage workers or the main thread (a queue); everything else
+    of the per-call state on this object's thread; the results reach the optimizer thread
+    through each submission's :class:`roundpipe.workers.Future`. :meth:`close` on the main
+    thread, with no call running.
+    """
+
+    def __init__(self, dp: DataParallel, group: _Group) -> None:
+        self._dp = dp
+        self._group = group  # its device, timeout and "broken" state; its collectives are ours
+        self._pg = dist.new_group(
+            ranks=dist.get_process_group_ranks(group.pg) if group.pg is not None else None,
+            timeout=group.timeout,
+            backend=dist.get_backend(group.pg),
+            use_local_synchronization=group.pg is not None,
+        )
+        self._index = {id(m): i for i, m in enumerate(dp._masters)}
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        # Reducer thread only: the call in progress, its stages still to reduce (descending),
+        # what arrived ahead of its turn, and each stage's submission (future, stages left).
+        self._call: Any = None
+        self._order: list[int] = []
+        self._waiting: dict[int, tuple[list, Any, tuple[Future, list]]] = {}
+        self._flats: dict[tuple[torch.dtype, int], torch.Tensor] = {}
+        self._thread = threading.Thread(
+            target=self._run, name=f"roundpipe-grad-reduce-rank{group.rank}", daemon=True
+        )
+        self._thread.start()
+
+    def submit(
+        self,
+        call: Any,
+        stages: dict[int, list[tuple[torch.nn.Parameter, torch.Tensor | None]]],
+        arrived: torch.Event | None,
+    ) -> Callable[[], None]:
+        result = Future()
+        self._queue.put((call, stages, arrived, result))
+        dp = self._dp
+
+        def install_reduced_grads() -> None:
+            dp._install(result)
+
+        return install_reduced_grads
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join()
+        with contextlib.suppress(Exception):  # the group may be broken: nothing to release
+            dist.destroy_process_group(self._pg)
+
+    # -- the reducer's thread ------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            call, stages, arrived, result = item
+            if call is not self._call:
+                for _, _, (stale, _) in self._waiting.values():  # CallGrads.finish prevents it
+                    if not stale.done():
+                        stale.set_exception(
+                            AssertionError("a call's gradients were left unreduced; please report")
+                        )
+                self._call = call
+                self._order = [s for s in reversed(range(len(call.params))) if call.params[s]]
+                self._waiting = {}
+            # One submission settles when its last stage is reduced: [sums, stages left].
+            done: list = [[], len(stages)]
+            for s, pairs in stages.items():
+                self._waiting[s] = (pairs, arrived, (result, done))
+            while self._order and self._order[0] in self._waiting:
+                pairs, arrived, (result, done) = self._waiting.pop(self._order.pop(0))
+                try:
+                    if not result.done():  # an earlier stage of the submission failed
+                        done[0] += self._reduce_stage(pairs, arrived)
+                except BaseException as exc:  # noqa: B036 -- handed to the optimizer thread
+                    result.set_exception(exc)
+                    continue
+                done[1] -= 1
+                if done[1] == 0 and not result.done():
+                    result.set_result(done[0])
+
+    def _flat(self, dtype: torch.dtype, slot: int, numel: int) -> torch.Tensor:
+        flat = self._flats.get((dtype, slot))
+        if flat is None or flat.numel() < numel:
+            flat = self._flats[(dtype, slot)] = torch.empty(
+                numel, dtype=dtype, device=self._group.device
+            )
+        return flat[:numel]
+
+    def _reduce_stage(
+        self,
+        pairs: list[tuple[torch.nn.Parameter, torch.Tensor | None]],
+        arrived: torch.Event | None,
+    ) -> list[tuple[int, torch.Tensor]]:
+        """One stage's sums: ``(index of the master, this rank's summed gradient)`` for each
+        parameter this rank owns and some rank had a gradient of."""
+        group, dp = self._group, self._dp
+        what = "the gradient reduce of a stage during forward_backward"
+        group.check_usable(what)
+        if arrived is not None:
+            arrived.synchronize()  # the download from the accelerator
+        index = [self._index[id(master)] for master, _ in pairs]
+        named = [(str(i), dp._masters[i]) for i in index]
+        buckets, owners = _owner_buckets(named, [dp._owners[i] for i in index], dp._cap)
+        sums: list[tuple[int, torch.Tensor]] = []
+        in_flight: collections.deque = collections.deque()
+
+        def finish() -> None:
+            bucket, owner, flat, work = in_flight.popleft()
+            group.wait(work)
+            if owner != group.rank:
+                return
+            counts = flat[bucket.numel :].tolist()
+            for j, offset, n, count in zip(bucket.index, bucket.offsets, bucket.numels, counts):
+                if count:
+                    master = dp._masters[index[j]]
+                    value = flat[offset : offset + n].view(master.shape)
+                    sums.append((index[j], value.to(master.device, copy=True)))
+
+        try:
+            with group.device_scope(), torch.no_grad():
+                for slot, (bucket, owner) in enumerate(zip(buckets, owners)):
+                    if len(in_flight) == dp._in_flight:
+                        finish()
+                    flat = self._flat(
+                        bucket.dtype, slot % dp._in_flight, bucket.numel + len(bucket.index)
+                    )
+                    present = []
+                    for j, offset, n in zip(bucket.index, bucket.offsets, bucket.numels):
+                        grad = pairs[j][1]
+                        piece = flat[offset : offset + n]
+                        if grad is None:
+                            piece.zero_()
+                        else:
+                            piece.view(grad.shape).copy_(grad)
+                        present.append(grad is not None)
+                    flat[bucket.numel :].copy_(torch.tensor(present, dtype=bucket.dtype))
+                    assert owner is not None  # sharded: every parameter has one
+                    dst = dist.get_global_rank(self._pg, owner)
+                    work = dist.reduce(flat, dst=dst, group=self._pg, async_op=True)
+                    in_flight.append((bucket, owner, flat, work))
+                while in_flight:
+                    finish()
+        except Exception as exc:
+            raise group.failed(what, exc) from exc
+        return sums
+
+
 def _global_rank(group: _Group, rank: int) -> int:
     return dist.get_global_rank(group.pg, rank) if group.pg is not None else rank
 
@@ -670,8 +846,9 @@ class DataParallel:
     its loss as the mean over that shard, as in one process.
 
     With a model built with ``state_placement=ShardedState()``, each gradient is instead
-    summed onto the rank that holds its master (bucketed async reduces), that rank steps its
-    share, and the master->model copy broadcasts the updated weights from their owners (see
+    summed onto the rank that holds its master as the backward produces it (bucketed reduces
+    per stage, on a reducer thread of this object's), that rank steps its share, and the
+    master->model copy broadcasts the updated weights from their owners (see
     [Note: sharded state]): the masters are split over the ranks, the model parameters stay
     bitwise identical on every rank. Use :meth:`clip_grad_norm_` for a global norm.
 
@@ -751,6 +928,16 @@ class DataParallel:
         except BaseException:
             _deactivate()
             raise
+        # Sharded over several ranks, each call's gradients reach their owners as its backward
+        # produces them (see [Note: sharded state] (b')); the owners' sums in .grad that no
+        # other gradient was added to since, by master index: (tensor, its version). Optimizer
+        # thread.
+        self._reduced: dict[int, tuple[torch.Tensor, int]] = {}
+        self._reducer: _StageReducer | None = None
+        self._unregister_reducer: Callable[[], None] | None = None
+        if self._shard is not None and self._group.world > 1:
+            self._reducer = _StageReducer(self, self._group)
+            self._unregister_reducer = model.register_grad_reducer(self._reducer)
         self._hook = model.register_step_pre_hook(self._reduce_gradients)
         # The scalers this model's steps use agree on overflows over the group (those already
         # seen at once, later ones at the launch that first uses them).
@@ -784,6 +971,10 @@ class DataParallel:
         optim_queue.wait_all()
         self._hook.remove()
         self._scaler_hook.remove()
+        if self._reducer is not None:
+            assert self._unregister_reducer is not None
+            self._unregister_reducer()
+            self._reducer.close()
         for scaler in list(self._scalers):
             if scaler.data_parallel is self:
                 scaler.join_data_parallel(None)
@@ -981,9 +1172,96 @@ class DataParallel:
             return
         try:
             with group.device_scope(), torch.no_grad():
-                self._reduce(group)
+                if self._reducer is not None:
+                    self._reduce_rest(group)
+                else:
+                    self._reduce(group)
         except Exception as exc:
             raise group.failed(what, exc) from exc
+
+    def _install(self, result: Future) -> None:
+        """Optimizer thread, the move of stages a :class:`_StageReducer` summed (behind a
+        running step): add this rank's sums into its masters' ``.grad``."""
+        sums = result.result()  # the reducer's DataParallelError, if it failed
+        for i, value in sums:
+            master = self._masters[i]
+            if master.grad is None:
+                master.grad = value
+                self._reduced[i] = (value, value._version)
+            else:
+                pure = self._is_reduced(i)
+                master.grad.add_(value)
+                if pure:
+                    self._reduced[i] = (master.grad, master.grad._version)
+
+    def _is_reduced(self, i: int) -> bool:
+        """Whether master ``i``'s ``.grad`` holds sums over the ranks only (optimizer thread)."""
+        entry = self._reduced.get(i)
+        grad = self._masters[i].grad
+        return entry is not None and grad is entry[0] and grad._version == entry[1]
+
+    def _reduce_rest(self, group: _Group) -> None:
+        """The step's part of a sharded reduction whose calls summed their gradients as they
+        ran (see [Note: sharded state] (b')): gradients that reached ``.grad`` another way (a
+        differentiable ``forward()`` and ``backward()``) are summed onto their owners as in
+        :meth:`_reduce`, with the owner's sums so far; then each owner divides by the world
+        size."""
+        masters = self._masters
+        reduced = [self._is_reduced(i) for i in range(len(masters))]
+        local = torch.tensor(
+            [m.grad is not None and not r for m, r in zip(masters, reduced)],
+            dtype=torch.float32,
+            device=group.device,
+        )
+        group.wait(group.all_reduce(local))
+        counts = local.tolist()
+        rest = [
+            (bucket, owner)
+            for bucket, owner in zip(self._buckets, self._bucket_owners)
+            if any(counts[i] for i in bucket.index)
+        ]
+        in_flight: collections.deque = collections.deque()
+        done: set[int] = set()
+
+        def finish() -> None:
+            bucket, owner, flat, work = in_flight.popleft()
+            group.wait(work)
+            if owner != group.rank:
+                return
+            flat.div_(group.world)
+            for i, offset, n in zip(bucket.index, bucket.offsets, bucket.numels):
+                done.add(i)
+                master = masters[i]
+                if counts[i] == 0 and not reduced[i]:
+                    continue  # no rank has a gradient: it stays None, as in one process
+                value = flat[offset : offset + n].view(master.shape)
+                if master.grad is None:
+                    master.grad = value.to(master.device, copy=True)
+                else:
+                    master.grad.copy_(value)
+
+        for slot, (bucket, owner) in enumerate(rest):
+            if len(in_flight) == self._in_flight:
+                finish()
+            flat = self._ring(bucket.dtype, slot)[: bucket.numel]
+            for i, offset, n in zip(bucket.index, bucket.offsets, bucket.numels):
+                grad = masters[i].grad
+                piece = flat[offset : offset + n]
+                if grad is None:
+                    piece.zero_()
+                else:
+                    piece.view(grad.shape).copy_(grad)
+            assert owner is not None  # sharded: every parameter has one
+            work = dist.reduce(flat, dst=_global_rank(group, owner), group=group.pg, async_op=True)
+            in_flight.append((bucket, owner, flat, work))
+        while in_flight:
+            finish()
+        for i, (master, held) in enumerate(zip(masters, self._held)):
+            if not held:
+                master.grad = None  # its owner has the sum
+            elif reduced[i] and i not in done:
+                master.grad.div_(group.world)  # type: ignore[union-attr]
+        self._reduced.clear()
 
     def _reduce(self, group: _Group) -> None:
         masters = self._masters

@@ -43,6 +43,13 @@ DEFAULTS = {
     "hidden": 16,
     "shard": False,
     "clip": None,
+    "devices": "cpu",
+    "accumulate": 1,  # forward_backward calls per step, each on a part of the batch
+    "extra_backward": False,  # also a differentiable forward() and backward() per step
+    # {"rank": R, "step": K, "survive": bool}: loss_fn raises there, mid-call; surviving, the
+    # rank steps with zero gradients instead of that call's
+    "fail_in_backward": None,
+    "hand_late": False,  # this rank hands its last stage's sums after the stage before it
 }
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -68,7 +75,7 @@ def build(cfg, shard=False):
     model = RoundPipe(
         seq.to(DTYPES[cfg["dtype"]]),
         optim_dtype=torch.float32,
-        devices="cpu",
+        devices=cfg["devices"],
         model_run_config=RoundPipeRunConfig(num_microbatch=cfg["num_microbatch"]),
         state_placement=rpd.ShardedState() if shard else None,
     )
@@ -81,9 +88,32 @@ def build(cfg, shard=False):
     return model, opt, scaler
 
 
+def hand_last_stage_late():
+    """Make this process hand each call's last stage to the gradient reducer only after the
+    next stage that has parameters: stage order as another thread timing could give it."""
+    from roundpipe.runtime.grad_router import CallGrads
+
+    move = CallGrads.move
+
+    def late_move(self, stages):
+        stages = list(stages)
+        if stages == [len(self.params) - 1] and self.reducer is not None:
+            self.held_back = stages
+            return
+        move(self, stages)
+        held = getattr(self, "held_back", None)
+        if held and any(self.handed[s] for s in stages):
+            self.held_back = None
+            move(self, held)
+
+    CallGrads.move = late_move
+
+
 def train(cfg, rank=0, world=1, dp=None):
     """The loop; ``dp`` None: one process on the whole global batch."""
     cfg = {**DEFAULTS, **cfg}
+    if cfg["hand_late"]:
+        hand_last_stage_late()
     model, opt, scaler = build(cfg, shard=dp is not None and cfg["shard"])
     if dp is not None:
         dp = rpd.DataParallel(model, bucket_cap_mb=dp.get("bucket_cap_mb", 25.0))
@@ -99,15 +129,23 @@ def train(cfg, rank=0, world=1, dp=None):
     record = {"scales": {}, "skipped": {}, "losses": {}, "norms": {}, "error": None}
     fail = cfg["fail"] if cfg["fail"] and cfg["fail"]["rank"] == rank else None
 
+    parts = cfg["accumulate"]
+    fail_in_backward = cfg["fail_in_backward"]
+    if fail_in_backward is not None and fail_in_backward["rank"] != rank:
+        fail_in_backward = None
+    current = {"it": None}
+
     def loss_fn(out, label):
-        return scaler.scale(F.cross_entropy(out.float(), label)) / nm
+        if fail_in_backward is not None and current["it"] == fail_in_backward["step"]:
+            raise ValueError(f"rank {rank} fails in loss_fn on purpose at {current['it']}")
+        return scaler.scale(F.cross_entropy(out.float(), label)) / (nm * parts)
 
     it = start
     failing_since = None
     call = "forward_backward"
     try:
         for it in range(start, cfg["steps"]):
-            if cfg["fail"] and it == cfg["fail"]["step"]:
+            if any(f and it == f["step"] for f in (cfg["fail"], cfg["fail_in_backward"])):
                 failing_since = time.monotonic()
             if fail is not None and it == fail["step"]:
                 if fail["how"] == "raise":
@@ -121,8 +159,31 @@ def train(cfg, rank=0, world=1, dp=None):
                 x, y = rpd.shard((x, y))
             record["scales"][it] = scaler.get_scale()
             call = "forward_backward"
-            loss = model.forward_backward(input_args=(x,), label=y, loss_fn=loss_fn)
-            record["losses"][it] = loss.item()
+            current["it"] = it
+            try:
+                loss = sum(
+                    model.forward_backward(input_args=(xp,), label=yp, loss_fn=loss_fn).item()
+                    for xp, yp in zip(x.chunk(parts), y.chunk(parts))
+                )
+            except ValueError as exc:
+                if fail_in_backward is None or not fail_in_backward.get("survive"):
+                    raise
+                # Step without the call's gradients: zero ones through a plain backward (no
+                # collective), since a step needs gradients.
+                record["survived"] = str(exc)
+                (model(x[:2]).float().sum() * 0.0).backward()
+                loss = float("nan")
+            if cfg["extra_backward"]:
+                # Gradients that reach the masters through autograd's hooks, not a call's sums.
+                out = model(x[:2])
+                (scaler.scale(out.float().square().mean()) * 0.1).backward()
+            if it == start:
+                record["grads_after_forward_backward"] = {
+                    rec.name: (rec.held, rec.master.grad is not None)
+                    for rec in model.state_access().params.records
+                    if rec.master is not None
+                }
+            record["losses"][it] = loss
 
             def step_fn(it=it):
                 if cfg["inf_step"] == it and cfg["inf_rank"] in (None, rank):
@@ -192,7 +253,12 @@ def train(cfg, rank=0, world=1, dp=None):
         if isinstance(t, torch.Tensor)
     )
     record["masters"] = model.master_state_dict()
-    record["params"] = {k: v.clone() for k, v in model.state_dict().items()}
+    try:
+        record["params"] = {k: v.clone() for k, v in model.state_dict().items()}
+    except RuntimeError as exc:  # sharded: the weight broadcast failed part way
+        if record["error"] is None:
+            raise
+        record["params"] = str(exc)
     record["scaler"] = scaler.state_dict()
     if dp is not None and record["error"] is None:
         record["replicas_identical"] = dp.replicas_identical()

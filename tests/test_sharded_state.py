@@ -47,7 +47,7 @@ def test_owners_are_contiguous_whole_parameters_balanced_by_bytes():
         shard_by_bytes([1, 1], 3)
 
 
-def test_the_host_terms_of_a_rank_count_its_share_and_every_gradient():
+def test_the_host_terms_of_a_rank_count_its_share_and_the_gradients_it_holds():
     seq = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64), nn.Linear(64, 64)).half()
     whole = host_terms(seq, torch.float32, None)
     two = host_terms(seq, torch.float32, None, ranks=2)
@@ -55,9 +55,16 @@ def test_the_host_terms_of_a_rank_count_its_share_and_every_gradient():
     owners = shard_by_bytes(sizes, 2)
     largest = max(sum(s for s, o in zip(sizes, owners) if o == r) for r in (0, 1))
     assert (two.masters, two.optimizer) == (largest, 2 * largest)
-    assert two.grads == whole.grads == whole.masters  # every rank sums all its gradients
+    # One fused CPU call hands every gradient over at its end: a rank holds all of them.
+    assert two.grads == whole.grads == whole.masters
     assert two.weights == whole.weights
     assert "this rank's share of 2" in dict(two.rows()).__repr__()
+    # Handed over stage by stage: its share plus two layers' sums in flight.
+    wide = nn.Sequential(*[nn.Linear(64, 64) for _ in range(8)]).half()
+    by_stage = host_terms(wide, torch.float32, None, ranks=4, layers=list(wide))
+    layer = (64 * 64 + 64) * 4
+    assert by_stage.grads == by_stage.masters + 2 * layer < host_terms(wide, None, None).grads
+    assert "two layers' sums" in repr(by_stage.rows())
 
 
 def test_the_plan_command_counts_one_ranks_share(tmp_path):
@@ -67,9 +74,18 @@ def test_the_plan_command_counts_one_ranks_share(tmp_path):
     from roundpipe.hf.memory_cli import main, plan_config
 
     path = str(_tiny_config(tmp_path))
+    from roundpipe.hf.memory_cli import ConfigPlanner
+    from roundpipe.memory.host import stage_grad_bytes
+    from roundpipe.runtime.stages import model_layers
+
     one = plan_config(path, seq_len=32, devices="emu").host
-    four = plan_config(path, seq_len=32, devices="emu", ranks=4).host
-    assert four.ranks == 4 and four.grads == one.grads and four.weights == one.weights
+    planner = ConfigPlanner(path, devices="emu", ranks=4)
+    four = planner.plan(32).host
+    assert four.ranks == 4 and four.weights == one.weights
+    # Its share and two stages' sums in flight (here the embedding's dominates), at most all.
+    layers = [layer.module for layer in model_layers(planner.model.module)]
+    in_flight = 2 * stage_grad_bytes(layers, torch.float32)
+    assert four.grads == min(one.grads, four.masters + in_flight) and four.grads_by_stage
     assert one.masters / 4 <= four.masters < one.masters / 2
     assert four.optimizer == 2 * four.masters
     with pytest.raises(SystemExit):
@@ -159,6 +175,11 @@ def assert_sharded_equals_replicated(world, cfg, tmp_path):
         for key in ("skipped", "scales", "scaler"):
             assert rec[key] == replicated[rank][key], (rank, key)
         assert repr(rec["norms"]) == repr(replicated[rank]["norms"])  # nan where it overflowed
+        if not cfg.get("extra_backward"):
+            # The call summed each gradient onto its owner as it ran: right after
+            # forward_backward, a rank holds the gradients of its own masters only.
+            after = rec["grads_after_forward_backward"]
+            assert after and all(has == held for held, has in after.values()), after
     return sharded, replicated
 
 
@@ -202,3 +223,98 @@ def test_four_sharded_ranks_equal_the_replicated_run_bitwise(tmp_path):
     cfg = {"steps": 20, "mode": "async", "dtype": "fp16", "inf_step": 3, "inf_rank": 2}
     cfg["global_batch"] = 16
     assert_sharded_equals_replicated(4, cfg, tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("devices,late", [("cpu:2", False), ("cpu:2", True), ("emu", False)])
+def test_stage_sums_reach_their_owners_on_every_pool(tmp_path, devices, late):
+    """Two CPU workers (a move per stage, from two threads) and the emulated accelerator (the
+    plan's downloads, the reducer waiting for their events): bitwise the replicated run; also
+    when rank 1 hands a call's last stage after the one before it (the reducer reduces in stage
+    order, whatever the order of the hand-overs)."""
+    cfg = {
+        "steps": 6,
+        "mode": "async",
+        "dtype": "fp16",
+        "devices": devices,
+        "inf_step": 2,
+        "inf_rank": 1,
+        "global_batch": 8,
+    }
+    if late:
+        cfg["by_rank"] = {"1": {"hand_late": True}}
+    assert_sharded_equals_replicated(2, cfg, tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_accumulated_calls_and_a_plain_backward_sum_as_the_replicated_run(tmp_path):
+    """Two forward_backward calls per step (each summed over the ranks as it runs) plus a
+    differentiable forward() and backward() (summed at the step, with the owners' sums so far):
+    the same total as the replicated run, up to the order of the additions."""
+    cfg = {"steps": 6, "mode": "async", "dtype": "fp32", "accumulate": 2, "extra_backward": True}
+    (tmp_path / "sharded").mkdir()
+    (tmp_path / "replicated").mkdir()
+    sharded, _ = run_ranks(2, {**cfg, "shard": True}, tmp_path / "sharded", deadline=150)
+    replicated, _ = run_ranks(2, cfg, tmp_path / "replicated", deadline=150)
+    whole = replicated[0]["masters"]
+    masters = merged(sharded)
+    assert sorted(masters) == sorted(whole)
+    for name, value in whole.items():
+        torch.testing.assert_close(masters[name], value, rtol=1e-5, atol=1e-6, msg=name)
+    for rec in sharded.values():
+        assert rec["error"] is None and rec["replicas_identical"] is True
+        # The plain backward left local gradients on the stand-ins until the step.
+        after = rec["grads_after_forward_backward"]
+        assert any(has and not held for held, has in after.values())
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_rank_that_fails_inside_its_call_still_pairs_its_reduces(tmp_path):
+    """Rank 1's loss_fn raises in iteration 3: its call hands the reducer every stage (as no
+    gradients), so rank 0's reduces of that call complete; rank 0 then learns of rank 1's exit
+    at its next collective, within the group's timeout."""
+    timeout = 4.0
+    cfg = {
+        "steps": 8,
+        "shard": True,
+        "devices": "cpu:2",
+        "pg_timeout": timeout,
+        "fail_in_backward": {"rank": 1, "step": 3},
+    }
+    records, outcome = run_ranks(2, cfg, tmp_path, deadline=60.0, expect_exit={1: "raise"})
+    assert sorted(records) == [0]
+    error = records[0]["error"]
+    assert error is not None and error["type"] == "DataParallelError", error
+    # Iteration 3's call completed on rank 0 (rank 1's zeros paired its reduces); rank 1's
+    # exit shows at the next collective: step 3's, or iteration 4's call.
+    assert error["iteration"] in (3, 4), error
+    assert error["seconds"] < timeout + 10, error
+    assert "was not attempted" in error["again"] and error["again_seconds"] < timeout
+    # The weight broadcast failed part way: the model's parameters are refused, by name.
+    assert "copying the masters into the model parameters failed" in records[0]["params"]
+    code, err = outcome[1]
+    assert code != 0 and "fails in loss_fn on purpose" in err
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_rank_that_survives_a_failed_call_stays_in_step(tmp_path):
+    """Rank 1's call fails in iteration 3 and it goes on to the step, as rank 0 does after its
+    whole call: rank 1 handed the reducer every stage of the failed call, so the ranks' reduces
+    still pair up, and both finish, in step, without a data-parallel error (a rank whose failed
+    call handed nothing would leave rank 0 waiting in that call's reduce until the timeout)."""
+    cfg = {
+        "steps": 6,
+        "shard": True,
+        "devices": "cpu:2",
+        "pg_timeout": 4.0,
+        "fail_in_backward": {"rank": 1, "step": 3, "survive": True},
+    }
+    records, _ = run_ranks(2, cfg, tmp_path, deadline=90.0)
+    assert sorted(records) == [0, 1]
+    assert "fails in loss_fn on purpose at 3" in records[1]["survived"]
+    for rec in records.values():
+        assert rec["error"] is None and rec["replicas_identical"] is True

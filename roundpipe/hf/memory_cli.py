@@ -40,6 +40,7 @@ from roundpipe.memory.host import format_bytes, host_terms
 from roundpipe.memory.probe import host_memory_available
 from roundpipe.memory.search import longest_fitting
 from roundpipe.optim.spill import DEFAULT_BUFFER_BYTES
+from roundpipe.runtime.stages import model_layers
 
 __all__ = ["GPUS", "CUDA_CONTEXT", "ConfigPlanner", "main", "parse_size", "plan_config"]
 
@@ -150,15 +151,6 @@ class ConfigPlanner:
         self.itemsize = dtype.itemsize
         with torch.device("meta"):
             whole = _with_lora(AutoModelForCausalLM.from_config(config, dtype=dtype), lora)
-        # Shapes only: the meta model's terms are the whole model's (nothing pinned is counted).
-        available = host_memory if host_memory is not None else host_memory_available()
-        self.host = dataclasses.replace(
-            host_terms(whole, optim_dtype, None, available, ranks=ranks), weights_allocated=False
-        )
-        if spill_dir is not None:
-            self.host = dataclasses.replace(
-                self.host, optimizer=DEFAULT_BUFFER_BYTES, optimizer_dir=spill_dir
-            )
         if devices is None:
             devices = "cuda:0" if torch.cuda.is_available() else "emu"
         chunk = None
@@ -180,6 +172,18 @@ class ConfigPlanner:
             loss_chunk_tokens=chunk,
             mlp_tile_tokens=mlp_tile_tokens,
         )
+        # Shapes only: the meta model's terms are the whole model's (nothing pinned is counted);
+        # an accelerator pool hands the gradients over stage by stage.
+        available = host_memory if host_memory is not None else host_memory_available()
+        layers = [layer.module for layer in model_layers(self.model.module)]
+        self.host = dataclasses.replace(
+            host_terms(whole, optim_dtype, None, available, ranks=ranks, layers=layers),
+            weights_allocated=False,
+        )
+        if spill_dir is not None:
+            self.host = dataclasses.replace(
+                self.host, optimizer=DEFAULT_BUFFER_BYTES, optimizer_dir=spill_dir
+            )
 
     def offloads(self, seq_len: int) -> bool:
         """Whether the plan at ``seq_len`` offloads the stage inputs (given, or chosen as wrap
@@ -210,9 +214,12 @@ class ConfigPlanner:
         plan = self.model.memory_plan(input_kwargs=batch, run_config=run_config)
         # The masters' gradients as the runtime holds them (the wrapped model's plan): on an
         # accelerator each stage's are downloaded into a pinned pool of their own, so a tied
-        # embedding (in the first and last stage) has two until the second is added.
+        # embedding (in the first and last stage) has two until the second is added. Sharded,
+        # a rank keeps its share only (self.host's).
         host = dataclasses.replace(
-            self.host, activations=plan.host.activations, grads=plan.host.grads
+            self.host,
+            activations=plan.host.activations,
+            grads=self.host.grads if self.host.ranks > 1 else plan.host.grads,
         )
         devs = plan.devices
         if self.device_memory is not None:

@@ -6,13 +6,14 @@ are written (:func:`format_bytes`). Main thread (wrap time), except the pure hel
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 import torch
 from torch import nn
 
 from roundpipe.devices.pinned import PinnedAllocator, pinned_layout, storage_bytes
 
-__all__ = ["HostTerms", "format_bytes", "host_terms", "master_dtype_of"]
+__all__ = ["HostTerms", "format_bytes", "host_terms", "master_dtype_of", "stage_grad_bytes"]
 
 
 def format_bytes(nbytes: float) -> str:
@@ -34,8 +35,11 @@ class HostTerms:
     ``weights``: the model's own parameters and buffers (allocated already, by the caller);
     ``masters``: the master copies of the trainable parameters (``optim_dtype``) this process
     holds: all of them, or with ``ranks`` > 1 (sharded state) the largest rank's share;
-    ``grads``: the masters' gradients (one per trainable parameter, in its master's dtype:
-    sharded too, every rank accumulates all of them until the step hands them to their owners);
+    ``grads``: the masters' gradients (one per trainable parameter, in its master's dtype);
+    sharded (``ranks`` > 1) with the gradients handed over stage by stage (``grads_by_stage``:
+    a pool of accelerators or of several CPU devices, see [Note: sharded state] in
+    :mod:`roundpipe.distributed`), this rank's share plus two layers' sums on their way to
+    their owners; one CPU device's fused call hands every sum at its end, so all of them;
     ``optimizer``: the optimizer's state, estimated as Adam's (two moments per held master),
     or, with ``optimizer_dir`` (``Adam(state_dir=...)``), the host buffer it streams through;
     ``pinned_overhead``: what the pinned pool takes beyond the weights' bytes (padding and
@@ -60,6 +64,7 @@ class HostTerms:
     weights_allocated: bool = True
     ranks: int = 1
     optimizer_dir: str | None = None
+    grads_by_stage: bool = False
 
     @property
     def new_bytes(self) -> int:
@@ -86,11 +91,7 @@ class HostTerms:
                 + (f", this rank's share of {self.ranks}" if self.ranks > 1 else ""),
                 self.masters,
             ),
-            (
-                "gradients of the masters"
-                + (" (every parameter's until the step reduces them)" if self.ranks > 1 else ""),
-                self.grads,
-            ),
+            ("gradients of the masters" + self._grads_note(), self.grads),
             (
                 f"optimizer state: in files under {self.optimizer_dir} (streaming buffer)"
                 if self.optimizer_dir
@@ -102,6 +103,29 @@ class HostTerms:
         if self.activations:
             rows.append(("activations held in host memory", self.activations))
         return rows
+
+    def _grads_note(self) -> str:
+        if self.ranks == 1:
+            return ""
+        if self.grads_by_stage:
+            return " (this rank's share, plus two layers' sums on their way to their owners)"
+        return " (every parameter's until the call's end hands them to their owners)"
+
+
+def stage_grad_bytes(layers: Sequence[nn.Module], optim_dtype: torch.dtype | None) -> int:
+    """The largest gradient sum one of ``layers`` hands over (its trainable parameters in
+    their masters' dtype). Reads shapes only."""
+    return max(
+        (
+            sum(
+                p.numel() * master_dtype_of(p, optim_dtype).itemsize
+                for p in layer.parameters()
+                if p.requires_grad
+            )
+            for layer in layers
+        ),
+        default=0,
+    )
 
 
 def _count(n: int) -> str:
@@ -125,12 +149,15 @@ def host_terms(
     pinned: PinnedAllocator | None,
     available: int | None = None,
     ranks: int = 1,
+    layers: Sequence[nn.Module] | None = None,
 ) -> HostTerms:
     """What wrapping ``module`` takes from the host, term by term (see :class:`HostTerms`);
     ``pinned``: the pool's allocator on an accelerator pool (None: nothing pinned); ``ranks``:
     data-parallel ranks the state is sharded over (1: not sharded; else the masters and the
-    optimizer state of the largest share, see :func:`roundpipe.runtime.placement.shard_by_bytes`).
-    Reads shapes only. Main thread."""
+    optimizer state of the largest share, see :func:`roundpipe.runtime.placement.shard_by_bytes`);
+    ``layers``: with ``ranks`` > 1, the model's layers when its pool hands the gradients over
+    stage by stage (None: one CPU device, whose call hands all of them at its end). Reads
+    shapes only. Main thread."""
     from roundpipe.runtime.placement import shard_by_bytes  # runtime imports this module
 
     tensors: dict[int, torch.Tensor] = {}
@@ -154,11 +181,14 @@ def host_terms(
         for owner, size in zip(shard_by_bytes(sizes, ranks), sizes):
             share[owner] += size
         held = max(share)
+    grads = masters
+    if ranks > 1 and layers is not None:
+        grads = min(masters, held + 2 * stage_grad_bytes(layers, optim_dtype))
     overhead = pinned_layout(module, pinned).overhead if pinned is not None else 0
     return HostTerms(
         weights=weights,
         masters=held,
-        grads=masters,
+        grads=grads,
         optimizer=2 * held,
         pinned_overhead=overhead,
         trainable_numel=trainable,
@@ -166,4 +196,5 @@ def host_terms(
         master_dtype=next(iter(dtypes)) if len(dtypes) == 1 else None,
         available=available,
         ranks=ranks,
+        grads_by_stage=ranks > 1 and layers is not None,
     )

@@ -150,7 +150,12 @@ class CallState:
         # Per microbatch, the stage-0 input leaves as the caller's graph has them (None where no
         # grad is wanted); their grads are in slots[(0, m)].grad_in. Written by stage 0's worker.
         self.input_origins: list[Any] = [None] * M
-        self.grads = CallGrads(spec.stage_params, spec.grad_dtype, spec.hooks.owner)
+        self.grads = CallGrads(
+            spec.stage_params,
+            spec.grad_dtype,
+            spec.hooks.owner,
+            reducer=spec.hooks.reducer if spec.training else None,
+        )
         self.sink: GradSink | None = None  # a fused plan's (see [Note: fused stages])
         self.uploads: dict[int, Upload] = {}
         self.released: dict[tuple, torch.Event] = {}

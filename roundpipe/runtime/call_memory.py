@@ -8,7 +8,7 @@ The counting itself is :mod:`roundpipe.memory.report`'s; this module builds its
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -35,8 +35,10 @@ from roundpipe.runtime.call import (
     takes_microbatch,
 )
 from roundpipe.runtime.config import ResolvedRunConfig
+from roundpipe.runtime.placement import MasterPlacement
+from roundpipe.runtime.stages import Layer
 
-__all__ = ["CallArgs", "check_call_memory", "memory_plan_of", "pinned_allocator"]
+__all__ = ["CallArgs", "check_call_memory", "memory_plan_of", "pinned_allocator", "sharding_terms"]
 
 
 def pinned_allocator(pool: DevicePool) -> PinnedAllocator | None:
@@ -101,18 +103,33 @@ def _pinned_grad_bytes(call: PlannedCall, pinned: PinnedAllocator | None) -> int
     return total
 
 
+def sharding_terms(
+    pool: DevicePool, placement: MasterPlacement | None, layers: Sequence[Layer]
+) -> dict[str, Any]:
+    """:func:`host_terms`'s ``ranks`` and ``layers`` for a model with ``placement`` on
+    ``pool``: a pool other than one CPU device hands the gradients over stage by stage."""
+    ranks = placement.world_size if placement is not None else 1
+    by_stage = ranks > 1 and (pool.streaming or len(pool) > 1)
+    return {"ranks": ranks, "layers": [layer.module for layer in layers] if by_stage else None}
+
+
 def memory_plan_of(
     parts: ModelParts,
     module: nn.Module,
     optim_dtype: torch.dtype | None,
     cfg: ResolvedRunConfig,
     call: CallArgs,
+    ranks: int = 1,
+    layers: Sequence[nn.Module] | None = None,
 ) -> MemoryPlan:
-    """:meth:`RoundPipe.memory_plan`: the host terms of ``module`` and the planned call."""
+    """:meth:`RoundPipe.memory_plan`: the host terms of ``module`` (``ranks``, ``layers``: see
+    :func:`sharding_terms`) and the planned call."""
     pinned = pinned_allocator(parts.pool)
-    terms = host_terms(module, optim_dtype, pinned, host_memory_available())
+    terms = host_terms(module, optim_dtype, pinned, host_memory_available(), ranks, layers)
     planned = _planned_call(parts, cfg, call)
-    return make_memory_plan(parts.tag, terms, planned, _pinned_grad_bytes(planned, pinned))
+    # Sharded, a rank keeps its share of the sums, not the pinned downloads of all of them.
+    grads_pinned = _pinned_grad_bytes(planned, pinned) if ranks == 1 else None
+    return make_memory_plan(parts.tag, terms, planned, grads_pinned)
 
 
 def check_call_memory(spec: CallSpec, what: str, cfg: ResolvedRunConfig) -> None:

@@ -10,6 +10,9 @@
   :class:`GradSink`); outside a fused call (a differentiable ``forward()`` and ``backward()``)
   they launch one move per gradient (:class:`PendingMoves`).
 * On the optimizer thread: :func:`move_grads`, :func:`accumulate_grad`, :func:`clear_grads`.
+* A :class:`GradReducer` (sharded data parallelism) takes a call's stage sums instead of the
+  masters: it sums them over the processes as the backward produces them, and its move then
+  hands each process the sums of the masters it holds (see [Note: gradient accumulation]).
 
 Threads: a call's buffers belong to the stage's worker until their move is launched, then to the
 optimizer thread; the masters' ``.grad`` to the optimizer thread.
@@ -21,7 +24,7 @@ import contextlib
 import threading
 import weakref
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -37,6 +40,7 @@ __all__ = [
     "TOUCHES_GRADS",
     "CallGrads",
     "GradHooks",
+    "GradReducer",
     "GradSink",
     "move_grads",
     "accumulate_grad",
@@ -60,6 +64,11 @@ __all__ = [
 # On an accelerator the buffer lives on the device and the plan's D action downloads it once;
 # with RoundPipeRunConfig(device_grad_dtype=...) it has that dtype there (the stage's
 # low-precision dtype halves or quarters it against fp32) and the masters receive it converted.
+# With a GradReducer (the model's, registered by roundpipe.distributed for sharded state), the
+# stage's sums go to the reducer instead, every trainable param of the stage included (None where
+# this process has no gradient: other processes may have one), and the launched move is the
+# reducer's install of what it summed; the call hands the reducer, at its end, every stage it
+# did not (as no gradients), so that every process hands over the same stages, whatever failed.
 
 
 def move_grads(
@@ -151,19 +160,46 @@ def sum_into(
     return False
 
 
+class GradReducer(Protocol):
+    """Sums a call's stage gradients over processes as its backward produces them (see
+    [Note: gradient accumulation]); :class:`roundpipe.distributed.DataParallel` registers one
+    for sharded state (``RoundPipe.register_grad_reducer``)."""
+
+    def submit(
+        self,
+        call: CallGrads,
+        stages: dict[int, list[tuple[nn.Parameter, torch.Tensor | None]]],
+        arrived: torch.Event | None,
+    ) -> Callable[[], None]:
+        """A stage worker (or the main thread, at the call's end): take ``stages``' summed
+        gradients (per stage, every trainable param's master and its sum, None where there is
+        none; the tensors nobody else holds, complete once ``arrived`` is). Returns the move to
+        launch on the optimizer thread. Never blocks."""
+        ...
+
+
 class CallGrads:
     """One call's gradient buffers, per stage, and the moves it launched (see
     [Note: gradient accumulation]). ``params``: per stage, its trainable parameter records.
-    ``dtype``: the buffers' dtype on an accelerator (None: the masters')."""
+    ``dtype``: the buffers' dtype on an accelerator (None: the masters'). ``reducer``: where
+    a training call's stage sums go instead of the masters (None: the masters)."""
 
     def __init__(
-        self, params: Sequence[Sequence[ParamRecord]], dtype: torch.dtype | None, owner: Any
+        self,
+        params: Sequence[Sequence[ParamRecord]],
+        dtype: torch.dtype | None,
+        owner: Any,
+        reducer: GradReducer | None = None,
     ):
         self.params = params
         self.dtype = dtype
         self.owner = owner  # the model whose moves these are (see [Note: error reporting])
+        self.reducer = reducer
         self.buffers: list[list[torch.Tensor | None]] = [[None] * len(ps) for ps in params]
         self.moves: list[Any] = []  # the launched work items, waited for by the main thread
+        # Which stages went to the reducer: written by the stage's worker, read by the main
+        # thread once the call's actions ended (finish).
+        self.handed = [False] * len(params)
 
     def add(self, s: int, grads: Sequence[torch.Tensor | None], others: Sequence[Any]) -> None:
         """Stage worker: sum one microbatch's parameter gradients of stage ``s`` (aligned with
@@ -194,6 +230,9 @@ class CallGrads:
 
     def move(self, stages: Sequence[int]) -> None:
         """Stage worker: launch the move of host-side sums (a CPU pool) to the masters."""
+        if self.reducer is not None:
+            self._hand(self._take_stages(stages), None)
+            return
         pairs = self.take(stages)
         if pairs:
             self.moves.append(_launch_move(self.owner, move_grads, pairs))
@@ -201,11 +240,66 @@ class CallGrads:
     def download(self, stages: Sequence[int], backend: StreamingBackend) -> None:
         """Stage worker, the plan's D: download the sums on the accelerator once, then launch
         their move, which waits for the download on the optimizer thread."""
+        if self.reducer is not None:
+            taken = self._take_stages(stages)
+            arrived = None
+            if any(g is not None for pairs in taken.values() for _, g in pairs):
+                host, _, arrived = backend.download_grads(
+                    [g for pairs in taken.values() for _, g in pairs]
+                )
+                downloaded = iter(host)
+                taken = {s: [(m, next(downloaded)) for m, _ in pairs] for s, pairs in taken.items()}
+            self._hand(taken, arrived)
+            return
         pairs = self.take(stages)
         if pairs:
             host, flag, arrived = backend.download_grads([g for _, g in pairs])
             moved = [(master, g) for (master, _), g in zip(pairs, host) if g is not None]
             self.moves.append(_launch_move(self.owner, move_grads, moved, arrived, flag))
+
+    def finish(self) -> None:
+        """Main thread, once the call's actions ended, whatever happened: hand the reducer the
+        stages the call did not (a failed call), as no gradients, so that every process hands
+        it the same stages (see [Note: gradient accumulation]); their sums are not installed."""
+        if self.reducer is None:
+            return
+        missing = [s for s, ps in enumerate(self.params) if ps and not self.handed[s]]
+        for s in missing:
+            self.buffers[s] = [None] * len(self.params[s])  # a failed call's sums are dropped
+        taken = self._take_stages(missing)
+        if taken:
+            # Nothing of them is installed (the call's gradients are discarded); a failure of
+            # their collectives marks the group broken, which the next collective reports.
+            self.reducer.submit(self, taken, None)
+
+    def _take_stages(
+        self, stages: Sequence[int]
+    ) -> dict[int, list[tuple[nn.Parameter, torch.Tensor | None]]]:
+        """Stage worker: the stages' (master, sum or None) of every trainable param, for the
+        reducer; the buffers are the reducer's from here on."""
+        taken: dict[int, list[tuple[nn.Parameter, torch.Tensor | None]]] = {}
+        for s in stages:
+            if not self.params[s] or self.handed[s]:
+                continue
+            buffers = self.buffers[s]
+            pairs = []
+            for i, rec in enumerate(self.params[s]):
+                assert rec.master is not None
+                pairs.append((rec.master, buffers[i]))
+            taken[s] = pairs
+            buffers[:] = [None] * len(buffers)
+            self.handed[s] = True
+        return taken
+
+    def _hand(
+        self,
+        taken: dict[int, list[tuple[nn.Parameter, torch.Tensor | None]]],
+        arrived: torch.Event | None,
+    ) -> None:
+        if taken:
+            assert self.reducer is not None
+            install = self.reducer.submit(self, taken, arrived)
+            self.moves.append(_launch_move(self.owner, install))
 
 
 def _launch_move(owner: Any, fn: Callable, *args: Any) -> optim_queue.WorkItem:
@@ -308,6 +402,8 @@ class GradHooks:
         self._registered = False
         self.sink: GradSink | None = None
         self._moves = PendingMoves()
+        # Where training calls hand their stage sums (register_grad_reducer); main thread.
+        self.reducer: GradReducer | None = None
 
     def ensure(self) -> None:
         """Main thread: register the hooks, once."""

@@ -36,10 +36,11 @@ from roundpipe.runtime.call_memory import (
     check_call_memory,
     memory_plan_of,
     pinned_allocator,
+    sharding_terms,
 )
 from roundpipe.runtime.config import ResolvedRunConfig, RoundPipeRunConfig, resolve_config
 from roundpipe.runtime.executor import execute
-from roundpipe.runtime.grad_router import TOUCHES_GRADS, GradHooks, clear_grads
+from roundpipe.runtime.grad_router import TOUCHES_GRADS, GradHooks, GradReducer, clear_grads
 from roundpipe.runtime.optimizer_ctx import in_optimizer_ctx, wrap_step
 from roundpipe.runtime.params import Params, StateAccess, check_state_dict
 from roundpipe.runtime.placement import MasterPlacement
@@ -144,6 +145,7 @@ class RoundPipe(nn.Module):
         if self._pool.streaming:  # leave the device threads their cores during a step
             optim_queue.use_default_num_threads(len(self._pool))
         self._memory_check = bool(memory_check) and not skip_memory_check()
+        layers = model_layers(model)
         if self._memory_check:  # before anything is allocated
             check_host_memory(
                 host_terms(
@@ -151,7 +153,7 @@ class RoundPipe(nn.Module):
                     optim_dtype,
                     pinned_allocator(self._pool),
                     host_memory_available(),
-                    ranks=state_placement.world_size if state_placement is not None else 1,
+                    **sharding_terms(self._pool, state_placement, layers),
                 ),
                 f"RoundPipe{_tag(name)}",
                 bool(self.model_run_config.offload_activations),
@@ -160,7 +162,6 @@ class RoundPipe(nn.Module):
         self._device_check_pending = self._memory_check and self._pool.streaming
         self._optim_dtype = optim_dtype
         self._pool.backends[0].prepare_host(model)
-        layers = model_layers(model)
         self._params = Params(
             model,
             [layer.module for layer in layers],
@@ -223,6 +224,25 @@ class RoundPipe(nn.Module):
         handle = RemovableHandle(self._step_pre_hooks)
         self._step_pre_hooks[handle.id] = hook
         return handle
+
+    def register_grad_reducer(self, reducer: GradReducer) -> Callable[[], None]:
+        """Hand each later ``forward_backward``'s per-stage gradient sums to ``reducer``
+        instead of the masters (see [Note: gradient accumulation] in
+        :mod:`roundpipe.runtime.grad_router`): :class:`roundpipe.distributed.DataParallel`
+        registers one for sharded state, to sum them over the ranks as the backward produces
+        them. One at a time. Returns a function that unregisters it. Main thread; call it
+        between iterations (no call running)."""
+        check_main_thread("register_grad_reducer")
+        if self._hooks.reducer is not None:
+            raise RuntimeError("this RoundPipe already has a gradient reducer")
+        self._hooks.reducer = reducer
+
+        def remove() -> None:
+            check_main_thread("register_grad_reducer")
+            if self._hooks.reducer is reducer:
+                self._hooks.reducer = None
+
+        return remove
 
     def register_step_scaler_hook(self, hook: Callable[[GradScaler], None]) -> RemovableHandle:
         """Call ``hook(scaler)`` for every :class:`roundpipe.GradScaler` that this model's step
@@ -356,6 +376,7 @@ class RoundPipe(nn.Module):
             self._optim_dtype,
             self._resolve(run_config),
             CallArgs(tuple(input_args), dict(input_kwargs or {}), label, loss_fn, return_outputs),
+            **sharding_terms(self._pool, self.state_placement, self._parts().stages.layers),
         )
 
     def _resolve(self, run_config: RoundPipeRunConfig | None) -> ResolvedRunConfig:
@@ -451,11 +472,16 @@ class RoundPipe(nn.Module):
             _DEVICE_BACKWARD_RAN.add(self._pool.device_type)
         ok = False
         try:
-            execute(spec, state)
+            try:
+                execute(spec, state)
+            finally:
+                state.grads.finish()
             learn_rng_use(self._rng_memo, spec.rng, state.stage_drew)
             for item in state.grads.moves:
-                item.wait()
-            optim_queue.raise_failures(self)  # e.g. a step of this model launched before failed
+                item.wait(report=False)  # reported together, below
+            # The moves' failures (one per stage when a data-parallel group breaks) in one
+            # report, with any of a step of this model launched before.
+            optim_queue.raise_failures(self)
             ok = True
             out_device = cfg.output_device
             # Summed where the losses are when they share a device (one transfer, not M).
@@ -526,7 +552,10 @@ class RoundPipe(nn.Module):
                 _DEVICE_BACKWARD_RAN.add(self._pool.device_type)
         ok = False
         try:
-            execute(spec, state)
+            try:
+                execute(spec, state)
+            finally:
+                state.grads.finish()
             learn_rng_use(self._rng_memo, spec.rng, state.stage_drew)
             ok = True
         finally:

@@ -296,9 +296,15 @@ def check_state_dict(module: nn.Module, state_dict: Any, strict: bool) -> None:
 
 
 def raise_copy_failure(ready: ParamsReady) -> None:
-    """Main thread: report a failed master->model copy (its error was reported earlier)."""
-    if ready.item is not None and ready.item.wait():
-        raise AssertionError("params copy reported failed but succeeded; please report")
+    """Main thread: report a failed master->model copy (its error was reported earlier). With
+    it, the failures of the work launched so far that it caused (the step launched behind it,
+    whose collectives a broken data-parallel group refuses), as notes of one report."""
+    item = ready.item
+    if item is not None:
+        if item.wait(report=False):
+            raise AssertionError("params copy reported failed but succeeded; please report")
+        optim_queue.wait_all()
+        optim_queue.raise_failures(item.owners[0] if item.owners else None)
     raise RuntimeError(
         "copying the masters into the model parameters failed (reported earlier); the model "
         "parameters may be partly updated: call model.synchronize() to copy them again"
