@@ -55,6 +55,7 @@ __all__ = [
     "data_parallel_rank",
     "gather_bytes",
     "all_gather_bytes",
+    "union_over_ranks",
     "post_to_rank0",
     "collect_on_rank0",
     "init_process_group",
@@ -486,6 +487,19 @@ def all_gather_bytes(payload: bytes, what: str) -> list[bytes]:
     except Exception as exc:
         raise group.failed(what, exc) from exc
     return [bytes(p[: int(n.item())].cpu().numpy()) for p, n in zip(parts, sizes)]
+
+
+def union_over_ranks(items: Sequence[str], what: str) -> list[str]:
+    """Every rank's ``items``, each once, in rank order then their own: what the ranks found
+    between them (e.g. the problems of a checkpoint whose files they checked a share each).
+    ``list(items)`` without data parallelism. A collective: every rank calls it at the same
+    point; main thread (it runs on the optimizer thread and waits) or the optimizer thread.
+    Raises :class:`DataParallelError` naming ``what`` if it fails."""
+    if _ACTIVE is None:
+        return list(dict.fromkeys(items))
+    payload = "\n".join(items).encode()
+    parts = _on_optimizer_thread(lambda: all_gather_bytes(payload, what))
+    return list(dict.fromkeys(line for part in parts for line in part.decode().split("\n") if line))
 
 
 # [Note: messages to rank 0]

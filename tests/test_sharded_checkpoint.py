@@ -219,6 +219,66 @@ def test_a_missing_rank_file_or_other_names_are_refused_by_name(saved, tmp_path)
         assert torch.equal(m, before[n]), n  # nothing changed
 
 
+def _flip_a_byte(file):
+    data = bytearray(file.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    file.write_bytes(bytes(data))
+
+
+@pytest.mark.slow
+def test_ranks_loading_together_each_check_a_share_of_the_checksums(saved, tmp_path):
+    from roundpipe.checkpoint.manifest import checksum_share, read_manifest, verify_files
+
+    path, _ = saved
+    found = read_manifest(path)
+    total = sum(info["bytes"] for info in found.manifest["files"].values())
+    shares = [checksum_share(found, r, 2) for r in range(2)]
+    assert sorted(shares[0] + shares[1]) == sorted(found.manifest["files"]) and shares[0]
+    assert not set(shares[0]) & set(shares[1])
+    read = [0, 0]
+    for r in range(2):
+        verify_files(found, lambda n, r=r: read.__setitem__(r, read[r] + n), share=(r, 2))
+    assert read[0] + read[1] == total and 0 < read[1] < total  # every byte once, between them
+    # A damaged file of rank 1's share: rank 0 alone does not see it; agreed, both refuse it.
+    copy = tmp_path / path.name
+    copy.mkdir()
+    for f in path.iterdir():
+        (copy / f.name).write_bytes(f.read_bytes())
+    _flip_a_byte(copy / shares[1][0])
+    damaged = read_manifest(copy)
+    verify_files(damaged, share=(0, 2))
+    problems: list[list[str]] = []
+    with pytest.raises(ckpt.CheckpointFormatError, match="does not match its checksum"):
+        verify_files(damaged, share=(1, 2), agree=lambda p: problems.append(p) or p)
+    assert len(problems) == 1 and shares[1][0] in problems[0][0]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_damaged_file_of_one_ranks_share_is_refused_on_every_rank(saved, tmp_path):
+    from roundpipe.checkpoint.manifest import checksum_share, read_manifest
+
+    path, _ = saved
+    copy = tmp_path / "ckpts" / path.name
+    copy.mkdir(parents=True)
+    for f in path.iterdir():
+        (copy / f.name).write_bytes(f.read_bytes())
+    victim = checksum_share(read_manifest(copy), 1, 2)[0]  # rank 1 reads it, rank 0 does not
+    _flip_a_byte(copy / victim)
+    cfg = {**SEQ, "steps": N, "root": str(copy.parent), "resume": True, "out": str(tmp_path / "o")}
+    procs = start_ranks(cfg, 2)
+    try:
+        for rank, p in enumerate(procs):
+            _, err = p.communicate(timeout=240)
+            assert p.returncode != 0, f"rank {rank} loaded a damaged checkpoint"
+            assert "CheckpointFormatError" in err and f"{victim} does not match its checksum" in err
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_rank_killed_in_the_weight_broadcast_stops_the_other_in_bounded_time(tmp_path):

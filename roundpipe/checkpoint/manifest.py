@@ -41,6 +41,7 @@ __all__ = [
     "write_manifest",
     "read_manifest",
     "verify_files",
+    "checksum_share",
     "version_problems",
     "list_checkpoints",
     "fsync_tree",
@@ -164,12 +165,30 @@ def _version_tuple(version: str) -> tuple[int, ...]:
     return tuple(parts)
 
 
-def verify_files(ckpt: Checkpoint, on_bytes: Callable[[int], None] | None = None) -> None:
+def checksum_share(ckpt: Checkpoint, rank: int, world: int) -> list[str]:
+    """The files whose checksums process ``rank`` of ``world`` checks when they load the
+    checkpoint together (every ``world``-th by name, from the ``rank``-th): each file is read
+    by one of them. Pure."""
+    return sorted(ckpt.manifest.get("files", {}))[rank::world]
+
+
+def verify_files(
+    ckpt: Checkpoint,
+    on_bytes: Callable[[int], None] | None = None,
+    share: tuple[int, int] | None = None,
+    agree: Callable[[list[str]], list[str]] | None = None,
+) -> None:
     """Every file the manifest names: present, of its size, of its CRC-32; every tensor the
     manifest indexes found in its shard. Raises :class:`CheckpointFormatError` listing each
-    file missing, truncated or mismatched (by name). Reads every byte once."""
+    file missing, truncated or mismatched (by name). Reads every byte once.
+
+    Processes that load one checkpoint together split the reading: with ``share`` (``(rank,
+    world)``) this one checks the checksums of :func:`checksum_share`'s files only (every
+    size still), and ``agree`` turns its problems into those of all of them (a collective),
+    so that every process refuses the same damaged checkpoint alike."""
     problems = []
     files = ckpt.manifest.get("files", {})
+    mine = set(checksum_share(ckpt, *share)) if share is not None else set(files)
     for name, info in files.items():
         file = ckpt.path / name
         if not file.exists():
@@ -180,6 +199,8 @@ def verify_files(ckpt: Checkpoint, on_bytes: Callable[[int], None] | None = None
             what = "truncated" if size < info["bytes"] else "longer than written"
             problems.append(f"{name} has {size} bytes, the manifest says {info['bytes']}: {what}")
             continue
+        if name not in mine:
+            continue
         crc = file_crc32(file, on_bytes)
         if crc != info["crc32"]:
             problems.append(
@@ -187,6 +208,8 @@ def verify_files(ckpt: Checkpoint, on_bytes: Callable[[int], None] | None = None
                 f"{info['crc32']:08x}): its contents changed after it was written (a bit flip, "
                 f"an edit)"
             )
+    if agree is not None:
+        problems = agree(problems)
     if problems:
         raise CheckpointFormatError(
             f"checkpoint {ckpt.path} is damaged; nothing was loaded:\n  " + "\n  ".join(problems)

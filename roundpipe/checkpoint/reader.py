@@ -33,6 +33,7 @@ from roundpipe.checkpoint.files import (
 from roundpipe.checkpoint.manifest import (
     MANIFEST,
     Checkpoint,
+    checksum_share,
     list_checkpoints,
     read_manifest,
     verify_files,
@@ -105,17 +106,25 @@ def load(
     where = f"checkpoint {ckpt.path}"
     refuse(version_problems(ckpt), where)
     m = ckpt.manifest
-    total = sum(info["bytes"] for info in m.get("files", {}).values())
-    listener = progress_listener(progress, f"loading {ckpt.path.name}", 2 * total)
+    files = m.get("files", {})
+    total = sum(info["bytes"] for info in files.values())
+    # Sharded, the ranks load together and each checks the checksums of a share of the files.
+    placement = model.state_access().params.placement
+    share = (placement.rank, placement.world_size) if placement.world_size > 1 else None
+    checked = sum(files[n]["bytes"] for n in checksum_share(ckpt, *share)) if share else total
+    listener = progress_listener(progress, f"loading {ckpt.path.name}", checked + total)
     done = [0]
 
     def advance(n: int) -> None:
         done[0] += n
         if listener is not None:
-            listener(done[0], 2 * total)
+            listener(done[0], checked + total)
+
+    def agree(problems: list[str]) -> list[str]:
+        return distributed.union_over_ranks(problems, "the checks of the checkpoint's files")
 
     try:
-        verify_files(ckpt, advance)
+        verify_files(ckpt, advance, share, agree if share else None)
         access = model.state_access()
         tree = m.get("state", {})
         problems = check_model(m["model"], access, where)

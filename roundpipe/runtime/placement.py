@@ -49,6 +49,11 @@ class MasterPlacement:
         """Over how many processes the state is spread (1: all here). Any thread."""
         return 1
 
+    @property
+    def rank(self) -> int:
+        """This process's place among them (0 of 1 here). Any thread."""
+        return 0
+
     def assign(self, params: Sequence[nn.Parameter], master_bytes: Sequence[int]) -> list[bool]:
         """Construction, main thread: for each trainable parameter (in ``named_parameters()``
         order, with the bytes its master takes), whether this process holds its master."""
