@@ -16,7 +16,11 @@ Each configuration runs as its own set of processes, one after the other:
   roundpipe computes in, reducing in fp32 onto fp32 shards; the same per-layer non-reentrant
   recompute as roundpipe's default; the microbatches' gradients summed locally and
   reduce-scattered once; the fastest optimizer implementation that takes its DTensor
-  parameters on the CPU).
+  parameters on the CPU), in its fastest standard setting for gradient accumulation: a
+  block's parameters gathered once per iteration (``reshard_after_forward=False``,
+  ``set_reshard_after_backward`` on the last microbatch only);
+* ``N ranks, FSDP2, resharded``: the same with fully_shard's default resharding (gathered for
+  every microbatch's forward and again for its backward), the setting of ``--memory``.
 
 Every rank runs the same per-rank batch, so a perfect data-parallel run takes the time of
 ``1 process`` per iteration. Printed: the median iteration time on rank 0 (main thread), its
@@ -126,11 +130,12 @@ def worker(cfg):
         )
 
 
-def _fully_shard(model, blocks, param_dtype):
+def _fully_shard(model, blocks, param_dtype, reshard_after_forward=True):
     """torch's FSDP2 as its users set it up: ``fully_shard`` on each block, then on the root,
     over a CPU mesh of every rank (gloo). Each rank keeps a shard of the parameters in their own
-    dtype (fp32: the masters), gathers a block's in ``param_dtype`` for its forward and backward,
-    and reduce-scatters its gradients in fp32 onto fp32 gradient shards."""
+    dtype (fp32: the masters), gathers a block's in ``param_dtype`` for its forward and backward
+    (once for both with ``reshard_after_forward=False``), and reduce-scatters its gradients in
+    fp32 onto fp32 gradient shards."""
     import torch
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -138,7 +143,7 @@ def _fully_shard(model, blocks, param_dtype):
     mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     for block in blocks:
-        fully_shard(block, mesh=mesh, mp_policy=policy)
+        fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=mesh, mp_policy=policy)
 
 
@@ -165,7 +170,11 @@ def fsdp_worker(cfg):
         )
     )
     # The stack computes in fp32 under roundpipe too: no lower param_dtype to gather in.
-    _fully_shard(model, [m for m in model if list(m.parameters())], torch.float32)
+    # cfg["reshard"] False: the blocks' parameters, gathered by the first microbatch's forward,
+    # stay unsharded until the last microbatch's backward (one all-gather per block and
+    # iteration instead of two per microbatch; more memory, less communication).
+    blocks = [m for m in model if list(m.parameters())]
+    _fully_shard(model, blocks, torch.float32, reshard_after_forward=cfg["reshard"])
     # fused SGD has no DTensor sharding rule in torch 2.13 (NotImplementedError: "Operator
     # aten._fused_sgd_.default does not have a sharding strategy registered"): foreach, the
     # next fastest.
@@ -179,7 +188,10 @@ def fsdp_worker(cfg):
         for mb_index, (x_mb, y_mb) in enumerate(chunks):
             # Gradient accumulation as FSDP2 does it: the unsharded gradients of the microbatches
             # are summed locally and reduce-scattered once, after the last.
-            model.set_requires_gradient_sync(mb_index == len(chunks) - 1)
+            last = mb_index == len(chunks) - 1
+            model.set_requires_gradient_sync(last)
+            if not cfg["reshard"]:
+                model.set_reshard_after_backward(last)
             (F.mse_loss(model(x_mb), y_mb) / NUM_MICROBATCH).backward()
         opt.step()
         opt.zero_grad()
@@ -504,7 +516,8 @@ def main():
         (f"{n} ranks, sharded, sync", n, {**base, "dp": True, "async": False, "shard": True}),
         (f"{n} ranks, async", n, {**base, "dp": True, "async": True}),
         (f"{n} ranks, sharded, async", n, {**base, "dp": True, "async": True, "shard": True}),
-        (f"{n} ranks, FSDP2", n, {**base, "fsdp": True}),
+        (f"{n} ranks, FSDP2", n, {**base, "fsdp": True, "reshard": False}),
+        (f"{n} ranks, FSDP2, resharded", n, {**base, "fsdp": True, "reshard": True}),
     ]
     results: dict[str, list] = {name: [] for name, _, _ in rows}
     for _ in range(args.rounds):  # the contenders alternate
