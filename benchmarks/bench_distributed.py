@@ -328,8 +328,12 @@ def fsdp_memory_worker(cfg):
     hf.float()
     hf.train()
     # roundpipe recomputes every stage (RoundPipeRunConfig's default recompute=True), each decoder
-    # layer under non-reentrant checkpoint: transformers' gradient checkpointing does that.
-    hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    # layer under non-reentrant checkpoint: transformers' activation checkpointing does that
+    # (older transformers name it gradient_checkpointing_enable, now its deprecated alias).
+    if hasattr(hf, "activation_checkpointing_enable"):
+        hf.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     _fully_shard(hf, hf.model.layers, torch.float16)
     weights = _restart_peak(before)
     opt = torch.optim.Adam(hf.parameters(), lr=1e-5, fused=True)
