@@ -59,8 +59,9 @@ SECTIONS = [
         "benchmarks/bench_distributed.py",
         "iteration time of 2 gloo ranks (sync and async step) against one process doing one rank's "
         "work, and the gradient all-reduce's time per step on the optimizer thread; the state "
-        "sharded over the ranks (`ShardedState`) against replicated, alternated in one run, and "
-        "each rank's host RSS per parameter against 2 + 16/N and the plan's prediction.",
+        "sharded over the ranks (`ShardedState`) against replicated and against torch's FSDP2 "
+        "(`fully_shard`) on the same ranks, model and loop, alternated in one run, and each rank's "
+        "host RSS per parameter against 2 + 16/N, FSDP2's and the plan's prediction.",
     ),
     (
         "Checkpoints",
