@@ -40,7 +40,7 @@ total this calls ``plan_config`` for); then rank 0's loss at every step, a check
 trains the same model.
 
     python benchmarks/bench_distributed.py [--ranks 2] [--layers 8] [--width 1024] [--iters 30]
-    python benchmarks/bench_distributed.py --memory [--ranks 2]
+    python benchmarks/bench_distributed.py --memory [--ranks 2] [--memory-devices cpu:2]
 """
 
 import argparse
@@ -290,7 +290,7 @@ def memory_worker(cfg):
     model = roundpipe.hf.wrap(
         hf,
         optim_dtype=torch.float32,
-        devices="cpu",
+        devices=cfg["devices"],
         check=False,
         memory_check=False,
         model_run_config=RoundPipeRunConfig(num_microbatch=1),
@@ -371,7 +371,7 @@ def memory(args):
     print(
         f"torch {torch.__version__}, {os.cpu_count()} cores; Llama config {json.dumps(spec)}; "
         f"fp16 compute, fp32 masters, Adam; seq len {args.seq_len}, {args.memory_steps} steps, "
-        f"{args.rounds} round(s)"
+        f"{args.rounds} round(s); roundpipe devices {args.memory_devices!r}"
     )
     n = args.ranks
     base = {
@@ -380,6 +380,7 @@ def memory(args):
         "seq_len": args.seq_len,
         "steps": args.memory_steps,
         "threads": args.threads,
+        "devices": args.memory_devices,
     }
     contenders = {
         "replicated": {**base, "shard": False},
@@ -485,6 +486,12 @@ def main():
     parser.add_argument("--memory", action="store_true", help="host RSS per rank (see above)")
     parser.add_argument("--memory-layers", type=int, default=4)
     parser.add_argument("--memory-steps", type=int, default=2)
+    parser.add_argument(
+        "--memory-devices",
+        default="cpu",
+        help="roundpipe's pool in --memory: 'cpu' (one fused call, every gradient sum at its "
+        "end) or e.g. 'cpu:2' (sums handed over stage by stage, as on an accelerator)",
+    )
     parser.add_argument("--seq-len", type=int, default=64)
     args = parser.parse_args()
     if args.worker:

@@ -339,10 +339,7 @@ class _Group:
         return f"[roundpipe data parallel, rank {self.rank} of {self.world}]"
 
     def device_scope(self) -> Any:
-        # The current CUDA device is per thread: the optimizer thread must select it itself.
-        if self.device.type == "cuda":
-            return torch.cuda.device(self.device)
-        return contextlib.nullcontext()
+        return _device_scope(self.device)
 
     def check_usable(self, what: str) -> None:
         if self.broken is not None:
@@ -680,6 +677,11 @@ class ShardedState(MasterPlacement):
             raise group.failed(what, exc) from exc
 
 
+def _device_scope(device: torch.device) -> Any:
+    # The current CUDA device is per thread: a thread that runs collectives selects it itself.
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
 class _StageReducer:
     """Sums each ``forward_backward``'s stage gradients onto their owners as the backward
     produces them (see [Note: sharded state] (b')): a :class:`GradReducer` that
@@ -702,7 +704,12 @@ class _StageReducer:
 
     def __init__(self, dp: DataParallel, group: _Group) -> None:
         self._dp = dp
-        self._group = group  # its device, timeout and "broken" state; its collectives are ours
+        self._group = group  # its timeout and "broken" state; its collectives are ours
+        # The sums are host tensors: with gloo in the backend they are reduced where they are,
+        # which also keeps this thread off the optimizer thread's NCCL communicator (two
+        # threads' NCCL collectives can deadlock when ranks enqueue them in different orders).
+        backend = str(dist.get_backend(group.pg))
+        self._device = torch.device("cpu") if "gloo" in backend else group.device
         self._pg = dist.new_group(
             ranks=dist.get_process_group_ranks(group.pg) if group.pg is not None else None,
             timeout=group.timeout,
@@ -778,9 +785,7 @@ class _StageReducer:
     def _flat(self, dtype: torch.dtype, slot: int, numel: int) -> torch.Tensor:
         flat = self._flats.get((dtype, slot))
         if flat is None or flat.numel() < numel:
-            flat = self._flats[(dtype, slot)] = torch.empty(
-                numel, dtype=dtype, device=self._group.device
-            )
+            flat = self._flats[(dtype, slot)] = torch.empty(numel, dtype=dtype, device=self._device)
         return flat[:numel]
 
     def _reduce_stage(
@@ -814,7 +819,7 @@ class _StageReducer:
                     sums.append((index[j], value.to(master.device, copy=True)))
 
         try:
-            with group.device_scope(), torch.no_grad():
+            with _device_scope(self._device), torch.no_grad():
                 for slot, (bucket, owner) in enumerate(zip(buckets, owners)):
                     if len(in_flight) == dp._in_flight:
                         finish()

@@ -67,6 +67,24 @@ def test_the_host_terms_of_a_rank_count_its_share_and_the_gradients_it_holds():
     assert "two layers' sums" in repr(by_stage.rows())
 
 
+def test_the_terms_count_stages_in_flight_only_where_the_pool_hands_them_over():
+    from roundpipe.devices import DevicePool
+    from roundpipe.runtime.call_memory import sharding_terms
+    from roundpipe.runtime.placement import MasterPlacement
+    from roundpipe.runtime.stages import model_layers
+
+    class TwoRanks(MasterPlacement):
+        world_size = 2  # type: ignore[assignment]
+
+    layers = model_layers(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)))
+    two_devices = sharding_terms(DevicePool("cpu:2"), TwoRanks(), layers)
+    assert two_devices["ranks"] == 2 and len(two_devices["layers"]) == 2
+    assert sharding_terms(DevicePool("emu"), TwoRanks(), layers)["layers"] is not None
+    # One CPU device: its fused call hands every sum over at its end.
+    assert sharding_terms(DevicePool("cpu"), TwoRanks(), layers) == {"ranks": 2, "layers": None}
+    assert sharding_terms(DevicePool("cpu:2"), None, layers) == {"ranks": 1, "layers": None}
+
+
 def test_the_plan_command_counts_one_ranks_share(tmp_path):
     pytest.importorskip("transformers")
     from test_cli import _tiny_config
