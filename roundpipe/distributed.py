@@ -724,6 +724,12 @@ class _StageReducer:
         self._order: list[int] = []
         self._waiting: dict[int, tuple[list, Any, tuple[Future, list]]] = {}
         self._flats: dict[tuple[torch.dtype, int], torch.Tensor] = {}
+        # Published by this thread for the hand-overs that wait on it (submit): the call it
+        # works on and the next stage of it that it needs (-1: none left).
+        self._progress = threading.Condition()
+        self._progress_call: Any = None
+        self._progress_next = -1
+        self._closed = False
         self._thread = threading.Thread(
             target=self._run, name=f"roundpipe-grad-reduce-rank{group.rank}", daemon=True
         )
@@ -735,6 +741,15 @@ class _StageReducer:
         stages: dict[int, list[tuple[torch.nn.Parameter, torch.Tensor | None]]],
         arrived: torch.Event | None,
     ) -> Callable[[], None]:
+        # Back-pressure: a stage's sums are handed over only once every stage above it is
+        # reduced, so a rank holds at most the stage being reduced and the one the backward
+        # fills (see [Note: sharded state] (b')). The highest stage not yet handed never
+        # waits (every stage above it was handed), so neither does the call as a whole; a
+        # failed call wakes its waiters.
+        top = max(stages)
+        with self._progress:
+            while not (call.abandoned or self._closed) and self._next_needed(call) > top:
+                self._progress.wait()
         result = Future()
         self._queue.put((call, stages, arrived, result))
         dp = self._dp
@@ -744,7 +759,26 @@ class _StageReducer:
 
         return install_reduced_grads
 
+    def wake(self, call: Any) -> None:
+        with self._progress:
+            self._progress.notify_all()
+
+    def _next_needed(self, call: Any) -> int:
+        """The highest stage of ``call`` not reduced yet (under ``_progress``)."""
+        if call is self._progress_call:
+            return self._progress_next
+        return max((s for s, ps in enumerate(call.params) if ps), default=-1)
+
+    def _publish(self) -> None:
+        with self._progress:
+            self._progress_call = self._call
+            self._progress_next = self._order[0] if self._order else -1
+            self._progress.notify_all()
+
     def close(self) -> None:
+        with self._progress:
+            self._closed = True
+            self._progress.notify_all()
         self._queue.put(None)
         self._thread.join()
         with contextlib.suppress(Exception):  # the group may be broken: nothing to release
@@ -756,31 +790,47 @@ class _StageReducer:
             item = self._queue.get()
             if item is None:
                 return
-            call, stages, arrived, result = item
-            if call is not self._call:
-                for _, _, (stale, _) in self._waiting.values():  # CallGrads.finish prevents it
-                    if not stale.done():
-                        stale.set_exception(
-                            AssertionError("a call's gradients were left unreduced; please report")
-                        )
-                self._call = call
-                self._order = [s for s in reversed(range(len(call.params))) if call.params[s]]
-                self._waiting = {}
-            # One submission settles when its last stage is reduced: [sums, stages left].
-            done: list = [[], len(stages)]
-            for s, pairs in stages.items():
-                self._waiting[s] = (pairs, arrived, (result, done))
-            while self._order and self._order[0] in self._waiting:
-                pairs, arrived, (result, done) = self._waiting.pop(self._order.pop(0))
-                try:
-                    if not result.done():  # an earlier stage of the submission failed
-                        done[0] += self._reduce_stage(pairs, arrived)
-                except BaseException as exc:  # noqa: B036 -- handed to the optimizer thread
-                    result.set_exception(exc)
-                    continue
+            self._arrive(*item)
+            del item  # its sums are dropped as their stages are reduced (_reduce_next)
+
+    def _arrive(
+        self,
+        call: Any,
+        stages: dict[int, list[tuple[torch.nn.Parameter, torch.Tensor | None]]],
+        arrived: torch.Event | None,
+        result: Future,
+    ) -> None:
+        if call is not self._call:
+            for _, _, (stale, _) in self._waiting.values():  # CallGrads.finish prevents it
+                if not stale.done():
+                    stale.set_exception(
+                        AssertionError("a call's gradients were left unreduced; please report")
+                    )
+            self._call = call
+            self._order = [s for s in reversed(range(len(call.params))) if call.params[s]]
+            self._waiting = {}
+            self._publish()
+        # One submission settles when its last stage is reduced: [sums, stages left].
+        done: list = [[], len(stages)]
+        for s, pairs in stages.items():
+            self._waiting[s] = (pairs, arrived, (result, done))
+        stages.clear()
+        while self._order and self._order[0] in self._waiting:
+            self._reduce_next()
+
+    def _reduce_next(self) -> None:
+        """Reduce the next stage in order, drop its sums, then publish the progress."""
+        pairs, arrived, (result, done) = self._waiting.pop(self._order.pop(0))
+        try:
+            if not result.done():  # else an earlier stage of the submission failed
+                done[0] += self._reduce_stage(pairs, arrived)
                 done[1] -= 1
-                if done[1] == 0 and not result.done():
+                if done[1] == 0:
                     result.set_result(done[0])
+        except BaseException as exc:  # noqa: B036 -- handed to the optimizer thread
+            result.set_exception(exc)
+        pairs = []  # this rank's sums of the stage: gone before the next stage is handed over
+        self._publish()
 
     def _flat(self, dtype: torch.dtype, slot: int, numel: int) -> torch.Tensor:
         flat = self._flats.get((dtype, slot))
@@ -804,42 +854,62 @@ class _StageReducer:
         named = [(str(i), dp._masters[i]) for i in index]
         buckets, owners = _owner_buckets(named, [dp._owners[i] for i in index], dp._cap)
         sums: list[tuple[int, torch.Tensor]] = []
+        # (bucket, owner, data, counts, works): a bucket of several parameters is copied into
+        # a reused flat buffer (at most the bucket cap) with one count per parameter after the
+        # data; a bucket of one parameter (a tensor over the cap lands alone in one) is summed
+        # in place, the sums being this thread's, with its count in a tensor of its own.
         in_flight: collections.deque = collections.deque()
 
         def finish() -> None:
-            bucket, owner, flat, work = in_flight.popleft()
-            group.wait(work)
+            bucket, owner, data, counts, works = in_flight.popleft()
+            for work in works:
+                group.wait(work)
             if owner != group.rank:
                 return
-            counts = flat[bucket.numel :].tolist()
-            for j, offset, n, count in zip(bucket.index, bucket.offsets, bucket.numels, counts):
+            for j, offset, n, count in zip(
+                bucket.index, bucket.offsets, bucket.numels, counts.tolist()
+            ):
                 if count:
                     master = dp._masters[index[j]]
-                    value = flat[offset : offset + n].view(master.shape)
-                    sums.append((index[j], value.to(master.device, copy=True)))
+                    value = data[offset : offset + n].view(master.shape)
+                    alone = len(bucket.index) == 1 and value.device == master.device
+                    sums.append((index[j], value if alone else value.to(master.device, copy=True)))
 
         try:
             with _device_scope(self._device), torch.no_grad():
                 for slot, (bucket, owner) in enumerate(zip(buckets, owners)):
                     if len(in_flight) == dp._in_flight:
                         finish()
-                    flat = self._flat(
-                        bucket.dtype, slot % dp._in_flight, bucket.numel + len(bucket.index)
-                    )
-                    present = []
-                    for j, offset, n in zip(bucket.index, bucket.offsets, bucket.numels):
-                        grad = pairs[j][1]
-                        piece = flat[offset : offset + n]
-                        if grad is None:
-                            piece.zero_()
-                        else:
-                            piece.view(grad.shape).copy_(grad)
-                        present.append(grad is not None)
-                    flat[bucket.numel :].copy_(torch.tensor(present, dtype=bucket.dtype))
                     assert owner is not None  # sharded: every parameter has one
                     dst = dist.get_global_rank(self._pg, owner)
-                    work = dist.reduce(flat, dst=dst, group=self._pg, async_op=True)
-                    in_flight.append((bucket, owner, flat, work))
+                    present = [pairs[j][1] is not None for j in bucket.index]
+                    if len(bucket.index) == 1:
+                        grad = pairs[bucket.index[0]][1]
+                        master = dp._masters[index[bucket.index[0]]]
+                        data = (
+                            torch.zeros(master.numel(), dtype=bucket.dtype, device=self._device)
+                            if grad is None
+                            else grad.to(self._device, bucket.dtype).contiguous().view(-1)
+                        )
+                        counts = torch.tensor(present, dtype=bucket.dtype, device=self._device)
+                        works = [
+                            dist.reduce(t, dst=dst, group=self._pg, async_op=True)
+                            for t in (data, counts)
+                        ]
+                    else:
+                        n = bucket.numel
+                        data = self._flat(bucket.dtype, slot % dp._in_flight, n + len(present))
+                        for j, offset, numel in zip(bucket.index, bucket.offsets, bucket.numels):
+                            grad = pairs[j][1]
+                            piece = data[offset : offset + numel]
+                            if grad is None:
+                                piece.zero_()
+                            else:
+                                piece.view(grad.shape).copy_(grad)
+                        counts = data[n:]
+                        counts.copy_(torch.tensor(present, dtype=bucket.dtype))
+                        works = [dist.reduce(data, dst=dst, group=self._pg, async_op=True)]
+                    in_flight.append((bucket, owner, data, counts, works))
                 while in_flight:
                     finish()
         except Exception as exc:

@@ -49,7 +49,7 @@ DEFAULTS = {
     # {"rank": R, "step": K, "survive": bool}: loss_fn raises there, mid-call; surviving, the
     # rank steps with zero gradients instead of that call's
     "fail_in_backward": None,
-    "hand_late": False,  # this rank hands its last stage's sums after the stage before it
+    "hand_late": False,  # this rank hands its last stage's sums as the stage before it
 }
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -89,8 +89,9 @@ def build(cfg, shard=False):
 
 
 def hand_last_stage_late():
-    """Make this process hand each call's last stage to the gradient reducer only after the
-    next stage that has parameters: stage order as another thread timing could give it."""
+    """Make this process hand each call's last stage to the gradient reducer from another
+    thread, only once the stage before it is being handed over (which then waits for it): the
+    order two workers' timing could give."""
     from roundpipe.runtime.grad_router import CallGrads
 
     move = CallGrads.move
@@ -98,13 +99,24 @@ def hand_last_stage_late():
     def late_move(self, stages):
         stages = list(stages)
         if stages == [len(self.params) - 1] and self.reducer is not None:
-            self.held_back = stages
+            go = threading.Event()
+
+            def hand_later():
+                go.wait()
+                move(self, stages)
+
+            thread = threading.Thread(target=hand_later)
+            thread.start()
+            self.late = (go, thread)
+            return
+        late = getattr(self, "late", None)
+        if late is not None and any(self.params[s] for s in stages):
+            self.late = None
+            late[0].set()
+            move(self, stages)
+            late[1].join()
             return
         move(self, stages)
-        held = getattr(self, "held_back", None)
-        if held and any(self.handed[s] for s in stages):
-            self.held_back = None
-            move(self, held)
 
     CallGrads.move = late_move
 

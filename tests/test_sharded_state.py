@@ -161,6 +161,54 @@ def test_a_sharded_model_refuses_what_it_cannot_do(group_of_one, tmp_path):
             call(tmp_path / "ckpts", model, opt)
 
 
+def test_a_stage_is_handed_over_only_once_the_stages_above_it_are_reduced(group_of_one):
+    """The reducer's back-pressure (on a group of one, where a reduce is the gradient itself):
+    a hand-over of stage 0 waits while stage 1 is not reduced, goes on once it is, and stops
+    waiting when the call is abandoned (a failed call's stages above may never come)."""
+    import threading
+
+    from roundpipe.runtime.grad_router import CallGrads
+
+    model = RoundPipe(
+        nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 2)), state_placement=rpd.ShardedState()
+    )
+    dp = rpd.DataParallel(model)
+    reducer = rpd._StageReducer(dp, dp._group)  # a group of one has none: made here
+    try:
+        records = model.state_access().params.records
+        params = [[records[0], records[1]], [records[2], records[3]]]
+        masters = [rec.master for rec in records]
+
+        def hand(call, s, handed):
+            pairs = [(m, torch.full_like(m, float(s + 1))) for m in masters[2 * s : 2 * s + 2]]
+            handed.append(reducer.submit(call, {s: pairs}, None))
+
+        installs = []
+        for abandon in (False, True):
+            call = CallGrads(params, None, model, reducer=reducer)
+            handed: list = []
+            below = threading.Thread(target=hand, args=(call, 0, handed))
+            below.start()
+            below.join(timeout=0.5)
+            assert below.is_alive() and not handed  # stage 1 is not reduced yet
+            if abandon:
+                call.abandon()
+            else:
+                hand(call, 1, handed)
+            below.join(timeout=30)
+            assert not below.is_alive() and len(handed) == 2 - abandon
+            if abandon:
+                hand(call, 1, handed)  # what CallGrads.finish would hand: the rest
+            installs += handed
+        for install in installs:  # each stage's sum of the two calls
+            install()
+        for i, m in enumerate(masters):
+            assert torch.equal(m.grad, torch.full_like(m, 2.0 * (1 + (i >= 2)))), (i, m.grad)
+    finally:
+        reducer.close()
+        dp.close()
+
+
 # -- several ranks ------------------------------------------------------------------------------
 
 
@@ -249,8 +297,9 @@ def test_four_sharded_ranks_equal_the_replicated_run_bitwise(tmp_path):
 def test_stage_sums_reach_their_owners_on_every_pool(tmp_path, devices, late):
     """Two CPU workers (a move per stage, from two threads) and the emulated accelerator (the
     plan's downloads, the reducer waiting for their events): bitwise the replicated run; also
-    when rank 1 hands a call's last stage after the one before it (the reducer reduces in stage
-    order, whatever the order of the hand-overs)."""
+    when rank 1 starts handing a call's stage over before the one above it (from another
+    thread): that hand-over waits until the stage above is reduced, so the stages reach the
+    reducer in order on every rank."""
     cfg = {
         "steps": 6,
         "mode": "async",

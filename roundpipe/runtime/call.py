@@ -173,6 +173,7 @@ class CallState:
             key = (time, stage, mb_index)
             if self.stop_after is None or key < self.stop_after:
                 self.stop_after = key
+        self.grads.abandon()
 
 
 def takes_microbatch(loss_fn: Callable) -> bool:

@@ -53,6 +53,7 @@ def execute(spec: CallSpec, state: CallState) -> None:
             job.result()  # never raises: a program records its failures
     except BaseException:
         state.cancelled.set()
+        state.grads.abandon()
         # A program that never started settles nothing: its readers must not wait for it.
         for d, program in enumerate(spec.plan.program):
             if d not in started:

@@ -174,7 +174,12 @@ class GradReducer(Protocol):
         """A stage worker (or the main thread, at the call's end): take ``stages``' summed
         gradients (per stage, every trainable param's master and its sum, None where there is
         none; the tensors nobody else holds, complete once ``arrived`` is). Returns the move to
-        launch on the optimizer thread. Never blocks."""
+        launch on the optimizer thread. May block while the reducer is behind the call's
+        backward (bounding the sums in flight), never after ``call.abandon()``."""
+        ...
+
+    def wake(self, call: CallGrads) -> None:
+        """Any thread: ``call`` was abandoned; a :meth:`submit` of it waiting returns."""
         ...
 
 
@@ -200,6 +205,15 @@ class CallGrads:
         # Which stages went to the reducer: written by the stage's worker, read by the main
         # thread once the call's actions ended (finish).
         self.handed = [False] * len(params)
+        # Set once an action of the call failed or it was cancelled: a hand-over waiting for
+        # the reducer stops waiting (the stages above it may never come). Any thread.
+        self.abandoned = False
+
+    def abandon(self) -> None:
+        """Any thread: the call failed or was cancelled (see ``abandoned``)."""
+        self.abandoned = True
+        if self.reducer is not None:
+            self.reducer.wake(self)
 
     def add(self, s: int, grads: Sequence[torch.Tensor | None], others: Sequence[Any]) -> None:
         """Stage worker: sum one microbatch's parameter gradients of stage ``s`` (aligned with
