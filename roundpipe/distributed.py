@@ -103,11 +103,13 @@ __all__ = [
 #        thread's), which sums them onto their owners with one dist.reduce per bucket of one
 #        owner's parameters (gloo's reduce_scatter needs one collective over every owner's
 #        chunk; a reduce per bucket moves the same bytes), each bucket carrying one count per
-#        parameter (how many ranks had a gradient: none, and it stays None). Stages are
-#        reduced in descending order whatever the order the workers hand them over in, and a
-#        failed call hands the stages it did not as no gradients, so every rank reduces the
-#        same stages in the same order. A rank keeps its owned sums and drops the rest at once
-#        (host gradients 4/N bytes per parameter, plus the stages in flight); the call's
+#        parameter (how many ranks had a gradient: none, and it stays None). A stage is
+#        handed over only once every stage above it is reduced (back-pressure: the one being
+#        reduced and the one the backward fills are all a rank holds), so stages arrive in
+#        descending order whatever the order the workers finish them in; a failed call hands
+#        the stages it did not as no gradients (its waiting hand-overs are woken), so every
+#        rank reduces the same stages in the same order. A rank keeps its owned sums and drops
+#        the rest at once (host gradients 4/N bytes per parameter, plus two stages); the call's
 #        gradient moves, behind a running step on the optimizer thread, add the sums into the
 #        masters' .grad. In the step work item, before step_fn, each owner divides by the
 #        world size; gradients that reached .grad another way (a differentiable forward() and
@@ -687,7 +689,8 @@ class _StageReducer:
     produces them (see [Note: sharded state] (b')): a :class:`GradReducer` that
     :class:`DataParallel` registers for a model with :class:`ShardedState`.
 
-    Stage workers :meth:`submit` a call's stages in whatever order they finish; this object's
+    Stage workers :meth:`submit` a call's stages as they finish, each waiting until every
+    stage above it is reduced (back-pressure; an abandoned call wakes them); this object's
     thread reduces them in descending stage order (the order every rank's backward produces
     them in, whatever the timing) over a process group of its own, so that its reduces never
     interleave with the optimizer thread's collectives; per stage, buckets of one owner's
@@ -696,10 +699,11 @@ class _StageReducer:
     move launched for the stages (:meth:`install`, optimizer thread, behind a running step)
     adds the sums into the masters' ``.grad``.
 
-    Threads: :meth:`submit` on the stage workers or the main thread (a queue); everything else
-    of the per-call state on this object's thread; the results reach the optimizer thread
-    through each submission's :class:`roundpipe.workers.Future`. :meth:`close` on the main
-    thread, with no call running.
+    Threads: :meth:`submit` on the stage workers or the main thread (a queue; it waits on
+    ``_progress``, a condition this object's thread notifies after each stage, :meth:`wake`
+    and :meth:`close` too); everything else of the per-call state on this object's thread; the
+    results reach the optimizer thread through each submission's
+    :class:`roundpipe.workers.Future`. :meth:`close` on the main thread, with no call running.
     """
 
     def __init__(self, dp: DataParallel, group: _Group) -> None:
