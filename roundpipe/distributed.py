@@ -903,13 +903,7 @@ class _StageReducer:
                     else:
                         n = bucket.numel
                         data = self._flat(bucket.dtype, slot % dp._in_flight, n + len(present))
-                        for j, offset, numel in zip(bucket.index, bucket.offsets, bucket.numels):
-                            grad = pairs[j][1]
-                            piece = data[offset : offset + numel]
-                            if grad is None:
-                                piece.zero_()
-                            else:
-                                piece.view(grad.shape).copy_(grad)
+                        _pack(data, bucket, [pairs[j][1] for j in bucket.index])
                         counts = data[n:]
                         counts.copy_(torch.tensor(present, dtype=bucket.dtype))
                         works = [dist.reduce(data, dst=dst, group=self._pg, async_op=True)]
@@ -919,6 +913,17 @@ class _StageReducer:
         except Exception as exc:
             raise group.failed(what, exc) from exc
         return sums
+
+
+def _pack(flat: torch.Tensor, bucket: Bucket, grads: Sequence[torch.Tensor | None]) -> None:
+    """Copy ``grads`` (one per parameter of ``bucket``; None: zeros) into ``flat``, at the
+    bucket's offsets."""
+    for grad, offset, n in zip(grads, bucket.offsets, bucket.numels):
+        piece = flat[offset : offset + n]
+        if grad is None:
+            piece.zero_()
+        else:
+            piece.view(grad.shape).copy_(grad)
 
 
 def _global_rank(group: _Group, rank: int) -> int:
@@ -1337,13 +1342,7 @@ class DataParallel:
             if len(in_flight) == self._in_flight:
                 finish()
             flat = self._ring(bucket.dtype, slot)[: bucket.numel]
-            for i, offset, n in zip(bucket.index, bucket.offsets, bucket.numels):
-                grad = masters[i].grad
-                piece = flat[offset : offset + n]
-                if grad is None:
-                    piece.zero_()
-                else:
-                    piece.view(grad.shape).copy_(grad)
+            _pack(flat, bucket, [masters[i].grad for i in bucket.index])
             assert owner is not None  # sharded: every parameter has one
             work = dist.reduce(flat, dst=_global_rank(group, owner), group=group.pg, async_op=True)
             in_flight.append((bucket, owner, flat, work))
@@ -1391,13 +1390,7 @@ class DataParallel:
                 finish()
             flat = self._ring(bucket.dtype, used[bucket.dtype])[: bucket.numel]
             used[bucket.dtype] += 1
-            for i, offset, n in zip(bucket.index, bucket.offsets, bucket.numels):
-                grad = masters[i].grad
-                piece = flat[offset : offset + n]
-                if grad is None:
-                    piece.zero_()
-                else:
-                    piece.view(grad.shape).copy_(grad)
+            _pack(flat, bucket, [masters[i].grad for i in bucket.index])
             if owner is None:
                 work = group.all_reduce(flat)
             else:
