@@ -734,6 +734,7 @@ class _StageReducer:
         self._progress_call: Any = None
         self._progress_next = -1
         self._closed = False
+        self._failure: BaseException | None = None  # this thread's own failure (_die)
         self._thread = threading.Thread(
             target=self._run, name=f"roundpipe-grad-reduce-rank{group.rank}", daemon=True
         )
@@ -755,7 +756,12 @@ class _StageReducer:
             while not (call.abandoned or self._closed) and self._next_needed(call) > top:
                 self._progress.wait()
         result = Future()
-        self._queue.put((call, stages, arrived, result))
+        with self._progress:
+            failure = self._failure
+            if failure is None:
+                self._queue.put((call, stages, arrived, result))
+        if failure is not None:
+            result.set_exception(failure)
         dp = self._dp
 
         def install_reduced_grads() -> None:
@@ -794,8 +800,30 @@ class _StageReducer:
             item = self._queue.get()
             if item is None:
                 return
-            self._arrive(*item)
+            try:
+                self._arrive(*item)
+            except BaseException as exc:  # noqa: B036 -- a bug here: every waiter gets it
+                self._die(exc, item[3])
+                return
             del item  # its sums are dropped as their stages are reduced (_reduce_next)
+
+    def _die(self, exc: BaseException, result: Future) -> None:
+        """This thread failed outside a reduce: settle every submission with ``exc`` (now and
+        later, see :meth:`submit`) and release the hand-overs waiting, instead of leaving
+        them to wait for a thread that is gone."""
+        with self._progress:
+            self._failure = exc
+            self._closed = True
+            self._progress.notify_all()
+        for waiting in [result] + [r for _, _, (r, _) in self._waiting.values()]:
+            if not waiting.done():
+                waiting.set_exception(exc)
+        self._waiting = {}
+        while True:  # what was queued behind the failure
+            item = self._queue.get_nowait() if not self._queue.empty() else None
+            if item is None:
+                return
+            item[3].set_exception(exc)
 
     def _arrive(
         self,

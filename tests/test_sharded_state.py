@@ -6,6 +6,7 @@ what is refused."""
 from __future__ import annotations
 
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -204,6 +205,31 @@ def test_a_stage_is_handed_over_only_once_the_stages_above_it_are_reduced(group_
             install()
         for i, m in enumerate(masters):
             assert torch.equal(m.grad, torch.full_like(m, 2.0 * (1 + (i >= 2)))), (i, m.grad)
+    finally:
+        reducer.close()
+        dp.close()
+
+
+def test_a_reducer_that_fails_outside_a_reduce_fails_every_hand_over(group_of_one):
+    """A failure of the reducer's own thread (here a call it cannot read) settles that
+    submission and every later one with it, instead of leaving their moves waiting."""
+    model = RoundPipe(nn.Sequential(nn.Linear(3, 3)), state_placement=rpd.ShardedState())
+    dp = rpd.DataParallel(model)
+    reducer = rpd._StageReducer(dp, dp._group)
+    try:
+
+        class Unsized:  # iterable, but len() raises TypeError: _arrive fails on it
+            def __iter__(self):
+                return iter([[1]])
+
+        def call():
+            return types.SimpleNamespace(abandoned=False, params=Unsized())
+
+        broken = reducer.submit(call(), {0: []}, None)
+        with pytest.raises(TypeError):
+            broken()
+        with pytest.raises(TypeError):  # settled at once: the thread is gone
+            reducer.submit(call(), {0: []}, None)()
     finally:
         reducer.close()
         dp.close()
