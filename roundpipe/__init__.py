@@ -15,6 +15,7 @@ from roundpipe.memory.checks import HostMemoryError
 from roundpipe.memory.probe import host_memory_available
 from roundpipe.microbatch import MicrobatchInfo
 from roundpipe.monitor import TrainingHistory, TrainingMonitor
+from roundpipe.optim.master_file import MastersOnDisk
 from roundpipe.plan import stages_by_size
 from roundpipe.runtime import (
     DeviceMemoryError,
@@ -43,6 +44,7 @@ __all__ = [
     "TrainingHistory",
     "TrainingMonitor",
     "MemoryPlan",
+    "MastersOnDisk",
     "HostMemoryError",
     "DeviceMemoryError",
     "StageNotTraceable",

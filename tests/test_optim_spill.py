@@ -18,7 +18,7 @@ import roundpipe
 import roundpipe.checkpoint as ckpt
 import roundpipe.optim as rp_optim
 from roundpipe import GradScaler, RoundPipe, RoundPipeRunConfig
-from roundpipe.optim import SpillError, placement, spill
+from roundpipe.optim import SpillError, placement, spill, spill_file
 
 # Fits a few chunks of the shapes below, so every parameter kind is cut somewhere.
 SMALL_BUFFER = 4 * 3 * 4096
@@ -252,7 +252,7 @@ def test_a_failing_write_raises_on_the_main_thread_naming_the_directory(tmp_path
 
     iteration()
     model.synchronize()
-    monkeypatch.setattr(spill, "_pwrite", full)
+    monkeypatch.setattr(spill_file, "_pwrite", full)
     iteration()  # returns at once: the step runs on the optimizer thread
     with pytest.raises(SpillError, match=str(tmp_path)) as info:
         model.synchronize()

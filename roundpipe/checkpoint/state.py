@@ -308,6 +308,7 @@ def restore_on_optimizer_thread(
             read(f"model/{name}", targets[name].detach())
         for name, master in access.params.masters.items():
             read(f"masters/{name}", master.detach())
+            access.params.placement.release()  # masters in files: out of RAM one by one
     for name, master in access.params.masters.items():
         master.grad = grads.get(name)
     if optimizer is not None and optimizer_state is not None:

@@ -390,6 +390,8 @@ class _Job:
                         shard.write(handle._advance)
                         files[fname] = {"bytes": shard.size, "crc32": shard.crc32}
                         index.update((key, fname) for key, _ in shard.tensors)
+                        if group == "masters":  # masters in files: drop the pages read
+                            capture.access.params.placement.release()
                     if group != "masters" or self.export is None:
                         hold.release([TOUCHES[group]])
                 hf_info = None

@@ -34,7 +34,9 @@ class HostTerms:
 
     ``weights``: the model's own parameters and buffers (allocated already, by the caller);
     ``masters``: the master copies of the trainable parameters (``optim_dtype``) this process
-    holds: all of them, or with ``ranks`` > 1 (sharded state) the largest rank's share;
+    holds: all of them, or with ``ranks`` > 1 (sharded state) the largest rank's share; with
+    ``masters_dir`` (:class:`roundpipe.MastersOnDisk`) they are in files there and this is the
+    buffer the master->model copy streams them through;
     ``grads``: the masters' gradients (one per trainable parameter, in its master's dtype);
     sharded (``ranks`` > 1) with the gradients handed over stage by stage (``grads_by_stage``:
     a pool of accelerators or of several CPU devices, see [Note: sharded state] in
@@ -65,6 +67,7 @@ class HostTerms:
     ranks: int = 1
     optimizer_dir: str | None = None
     grads_by_stage: bool = False
+    masters_dir: str | None = None
 
     @property
     def new_bytes(self) -> int:
@@ -88,7 +91,10 @@ class HostTerms:
             ),
             (
                 f"master copies ({_count(self.trainable_numel)} trainable params, {dtype})"
-                + (f", this rank's share of {self.ranks}" if self.ranks > 1 else ""),
+                + (f", this rank's share of {self.ranks}" if self.ranks > 1 else "")
+                + (
+                    f": in files under {self.masters_dir} (copy buffer)" if self.masters_dir else ""
+                ),
                 self.masters,
             ),
             ("gradients of the masters" + self._grads_note(), self.grads),
@@ -150,14 +156,19 @@ def host_terms(
     available: int | None = None,
     ranks: int = 1,
     layers: Sequence[nn.Module] | None = None,
+    masters_dir: str | None = None,
+    masters_buffer: int | None = None,
 ) -> HostTerms:
     """What wrapping ``module`` takes from the host, term by term (see :class:`HostTerms`);
     ``pinned``: the pool's allocator on an accelerator pool (None: nothing pinned); ``ranks``:
     data-parallel ranks the state is sharded over (1: not sharded; else the masters and the
     optimizer state of the largest share, see :func:`roundpipe.runtime.placement.shard_by_bytes`);
     ``layers``: with ``ranks`` > 1, the model's layers when its pool hands the gradients over
-    stage by stage (None: one CPU device, whose call hands all of them at its end). Reads
+    stage by stage (None: one CPU device, whose call hands all of them at its end);
+    ``masters_dir``: the masters are in files there (:class:`roundpipe.MastersOnDisk`), so the
+    host holds only ``masters_buffer`` bytes of them (default: its default copy buffer). Reads
     shapes only. Main thread."""
+    from roundpipe.optim.master_file import DEFAULT_COPY_BUFFER_BYTES  # imports this module
     from roundpipe.runtime.placement import shard_by_bytes  # runtime imports this module
 
     tensors: dict[int, torch.Tensor] = {}
@@ -185,9 +196,12 @@ def host_terms(
     if ranks > 1 and layers is not None:
         grads = min(masters, held + 2 * stage_grad_bytes(layers, optim_dtype))
     overhead = pinned_layout(module, pinned).overhead if pinned is not None else 0
+    in_ram = held
+    if masters_dir is not None:
+        in_ram = DEFAULT_COPY_BUFFER_BYTES if masters_buffer is None else masters_buffer
     return HostTerms(
         weights=weights,
-        masters=held,
+        masters=in_ram,
         grads=grads,
         optimizer=2 * held,
         pinned_overhead=overhead,
@@ -197,4 +211,5 @@ def host_terms(
         available=available,
         ranks=ranks,
         grads_by_stage=ranks > 1 and layers is not None,
+        masters_dir=masters_dir,
     )

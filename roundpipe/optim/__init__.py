@@ -5,10 +5,13 @@ param groups and ``state_dict``) that run torch's fused kernel by default and ho
 GradScaler's ``grad_scale``/``found_inf`` on every path. Build them on the master copies:
 ``model.optim_parameters()``, or ``model.parameters()`` inside ``with roundpipe.OptimizerCtx():``.
 Where their state lives (RAM, or files under ``state_dir``) is chosen at construction
-(:mod:`roundpipe.optim.placement`, :mod:`roundpipe.optim.spill`).
+(:mod:`roundpipe.optim.placement`, :mod:`roundpipe.optim.spill`). :class:`MastersOnDisk` is
+the model's placement that keeps the masters in files too (``RoundPipe(...,
+state_placement=roundpipe.MastersOnDisk(DIR))``).
 """
 
 from roundpipe.optim.adam import Adam, AdamW
+from roundpipe.optim.master_file import MastersOnDisk
 from roundpipe.optim.spill import SpillError
 
-__all__ = ["Adam", "AdamW", "SpillError"]
+__all__ = ["Adam", "AdamW", "MastersOnDisk", "SpillError"]

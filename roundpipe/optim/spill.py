@@ -8,14 +8,8 @@ optimizer's.
 from __future__ import annotations
 
 import dataclasses
-import errno
+import functools
 import os
-import re
-import shutil
-import socket
-import tempfile
-import warnings
-import weakref
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -25,9 +19,16 @@ from torch import Tensor
 
 from roundpipe.memory.host import format_bytes
 from roundpipe.optim.kernel import fused_only_reason, run_fused_kernel
-from roundpipe.user_frame import user_stacklevel
+from roundpipe.optim.master_file import file_of_master
+from roundpipe.optim.spill_file import ALIGN, SpillError, SpillFile
 
 __all__ = ["StateOnDisk", "SpillError", "DEFAULT_BUFFER_BYTES", "SLOTS"]
+
+
+def _shutdown(pools: tuple[ThreadPoolExecutor, ...]) -> None:
+    for pool in pools:
+        pool.shutdown(wait=True)
+
 
 # [Note: state on disk]
 # Layout: one file, ``adam_state.bin``, in a fresh directory ``roundpipe-adam-HOST-PID-*``
@@ -74,18 +75,10 @@ __all__ = ["StateOnDisk", "SpillError", "DEFAULT_BUFFER_BYTES", "SLOTS"]
 DEFAULT_BUFFER_BYTES = 256 << 20
 SLOTS = 4
 _FILE = "adam_state.bin"
-_ALIGN = 4096
 # A parameter is cut only at multiples of this many elements: see [Note: state on disk].
 _SPLIT_ELEMENTS = 256
 # A slot holds at least one cut of three rows of 8-byte elements, page-rounded.
-_MIN_SLOT = 2 * _ALIGN
-
-
-class SpillError(OSError):
-    """Reading or writing the optimizer state under ``state_dir`` failed (disk full, an I/O
-    error, the directory not writable). Raised by the optimizer's step (so on the main thread at
-    the next dependent call when the step ran on the optimizer thread), ``state_dict`` or
-    ``load_state_dict``; the message names the directory and what to do."""
+_MIN_SLOT = 2 * ALIGN
 
 
 @dataclasses.dataclass
@@ -103,10 +96,19 @@ class _Chunk:
     numel: int  # elements per row
     offset: int  # bytes into the file
     segments: list[_Segment]
+    #: the masters of its segments are in files too (see [Note: masters on disk]): one more
+    #: row in its buffer slot, after the moments, read from and written back to their file
+    masters: bool = False
 
     @property
     def nbytes(self) -> int:
+        """Its bytes in this file."""
         return self.rows * self.numel * self.dtype.itemsize
+
+    @property
+    def slot_nbytes(self) -> int:
+        """Its bytes in a buffer slot."""
+        return (self.rows + self.masters) * self.numel * self.dtype.itemsize
 
 
 @dataclasses.dataclass
@@ -114,6 +116,8 @@ class _Param:
     tensor: Tensor
     rows: int
     segments: list[tuple[int, _Segment]]  # (chunk index, segment)
+    #: where its values are when it is a master in a file (MastersOnDisk), else None
+    master_file: tuple[SpillFile, int] | None = None
 
 
 def _flat(t: Tensor) -> Tensor:
@@ -121,57 +125,6 @@ def _flat(t: Tensor) -> Tensor:
     if t.is_complex():
         t = torch.view_as_real(t)
     return t.reshape(-1)
-
-
-def _np(t: Tensor) -> memoryview:
-    return memoryview(t.view(torch.uint8).numpy())  # type: ignore[arg-type]
-
-
-_DIR_PREFIX = "roundpipe-adam-"
-# mkdtemp's random suffix has no "-", so the PID is the last field before it.
-_DIR_NAME = re.compile(rf"^{re.escape(_DIR_PREFIX)}(?P<host>.+)-(?P<pid>\d+)-[^-]+$")
-
-
-def _process_exists(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # another user's process (EPERM): it exists
-        return True
-    return True
-
-
-def _remove_orphans(state_dir: str) -> None:
-    """Remove the state directories under ``state_dir`` that processes of this host left when
-    they were killed (see [Note: state on disk]), with one warning naming them and the bytes
-    freed. A directory of another host (a shared filesystem) is left alone: its process cannot
-    be asked about."""
-    host = socket.gethostname()
-    removed, freed = [], 0
-    for entry in os.scandir(state_dir):
-        match = _DIR_NAME.match(entry.name)
-        if match is None or match["host"] != host or _process_exists(int(match["pid"])):
-            continue
-        for root, _, files in os.walk(entry.path):
-            freed += sum(os.stat(os.path.join(root, f)).st_blocks * 512 for f in files)
-        shutil.rmtree(entry.path, ignore_errors=True)
-        removed.append(entry.name)
-    if removed:
-        warnings.warn(
-            f"Adam(state_dir={state_dir!r}): removed {len(removed)} state director"
-            f"{'y' if len(removed) == 1 else 'ies'} left by killed processes "
-            f"({', '.join(sorted(removed))}; {format_bytes(freed)} freed on the disk)",
-            stacklevel=user_stacklevel(),
-        )
-
-
-def _cleanup(pools: list[ThreadPoolExecutor], fd: list[int], path: str) -> None:
-    for pool in pools:
-        pool.shutdown(wait=True)
-    if fd:
-        os.close(fd.pop())
-    shutil.rmtree(path, ignore_errors=True)
 
 
 class StateOnDisk:
@@ -192,30 +145,24 @@ class StateOnDisk:
                 f"{format_bytes(DEFAULT_BUFFER_BYTES)})"
             )
         self.state_dir = os.fspath(state_dir)
-        try:
-            os.makedirs(self.state_dir, exist_ok=True)
-            _remove_orphans(self.state_dir)
-            self.path = tempfile.mkdtemp(
-                prefix=f"{_DIR_PREFIX}{socket.gethostname()}-{os.getpid()}-", dir=self.state_dir
-            )
-            self._fd = [os.open(os.path.join(self.path, _FILE), os.O_RDWR | os.O_CREAT, 0o600)]
-        except OSError as exc:
-            raise SpillError(
-                exc.errno,
-                f"Adam(state_dir={self.state_dir!r}): cannot make the state file there "
-                f"({exc.strerror}); pass a directory this process can write to",
-            ) from exc
-        self.slot_bytes = buffer_bytes // SLOTS // _ALIGN * _ALIGN
-        self._buffer = torch.empty(SLOTS * self.slot_bytes, dtype=torch.uint8)
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="roundpipe-adam-read")
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="roundpipe-adam-write")
+        pools = (self._reader, self._writer)
+        self._file = SpillFile(
+            self.state_dir,
+            "adam",
+            _FILE,
+            who=f"Adam(state_dir={self.state_dir!r})",
+            what="the optimizer state",
+            on_close=functools.partial(_shutdown, pools),
+        )
+        self.path = self._file.path
+        self.slot_bytes = buffer_bytes // SLOTS // ALIGN * ALIGN
+        self._buffer = torch.empty(SLOTS * self.slot_bytes, dtype=torch.uint8)
         self._params: list[_Param] = []
         self._index: dict[int, int] = {}  # id(param) -> index in _params
         self._chunks: list[_Chunk] = []
         self._size = 0
-        self._finalizer = weakref.finalize(
-            self, _cleanup, [self._reader, self._writer], self._fd, self.path
-        )
 
     # -- OptimizerStatePlacement ---------------------------------------------------------------------
     def check_group(self, opt: torch.optim.Optimizer, group: dict) -> None:
@@ -282,7 +229,10 @@ class StateOnDisk:
                 _, lists = by_group.setdefault(id(group), (group, [[], [], [], [], [], []]))
                 record = self._params[seg.param]
                 end = seg.start + seg.length
-                lists[0].append(_flat(record.tensor)[seg.start : end])
+                if chunk.masters:
+                    lists[0].append(rows[chunk.rows][seg.pos : seg.pos + seg.length])
+                else:
+                    lists[0].append(_flat(record.tensor)[seg.start : end])
                 lists[1].append(grads[seg.param][seg.start : end])
                 for r in range(chunk.rows):
                     lists[2 + r].append(rows[r][seg.pos : seg.pos + seg.length])
@@ -339,7 +289,7 @@ class StateOnDisk:
                     self._write(source, chunk.offset + (r * chunk.numel + seg.pos) * size)
 
     def close(self) -> None:
-        self._finalizer()
+        self._file.close()
 
     # -- private ----------------------------------------------------------------------------
     def _lay_out(self, opt: torch.optim.Optimizer) -> None:
@@ -353,7 +303,9 @@ class StateOnDisk:
         for p, group in new:
             rows = 3 if group["amsgrad"] else 2
             flat = _flat(p.detach())
-            record = _Param(p, rows, [])
+            record = _Param(p, rows, [], file_of_master(p))
+            masters = record.master_file is not None
+            width = (rows + masters) * flat.dtype.itemsize  # slot bytes per element
             self._index[id(p)] = len(self._params)
             self._params.append(record)
             start = 0
@@ -362,11 +314,12 @@ class StateOnDisk:
                     chunk is None
                     or chunk.dtype != flat.dtype
                     or chunk.rows != rows
-                    or chunk.nbytes + rows * flat.dtype.itemsize > self.slot_bytes
+                    or chunk.masters != masters
+                    or chunk.slot_nbytes + width > self.slot_bytes
                 ):
-                    chunk = _Chunk(flat.dtype, rows, 0, 0, [])
+                    chunk = _Chunk(flat.dtype, rows, 0, 0, [], masters)
                     self._chunks.append(chunk)
-                capacity = self.slot_bytes // (rows * flat.dtype.itemsize) - chunk.numel
+                capacity = self.slot_bytes // width - chunk.numel
                 length = min(capacity, flat.numel() - start)
                 if length < flat.numel() - start:
                     length -= length % _SPLIT_ELEMENTS  # [Note: state on disk], bitwise
@@ -379,31 +332,47 @@ class StateOnDisk:
                 record.segments.append((len(self._chunks) - 1, seg))
                 start += length
         # The chunks made now go after everything laid out before, each at a page boundary.
-        old = offset = self._size
+        offset = self._size
         for c in self._chunks[first:]:
             c.offset = offset
-            offset += -(-c.nbytes // _ALIGN) * _ALIGN
+            offset += -(-c.nbytes // ALIGN) * ALIGN
         self._size = offset
-        if offset > old:
-            try:
-                os.posix_fallocate(self._fd[0], old, offset - old)
-            except OSError as exc:
-                free = shutil.disk_usage(self.state_dir).free
-                raise SpillError(
-                    exc.errno,
-                    f"Adam(state_dir={self.state_dir!r}): cannot reserve "
-                    f"{format_bytes(offset - old)} for the optimizer state there "
-                    f"({exc.strerror}; {format_bytes(free)} free): free space or pass a "
-                    f"state_dir on a larger disk",
-                ) from exc
+        self._file.reserve(offset)
 
     def _slot(self, index: int, chunk: _Chunk) -> Tensor:
         start = index * self.slot_bytes
-        return self._buffer[start : start + chunk.nbytes]
+        return self._buffer[start : start + chunk.slot_nbytes]
 
     def _rows(self, slot: Tensor, chunk: _Chunk) -> list[Tensor]:
+        """The moments' rows, then the masters' row if the chunk has one."""
         values = slot.view(chunk.dtype)
-        return [values[r * chunk.numel : (r + 1) * chunk.numel] for r in range(chunk.rows)]
+        rows = chunk.rows + chunk.masters
+        return [values[r * chunk.numel : (r + 1) * chunk.numel] for r in range(rows)]
+
+    def _masters_io(self, chunk: _Chunk, slot: Tensor, write: bool) -> None:
+        """Read (or write back) the masters' row of ``chunk`` in ``slot``, one run of its
+        master's file per segment."""
+        row = self._rows(slot, chunk)[chunk.rows]
+        size = chunk.dtype.itemsize
+        for seg in chunk.segments:
+            where = self._params[seg.param].master_file
+            assert where is not None
+            file, offset = where
+            piece = row[seg.pos : seg.pos + seg.length]
+            if write:
+                file.write(piece, offset + seg.start * size, drop_cache=True)
+            else:
+                file.read(piece, offset + seg.start * size)
+
+    def _read_chunk(self, slot: Tensor, chunk: _Chunk) -> None:
+        self._read(slot[: chunk.nbytes], chunk.offset)
+        if chunk.masters:
+            self._masters_io(chunk, slot, write=False)
+
+    def _write_chunk(self, slot: Tensor, chunk: _Chunk) -> None:
+        self._write(slot[: chunk.nbytes], chunk.offset, True)
+        if chunk.masters:
+            self._masters_io(chunk, slot, write=True)
 
     def _stream(self, order: list[int], update: Callable[[_Chunk, list[Tensor]], None]) -> None:
         """Read, update and write back the chunks ``order`` names (see [Note: state on disk])."""
@@ -416,7 +385,7 @@ class StateOnDisk:
             if previous is not None:
                 previous.result()
             chunk = self._chunks[order[j]]
-            reads[j] = self._reader.submit(self._read, self._slot(slot, chunk), chunk.offset)
+            reads[j] = self._reader.submit(self._read_chunk, self._slot(slot, chunk), chunk)
 
         try:
             for j in range(min(SLOTS - 1, len(order))):
@@ -426,7 +395,7 @@ class StateOnDisk:
                 chunk = self._chunks[chunk_index]
                 slot = self._slot(i % SLOTS, chunk)
                 update(chunk, self._rows(slot, chunk))
-                writes[i % SLOTS] = self._writer.submit(self._write, slot, chunk.offset, True)
+                writes[i % SLOTS] = self._writer.submit(self._write_chunk, slot, chunk)
                 if i + SLOTS - 1 < len(order):
                     start_read(i + SLOTS - 1)
             for future in list(writes.values()):
@@ -438,37 +407,7 @@ class StateOnDisk:
                 future.exception()
 
     def _read(self, dest: Tensor, offset: int) -> None:
-        view = _np(dest)
-        done = 0
-        try:
-            while done < len(view):
-                n = os.preadv(self._fd[0], [view[done:]], offset + done)
-                if n == 0:
-                    raise OSError(errno.EIO, "unexpected end of file")
-                done += n
-        except OSError as exc:
-            raise self._error("reading", exc) from exc
+        self._file.read(dest, offset)
 
     def _write(self, source: Tensor, offset: int, drop_cache: bool = False) -> None:
-        view = _np(source)
-        done = 0
-        try:
-            while done < len(view):
-                done += _pwrite(self._fd[0], view[done:], offset + done)
-            if drop_cache:
-                os.posix_fadvise(self._fd[0], offset, len(view), os.POSIX_FADV_DONTNEED)
-        except OSError as exc:
-            raise self._error("writing", exc) from exc
-
-    def _error(self, doing: str, exc: OSError) -> SpillError:
-        return SpillError(
-            exc.errno,
-            f"Adam(state_dir={self.state_dir!r}): {doing} the optimizer state in {self.path} "
-            f"failed ({exc.strerror or exc}). The state on disk may be incomplete: free space "
-            f"or fix the disk, then load the last checkpoint (or pass another state_dir)",
-        )
-
-
-def _pwrite(fd: int, data: memoryview, offset: int) -> int:
-    # A module-level function so that tests can make a write fail.
-    return os.pwritev(fd, [data], offset)
+        self._file.write(source, offset, drop_cache)

@@ -107,10 +107,18 @@ def sharding_terms(
     pool: DevicePool, placement: MasterPlacement | None, layers: Sequence[Layer]
 ) -> dict[str, Any]:
     """:func:`host_terms`'s ``ranks`` and ``layers`` for a model with ``placement`` on
-    ``pool``: a pool other than one CPU device hands the gradients over stage by stage."""
+    ``pool`` (a pool other than one CPU device hands the gradients over stage by stage), and
+    its ``masters_dir`` and ``masters_buffer`` when it keeps the masters in files."""
     ranks = placement.world_size if placement is not None else 1
     by_stage = ranks > 1 and (pool.streaming or len(pool) > 1)
-    return {"ranks": ranks, "layers": [layer.module for layer in layers] if by_stage else None}
+    terms: dict[str, Any] = {
+        "ranks": ranks,
+        "layers": [layer.module for layer in layers] if by_stage else None,
+    }
+    if placement is not None and placement.masters_dir is not None:
+        terms["masters_dir"] = placement.masters_dir
+        terms["masters_buffer"] = placement.copy_buffer_bytes
+    return terms
 
 
 def memory_plan_of(
@@ -121,11 +129,22 @@ def memory_plan_of(
     call: CallArgs,
     ranks: int = 1,
     layers: Sequence[nn.Module] | None = None,
+    masters_dir: str | None = None,
+    masters_buffer: int | None = None,
 ) -> MemoryPlan:
-    """:meth:`RoundPipe.memory_plan`: the host terms of ``module`` (``ranks``, ``layers``: see
-    :func:`sharding_terms`) and the planned call."""
+    """:meth:`RoundPipe.memory_plan`: the host terms of ``module`` (``ranks``, ``layers``,
+    ``masters_dir``, ``masters_buffer``: see :func:`sharding_terms`) and the planned call."""
     pinned = pinned_allocator(parts.pool)
-    terms = host_terms(module, optim_dtype, pinned, host_memory_available(), ranks, layers)
+    terms = host_terms(
+        module,
+        optim_dtype,
+        pinned,
+        host_memory_available(),
+        ranks,
+        layers,
+        masters_dir,
+        masters_buffer,
+    )
     planned = _planned_call(parts, cfg, call)
     # Sharded, a rank keeps its share of the sums, not the pinned downloads of all of them.
     grads_pinned = _pinned_grad_bytes(planned, pinned) if ranks == 1 else None

@@ -122,24 +122,26 @@ class Params:
         self.placement = placement if placement is not None else MasterPlacement()
         named = list(module.named_parameters())
         trainable = [p for _, p in named if p.requires_grad]
-        held = iter(
-            self.placement.assign(
-                trainable,
-                [p.numel() * master_dtype_of(p, optim_dtype).itemsize for p in trainable],
+        dtypes = [master_dtype_of(p, optim_dtype) for p in trainable]
+        held = self.placement.assign(
+            trainable, [p.numel() * dtype.itemsize for p, dtype in zip(trainable, dtypes)]
+        )
+        made = iter(
+            self.placement.make_masters(
+                [(p, dtype) for p, dtype, mine in zip(trainable, dtypes, held) if mine]
             )
         )
+        standins = {id(p): dtype for p, dtype, mine in zip(trainable, dtypes, held) if not mine}
         self.records: list[ParamRecord] = []
         for name, p in named:
             master, mine = None, True
             if p.requires_grad:
-                dtype = master_dtype_of(p, optim_dtype)
-                mine = next(held)
-                if not mine:  # one element of storage: it only collects this process's gradient
+                dtype = standins.get(id(p))
+                mine = dtype is None
+                if mine:
+                    master = next(made)
+                else:  # one element of storage: it only collects this process's gradient
                     master = MasterParameter(torch.zeros((), dtype=dtype).expand(p.shape))
-                elif p.is_meta:  # a model of shapes only, for memory plans: its masters too
-                    master = MasterParameter(torch.empty_like(p, dtype=dtype, device="meta"))
-                else:
-                    master = MasterParameter(p.detach().to(device="cpu", dtype=dtype, copy=True))
             self.records.append(ParamRecord(name, p, master, mine))
         self._by_param = {id(r.param): r for r in self.records}
         self.masters: dict[str, nn.Parameter] = {
@@ -210,7 +212,7 @@ class Params:
     def refresh_masters(self) -> None:
         """Main thread: the model params' values into the masters; blocks until done."""
         pairs = [(m, p) for layer in self.layer_copies for p, m, held in layer if held]
-        self.launch(copy_pairs, pairs, touches=("masters",)).wait()
+        self.launch(self._write_masters, pairs, touches=("masters",)).wait()
 
     def load_masters(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Main thread: copy ``state_dict`` into the masters in place, after everything launched
@@ -232,7 +234,14 @@ class Params:
                 )
             pairs.append((m, v))
         self.synchronize()
-        self.launch(copy_pairs, pairs, touches=("masters",)).wait()
+        self.launch(self._write_masters, pairs, touches=("masters",)).wait()
+
+    def _write_masters(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Optimizer thread: ``(master, value)`` pairs copied, then the placement told."""
+        try:
+            copy_pairs(pairs)
+        finally:
+            self.placement.release()
 
 
 @dataclasses.dataclass(frozen=True)

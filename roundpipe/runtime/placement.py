@@ -8,6 +8,8 @@ code branches on it. See [Note: state placement].
 * :class:`roundpipe.distributed.ShardedState`: each data-parallel rank holds the masters (and
   so their gradients after the step's reduction, and the optimizer state) of its share of the
   parameters; built on this class's interface.
+* :class:`roundpipe.MastersOnDisk`: every master in a file on a fast disk, streamed through a
+  bounded buffer (see [Note: masters on disk] in :mod:`roundpipe.optim.master_file`).
 * :func:`shard_by_bytes`: the owner of each parameter, balanced by bytes (pure).
 
 Threads: a placement is configured on the main thread at construction (:meth:`assign`); its
@@ -20,6 +22,8 @@ from collections.abc import Sequence
 
 import torch
 from torch import nn
+
+from roundpipe.grad_access import MasterParameter
 
 __all__ = ["MasterPlacement", "shard_by_bytes"]
 
@@ -43,6 +47,8 @@ class MasterPlacement:
 
     #: shown in reports and errors
     name = "host RAM"
+    #: host bytes the master->model copy streams masters kept in files through (0: in RAM)
+    copy_buffer_bytes = 0
 
     @property
     def world_size(self) -> int:
@@ -54,10 +60,30 @@ class MasterPlacement:
         """This process's place among them (0 of 1 here). Any thread."""
         return 0
 
+    @property
+    def masters_dir(self) -> str | None:
+        """The directory the held masters live in files under (None: in RAM). Any thread."""
+        return None
+
     def assign(self, params: Sequence[nn.Parameter], master_bytes: Sequence[int]) -> list[bool]:
         """Construction, main thread: for each trainable parameter (in ``named_parameters()``
         order, with the bytes its master takes), whether this process holds its master."""
         return [True] * len(params)
+
+    def make_masters(
+        self, params: Sequence[tuple[nn.Parameter, torch.dtype]]
+    ) -> list[nn.Parameter]:
+        """Construction, main thread: the masters this process holds, one per ``(param,
+        dtype)``, holding the param's values in that dtype (a model of shapes only, on the meta
+        device, gets masters of shapes only)."""
+        masters = []
+        for p, dtype in params:
+            if p.is_meta:
+                value = torch.empty_like(p, dtype=dtype, device="meta")
+            else:
+                value = p.detach().to(device="cpu", dtype=dtype, copy=True)
+            masters.append(MasterParameter(value))
+        return masters
 
     def copy_layer(self, pairs: Sequence[tuple[nn.Parameter, nn.Parameter, bool]]) -> None:
         """Optimizer thread, inside the master->model copy: the new values of one layer's
@@ -67,6 +93,10 @@ class MasterPlacement:
             for p, master, held in pairs:
                 if held:
                     p.copy_(master)
+
+    def release(self) -> None:
+        """Optimizer thread, after work read or wrote the masters in bulk by value (a
+        checkpoint's save or load, a refresh from the model): give back what that took."""
 
     def check_step(self) -> None:
         """Main thread, before a step is launched: raise if this placement cannot step now."""
