@@ -1,13 +1,15 @@
-"""Adam's state on disk (``state_dir=``) against in RAM: the step's time, the disk bandwidth it
-reaches, and how much of it the next iteration hides.
+"""Adam's state on disk (``state_dir=``), and the masters with it (``roundpipe.MastersOnDisk``),
+against in RAM: the step's time, the disk bandwidth it reaches, how much of it the next iteration
+hides, and the host RSS.
 
     python benchmarks/bench_spill.py [--dir DIR] [--numel N] [--rounds K] [--repeat R]
                                      [--width W] [--layers L] [--batch B] [--iters I]
 
 Part a, the optimizer step alone: roundpipe.optim.AdamW on N fp32 params (split into 8
-tensors) with the state in RAM and with it in files under ``--dir`` (default: a temporary
-directory on this machine's disk), alternated round by round, medians of ``--rounds`` x
-``--repeat`` steps. The spilled step reads and writes 8 B/param of state; the read and write
+tensors) with the state in RAM, with it in files under ``--dir`` (default: a temporary
+directory on this machine's disk), and with the params as MastersOnDisk makes them (in a file
+there too), alternated round by round, medians of ``--rounds`` x ``--repeat`` steps. The
+spilled step reads and writes 8 B/param of state (12 with the masters); the read and write
 bandwidth are the bytes over the time the reader and writer threads spent in ``preadv`` and
 ``pwritev`` (their busy time), and the effective bandwidth is the bytes over the whole step.
 The same run also times a plain sequential write and read of a file of the same size (1 MiB
@@ -17,16 +19,23 @@ spill does), for the disk's own figure.
 Part b, training: a Sequential of ``--layers`` fp16 Linear(W, W) layers with fp32 masters
 (about 14 B/param of host state in RAM, 8 B/param of it spilled), ``forward_backward`` then
 ``model.step`` (async: the step runs on the optimizer thread while the next iteration
-computes), iteration time in three modes alternated: no step at all (the compute alone), the
-state in RAM, the state on disk. Hidden fraction of a step = 1 - (iteration - compute) / step,
-with the step's time from part a's medians scaled per parameter. The step runs on the CPU
+computes), iteration time in four modes alternated: no step at all (the compute alone), the
+state in RAM, the state on disk, and the masters on disk too. Hidden fraction of a step = 1 -
+(iteration - compute) / step, with the step's time from part a's medians scaled per parameter
+(with the masters on disk, the master->model copy's read of them is not in part a's step but is
+in the iteration). The step runs on the CPU
 beside the compute here, so on a machine with few cores they compete for the cores.
 
 Part c (``--part c``), host memory: part b's model in a fresh process per mode, the growth of
 its RSS (``/proc/self/status`` VmRSS, and the peak VmHWM) from before the model is built to after
 two training iterations, per parameter: with no optimizer (weights, masters and gradients,
-10 B/param, and the runtime), with the state in RAM (8 B/param more planned) and on disk
-(only the streaming buffer more).
+10 B/param), with the state in RAM (8 B/param more planned), on disk (only the streaming
+buffer more), and with the masters in files too (``roundpipe.MastersOnDisk``, 6 B/param: the
+fp16 weights and the gradients, plus the streaming and copy buffers). Each child first trains a
+small model, so that the runtime's own memory is in place before it measures, builds the model
+in fp16, and runs with ``MALLOC_MMAP_THRESHOLD_=1048576`` (glibc maps every block of 1 MiB or
+more on its own and unmaps it when freed), so that RSS counts what is live rather than what the
+heap kept of earlier frees.
 """
 
 from __future__ import annotations
@@ -48,6 +57,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import roundpipe  # noqa: E402  (after the path tweak, so the checkout is benchmarked)
 import roundpipe.optim  # noqa: E402
 from roundpipe.optim import spill  # noqa: E402
+
+MASTERS = "masters and state on disk"
+CONTENDERS = ("in RAM", "on disk", MASTERS)
 
 
 class _IOClock:
@@ -109,13 +121,18 @@ def part_a(args: argparse.Namespace) -> dict[str, float]:
     gen = torch.Generator().manual_seed(0)
     sizes = _sizes(args.numel, 8)
     made = {}
-    for name in ("in RAM", "on disk"):
+    placements = []
+    for name in CONTENDERS:
         params = [nn.Parameter(torch.randn(n, generator=gen)) for n in sizes]
+        if name == MASTERS:  # the masters as MastersOnDisk makes them for a model
+            placement = roundpipe.MastersOnDisk(args.dir, copy_buffer_bytes=args.buffer_mib << 20)
+            params = placement.make_masters([(p, torch.float32) for p in params])
+            placements.append(placement)
         for p in params:
             p.grad = torch.randn(p.shape, generator=gen) * 1e-3
         options = (
             {"state_dir": args.dir, "state_buffer_bytes": args.buffer_mib << 20}
-            if name == "on disk"
+            if name != "in RAM"
             else {}
         )
         made[name] = roundpipe.optim.AdamW(params, lr=1e-4, **options)
@@ -161,29 +178,33 @@ def part_a(args: argparse.Namespace) -> dict[str, float]:
     )
     for opt in made.values():
         opt.close()
-    del made
+    del made, placements
     gc.collect()
-    return {"in RAM": ram / args.numel, "on disk": disk / args.numel}
+    return {name: statistics.median(times[name]) / args.numel for name in CONTENDERS}
 
 
 def part_b(args: argparse.Namespace, per_param: dict[str, float]) -> None:
     batch = torch.randn(args.batch, args.width)
     label = torch.randint(0, args.width, (args.batch,))
     models = {}
-    for name in ("compute only", "in RAM", "on disk"):
+    for name in ("compute only", *CONTENDERS):
         torch.manual_seed(0)
         seq = nn.Sequential(*[nn.Linear(args.width, args.width) for _ in range(args.layers)])
+        placement = None
+        if name == MASTERS:
+            placement = roundpipe.MastersOnDisk(args.dir, copy_buffer_bytes=args.buffer_mib << 20)
         model = roundpipe.RoundPipe(
             seq.half(),
             optim_dtype=torch.float32,
             devices="cpu",
             model_run_config=roundpipe.RoundPipeRunConfig(num_microbatch=2),
+            state_placement=placement,
         )
         opt = None
         if name != "compute only":
             options = (
                 {"state_dir": args.dir, "state_buffer_bytes": args.buffer_mib << 20}
-                if name == "on disk"
+                if name != "in RAM"
                 else {}
             )
             opt = roundpipe.optim.AdamW(model.optim_parameters(), lr=1e-5, **options)
@@ -220,7 +241,7 @@ def part_b(args: argparse.Namespace, per_param: dict[str, float]) -> None:
     print("| mode | ms/iteration | step alone (part a, scaled) ms | step hidden |")
     print("|---|---:|---:|---:|")
     print(f"| compute only | {compute * 1e3:.1f} | | |")
-    for name in ("in RAM", "on disk"):
+    for name in CONTENDERS:
         med = statistics.median(times[name])
         step = per_param[name] * numel
         hidden = 1 - max(med - compute, 0.0) / step
@@ -228,6 +249,9 @@ def part_b(args: argparse.Namespace, per_param: dict[str, float]) -> None:
     for _, opt in models.values():
         if opt is not None:
             opt.close()
+
+
+MODES = ("no optimizer", *CONTENDERS)
 
 
 def _rss() -> tuple[int, int]:
@@ -240,13 +264,10 @@ def _rss() -> tuple[int, int]:
     return values["VmRSS"], values["VmHWM"]
 
 
-def rss_child(args: argparse.Namespace, mode: str) -> None:
-    """One mode of part c, in this (fresh) process: prints one JSON line."""
-    import json
-
-    before, _ = _rss()
-    torch.manual_seed(0)
-    seq = nn.Sequential(*[nn.Linear(args.width, args.width) for _ in range(args.layers)]).half()
+def _warm_up(width: int) -> None:
+    """Train a two-layer model of the same width once, so that the RSS the runtime, its threads
+    and torch's first use of each kernel take is in place before the measured model exists."""
+    seq = nn.Sequential(nn.Linear(width, width), nn.Linear(width, width)).half()
     model = roundpipe.RoundPipe(
         seq,
         optim_dtype=torch.float32,
@@ -254,9 +275,42 @@ def rss_child(args: argparse.Namespace, mode: str) -> None:
         memory_check=False,
         model_run_config=roundpipe.RoundPipeRunConfig(num_microbatch=2),
     )
+    opt = roundpipe.optim.AdamW(model.optim_parameters(), lr=1e-5)
+    batch, label = torch.randn(8, width), torch.randint(0, width, (8,))
+    for _ in range(2):
+        model.forward_backward(
+            input_args=(batch,), label=label, loss_fn=lambda o, y: F.cross_entropy(o.float(), y)
+        )
+        model.step(lambda: (opt.step(), opt.zero_grad()))
+    model.synchronize()
+
+
+def rss_child(args: argparse.Namespace, mode: str) -> None:
+    """One mode of part c, in this (fresh) process: prints one JSON line."""
+    import json
+
+    _warm_up(args.width)
+    gc.collect()  # the warm-up model is gone
+    before, _ = _rss()
+    torch.manual_seed(0)
+    # Made in fp16: an fp32 model cast down would leave its freed fp32 bytes in the heap.
+    seq = nn.Sequential(
+        *[nn.Linear(args.width, args.width, dtype=torch.float16) for _ in range(args.layers)]
+    )
+    placement = None
+    if mode == MASTERS:
+        placement = roundpipe.MastersOnDisk(args.dir, copy_buffer_bytes=args.buffer_mib << 20)
+    model = roundpipe.RoundPipe(
+        seq,
+        optim_dtype=torch.float32,
+        devices="cpu",
+        memory_check=False,
+        model_run_config=roundpipe.RoundPipeRunConfig(num_microbatch=2),
+        state_placement=placement,
+    )
     options = (
         {"state_dir": args.dir, "state_buffer_bytes": args.buffer_mib << 20}
-        if mode == "on disk"
+        if mode != "in RAM"
         else {}
     )
     opt = None
@@ -285,11 +339,14 @@ def part_c(args: argparse.Namespace) -> None:
     import subprocess
 
     rows = []
-    for mode in ("no optimizer", "in RAM", "on disk"):
+    for mode in MODES:
         cmd = [sys.executable, __file__, "--rss-mode", mode, "--dir", args.dir]
         cmd += ["--width", str(args.width), "--layers", str(args.layers)]
         cmd += ["--buffer-mib", str(args.buffer_mib)]
-        out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+        # A fixed mmap threshold: every large block is mapped on its own and unmapped when
+        # freed, so RSS is what is live, not what glibc's heap kept of earlier frees.
+        env = dict(os.environ, MALLOC_MMAP_THRESHOLD_=str(1 << 20))
+        out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env).stdout
         rows.append(json.loads(out.strip().splitlines()[-1]))
     numel = rows[0]["numel"]
     base = rows[0]["growth"]
@@ -302,16 +359,16 @@ def part_c(args: argparse.Namespace) -> None:
         "(growth - no optimizer's) | planned B/param |"
     )
     print("|---|---:|---:|---:|---:|")
-    for row, planned in zip(rows, ("10 + runtime", "18", "10 + buffer")):
+    for row, planned in zip(rows, ("10", "18", "10 + buffer", "6 + 2 buffers")):
         share = "" if row is rows[0] else f"{(row['growth'] - base) / numel:.2f}"
         print(
             f"| {row['mode']} | {row['growth'] / numel:.2f} | {row['peak'] / numel:.2f} | "
             f"{share} | {planned} |"
         )
     print(
-        f"\n(the {args.buffer_mib} MiB buffer is {(args.buffer_mib << 20) / numel:.2f} B/param here if every page of it "
-        f"is touched; the runtime's own RSS, threads and torch's first-use allocations, is in "
-        f"every row)\n"
+        f"\n(each {args.buffer_mib} MiB buffer is {(args.buffer_mib << 20) / numel:.2f} B/param "
+        f"here if every page of it is touched; the child trains a two-layer model first, so "
+        f"the runtime's own RSS is mostly in place before the measured growth)\n"
     )
 
 

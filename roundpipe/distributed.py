@@ -1261,6 +1261,7 @@ class DataParallel:
                         for rec in self._params.records:
                             if rec.master is not None and rec.held:
                                 rec.master.copy_(rec.param)
+                    self._params.placement.release()  # masters in files: pages written
         except Exception as exc:
             raise group.failed("DataParallel's start (model check and broadcast)", exc) from exc
         if not same:

@@ -18,7 +18,8 @@ as it starts writing its share of its c-th save, counted from 1), ``keep_last``,
 JSON: per iteration the loss as float.hex, the final masters' and parameters' sha256, the
 scaler's state, what load returned, this rank's masters and optimizer state by parameter
 name, as sha256, right after the load and at the end, and the warnings made while building the
-optimizer), ``state_dir`` and ``state_buffer_bytes`` (Adam's state in files),
+model and the optimizer), ``state_dir`` and ``state_buffer_bytes`` (Adam's state in files),
+``masters_dir`` (the masters in files, roundpipe.MastersOnDisk; "seq" only),
 ``announce_write_at`` (print "writing" once, when Adam's writer thread starts a write while the
 main thread is at that iteration).
 """
@@ -60,6 +61,7 @@ DEFAULTS = {
     "announce_saves": False,
     "state_dir": None,
     "state_buffer_bytes": None,
+    "masters_dir": None,
     "announce_write_at": None,
     "shard": False,
     "timeout": 60,
@@ -75,12 +77,17 @@ def build_seq(cfg):
     seq = nn.Sequential(
         nn.Linear(8, w), nn.Dropout(0.2), nn.Tanh(), nn.Linear(w, w), nn.GELU(), nn.Linear(w, 4)
     ).half()
+    placement = None
+    if cfg["shard"]:
+        placement = rpd.ShardedState()
+    elif cfg["masters_dir"]:
+        placement = roundpipe.MastersOnDisk(cfg["masters_dir"])
     return RoundPipe(
         seq,
         optim_dtype=torch.float32,
         devices=cfg["devices"],
         model_run_config=RoundPipeRunConfig(num_microbatch=NUM_MB),
-        state_placement=rpd.ShardedState() if cfg["shard"] else None,
+        state_placement=placement,
     )
 
 
@@ -219,9 +226,11 @@ def main():
             kill_in_broadcast(**cfg["kill_in_broadcast"])
         if cfg["kill_in_write"]:
             kill_in_write(**cfg["kill_in_write"])
-    model = build_seq(cfg) if cfg["model"] == "seq" else build_lora(cfg)
+    with warnings.catch_warnings(record=True) as made:
+        warnings.simplefilter("always")
+        model = build_seq(cfg) if cfg["model"] == "seq" else build_lora(cfg)
     dp = rpd.DataParallel(model) if cfg["dp"] else None
-    with OptimizerCtx(), warnings.catch_warnings(record=True) as made:
+    with OptimizerCtx(), warnings.catch_warnings(record=True) as made_opt:
         warnings.simplefilter("always")
         opt = roundpipe.optim.Adam(
             model.parameters(),
@@ -229,6 +238,7 @@ def main():
             state_dir=cfg["state_dir"],
             state_buffer_bytes=cfg["state_buffer_bytes"],
         )
+    made += made_opt
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.7)
     scaler = GradScaler("cpu", init_scale=2.0**12, growth_interval=3)
     gen = torch.Generator().manual_seed(1)

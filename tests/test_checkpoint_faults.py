@@ -107,24 +107,36 @@ def test_a_process_killed_at_random_moments_while_saving_resumes_from_its_newest
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_a_process_killed_while_writing_adams_state_to_disk_resumes_from_its_checkpoint(tmp_path):
+@pytest.mark.parametrize("masters", [False, True], ids=["state", "state_and_masters"])
+def test_a_process_killed_while_writing_adams_state_to_disk_resumes_from_its_checkpoint(
+    tmp_path, masters
+):
     # Adam's state in files (state_dir), streamed through a small buffer so a step is many
-    # writes; the process is SIGKILLed as the writer thread starts one of them. The killed
-    # process leaves its state directory; the resumed run (same state_dir) removes it with a
-    # warning, loads the newest checkpoint and continues bit for bit as the in-RAM run.
+    # writes, and with ``masters`` the masters in files there too (MastersOnDisk, written by
+    # the same writer thread); the process is SIGKILLed as the writer thread starts one of
+    # them. The killed process leaves its directories; the resumed run (same directory)
+    # removes them with a warning, loads the newest checkpoint and continues bit for bit as the
+    # in-RAM run.
     steps = 6
     base = {"model": "seq", "width": 1536, "steps": steps}
     reference = run_worker({**base, "root": str(tmp_path / "unused")}, tmp_path / "full.json")
     state_dir = tmp_path / "nvme"
     spill = {"state_dir": str(state_dir), "state_buffer_bytes": 1 << 20}
+    if masters:
+        spill["masters_dir"] = str(state_dir)
     root = tmp_path / "ckpts"
     cfg = {**base, **spill, "root": str(root), "save_every": 1, "announce_write_at": 3}
     returncode, err = kill_when(cfg, "writing")
     assert returncode == -signal.SIGKILL, f"the run ended before the kill: {err}"
-    (left,) = list(state_dir.iterdir())  # the killed process's state directory
-    assert left.name.startswith("roundpipe-adam-") and (left / "adam_state.bin").stat().st_size
+    left = sorted(state_dir.iterdir())  # the killed process's directories
+    kinds = ["adam", "masters"] if masters else ["adam"]
+    assert [p.name.split("-")[1] for p in left] == kinds
+    assert all(next(p.iterdir()).stat().st_size for p in left)
     resumed = run_worker({**base, **spill, "root": str(root), "resume": True}, tmp_path / "r.json")
-    assert any(left.name in w and "killed processes" in w for w in resumed["warnings"])
+    # Removed by the first spill built in the resumed run (the model's masters, else Adam's).
+    assert any(
+        all(p.name in w for p in left) and "killed processes" in w for w in resumed["warnings"]
+    )
     start = resumed["loaded"]["iteration"]
     assert 1 <= start <= 4  # saves are asynchronous: the newest complete one may lag
     assert resumed["losses"] == {k: v for k, v in reference["losses"].items() if int(k) >= start}

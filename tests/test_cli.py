@@ -284,6 +284,33 @@ def test_a_plan_with_a_spill_dir_counts_only_the_streaming_buffer(tmp_path, caps
     assert "streaming buffer" in capsys.readouterr().out
 
 
+def test_a_plan_with_spilled_masters_counts_only_the_two_buffers(tmp_path, capsys):
+    pytest.importorskip("transformers")
+    from roundpipe.hf.memory_cli import main, plan_config, what_to_change
+    from roundpipe.optim.master_file import DEFAULT_COPY_BUFFER_BYTES
+
+    path = str(_tiny_config(tmp_path))
+    state = plan_config(path, seq_len=32, devices="emu", host_memory=10**12, spill_dir="/x")
+    both = plan_config(
+        path, seq_len=32, devices="emu", host_memory=10**12, spill_dir="/x", spill_masters=True
+    )
+    assert both.host.masters == DEFAULT_COPY_BUFFER_BYTES
+    assert both.host.total == state.host.total - state.host.masters + DEFAULT_COPY_BUFFER_BYTES
+    assert "master copies" in str(both) and "in files under /x (copy buffer)" in str(both)
+    # Short of RAM with the state spilled, the plan names the masters next; spilled, not.
+    small = plan_config(path, seq_len=32, devices="emu", host_memory=1 << 20, spill_dir="/x")
+    hints = what_to_change(small, lora=0, offload_activations=False, seq_len=32)
+    assert any("--spill-masters" in line for line in hints)
+    small = plan_config(
+        path, seq_len=32, devices="emu", host_memory=1 << 20, spill_dir="/x", spill_masters=True
+    )
+    hints = what_to_change(small, lora=0, offload_activations=False, seq_len=32)
+    assert not any("--spill-masters" in line for line in hints)
+    with pytest.raises(SystemExit):
+        main([path, "--seq-len", "32", "--devices", "emu", "--spill-masters"])
+    assert "--spill-masters keeps the masters in files under --spill-dir" in capsys.readouterr().err
+
+
 def test_the_longest_sequence_is_the_edge_of_the_plan(tmp_path):
     """ConfigPlanner.longest_seq_len (the plan command's --max-seq-len): the plan at the
     answer fits and one step more does not; found by bisection over plans, not runs."""

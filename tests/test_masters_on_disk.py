@@ -66,9 +66,19 @@ def _run(tmp_path, batches, masters, state, is_async=True, devices="cpu", make_o
     model = _model(MastersOnDisk(tmp_path / "m", SMALL_BUFFER) if masters else None, devices)
     if make_opt is not None:
         opt = make_opt(model.optim_parameters())
+    elif state:
+        opt = rp_optim.AdamW(
+            model.optim_parameters(),
+            lr=1e-2,
+            state_dir=tmp_path / "s",
+            state_buffer_bytes=SMALL_BUFFER,
+        )
+    elif masters:
+        with pytest.warns(UserWarning, match="Pass state_dir=DIR to stream them") as record:
+            opt = rp_optim.AdamW(model.optim_parameters(), lr=1e-2)
+        assert record[0].filename == __file__  # names the user's line
     else:
-        spill = dict(state_dir=tmp_path / "s", state_buffer_bytes=SMALL_BUFFER) if state else {}
-        opt = rp_optim.AdamW(model.optim_parameters(), lr=1e-2, **spill)
+        opt = rp_optim.AdamW(model.optim_parameters(), lr=1e-2)
     # 2**24 overflows fp16 gradients: the first steps are skipped while the scale backs off.
     scaler = GradScaler("cpu", init_scale=2.0**24, growth_interval=4)
     _train(model, opt, scaler, batches, is_async)

@@ -14,7 +14,9 @@ rtx4090`` (:data:`GPUS`) plans against that GPU instead of the local device, wit
 GPU needs beside the tensors (see [Note: the device reserve] in
 :mod:`roundpipe.devices.accelerator`), and ``--host-memory`` against that much RAM.
 ``--spill-dir DIR`` plans Adam's state in files there (``roundpipe.optim.AdamW(state_dir=DIR)``):
-only its streaming buffer counts against the host. Planned from a config, the weights do not
+only its streaming buffer counts against the host; ``--spill-masters`` plans the masters there too
+(``state_placement=roundpipe.MastersOnDisk(DIR)``): only its copy buffer counts. Planned from a
+config, the weights do not
 exist yet, so they count against the host like every other term. When it does not fit, the
 report ends with what to change.
 """
@@ -39,6 +41,7 @@ from roundpipe.hf.defaults import (
 from roundpipe.memory.host import format_bytes, host_terms
 from roundpipe.memory.probe import host_memory_available
 from roundpipe.memory.search import longest_fitting
+from roundpipe.optim.master_file import DEFAULT_COPY_BUFFER_BYTES
 from roundpipe.optim.spill import DEFAULT_BUFFER_BYTES
 from roundpipe.runtime.stages import model_layers
 
@@ -117,7 +120,9 @@ class ConfigPlanner:
     ``ranks``: the state sharded over that many data-parallel ranks
     (:class:`roundpipe.distributed.ShardedState`), the host terms of the rank with the largest
     share; ``spill_dir``: Adam's state in files there (``roundpipe.optim.AdamW(state_dir=spill_dir)``),
-    so only its streaming buffer counts against the host. Main thread."""
+    so only its streaming buffer counts against the host; ``spill_masters`` (with ``spill_dir``):
+    the masters in files there too (:class:`roundpipe.MastersOnDisk`), so only its copy buffer
+    counts. Main thread."""
 
     def __init__(
         self,
@@ -136,6 +141,7 @@ class ConfigPlanner:
         ranks: int = 1,
         spill_dir: str | None = None,
         mlp_tile_tokens: int | None = None,
+        spill_masters: bool = False,
     ) -> None:
         from transformers import AutoModelForCausalLM
 
@@ -180,9 +186,15 @@ class ConfigPlanner:
             host_terms(whole, optim_dtype, None, available, ranks=ranks, layers=layers),
             weights_allocated=False,
         )
+        if spill_masters and spill_dir is None:
+            raise ValueError("spill_masters plans the masters in files under spill_dir: give it")
         if spill_dir is not None:
             self.host = dataclasses.replace(
                 self.host, optimizer=DEFAULT_BUFFER_BYTES, optimizer_dir=spill_dir
+            )
+        if spill_masters:
+            self.host = dataclasses.replace(
+                self.host, masters=DEFAULT_COPY_BUFFER_BYTES, masters_dir=spill_dir
             )
 
     def offloads(self, seq_len: int) -> bool:
@@ -264,6 +276,11 @@ def what_to_change(plan: Any, *, lora: int, offload_activations: bool, seq_len: 
             lines.append(
                 "    --spill-dir DIR: the optimizer state in files on a fast disk "
                 "(roundpipe.optim.AdamW(..., state_dir=DIR))"
+            )
+        if host.masters_dir is None and host.ranks == 1:
+            lines.append(
+                "    --spill-masters (with a spill directory): the masters in files there too "
+                "(RoundPipe(..., state_placement=roundpipe.MastersOnDisk(DIR)))"
             )
         if not lora:
             lines.append(
@@ -375,9 +392,17 @@ def main(argv: list[str] | None = None) -> int:
         help="keep Adam's state in files under DIR (roundpipe.optim.AdamW(state_dir=DIR)): only "
         "its streaming buffer counts against the host",
     )
+    parser.add_argument(
+        "--spill-masters",
+        action="store_true",
+        help="with --spill-dir: keep the masters in files there too (RoundPipe(..., "
+        "state_placement=roundpipe.MastersOnDisk(DIR))): only its copy buffer counts",
+    )
     args = parser.parse_args(argv)
     if args.ranks < 1:
         parser.error("--ranks must be >= 1")
+    if args.spill_masters and args.spill_dir is None:
+        parser.error("--spill-masters keeps the masters in files under --spill-dir: give it")
     if args.mlp_tile_tokens is not None and args.mlp_tile_tokens < 0:
         parser.error("--mlp-tile-tokens must be >= 0 (0: untiled)")
     try:
@@ -407,6 +432,7 @@ def main(argv: list[str] | None = None) -> int:
         ranks=args.ranks,
         spill_dir=args.spill_dir,
         mlp_tile_tokens=args.mlp_tile_tokens,
+        spill_masters=args.spill_masters,
     )
     seq_len = args.seq_len
     if args.max_seq_len is not None:

@@ -113,6 +113,15 @@ def _state_options(terms: HostTerms) -> list[str]:
             f"{format_bytes(left)} to allocate besides that buffer ({fits}); this check "
             f"counts the state in RAM, so wrap with memory_check=False when you do"
         )
+    if terms.ranks == 1 and not terms.masters_dir and terms.masters:
+        left = terms.new_bytes - terms.optimizer - terms.masters
+        fits = "which fits" if left <= terms.available else "still too much"
+        options.append(
+            f"keep the masters in files too: RoundPipe(..., state_placement="
+            f"roundpipe.MastersOnDisk(DIR)) with AdamW(..., state_dir=DIR) leaves the fp16 "
+            f"weights and the gradients in RAM (6 bytes per parameter), about "
+            f"{format_bytes(left)} to allocate besides the two buffers ({fits})"
+        )
     return options
 
 

@@ -127,7 +127,7 @@ class MastersOnDisk(MasterPlacement):
         self._buffer = torch.empty(self.copy_buffer_bytes, dtype=torch.uint8)
         self._map = mmap.mmap(self._file.fd, size)
         whole = torch.frombuffer(self._map, dtype=torch.uint8)
-        masters = []
+        masters: list[nn.Parameter] = []
         with torch.no_grad():
             for (p, dtype), offset in zip(params, offsets):
                 nbytes = p.numel() * dtype.itemsize

@@ -18,6 +18,7 @@ launched work is pending).
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -33,7 +34,9 @@ from roundpipe.optim.kernel import (
     group_allows_fused,
     param_fits_fused,
 )
+from roundpipe.optim.master_file import file_of_master
 from roundpipe.optim.spill import StateOnDisk
+from roundpipe.user_frame import user_stacklevel
 
 __all__ = ["OptimizerStatePlacement", "StateInRAM", "make_placement"]
 
@@ -66,6 +69,14 @@ class StateInRAM:
 
     def check_group(self, opt: torch.optim.Optimizer, group: dict) -> None:
         _check_fits_in_ram(group)
+        if any(file_of_master(p) is not None for p in group["params"]):
+            warnings.warn(
+                "these masters are in files (roundpipe.MastersOnDisk) but this Adam keeps its "
+                "state in RAM: its step updates the masters through the page cache, so they "
+                "come back into this process's memory at every step. Pass state_dir=DIR to "
+                "stream them with the state (roundpipe.optim.AdamW(..., state_dir=DIR))",
+                stacklevel=user_stacklevel(),
+            )
 
     def step(
         self, opt: torch.optim.Optimizer, grad_scale: Tensor | None, found_inf: Tensor | None

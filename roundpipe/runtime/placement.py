@@ -76,7 +76,7 @@ class MasterPlacement:
         """Construction, main thread: the masters this process holds, one per ``(param,
         dtype)``, holding the param's values in that dtype (a model of shapes only, on the meta
         device, gets masters of shapes only)."""
-        masters = []
+        masters: list[nn.Parameter] = []
         for p, dtype in params:
             if p.is_meta:
                 value = torch.empty_like(p, dtype=dtype, device="meta")
