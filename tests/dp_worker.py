@@ -50,6 +50,9 @@ DEFAULTS = {
     # rank steps with zero gradients instead of that call's
     "fail_in_backward": None,
     "hand_late": False,  # this rank hands its last stage's sums as the stage before it
+    # a directory: the masters (MastersOnDisk) and Adam's state (state_dir) in files under it,
+    # per rank its own subdirectory
+    "spill": None,
 }
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -63,8 +66,12 @@ def global_batch(it, cfg):
     return x, y
 
 
-def build(cfg, shard=False):
+def build(cfg, shard=False, rank=0):
     torch.manual_seed(cfg["seed"])
+    spill = None if cfg["spill"] is None else os.path.join(cfg["spill"], f"rank{rank}")
+    placement = rpd.ShardedState() if shard else None
+    if spill is not None:
+        placement = roundpipe.MastersOnDisk(spill)
     seq = nn.Sequential(
         nn.Linear(8, cfg["hidden"]),
         nn.Tanh(),
@@ -77,11 +84,11 @@ def build(cfg, shard=False):
         optim_dtype=torch.float32,
         devices=cfg["devices"],
         model_run_config=RoundPipeRunConfig(num_microbatch=cfg["num_microbatch"]),
-        state_placement=rpd.ShardedState() if shard else None,
+        state_placement=placement,
     )
     with OptimizerCtx():
         if cfg["optimizer"] == "adam":  # unscales in its own kernel (grad_scale/found_inf)
-            opt = roundpipe.optim.Adam(model.parameters(), lr=1e-2)
+            opt = roundpipe.optim.Adam(model.parameters(), lr=1e-2, state_dir=spill)
         else:  # the scaler's unscale_ path
             opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     scaler = GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
@@ -126,7 +133,7 @@ def train(cfg, rank=0, world=1, dp=None):
     cfg = {**DEFAULTS, **cfg}
     if cfg["hand_late"]:
         hand_last_stage_late()
-    model, opt, scaler = build(cfg, shard=dp is not None and cfg["shard"])
+    model, opt, scaler = build(cfg, shard=dp is not None and cfg["shard"], rank=rank)
     if dp is not None:
         dp = rpd.DataParallel(model, bucket_cap_mb=dp.get("bucket_cap_mb", 25.0))
     start = 0

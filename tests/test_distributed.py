@@ -146,6 +146,24 @@ def test_ranks_on_shards_match_one_process_on_the_whole_batch(tmp_path, world, m
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
+def test_ranks_with_their_masters_and_state_in_files_match_ranks_in_ram(tmp_path):
+    # MastersOnDisk and Adam(state_dir=...) on each rank: DataParallel's start broadcasts into
+    # masters that are a file's memory map, and the spilled steps stay bitwise the in-RAM ones.
+    cfg = {"steps": 4, "global_batch": 8, "mode": "async", "optimizer": "adam", "dtype": "fp16"}
+    (tmp_path / "ram").mkdir()
+    (tmp_path / "disk").mkdir()
+    in_ram, _ = run_ranks(2, cfg, tmp_path / "ram")
+    spilled, _ = run_ranks(2, {**cfg, "spill": str(tmp_path / "nvme")}, tmp_path / "disk")
+    for rank in (0, 1):
+        assert spilled[rank]["error"] is None and spilled[rank]["replicas_identical"] is True
+        for key in ("masters", "params"):
+            for name, value in in_ram[rank][key].items():
+                assert torch.equal(spilled[rank][key][name], value), (rank, key, name)
+    assert in_ram[0]["skipped"] == spilled[0]["skipped"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
 @pytest.mark.parametrize("optimizer", ["adam", "sgd"])
 def test_an_overflow_on_one_rank_skips_the_step_on_every_rank(tmp_path, optimizer):
     cfg = {"steps": 5, "mode": "async", "optimizer": optimizer, "inf_step": 2, "inf_rank": 1}
