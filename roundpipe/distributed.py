@@ -37,12 +37,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed import ProcessGroup
 from torch.utils import _pytree as pytree
 
 from roundpipe import optim_queue
 from roundpipe.grad_scaler import GradScaler
 from roundpipe.main_thread import check_main_thread
+from roundpipe.optim.master_file import MastersOnDisk
 from roundpipe.runtime.model import RoundPipe
 from roundpipe.runtime.placement import MasterPlacement, shard_by_bytes
 from roundpipe.workers import Future
@@ -568,10 +570,18 @@ class ShardedState(MasterPlacement):
     fp16/bf16 weights with fp32 masters and Adam: 2 (weights) + 16/N (its gradients, masters
     and Adam's moments), plus the stages' sums on their way, against 18 replicated.
 
+    With ``masters_dir``, each rank keeps its share of the masters in a file there
+    (:class:`roundpipe.MastersOnDisk`); with Adam's state in files too
+    (``roundpipe.optim.AdamW(..., state_dir=...)``) a rank holds 2 + 4/N bytes per parameter
+    plus the sums on their way and two bounded buffers.
+
     Args:
         process_group: the ranks to shard over (default: the world); the same group as the
             :class:`DataParallel` that will attach.
         device: where collectives run; default as :class:`DataParallel`'s.
+        masters_dir: a directory on a fast local disk for this rank's masters (default None:
+            in RAM); ``copy_buffer_bytes``: the buffer the master->model copy streams them
+            through (default :class:`roundpipe.MastersOnDisk`'s).
 
     Threads: construct it on the main thread (torch.distributed must be initialized); the
     weight broadcast (:meth:`copy_layer`) runs on the optimizer thread. The owners are fixed
@@ -582,9 +592,16 @@ class ShardedState(MasterPlacement):
     name = "sharded over data-parallel ranks"
 
     def __init__(
-        self, process_group: ProcessGroup | None = None, device: torch.device | str | None = None
+        self,
+        process_group: ProcessGroup | None = None,
+        device: torch.device | str | None = None,
+        masters_dir: str | os.PathLike[str] | None = None,
+        copy_buffer_bytes: int | None = None,
     ) -> None:
         check_main_thread("ShardedState", owner="roundpipe.distributed")
+        self._files = None if masters_dir is None else MastersOnDisk(masters_dir, copy_buffer_bytes)
+        if self._files is not None:
+            self.copy_buffer_bytes = self._files.copy_buffer_bytes
         self._group = _Group(process_group, device)
         self._owners: list[int] | None = None
         self._owner_of: dict[int, int] = {}
@@ -599,6 +616,21 @@ class ShardedState(MasterPlacement):
     def rank(self) -> int:
         """This process's rank in the group. Any thread; never blocks."""
         return self._group.rank
+
+    @property
+    def masters_dir(self) -> str | None:
+        """The directory this rank's masters are in files under (None: in RAM)."""
+        return None if self._files is None else self._files.directory
+
+    def make_masters(self, params: Any) -> list[nn.Parameter]:
+        """Construction: this rank's masters, in RAM or in a file under ``masters_dir``."""
+        if self._files is not None:
+            return self._files.make_masters(params)
+        return super().make_masters(params)
+
+    def release(self) -> None:
+        if self._files is not None:
+            self._files.release()
 
     @property
     def owners(self) -> list[int]:
@@ -647,7 +679,10 @@ class ShardedState(MasterPlacement):
         model's parameters, then broadcast each owner's parameters of the layer to the other
         ranks (see [Note: sharded state] (d)). A collective; raises
         :class:`DataParallelError` if it fails."""
-        super().copy_layer(pairs)
+        if self._files is not None:
+            self._files.copy_layer(pairs)
+        else:
+            super().copy_layer(pairs)
         group = self._group
         if group.world == 1:
             return

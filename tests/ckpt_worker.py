@@ -19,7 +19,8 @@ JSON: per iteration the loss as float.hex, the final masters' and parameters' sh
 scaler's state, what load returned, this rank's masters and optimizer state by parameter
 name, as sha256, right after the load and at the end, and the warnings made while building the
 model and the optimizer), ``state_dir`` and ``state_buffer_bytes`` (Adam's state in files),
-``masters_dir`` (the masters in files, roundpipe.MastersOnDisk; "seq" only),
+``masters_dir`` (the masters in files: roundpipe.MastersOnDisk, or ShardedState's share with
+``shard``; "seq" only),
 ``announce_write_at`` (print "writing" once, when Adam's writer thread starts a write while the
 main thread is at that iteration).
 """
@@ -79,7 +80,7 @@ def build_seq(cfg):
     ).half()
     placement = None
     if cfg["shard"]:
-        placement = rpd.ShardedState()
+        placement = rpd.ShardedState(masters_dir=cfg["masters_dir"])
     elif cfg["masters_dir"]:
         placement = roundpipe.MastersOnDisk(cfg["masters_dir"])
     return RoundPipe(

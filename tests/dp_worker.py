@@ -24,6 +24,7 @@ from torch import nn
 import roundpipe
 from roundpipe import GradScaler, OptimizerCtx, RoundPipe, RoundPipeRunConfig
 from roundpipe import distributed as rpd
+from roundpipe.optim import master_file
 
 DEFAULTS = {
     "steps": 6,
@@ -69,9 +70,10 @@ def global_batch(it, cfg):
 def build(cfg, shard=False, rank=0):
     torch.manual_seed(cfg["seed"])
     spill = None if cfg["spill"] is None else os.path.join(cfg["spill"], f"rank{rank}")
-    placement = rpd.ShardedState() if shard else None
-    if spill is not None:
-        placement = roundpipe.MastersOnDisk(spill)
+    if shard:
+        placement = rpd.ShardedState(masters_dir=spill)
+    else:
+        placement = None if spill is None else roundpipe.MastersOnDisk(spill)
     seq = nn.Sequential(
         nn.Linear(8, cfg["hidden"]),
         nn.Tanh(),
@@ -265,6 +267,9 @@ def train(cfg, rank=0, world=1, dp=None):
     record["master_storage_bytes"] = sum(
         m.untyped_storage().nbytes() for m in model.state_access().params.grad_targets
     )
+    record["masters_in_files"] = [
+        master_file.file_of_master(m) is not None for m in model.optim_parameters()
+    ]
     record["optimizer_state_bytes"] = sum(
         t.numel() * t.element_size()
         for st in opt.state.values()

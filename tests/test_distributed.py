@@ -156,6 +156,7 @@ def test_ranks_with_their_masters_and_state_in_files_match_ranks_in_ram(tmp_path
     spilled, _ = run_ranks(2, {**cfg, "spill": str(tmp_path / "nvme")}, tmp_path / "disk")
     for rank in (0, 1):
         assert spilled[rank]["error"] is None and spilled[rank]["replicas_identical"] is True
+        assert all(spilled[rank]["masters_in_files"]) and not any(in_ram[rank]["masters_in_files"])
         for key in ("masters", "params"):
             for name, value in in_ram[rank][key].items():
                 assert torch.equal(spilled[rank][key][name], value), (rank, key, name)

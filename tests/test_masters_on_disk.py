@@ -187,6 +187,9 @@ def test_the_host_terms_count_the_copy_buffer_for_the_masters(tmp_path):
     assert disk.masters == master_file.DEFAULT_COPY_BUFFER_BYTES
     assert disk.grads == ram.grads and disk.optimizer == ram.optimizer
     assert any(str(tmp_path) in label for label, _ in disk.rows())
+    # Sharded too: a rank's share of the masters is in its file, only the buffer in RAM.
+    sharded = host_terms(seq, None, None, ranks=2, masters_dir=str(tmp_path), masters_buffer=4096)
+    assert sharded.masters == 4096 and sharded.optimizer < ram.optimizer
 
 
 @pytest.mark.parametrize("target", ["masters", "ram"])

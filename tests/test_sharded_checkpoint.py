@@ -113,6 +113,25 @@ def test_two_sharded_ranks_resume_bit_for_bit(saved, tmp_path):
         assert second[rank]["replicas_identical"]
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_sharded_ranks_with_their_state_in_files_resume_bit_for_bit(saved, tmp_path):
+    # The checkpoint of ranks in RAM, resumed by ranks whose share of the masters and of Adam's
+    # state is in files (ShardedState(masters_dir=...), Adam(state_dir=...)), continues as the
+    # uninterrupted run in RAM.
+    path, _ = saved
+    full = run_ranks({**SEQ, "steps": N, "root": str(tmp_path / "unused")}, tmp_path, "full")
+    spill = {"masters_dir": str(tmp_path / "nvme"), "state_dir": str(tmp_path / "nvme")}
+    second = run_ranks(
+        {**SEQ, **spill, "steps": N, "root": str(path), "resume": True}, tmp_path, "b"
+    )
+    for rank in range(2):
+        assert second[rank]["loaded"]["iteration"] == K
+        for key in ("masters", "params", "scaler", "lr", "at_end"):
+            assert second[rank][key] == full[rank][key], (rank, key)
+    assert list((tmp_path / "nvme").iterdir()) == []  # the ranks' files went at their exit
+
+
 def assert_continues(records):
     for rec in records:
         assert sorted(map(int, rec["losses"])) == list(range(K, N))

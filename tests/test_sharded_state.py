@@ -302,6 +302,29 @@ def test_two_sharded_ranks_equal_the_replicated_run_bitwise(tmp_path, mode):
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
+def test_sharded_masters_in_files_equal_the_replicated_run_bitwise(tmp_path):
+    """ShardedState(masters_dir=...) with Adam(state_dir=...): each rank's share of the
+    masters and of Adam's state in files (the replicated ranks keep theirs in files too, shown
+    bitwise the in-RAM ranks by tests/test_distributed.py)."""
+    cfg = {
+        "steps": 8,
+        "mode": "async",
+        "dtype": "fp16",
+        "inf_step": 3,
+        "inf_rank": 1,
+        "global_batch": 8,
+        "spill": str(tmp_path / "nvme"),
+    }
+    sharded, replicated = assert_sharded_equals_replicated(2, cfg, tmp_path)
+    assert sharded[0]["skipped"][3] is True
+    for rec in list(sharded.values()) + list(replicated.values()):
+        assert rec["masters_in_files"] and all(rec["masters_in_files"])
+        # Adam's moments are in its file: only the step counts stay in RAM.
+        assert rec["optimizer_state_bytes"] == 4 * len(rec["masters"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
 def test_a_global_grad_norm_clips_the_sharded_run_as_the_replicated_one(tmp_path):
     cfg = {"steps": 20, "mode": "sync", "dtype": "fp16", "optimizer": "sgd", "clip": 0.5}
     sharded, replicated = assert_sharded_equals_replicated(2, cfg, tmp_path)

@@ -373,7 +373,7 @@ class _Job:
         tmp = final.with_name(f".{final.name}.tmp-{self.tmp_pid}")
         rank = capture.shard_rank
         if rank is not None and rank != 0:
-            self._write_share(completed, hold, tmp, rank)
+            self._write_share(completed, capture, hold, tmp, rank)
             return
         try:
             try:
@@ -447,7 +447,7 @@ class _Job:
         return f"checkpoint/{self.handle.path}/{self.tmp_pid}/{self.handle.sequence}/rank{rank}"
 
     def _write_share(
-        self, completed: Completed, hold: optim_queue.Hold, tmp: Path, rank: int
+        self, completed: Completed, capture: Capture, hold: optim_queue.Hold, tmp: Path, rank: int
     ) -> None:
         """Writer thread of a sharded rank other than 0: its masters, gradients and optimizer
         state into files of its own in the checkpoint's temporary directory, then their sizes,
@@ -466,6 +466,8 @@ class _Job:
                         shard.write(handle._advance)
                         files[fname] = {"bytes": shard.size, "crc32": shard.crc32}
                         index.update((key, fname) for key, _ in shard.tensors)
+                        if group == "masters":  # masters in files: drop the pages read
+                            capture.access.params.placement.release()
                     hold.release([TOUCHES[group]])
                 sync_dir(tmp)
             finally:

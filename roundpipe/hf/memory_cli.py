@@ -277,7 +277,7 @@ def what_to_change(plan: Any, *, lora: int, offload_activations: bool, seq_len: 
                 "    --spill-dir DIR: the optimizer state in files on a fast disk "
                 "(roundpipe.optim.AdamW(..., state_dir=DIR))"
             )
-        if host.masters_dir is None and host.ranks == 1:
+        if host.masters_dir is None:
             lines.append(
                 "    --spill-masters (with a spill directory): the masters in files there too "
                 "(RoundPipe(..., state_placement=roundpipe.MastersOnDisk(DIR)))"
