@@ -17,7 +17,7 @@ import roundpipe.checkpoint as ckpt
 import roundpipe.optim as rp_optim
 from roundpipe import GradScaler, MastersOnDisk, RoundPipe, RoundPipeRunConfig
 from roundpipe.memory.host import host_terms
-from roundpipe.optim import SpillError, master_file, spill_file
+from roundpipe.optim import SpillError, master_file, spill, spill_file
 
 # 12 KiB slots: 1024 elements of two moments and a master, so the 64x64 weight takes 4 chunks.
 SMALL_BUFFER = 4 * 3 * 4096
@@ -184,12 +184,30 @@ def test_the_host_terms_count_the_copy_buffer_for_the_masters(tmp_path):
     ram = host_terms(seq, None, None)
     disk = host_terms(seq, None, None, masters_dir=str(tmp_path))
     assert ram.masters == 2 * (64 * 64 + 64) * 4
-    assert disk.masters == master_file.DEFAULT_COPY_BUFFER_BYTES
-    assert disk.grads == ram.grads and disk.optimizer == ram.optimizer
-    assert any(str(tmp_path) in label for label, _ in disk.rows())
+    assert disk.masters == ram.masters  # a buffer larger than the masters takes their bytes
+    small = host_terms(seq, None, None, masters_dir=str(tmp_path), masters_buffer=4096)
+    assert small.masters == 4096
+    assert disk.grads == ram.grads
+    # Such masters call for Adam's state in files too (an Adam in RAM warns): its buffer counts.
+    assert disk.optimizer == min(ram.optimizer, spill.DEFAULT_BUFFER_BYTES)
+    assert disk.optimizer_dir == str(tmp_path)
+    assert sum(str(tmp_path) in label for label, _ in disk.rows()) == 2
     # Sharded too: a rank's share of the masters is in its file, only the buffer in RAM.
     sharded = host_terms(seq, None, None, ranks=2, masters_dir=str(tmp_path), masters_buffer=4096)
     assert sharded.masters == 4096 and sharded.optimizer < ram.optimizer
+
+
+def test_a_wrap_refused_in_ram_names_masters_on_disk_and_fits_with_it(tmp_path, monkeypatch):
+    seq = nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 256)).half()
+    terms = host_terms(seq, None, None)
+    available = terms.new_bytes - terms.masters + 4096 + 64
+    monkeypatch.setattr(roundpipe.runtime.model, "host_memory_available", lambda: available)
+    with pytest.raises(roundpipe.HostMemoryError) as info:
+        RoundPipe(seq, devices="emu")
+    message = str(info.value)
+    assert "state_placement=roundpipe.MastersOnDisk(DIR)" in message, message
+    assert "AdamW(..., state_dir=DIR)" in message
+    RoundPipe(seq, devices="emu", state_placement=MastersOnDisk(tmp_path, 4096))
 
 
 @pytest.mark.parametrize("target", ["masters", "ram"])

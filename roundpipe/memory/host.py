@@ -166,9 +166,12 @@ def host_terms(
     ``layers``: with ``ranks`` > 1, the model's layers when its pool hands the gradients over
     stage by stage (None: one CPU device, whose call hands all of them at its end);
     ``masters_dir``: the masters are in files there (:class:`roundpipe.MastersOnDisk`), so the
-    host holds only ``masters_buffer`` bytes of them (default: its default copy buffer). Reads
-    shapes only. Main thread."""
+    host holds only ``masters_buffer`` bytes of them (default: its default copy buffer), and
+    Adam's state is taken to be in files there too (``Adam(state_dir=...)``, which such
+    masters call for: an Adam in RAM warns), so only its default streaming buffer counts.
+    Reads shapes only. Main thread."""
     from roundpipe.optim.master_file import DEFAULT_COPY_BUFFER_BYTES  # imports this module
+    from roundpipe.optim.spill import DEFAULT_BUFFER_BYTES
     from roundpipe.runtime.placement import shard_by_bytes  # runtime imports this module
 
     tensors: dict[int, torch.Tensor] = {}
@@ -196,14 +199,16 @@ def host_terms(
     if ranks > 1 and layers is not None:
         grads = min(masters, held + 2 * stage_grad_bytes(layers, optim_dtype))
     overhead = pinned_layout(module, pinned).overhead if pinned is not None else 0
-    in_ram = held
+    in_ram, optimizer = held, 2 * held
     if masters_dir is not None:
-        in_ram = DEFAULT_COPY_BUFFER_BYTES if masters_buffer is None else masters_buffer
+        buffer = DEFAULT_COPY_BUFFER_BYTES if masters_buffer is None else masters_buffer
+        in_ram = min(held, buffer)
+        optimizer = min(optimizer, DEFAULT_BUFFER_BYTES)
     return HostTerms(
         weights=weights,
         masters=in_ram,
         grads=grads,
-        optimizer=2 * held,
+        optimizer=optimizer,
         pinned_overhead=overhead,
         trainable_numel=trainable,
         frozen_numel=frozen,
@@ -212,4 +217,5 @@ def host_terms(
         ranks=ranks,
         grads_by_stage=ranks > 1 and layers is not None,
         masters_dir=masters_dir,
+        optimizer_dir=masters_dir,
     )
