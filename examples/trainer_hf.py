@@ -101,6 +101,12 @@ def main():
     parser.add_argument("--corpus-bytes", type=int, default=400_000, help="bytes of stdlib text")
     parser.add_argument("--seed", type=int, default=0, help="seed of the model and the data")
     parser.add_argument("--out", default=None, help="output_dir (default: a temporary one)")
+    parser.add_argument(
+        "--spill-dir",
+        default=None,
+        help="keep the masters and Adam's state in files under this directory (6 bytes per "
+        "parameter in RAM instead of 18)",
+    )
     args = parser.parse_args()
 
     from transformers import AutoModelForCausalLM, TrainingArguments
@@ -141,6 +147,8 @@ def main():
             target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
         )
     extra = {} if args.plain else {"devices": args.devices, "async_step": not args.sync}
+    if args.spill_dir is not None and not args.plain:
+        extra["spill_dir"] = args.spill_dir
     if args.sft:
         from datasets import Dataset
         from trl import SFTConfig

@@ -125,6 +125,41 @@ def _lag_one_reference(batches, steps, args):
 
 
 @pytest.mark.timeout(300)
+def test_spill_dir_trains_bitwise_as_the_state_in_ram(tmp_path):
+    # The masters and Adam's state in files (MastersOnDisk, roundpipe.optim.AdamW(state_dir=))
+    # built from the Trainer's own optimizer choice and arguments.
+    data = token_dataset()
+    runs = {}
+    for name, spill in (("ram", None), ("disk", tmp_path / "nvme")):
+        trainer = roundpipe.hf.Trainer(
+            model=tiny_llama(),
+            args=training_args(tmp_path / name, max_steps=6, optim="adamw_torch_fused"),
+            train_dataset=data,
+            data_collator=collate,
+            spill_dir=spill,
+        )
+        trainer.train()
+        runs[name] = trainer
+    disk, ram = runs["disk"], runs["ram"]
+    assert isinstance(disk.model.state_placement, roundpipe.MastersOnDisk)
+    assert isinstance(disk.optimizer, roundpipe.optim.AdamW)
+    assert disk.optimizer.param_groups[0]["weight_decay"] == 0.1  # the Trainer's arguments
+    assert step_losses(disk.state.log_history) == step_losses(ram.state.log_history)
+    for (name, a), (_, b) in zip(
+        disk.model.optim_named_parameters(), ram.model.optim_named_parameters()
+    ):
+        assert torch.equal(a, b), name
+    with pytest.raises(ValueError, match="spill_dir= streams the masters"):
+        roundpipe.hf.Trainer(
+            model=tiny_llama(),
+            args=training_args(tmp_path / "sgd", optim="sgd"),
+            train_dataset=data,
+            data_collator=collate,
+            spill_dir=tmp_path / "nvme",
+        ).create_optimizer()
+
+
+@pytest.mark.timeout(300)
 def test_the_async_step_equals_the_lag_one_reference(tmp_path):
     args = training_args(tmp_path / "rp")
     ours = roundpipe.hf.Trainer(

@@ -31,6 +31,7 @@ from roundpipe import checkpoint, optim_thread
 from roundpipe.distributed import DataParallel
 from roundpipe.grad_scaler import GradScaler
 from roundpipe.hf.wrap import HFRoundPipe, wrap
+from roundpipe.optim.master_file import MastersOnDisk
 from roundpipe.runtime import RoundPipeRunConfig
 
 __all__ = ["RoundPipeTrainerMixin", "Trainer", "unsupported_arguments"]
@@ -279,6 +280,10 @@ class RoundPipeTrainerMixin:
       ``check``, ``model_run_config``, ``memory_check``).
     * ``checkpoint_hf`` (default False): each checkpoint also holds ``hf/``, the model as
       ``from_pretrained`` loads it.
+    * ``spill_dir``: a directory on a fast local disk for the masters and Adam's state
+      (``roundpipe.MastersOnDisk`` and ``roundpipe.optim.AdamW(state_dir=...)``, built from the
+      Trainer's ``optim`` and its arguments): the host keeps about 6 bytes per parameter
+      instead of 18 (docs/memory.md, "Masters on disk"). Default None: everything in RAM.
 
     ``self.model`` is the :class:`roundpipe.hf.HFRoundPipe` (``self.hf_model`` the model given,
     whose parameters hold the trained weights after training). Under torchrun
@@ -299,6 +304,7 @@ class RoundPipeTrainerMixin:
         devices: Any = None,
         wrap_kwargs: dict[str, Any] | None = None,
         checkpoint_hf: bool = False,
+        spill_dir: str | os.PathLike[str] | None = None,
         **kwargs: Any,
     ) -> None:
         if num_microbatch is not None and (
@@ -331,9 +337,15 @@ class RoundPipeTrainerMixin:
             )
         if kwargs.get("model_init") is not None:
             raise ValueError("model_init: pass the model itself (model=...)")
+        if spill_dir is not None and "state_placement" in (wrap_kwargs or {}):
+            raise ValueError(
+                "spill_dir= keeps the masters in files (wrap's state_placement=MastersOnDisk): "
+                "give spill_dir or wrap_kwargs['state_placement'], not both"
+            )
         self.async_step = bool(async_step)
         self.num_microbatch = num_microbatch
         self.checkpoint_hf = bool(checkpoint_hf)
+        self.spill_dir = None if spill_dir is None else os.fspath(spill_dir)
         super().__init__(*args, **kwargs)
         trainer: Any = self
         _refuse(trainer.args)
@@ -364,6 +376,8 @@ class RoundPipeTrainerMixin:
             devices = str(trainer.args.device)  # torchrun: one GPU per rank, the rank's own
         if devices is not None:
             options["devices"] = devices
+        if self.spill_dir is not None:
+            options["state_placement"] = MastersOnDisk(self.spill_dir)
         self.hf_model = hf_model
         self._rp = wrap(hf_model, **options)
         self.data_parallel = _data_parallel(trainer.args, self._rp)
@@ -424,6 +438,8 @@ class RoundPipeTrainerMixin:
                 f"parameter groups; roundpipe steps its fp32 masters: choose a torch optimizer "
                 f"(optim='adamw_torch', 'adamw_torch_fused', 'sgd', ...)"
             )
+        if self.spill_dir is not None:
+            cls, opt_kwargs = _spilled_adam(cls, opt_kwargs, self.spill_dir, trainer.args.optim)
         trainer.optimizer = cls([g for g in groups if g["params"]], **opt_kwargs)
         return trainer.optimizer
 
@@ -457,6 +473,29 @@ class RoundPipeTrainerMixin:
         if trainer.processing_class is not None:
             trainer.processing_class.save_pretrained(output_dir)
         torch.save(trainer.args, os.path.join(output_dir, "training_args.bin"))
+
+
+def _spilled_adam(
+    cls: type, opt_kwargs: dict[str, Any], spill_dir: str, optim: Any
+) -> tuple[type, dict[str, Any]]:
+    """The Trainer's Adam or AdamW as roundpipe's, with its state in files under
+    ``spill_dir`` (the same arguments: roundpipe's take torch's)."""
+    from roundpipe import optim as rp_optim
+
+    counterparts = {
+        torch.optim.AdamW: rp_optim.AdamW,
+        torch.optim.Adam: rp_optim.Adam,
+        rp_optim.AdamW: rp_optim.AdamW,
+        rp_optim.Adam: rp_optim.Adam,
+    }
+    if cls not in counterparts:
+        raise ValueError(
+            f"spill_dir= streams the masters and Adam's state through files, which "
+            f"roundpipe.optim.Adam/AdamW do; optim={optim!r} builds {cls.__name__}: choose "
+            f"optim='adamw_torch' (or 'adamw_torch_fused', 'adam'), or leave spill_dir out"
+        )
+    kwargs = {k: v for k, v in opt_kwargs.items() if k not in ("fused", "foreach")}
+    return counterparts[cls], {**kwargs, "state_dir": spill_dir}
 
 
 def _refuse(args: Any) -> None:
