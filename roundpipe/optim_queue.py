@@ -155,6 +155,9 @@ class WorkItem(Future):
             self.run(functools.partial(self.fn, *args, **kwargs))
         finally:
             self.fn = None  # the newest item stays referenced (wait_all): free its closure
+            if self._exception is None:
+                # Nothing to report: the models it names can be collected once dropped.
+                self.owners = ()
             self._owner.note_ran(self.seq)  # see [Note: steps and items]
 
     def belongs_to(self, owner: Any) -> bool:

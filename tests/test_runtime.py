@@ -1,6 +1,8 @@
 """RoundPipe numerics: sync steps against plain PyTorch, masters, OptimizerCtx, forward, configs."""
 
 import copy
+import gc
+import weakref
 
 import pytest
 import torch
@@ -599,3 +601,34 @@ def test_a_resolved_run_config_has_no_optional_field():
     assert cfg.num_microbatch == 2 and cfg.recompute is False
     assert cfg.execute_plan == ((0, 1), (1, 2), (2, 3))
     assert cfg.autocast == "caller" and cfg.device_memory_budget == "none"
+
+
+def _train_and_drop(seq, devices, directory):
+    """Train a RoundPipe of ``seq`` with its state in files under ``directory``; return a
+    weak reference to it, and nothing else of it."""
+    placement = roundpipe.MastersOnDisk(directory)
+    model = RoundPipe(seq, optim_dtype=torch.float32, devices=devices, state_placement=placement)
+    opt = roundpipe.optim.AdamW(model.optim_parameters(), lr=1e-3, state_dir=directory)
+    x, y = torch.randn(4, 4), torch.randint(0, 2, (4,))
+    for _ in range(2):
+        model.forward_backward(
+            input_args=(x,), label=y, loss_fn=lambda o, lbl: F.cross_entropy(o.float(), lbl)
+        )
+        model.step(lambda: (opt.step(), opt.zero_grad()))
+    model.synchronize()
+    assert len(list(directory.iterdir())) == 2  # the masters' and Adam's directories
+    return weakref.ref(model)
+
+
+@pytest.mark.parametrize("devices", ["cpu", "cpu:2", "emu"])
+def test_a_trained_model_is_collected_once_dropped(devices, tmp_path):
+    # Its gradient hooks live on the C++ side of the wrapped module's parameters, out of the
+    # collector's sight: they must not keep the model, its masters and their files alive.
+    seq = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)).half()
+    gone = _train_and_drop(seq, devices, tmp_path)
+    gc.collect()
+    assert gone() is None
+    assert list(tmp_path.iterdir()) == []  # both removed with their owners
+    # The module trains as a plain module again: its hooks found their model gone.
+    seq.float()(torch.randn(2, 4)).sum().backward()
+    assert all(p.grad is not None for p in seq.parameters())

@@ -444,13 +444,21 @@ class GradHooks:
             self.sink = None
 
     def _hook(self, master: nn.Parameter) -> Callable[[torch.Tensor], None]:
+        # Weak: a hook lives on the C++ side of its parameter, where the collector cannot see
+        # it, so a strong reference would keep the model (and its masters) alive for as long
+        # as the wrapped module's parameters, a cycle that is never collected.
+        hooks_ref, master_ref = weakref.ref(self), weakref.ref(master)
+
         def move_grad_to_master(param: torch.Tensor) -> None:
+            hooks, target = hooks_ref(), master_ref()
+            if hooks is None or target is None:
+                return  # its model is gone: the module trains as a plain module again
             grad, param.grad = param.grad, None
             if grad is None:
                 return
-            sink = self.sink
-            if sink is not None and sink.take(master, grad):  # a fused forward_backward's
+            sink = hooks.sink
+            if sink is not None and sink.take(target, grad):  # a fused forward_backward's
                 return
-            self._moves.add(_launch_move(self.owner, accumulate_grad, master, grad))
+            hooks._moves.add(_launch_move(hooks.owner, accumulate_grad, target, grad))
 
         return move_grad_to_master

@@ -386,12 +386,24 @@ def _keep_until_settled(
     """Hold a pending copy's buffers until its host side has run (and forget those that have);
     ``landing``: a download's entry for :func:`_land_downloads`."""
     with _order_lock:
-        for done in [i for i in _pending_buffers if STATE.guard.roundpipe_emu_finished(i)]:
-            del _pending_buffers[done]
-            _landing.pop(done, None)
+        _forget_settled()
         _pending_buffers[ident] = (host, snapshot)
         if landing is not None:
             _landing[ident] = landing
+
+
+def _forget_settled() -> None:
+    # Under _order_lock.
+    for done in [i for i in _pending_buffers if STATE.guard.roundpipe_emu_finished(i)]:
+        del _pending_buffers[done]
+        _landing.pop(done, None)
+
+
+def forget_settled() -> None:
+    """Let go of the buffers of copies whose host side has run, so that a buffer freed by its
+    owner is freed now, not at the next copy (memory statistics read after it). Any thread."""
+    with _order_lock:
+        _forget_settled()
 
 
 def land_downloads(func: Any, source: torch.Tensor, stream: tuple[int, int]) -> None:
