@@ -263,8 +263,11 @@ def test_a_disk_too_small_fails_at_construction(tmp_path, monkeypatch):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(os, "posix_fallocate", no_room)
+    placement = MastersOnDisk(tmp_path)
     with pytest.raises(SpillError, match="cannot reserve .* for the masters"):
-        _model(MastersOnDisk(tmp_path))
+        _model(placement)
+    monkeypatch.undo()
+    _model(placement)  # the refused wrap left the placement unused: room now, it serves
 
 
 def test_a_placement_serves_one_model(tmp_path):

@@ -397,6 +397,7 @@ class _Job:
                 hf_info = None
                 if self.export is not None:
                     hf_export.export(self.export, tmp / "hf")
+                    capture.access.params.placement.release()  # the masters it read
                     fsync_tree(tmp / "hf")
                     for file in sorted((tmp / "hf").rglob("*")):
                         if file.is_file():

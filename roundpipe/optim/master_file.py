@@ -116,16 +116,17 @@ class MastersOnDisk(MasterPlacement):
         for p, dtype in params:
             offsets.append(size)
             size += max(1, -(-p.numel() * dtype.itemsize // ALIGN)) * ALIGN
-        self._file = SpillFile(
+        file = SpillFile(
             self.directory,
             "masters",
             "masters.bin",
             who=f"MastersOnDisk({self.directory!r})",
             what="the masters",
         )
-        self._file.reserve(size)
+        file.reserve(size)  # a disk too small fails here, and leaves this placement unused
+        self._file = file
         self._buffer = torch.empty(self.copy_buffer_bytes, dtype=torch.uint8)
-        self._map = mmap.mmap(self._file.fd, size)
+        self._map = mmap.mmap(file.fd, size)
         whole = torch.frombuffer(self._map, dtype=torch.uint8)
         masters: list[nn.Parameter] = []
         with torch.no_grad():
