@@ -217,8 +217,10 @@ def test_a_checkpoint_moves_between_masters_in_files_and_in_ram(tmp_path, target
     model, opt, scaler = _run(tmp_path / "a", batches[:5], True, True)
     ckpt.save(tmp_path / "ckpt", model, opt, scaler=scaler).wait()
     opt.close()
-    resumed = _model(MastersOnDisk(tmp_path / "b", SMALL_BUFFER) if target == "masters" else None)
-    opt = rp_optim.AdamW(resumed.optim_parameters(), lr=1e-2)
+    spilled = target == "masters"
+    resumed = _model(MastersOnDisk(tmp_path / "b", SMALL_BUFFER) if spilled else None)
+    spill = {"state_dir": tmp_path / "b", "state_buffer_bytes": SMALL_BUFFER} if spilled else {}
+    opt = rp_optim.AdamW(resumed.optim_parameters(), lr=1e-2, **spill)
     scaler = GradScaler("cpu")
     ckpt.load(tmp_path / "ckpt", resumed, opt, scaler=scaler, progress=False)
     _train(resumed, opt, scaler, batches[5:])
