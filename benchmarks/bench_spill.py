@@ -264,17 +264,22 @@ def _rss() -> tuple[int, int]:
     return values["VmRSS"], values["VmHWM"]
 
 
-def _warm_up(width: int) -> None:
-    """Train a two-layer model of the same width once, so that the RSS the runtime, its threads
-    and torch's first use of each kernel take is in place before the measured model exists."""
-    seq = nn.Sequential(nn.Linear(width, width), nn.Linear(width, width)).half()
-    model = roundpipe.RoundPipe(
+def _wrap(seq: nn.Module, placement: roundpipe.MastersOnDisk | None = None) -> roundpipe.RoundPipe:
+    """Part c's model: two microbatches on one CPU device, no host memory check."""
+    return roundpipe.RoundPipe(
         seq,
         optim_dtype=torch.float32,
         devices="cpu",
         memory_check=False,
         model_run_config=roundpipe.RoundPipeRunConfig(num_microbatch=2),
+        state_placement=placement,
     )
+
+
+def _warm_up(width: int) -> None:
+    """Train a two-layer model of the same width once, so that the RSS the runtime, its threads
+    and torch's first use of each kernel take is in place before the measured model exists."""
+    model = _wrap(nn.Sequential(nn.Linear(width, width), nn.Linear(width, width)).half())
     opt = roundpipe.optim.AdamW(model.optim_parameters(), lr=1e-5)
     batch, label = torch.randn(8, width), torch.randint(0, width, (8,))
     for _ in range(2):
@@ -300,14 +305,7 @@ def rss_child(args: argparse.Namespace, mode: str) -> None:
     placement = None
     if mode == MASTERS:
         placement = roundpipe.MastersOnDisk(args.dir, copy_buffer_bytes=args.buffer_mib << 20)
-    model = roundpipe.RoundPipe(
-        seq,
-        optim_dtype=torch.float32,
-        devices="cpu",
-        memory_check=False,
-        model_run_config=roundpipe.RoundPipeRunConfig(num_microbatch=2),
-        state_placement=placement,
-    )
+    model = _wrap(seq, placement)
     options = (
         {"state_dir": args.dir, "state_buffer_bytes": args.buffer_mib << 20}
         if mode != "in RAM"

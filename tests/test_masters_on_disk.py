@@ -9,55 +9,20 @@ import socket
 
 import pytest
 import torch
-import torch.nn.functional as F
+from spill_common import batches as _batches
+from spill_common import model as _model
+from spill_common import train as _train
 from torch import nn
 
 import roundpipe
 import roundpipe.checkpoint as ckpt
 import roundpipe.optim as rp_optim
-from roundpipe import GradScaler, MastersOnDisk, RoundPipe, RoundPipeRunConfig
+from roundpipe import GradScaler, MastersOnDisk, RoundPipe
 from roundpipe.memory.host import host_terms
 from roundpipe.optim import SpillError, master_file, spill, spill_file
 
 # 12 KiB slots: 1024 elements of two moments and a master, so the 64x64 weight takes 4 chunks.
 SMALL_BUFFER = 4 * 3 * 4096
-
-
-def _model(placement=None, devices="cpu"):
-    torch.manual_seed(0)
-    seq = nn.Sequential(
-        nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 4)
-    )
-    return RoundPipe(
-        seq.half(),
-        optim_dtype=torch.float32,
-        devices=devices,
-        model_run_config=RoundPipeRunConfig(num_microbatch=2),
-        state_placement=placement,
-    )
-
-
-def _batches(n):
-    gen = torch.Generator().manual_seed(5)
-    return [
-        (torch.randn(8, 16, generator=gen), torch.randint(0, 4, (8,), generator=gen))
-        for _ in range(n)
-    ]
-
-
-def _train(model, opt, scaler, batches, is_async=True):
-    def loss_fn(out, label):
-        return scaler.scale(F.cross_entropy(out.float(), label)) / 2
-
-    def step_fn():
-        scaler.step(opt)
-        opt.zero_grad()
-
-    for x, y in batches:
-        model.forward_backward(input_args=(x,), label=y, loss_fn=loss_fn)
-        model.step(step_fn, is_async=is_async)
-        scaler.update()
-    model.synchronize()
 
 
 def _run(tmp_path, batches, masters, state, is_async=True, devices="cpu", make_opt=None):

@@ -12,12 +12,15 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
+from spill_common import batches as _batches
+from spill_common import model as _seq_model
+from spill_common import train as _train
 from torch import nn
 
 import roundpipe
 import roundpipe.checkpoint as ckpt
 import roundpipe.optim as rp_optim
-from roundpipe import GradScaler, RoundPipe, RoundPipeRunConfig
+from roundpipe import GradScaler
 from roundpipe.optim import SpillError, placement, spill, spill_file
 
 # Fits a few chunks of the shapes below, so every parameter kind is cut somewhere.
@@ -159,42 +162,6 @@ def test_each_step_streams_every_chunk_once_reads_ahead_and_writes_behind(tmp_pa
         == os.path.getsize(os.path.join(store.path, "adam_state.bin"))
     )
     assert store._buffer.numel() == SMALL_BUFFER  # the host memory it streams through
-
-
-def _seq_model():
-    torch.manual_seed(0)
-    seq = nn.Sequential(
-        nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 4)
-    )
-    return RoundPipe(
-        seq.half(),
-        optim_dtype=torch.float32,
-        devices="cpu",
-        model_run_config=RoundPipeRunConfig(num_microbatch=2),
-    )
-
-
-def _batches(n):
-    gen = torch.Generator().manual_seed(5)
-    return [
-        (torch.randn(8, 16, generator=gen), torch.randint(0, 4, (8,), generator=gen))
-        for _ in range(n)
-    ]
-
-
-def _train(model, opt, scaler, batches):
-    def loss_fn(out, label):
-        return scaler.scale(F.cross_entropy(out.float(), label)) / 2
-
-    def step_fn():
-        scaler.step(opt)
-        opt.zero_grad()
-
-    for x, y in batches:
-        model.forward_backward(input_args=(x,), label=y, loss_fn=loss_fn)
-        model.step(step_fn)  # async: runs on the optimizer thread behind the next iteration
-        scaler.update()
-    model.synchronize()
 
 
 def _run(state_dir, batches):
