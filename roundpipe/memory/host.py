@@ -13,7 +13,21 @@ from torch import nn
 
 from roundpipe.devices.pinned import PinnedAllocator, pinned_layout, storage_bytes
 
-__all__ = ["HostTerms", "format_bytes", "host_terms", "master_dtype_of", "stage_grad_bytes"]
+__all__ = [
+    "HostTerms",
+    "MASTERS_COPY_BUFFER_BYTES",
+    "SPILL_BUFFER_BYTES",
+    "format_bytes",
+    "host_terms",
+    "master_dtype_of",
+    "stage_grad_bytes",
+]
+
+#: the default buffer Adam's state in files streams through (``Adam(state_buffer_bytes=)``)
+SPILL_BUFFER_BYTES = 256 << 20
+#: the default buffer the master->model copy streams masters in files through
+#: (``MastersOnDisk(copy_buffer_bytes=)``)
+MASTERS_COPY_BUFFER_BYTES = 64 << 20
 
 
 def format_bytes(nbytes: float) -> str:
@@ -170,8 +184,6 @@ def host_terms(
     Adam's state is taken to be in files there too (``Adam(state_dir=...)``, which such
     masters call for: an Adam in RAM warns), so only its default streaming buffer counts.
     Reads shapes only. Main thread."""
-    from roundpipe.optim.master_file import DEFAULT_COPY_BUFFER_BYTES  # imports this module
-    from roundpipe.optim.spill import DEFAULT_BUFFER_BYTES
     from roundpipe.runtime.placement import shard_by_bytes  # runtime imports this module
 
     tensors: dict[int, torch.Tensor] = {}
@@ -201,9 +213,9 @@ def host_terms(
     overhead = pinned_layout(module, pinned).overhead if pinned is not None else 0
     in_ram, optimizer = held, 2 * held
     if masters_dir is not None:
-        buffer = DEFAULT_COPY_BUFFER_BYTES if masters_buffer is None else masters_buffer
+        buffer = MASTERS_COPY_BUFFER_BYTES if masters_buffer is None else masters_buffer
         in_ram = min(held, buffer)
-        optimizer = min(optimizer, DEFAULT_BUFFER_BYTES)
+        optimizer = min(optimizer, SPILL_BUFFER_BYTES)
     return HostTerms(
         weights=weights,
         masters=in_ram,

@@ -15,7 +15,7 @@ from torch import Tensor, nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 from roundpipe.grad_access import MasterParameter
-from roundpipe.memory.host import format_bytes
+from roundpipe.memory.host import MASTERS_COPY_BUFFER_BYTES, format_bytes
 from roundpipe.optim.spill_file import ALIGN, SpillFile
 from roundpipe.runtime.placement import MasterPlacement
 
@@ -53,7 +53,7 @@ __all__ = ["MastersOnDisk", "DEFAULT_COPY_BUFFER_BYTES", "file_of_master"]
 # SpillErrors naming the directory.
 
 #: host memory the master->model copy streams the masters through
-DEFAULT_COPY_BUFFER_BYTES = 64 << 20
+DEFAULT_COPY_BUFFER_BYTES = MASTERS_COPY_BUFFER_BYTES
 
 # master -> (its file, its byte offset): what StateOnDisk asks of a parameter
 _FILES: WeakIdKeyDictionary = WeakIdKeyDictionary()

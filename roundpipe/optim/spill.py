@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from roundpipe.memory.host import format_bytes
+from roundpipe.memory.host import SPILL_BUFFER_BYTES, format_bytes
 from roundpipe.optim.kernel import fused_only_reason, run_fused_kernel
 from roundpipe.optim.master_file import file_of_master
 from roundpipe.optim.spill_file import ALIGN, SpillError, SpillFile
@@ -72,7 +72,7 @@ def _shutdown(pools: tuple[ThreadPoolExecutor, ...]) -> None:
 # (found_inf set) is known on the host before any I/O: the kernel would leave everything
 # untouched, so nothing is read or written and the file is unchanged.
 
-DEFAULT_BUFFER_BYTES = 256 << 20
+DEFAULT_BUFFER_BYTES = SPILL_BUFFER_BYTES
 SLOTS = 4
 _FILE = "adam_state.bin"
 # A parameter is cut only at multiples of this many elements: see [Note: state on disk].

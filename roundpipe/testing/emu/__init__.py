@@ -113,7 +113,6 @@ from roundpipe.testing.emu.memory import (
     PinnedMemoryStats,
     empty_pinned_cache,
     overheads_held,
-    pinned_memory_stats,
     pinned_round_limit,
     set_gpu_overheads,
     set_memory_capacity,
@@ -127,6 +126,7 @@ from roundpipe.testing.emu.native import (
     StreamOrderError,
     bind_native,
 )
+from roundpipe.testing.emu.streams import pinned_memory_stats
 
 __all__ = [
     "NAME",

@@ -378,9 +378,6 @@ def pinned_memory_stats(reset_peak: bool = False) -> PinnedMemoryStats:
         raise RuntimeError(
             "the emulated device is not installed: call roundpipe.testing.emu.install() first"
         )
-    from roundpipe.testing.emu.streams import forget_settled  # streams imports this module
-
-    forget_settled()  # buffers of settled copies that only the emulator still held
     out = (ctypes.c_int64 * 5)()
     STATE.guard.roundpipe_emu_pinned_stats(ctypes.cast(out, ctypes.c_void_p), int(reset_peak))
     return PinnedMemoryStats(*(int(v) for v in out))

@@ -17,7 +17,8 @@ from typing import Any
 import torch
 
 from roundpipe.testing.caching_allocator import Block
-from roundpipe.testing.emu.memory import charge, free_block, release
+from roundpipe.testing.emu import memory
+from roundpipe.testing.emu.memory import PinnedMemoryStats, charge, free_block, release
 from roundpipe.testing.emu.native import NAME, STATE, StreamOrderError, known
 
 __all__ = [
@@ -404,6 +405,13 @@ def forget_settled() -> None:
     owner is freed now, not at the next copy (memory statistics read after it). Any thread."""
     with _order_lock:
         _forget_settled()
+
+
+def pinned_memory_stats(reset_peak: bool = False) -> PinnedMemoryStats:
+    """The emulated pinned host memory in use (``memory.pinned_memory_stats``), once the
+    buffers of settled copies that only the emulator still held are let go. Any thread."""
+    forget_settled()
+    return memory.pinned_memory_stats(reset_peak)
 
 
 def land_downloads(func: Any, source: torch.Tensor, stream: tuple[int, int]) -> None:
