@@ -1,13 +1,14 @@
 #!/bin/bash
-# A whole GPU session in one device call (about 8 minutes): smoke, the side-by-side benchmark
-# against the public RoundPipe, one profiled iteration beside the plan's price, the CUDA tests.
+# A whole GPU session in one device call (about 7 minutes): smoke and the CUDA tests, the
+# side-by-side benchmark against the public RoundPipe (Qwen3's shape through roundpipe.hf.wrap,
+# profiled; then the GPT), one profiled iteration beside the plan's price.
 # Prepare .peer/ first where pip works (python benchmarks/peer_setup.py; a transformers wheel the
 # GPU machine lacks goes in .peer/whl-extra), carry .peer, and run from the project's root:
 #
 #     bash benchmarks/gpu_session.sh
 #
-# Everything lands under $OUT (or /tmp/gpu_out): summary.txt, smoke.log, peer.jsonl,
-# bench_err.log, tests.log, profile.log, trace.json.gz, timeline.json, spill.log. Each part has
+# Everything lands under $OUT (or /tmp/gpu_out): summary.txt, smoke.log, tests.log, peer.jsonl,
+# bench_err.log, profile_hf.log with hf*/trace.json.gz, profile.log, trace.json.gz, timeline.json. Each part has
 # its own timeout, the order puts what matters most first, and a part that could run past
 # GPU_SESSION_SECONDS (default 480) from the start is skipped, so the call ends inside its limit.
 cd "$(dirname "$0")/.." || exit 1
@@ -56,25 +57,24 @@ bench() {  # model impl pythonpath seconds [flags]
   note "bench $model $impl $*: $(( $(date +%s) - t0 )) s"
 }
 
-# 1. Smoke: the self-check and the HF example (wrap's defaults) on cuda:0.
+# 1. Smoke and the CUDA tests (in a process that never installs the emulated device).
 part 50 smoke.log python3 -m roundpipe
-part 70 smoke.log python3 examples/finetune_hf.py --steps 5
-# 2. Side by side, GPT 12 blocks: the public RoundPipe, roundpipe at 4 and 8 microbatches, plain
-#    PyTorch with recompute.
-bench gpt upstream /tmp/upstream  70 --layers 12
-bench gpt ours     "$ours"        70 --layers 12
-bench gpt ours     "$ours"        70 --layers 12 --mb 8
-bench gpt torch    "$ours"        60 --ckpt --layers 12
-# 3. The CUDA tests, in a process that never installs the emulated device.
 part 100 tests.log python3 -m pytest -q -p no:cacheprovider --noconftest --timeout 90 tests/test_cuda.py
-# 4. Qwen3-1.7B's shape, 8 layers: roundpipe.hf.wrap at its defaults and the public RoundPipe.
+# 2. Qwen3-1.7B's shape, 8 layers: roundpipe.hf.wrap at its defaults beside the public RoundPipe,
+#    then where wrap's time goes (profile_hf.py), at the defaults and with the loss head in one
+#    chunk per microbatch (no recompute inside the head).
 bench qwen3 ours     "$ours"       70 --layers 8
 bench qwen3 upstream /tmp/upstream 70 --layers 8
-# 5. One iteration under torch.profiler beside the plan's priced timeline (same GPT).
+part 90 profile_hf.log python3 benchmarks/profile_hf.py --layers 8 --out "$out/hf"
+part 80 profile_hf.log python3 benchmarks/profile_hf.py --layers 8 --loss-chunk-tokens 4096 --out "$out/hf4096"
+# 3. Side by side, GPT 12 blocks: roundpipe at 4 and 8 microbatches, the public RoundPipe.
+bench gpt ours     "$ours"        70 --layers 12
+bench gpt upstream /tmp/upstream  70 --layers 12
+bench gpt ours     "$ours"        70 --layers 12 --mb 8
+# 4. One iteration under torch.profiler beside the plan's priced timeline (same GPT).
 part 80 profile.log python3 benchmarks/profile_gpu.py --layers 12 --out "$out"
-# 6. What is left: Adam's state on this machine's disk, bf16, the digits example.
-part 60 spill.log python3 benchmarks/bench_spill.py --part a --numel 200000000 --rounds 2 --repeat 2
-part 60 smoke.log python3 examples/finetune_hf.py --steps 5 --dtype bf16
+# 5. What is left: the HF example in fp16 and with LoRA, plain PyTorch with recompute.
+part 70 smoke.log python3 examples/finetune_hf.py --steps 5
 part 60 smoke.log python3 examples/finetune_hf.py --steps 5 --lora 8
-part 45 smoke.log python3 examples/digits_classifier.py --steps 50
+bench gpt torch    "$ours"        60 --ckpt --layers 12
 note "done in $(( $(date +%s) - started )) s; files under $out"

@@ -167,6 +167,40 @@ def test_profile_gpu_prices_the_plan_and_writes_a_trace_and_a_timeline(tmp_path)
     assert any(e.get("name", "").startswith("Optimizer.step") for e in trace["traceEvents"])
 
 
+def test_profile_hf_names_roundpipes_actions_in_its_profile(tmp_path):
+    """benchmarks/profile_hf.py in its tiny mode on the emulated device: the measured iteration,
+    the two shares, and a table of the executor's labelled actions (every stage's forward and
+    prefetch, the head's last action) with a trace that carries the same labels."""
+    pytest.importorskip("transformers")
+    import gzip
+    import json
+
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env.pop("ROUNDPIPE_DEVICES", None)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "profile_hf.py"), "--devices", "emu"]
+        + ["--warmup", "1", "--iters", "1", "--out", str(tmp_path)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert re.search(r"^measured: [\d.]+ s/iteration", proc.stdout, re.M), proc.stdout
+    assert re.search(r"^forward_backward alone: [\d.]+ s; step alone", proc.stdout, re.M)
+    # tiny mode: 2 decoder layers, so stages 0 (embedding) to 3 (head)
+    actions = dict(re.findall(r"^  (roundpipe [a-z_]+ stage \d+) +(\d+) ", proc.stdout, re.M))
+    for stage in (1, 2):
+        # 4 microbatches in each of the 2 profiled iterations
+        assert actions[f"roundpipe forward stage {stage}"] == "8", proc.stdout
+        assert actions[f"roundpipe backward stage {stage}"] == "8"
+    assert actions["roundpipe last stage 3"] == "8"
+    assert "roundpipe prefetch stage 1" in actions and "roundpipe download stage 1" in actions
+    trace = json.load(gzip.open(tmp_path / "trace.json.gz"))
+    assert any(e.get("name") == "roundpipe forward stage 1" for e in trace["traceEvents"])
+
+
 def test_the_gpu_session_script_is_valid_bash():
     proc = subprocess.run(
         ["bash", "-n", str(ROOT / "benchmarks" / "gpu_session.sh")], capture_output=True, text=True

@@ -97,7 +97,11 @@ def _run_program(
                         waited = futures.get(dep.key)
                         if waited is not None and waited.exception() is not None:
                             raise Cancelled()
-                    handlers[a.kind](spec, state, a, backend)
+                    if _profiling():  # a label per action, so a trace shows whose time it is
+                        with torch.profiler.record_function(_label(a)):
+                            handlers[a.kind](spec, state, a, backend)
+                    else:
+                        handlers[a.kind](spec, state, a, backend)
                 except Cancelled as exc:
                     if fut is not None:
                         fut.set_exception(exc)
@@ -117,6 +121,20 @@ def _run_program(
     finally:
         # Whatever stopped the program, nothing waits forever for what it did not run.
         _settle_cancelled(state, program[i:])
+
+
+def _profiling() -> bool:
+    """Whether torch.profiler records now (torch's module flag is process-wide; the C++ one,
+    its fallback on a torch without the flag, is the calling thread's)."""
+    flag = getattr(torch.autograd.profiler, "_is_profiler_enabled", None)
+    return torch._C._autograd._profiler_enabled() if flag is None else flag
+
+
+def _label(a: Action) -> str:
+    """The action's name under torch.profiler: its kind and stage, so a profile's table adds up
+    each stage's forwards, recomputes and moves over the microbatches."""
+    at = f"stage {a.stage}" if a.stage >= 0 else f"device {a.device}"
+    return f"roundpipe {a.kind.name.lower()} {at}"
 
 
 def _settle_cancelled(state: CallState, actions: Sequence[Action]) -> None:
