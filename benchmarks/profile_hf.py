@@ -92,6 +92,14 @@ def main() -> int:
     parser.add_argument("--mlp-tile-tokens", type=int, help="wrap's (default: its own)")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--iters", type=int, default=4)
+    parser.add_argument(
+        "--threads",
+        type=int,
+        nargs="+",
+        help="first time the iteration with the optimizer thread on each of these thread counts "
+        "(roundpipe.optim_thread.set_num_threads), in this order; then back to the default",
+    )
+    parser.add_argument("--no-profile", action="store_true", help="time only")
     parser.add_argument("--devices", help="roundpipe's pool (default: cuda:0 if CUDA is there)")
     parser.add_argument("--out", default="profile_hf_out", help="folder for the trace")
     args = parser.parse_args()
@@ -145,14 +153,29 @@ def main() -> int:
         forward_backward()
         step()
 
-    for _ in range(args.warmup):
-        iteration()
-    model.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(args.iters):
-        iteration()
-    model.synchronize()
-    measured = (time.perf_counter() - t0) / args.iters
+    def timed() -> float:
+        """Seconds per iteration over --iters after --warmup."""
+        for _ in range(args.warmup):
+            iteration()
+        model.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(args.iters):
+            iteration()
+        model.synchronize()
+        return (time.perf_counter() - t0) / args.iters
+
+    tokens = args.batch * args.seq
+    default_threads = roundpipe.optim_thread.get_num_threads()
+    for count in args.threads or ():
+        roundpipe.optim_thread.set_num_threads(count)
+        seconds = timed()
+        print(
+            f"optimizer thread on {count} threads: {seconds:.4f} s/iteration "
+            f"({tokens / seconds:,.0f} tokens/s)"
+        )
+    if args.threads:
+        roundpipe.optim_thread.set_num_threads(default_threads)
+    measured = timed()
 
     t0 = time.perf_counter()
     forward_backward()
@@ -160,7 +183,6 @@ def main() -> int:
     t0 = time.perf_counter()
     step(is_async=False)
     step_s = time.perf_counter() - t0
-    tokens = args.batch * args.seq
     print(f"measured: {measured:.4f} s/iteration ({tokens / measured:,.0f} tokens/s)")
     print(
         f"forward_backward alone: {fb_s:.4f} s; step alone (synchronous, with the copy): "
@@ -169,6 +191,8 @@ def main() -> int:
     )
     if on_gpu:
         print(f"peak GPU memory: {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB")
+    if args.no_profile:
+        return 0
 
     activities = [torch.profiler.ProfilerActivity.CPU]
     if on_gpu:
