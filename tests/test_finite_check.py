@@ -139,3 +139,66 @@ def test_a_record_holds_only_while_the_tensor_is_unchanged():
     finite_check.mark(a, False)
     b.add_(1.0)  # a view of the same storage shares the version: the record is dropped
     assert finite_check.nonfinite(a) is None
+
+
+def test_a_parameter_two_stages_share_stays_checked_through_the_host_add(host_checks):
+    """A tied weight (as a HF model's embedding and head): each stage's sum is checked on the
+    device with its largest magnitude, so their sum on the host needs no host pass."""
+    grads = {}
+    for devices in ("cpu", "emu"):
+        torch.manual_seed(0)
+        seq = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 4))
+        seq[2].weight = seq[0].weight
+        model = RoundPipe(
+            seq.half(),
+            optim_dtype=torch.float32,
+            devices=devices,
+            model_run_config=RoundPipeRunConfig(num_microbatch=2),
+        )
+        with OptimizerCtx():
+            opt = roundpipe.optim.Adam(model.parameters(), lr=1e-2)
+        scaler = GradScaler(init_scale=2.0**8)
+        step = one_iteration(model, opt, scaler, 0)
+        roundpipe.optim_thread.synchronize()
+        with OptimizerCtx():
+            (shared,) = [p for p in model.parameters() if p.shape == (8, 8)]
+            grads[devices] = shared.grad.clone()
+            if devices == "emu":
+                assert all(finite_check.nonfinite(p.grad) is False for p in model.parameters())
+                assert finite_check.bound(shared.grad) >= shared.grad.abs().max().item() > 0
+        host_checks.clear()
+        model.step(step, is_async=False)
+        assert bool([c for c in host_checks if "cpu" in c]) is (devices == "cpu")
+        model.synchronize()
+    torch.testing.assert_close(grads["emu"], grads["cpu"])  # both stages' sums, added
+
+
+def _moved(master, values, flag):
+    from roundpipe.runtime.grad_router import move_grads
+
+    move_grads([(master, torch.tensor(values, dtype=torch.float32))], None, torch.tensor(flag))
+
+
+def test_a_sum_whose_bounds_may_overflow_is_left_to_the_host_check():
+    big = torch.finfo(torch.float32).max / 1.5
+    master = nn.Parameter(torch.zeros(2))
+    _moved(master, [1.0, -2.0], [0.0, 2.0])
+    assert finite_check.nonfinite(master.grad) is False
+    assert finite_check.bound(master.grad) == 2.0
+    _moved(master, [0.5, 3.0], [0.0, 3.0])
+    assert finite_check.nonfinite(master.grad) is False  # 2 + 3 cannot overflow
+    assert finite_check.bound(master.grad) == 5.0
+    assert master.grad.tolist() == [1.5, 1.0]
+
+    master = nn.Parameter(torch.zeros(2))
+    _moved(master, [big, 0.0], [0.0, big])
+    _moved(master, [big, 0.0], [0.0, big])  # each finite, their sum is not
+    assert finite_check.nonfinite(master.grad) is None  # unknown: the scaler's host pass reads it
+    assert math.isinf(master.grad[0].item())
+
+    master = nn.Parameter(torch.zeros(2))
+    _moved(master, [1.0, 0.0], [0.0, 1.0])
+    _moved(master, [1.0, 0.0], 0.0)  # a flag without a bound (a one-element check)
+    assert finite_check.nonfinite(master.grad) is None
+    _moved(master, [math.inf, 0.0], [1.0, 0.0])  # an inf found stays known through adds
+    assert finite_check.nonfinite(master.grad) is True

@@ -12,6 +12,7 @@ into pinned host memory.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -312,12 +313,16 @@ class AcceleratorBackend:
                     by_dtype.setdefault(t.dtype, []).append(t.detach())
             found = torch.zeros((), dtype=torch.float32, device=self.torch_device)
             one = torch.ones((), dtype=torch.float32, device=self.torch_device)
+            largest = [torch.zeros((), dtype=torch.float32, device=self.torch_device)]
             for same in by_dtype.values():  # times 1.0: the values stay as they are
                 torch._amp_foreach_non_finite_check_and_unscale_(same, found, one)
-        host, done = self.download([*tensors, found])  # done: after every copy, the flag's too
-        flag = host.pop()
-        assert flag is not None
-        return host, flag, done
+                # the largest magnitude, so a sum of two checked parts can stay checked
+                largest += [n.float() for n in torch._foreach_norm(same, math.inf)]
+            flag = torch.stack([found, torch.stack(largest).max()])
+        host, done = self.download([*tensors, flag])  # done: after every copy, the flag's too
+        host_flag = host.pop()
+        assert host_flag is not None
+        return host, host_flag, done
 
     def record_event(self) -> torch.Event:
         return self._event()

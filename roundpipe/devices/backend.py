@@ -150,9 +150,10 @@ class StreamingBackend(Backend, Protocol):
     def download_grads(
         self, tensors: list[torch.Tensor | None]
     ) -> tuple[list[torch.Tensor | None], torch.Tensor, torch.Event]:
-        """``D`` of gradient sums: :meth:`download`, plus a one-element host tensor, arrived
-        with them, that is 1.0 if any of them holds an inf or NaN (checked on the device; see
-        [Note: checked on the device] in :mod:`roundpipe.finite_check`)."""
+        """``D`` of gradient sums: :meth:`download`, plus a two-element fp32 host tensor,
+        arrived with them: 1.0 if any of them holds an inf or NaN, else 0.0; and the largest
+        magnitude among them (checked on the device; see [Note: checked on the device] in
+        :mod:`roundpipe.finite_check`)."""
         ...
 
     def wait_for(self, event: torch.Event) -> None:

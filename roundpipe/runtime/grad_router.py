@@ -82,18 +82,29 @@ def move_grads(
     in :mod:`roundpipe.finite_check`)."""
     if arrived is not None:
         arrived.synchronize()
-    found = None if nonfinite_flag is None else bool(nonfinite_flag.item())
+    found, largest = None, None
+    if nonfinite_flag is not None:
+        # [whether an inf/NaN was found, the largest magnitude] (the latter from newer checks)
+        flag = nonfinite_flag.tolist() if nonfinite_flag.dim() else [nonfinite_flag.item()]
+        found = bool(flag[0])
+        largest = float(flag[1]) if len(flag) > 1 and not found else None
     for master, grad in pairs:
         if master.grad is not None:
             before = finite_check.nonfinite(master.grad)
+            before_largest = finite_check.bound(master.grad)
             master.grad.add_(grad)
-            # finite + finite may still overflow fp32: only a known inf/NaN stays known.
-            finite_check.mark(master.grad, True if before or found else None)
+            if before or found:  # a known inf/NaN stays known
+                finite_check.mark(master.grad, True)
+            elif finite_check.sum_stays_finite(before_largest, largest, master.grad.dtype):
+                assert before_largest is not None and largest is not None
+                finite_check.mark(master.grad, False, before_largest + largest)
+            else:  # finite + finite may overflow: unknown, the host checks it
+                finite_check.mark(master.grad, None)
         else:
             if grad.dtype != master.dtype:  # summed on the device in device_grad_dtype
                 grad = grad.to(master.dtype)
             master.grad = grad
-            finite_check.mark(grad, found)
+            finite_check.mark(grad, found, largest)
 
 
 def accumulate_grad(master: nn.Parameter, grad: torch.Tensor) -> None:
