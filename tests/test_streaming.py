@@ -173,6 +173,56 @@ def test_streamed_training_equals_the_cpu_pool_bit_for_bit(devices):
         assert torch.equal(ref[k], got[k]), k
 
 
+class _TiedInside(nn.Module):
+    """One weight under two names of one layer, and a buffer the forward reads."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.b.weight = self.a.weight
+        self.register_buffer("shift", torch.full((4,), 0.5))
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(x) + self.shift))
+
+
+def test_a_layer_computes_on_its_device_copies_under_every_name_and_gets_its_own_back():
+    # The emulated device rejects host tensors: a name left on the host weight would raise.
+    def run(pool):
+        torch.manual_seed(0)
+        seq = nn.Sequential(_TiedInside(), nn.Linear(4, 3))
+        model = RoundPipe(seq, devices=pool, model_run_config=RoundPipeRunConfig(num_microbatch=2))
+        layer = model.module[0]
+        own = layer.a.weight, layer.shift
+        with OptimizerCtx():
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        x, y = _batch(8)
+        for _ in range(2):
+            model.forward_backward(input_args=(x,), label=y, loss_fn=_loss)
+            model.step(lambda: (opt.step(), opt.zero_grad()), is_async=False)
+        # after the calls, the layer holds its own parameter (under both names) and buffer
+        assert layer.a.weight is own[0] and layer.b.weight is own[0] and layer.shift is own[1]
+        return {k: v.clone() for k, v in model.module.state_dict().items()}
+
+    ref, got = run("cpu"), run("emu")
+    for k in ref:
+        torch.testing.assert_close(got[k], ref[k], msg=k)
+
+
+def test_a_layer_that_raises_gets_its_own_tensors_back():
+    class Fails(nn.Linear):
+        def forward(self, x):
+            raise ValueError("layer failed")
+
+    seq = nn.Sequential(nn.Linear(4, 4), Fails(4, 3))
+    own = seq[1].weight
+    model = RoundPipe(seq, devices="emu", model_run_config=RoundPipeRunConfig(num_microbatch=2))
+    x, y = _batch(8)
+    with pytest.raises(ValueError, match="layer failed"):
+        model.forward_backward(input_args=(x,), label=y, loss_fn=_loss)
+    assert seq[1].weight is own and seq[1].weight.device.type == "cpu"
+
+
 def test_inputs_that_require_grad_get_it_through_a_streamed_call():
     x, y = _batch(8)
     grads = []

@@ -4,8 +4,8 @@
 What the device does for each action of a plan's program (see [Note: the program] in
 :mod:`roundpipe.plan.actions`) is here, one method per move: the model stays in pinned host
 memory; a stage's parameters and buffers are uploaded once per run of actions
-(:meth:`AcceleratorBackend.upload`, a :class:`Resident`), its layers run on those copies through
-``torch.func.functional_call``, its gradients accumulate on the device and are downloaded once,
+(:meth:`AcceleratorBackend.upload`, a :class:`Resident`), its layers run on those copies (swapped
+in for the call, see [Note: the layer's device tensors]), its gradients accumulate on the device and are downloaded once,
 into pinned host memory.
 """
 
@@ -81,22 +81,53 @@ def cublas_workspace_bytes(major: int, env: dict[str, str] | None = None) -> int
     return kib * 1024
 
 
+# [Note: the layer's device tensors]
+# A layer runs on its stage's upload: while it runs, each of its parameters and buffers is
+# replaced by the device copy, in the dict of the submodule that owns it (``_parameters`` or
+# ``_buffers``), and put back afterwards, even if the layer raised. That is what
+# torch.func.functional_call does, but it resolves every dotted name and builds its swap on each
+# call (a third of a millisecond for a HF decoder layer, on every forward and recompute of every
+# microbatch, on the host path that issues the device's work); here the places are found once
+# per upload. Every name of a tensor counts (a weight tied inside the layer is replaced under
+# each of its names), and the originals go back in reverse order, so a tensor reached twice
+# ends as it was.
+
+# (the dict that holds the tensor, its key there, the device copy)
+Swap = tuple[dict[str, Any], str, torch.Tensor]
+
+
+def _swaps(module: torch.nn.Module, copy: Any) -> list[Swap]:
+    """Where each parameter and buffer of ``module`` goes while it runs; ``copy(t, is_param)``
+    gives a tensor's device copy."""
+    swaps: list[Swap] = []
+    for sub in module.modules():
+        for key, p in sub._parameters.items():
+            if p is not None:
+                swaps.append((sub._parameters, key, copy(p, True)))
+        for key, b in sub._buffers.items():
+            if b is not None:
+                swaps.append((sub._buffers, key, copy(b, False)))
+    return swaps
+
+
 class Resident:
     """A stage's parameters and buffers on an accelerator for one run of actions: uploaded once
     by :meth:`AcceleratorBackend.upload`, read by every action of the run, dropped by
     :meth:`AcceleratorBackend.release`. Touched by the stage's worker only.
 
-    ``tensors``: per layer module (by id), its parameters and buffers by name, for
-    ``torch.func.functional_call``. ``leaves``: the device copies of the stage's trainable
+    ``tensors``: per layer module (by id), its parameters and buffers by name. ``swaps``: per
+    layer module, where each of them goes while the layer runs (see [Note: the layer's device
+    tensors]). ``leaves``: the device copies of the stage's trainable
     parameters, in the order given to ``upload``, that gradients are taken with respect to
     (None for a differentiable upload, whose gradients flow back to the host parameters).
     ``ready``: a prefetch's copies done (an event on the copy stream), until adopted.
     ``buffers``: (host buffer, device copy, whether its module is in training mode)."""
 
-    __slots__ = ("tensors", "leaves", "buffers", "ready")
+    __slots__ = ("tensors", "swaps", "leaves", "buffers", "ready")
 
     def __init__(self) -> None:
         self.tensors: dict[int, dict[str, torch.Tensor]] = {}
+        self.swaps: dict[int, list[Swap]] = {}
         self.leaves: list[torch.Tensor] | None = None
         self.ready: torch.Event | None = None
         self.buffers: list[tuple[torch.Tensor, torch.Tensor, bool]] = []
@@ -237,6 +268,9 @@ class AcceleratorBackend:
                     tensors[n] = up(b, False)
                     resident.buffers.append((b, tensors[n], sub.training))
             resident.tensors[id(module)] = tensors
+            resident.swaps[id(module)] = _swaps(
+                module, lambda t, is_param: up(t, is_param and leaves and id(t) in trainable_ids)
+            )
         if leaves:
             resident.leaves = [copies[id(p)] for p in trainable]
         return resident
@@ -263,6 +297,7 @@ class AcceleratorBackend:
                     if training:
                         host.copy_(copy)
         resident.tensors.clear()
+        resident.swaps.clear()
         resident.leaves = None
         resident.buffers.clear()
         return self._event()
@@ -275,7 +310,15 @@ class AcceleratorBackend:
                 "an accelerator action ran a layer without its stage's upload; please report"
             )
         resident: Resident = upload
-        return torch.func.functional_call(layer, resident.tensors[id(layer)], args, kwargs)
+        swaps = resident.swaps[id(layer)]
+        originals = [owner[key] for owner, key, _ in swaps]
+        try:
+            for owner, key, copy in swaps:
+                owner[key] = copy
+            return layer(*args, **kwargs)
+        finally:  # see [Note: the layer's device tensors]
+            for (owner, key, _), original in zip(reversed(swaps), reversed(originals)):
+                owner[key] = original
 
     def download(
         self, tensors: list[torch.Tensor | None]

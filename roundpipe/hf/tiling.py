@@ -93,8 +93,8 @@ def _tiled_forward(self: nn.Module, hidden: Any, *args: Any, **kwargs: Any) -> A
     shape = hidden.shape
     flat = hidden.reshape(-1, shape[-1])
     grad = torch.is_grad_enabled()
-    # The tensors the module computes with now: under roundpipe's torch.func.functional_call
-    # they are the stage's upload (or a plan's fake copies), which the module no longer holds
+    # The tensors the module computes with now: while roundpipe runs the stage they are the
+    # stage's upload (or a plan's fake copies), which the module no longer holds
     # when the backward recomputes a tile.
     tensors = {**dict(self.named_parameters()), **dict(self.named_buffers())}
     outs = []
