@@ -1,7 +1,7 @@
 #!/bin/bash
-# A whole GPU session in one device call (about 7 minutes): smoke and the CUDA tests, the
-# side-by-side benchmark against the public RoundPipe (Qwen3's shape through roundpipe.hf.wrap,
-# profiled; then the GPT), one profiled iteration beside the plan's price.
+# A whole GPU session in one device call (about 8 minutes): smoke and the CUDA tests, the
+# side-by-side benchmark against the public RoundPipe and plain PyTorch (Qwen3's shape through
+# roundpipe.hf.wrap, then the GPT), the plan's price beside a profiled iteration, wrap's profile.
 # Prepare .peer/ first where pip works (python benchmarks/peer_setup.py; a transformers wheel the
 # GPU machine lacks goes in .peer/whl-extra), carry .peer, and run from the project's root:
 #
@@ -60,21 +60,20 @@ bench() {  # model impl pythonpath seconds [flags]
 # 1. Smoke and the CUDA tests (in a process that never installs the emulated device).
 part 50 smoke.log python3 -m roundpipe
 part 100 tests.log python3 -m pytest -q -p no:cacheprovider --noconftest --timeout 90 tests/test_cuda.py
-# 2. Qwen3-1.7B's shape, 8 layers: roundpipe.hf.wrap at its defaults beside the public RoundPipe,
-#    then where wrap's time goes (profile_hf.py), at the defaults and with the loss head in one
-#    chunk per microbatch (no recompute inside the head).
+# 2. Side by side, each target's rows in one call: Qwen3-1.7B's shape (8 layers) through
+#    roundpipe.hf.wrap at its defaults, the public RoundPipe and plain transformers with
+#    gradient checkpointing; the GPT (12 blocks) at 4 microbatches, the same three.
 bench qwen3 ours     "$ours"       70 --layers 8
 bench qwen3 upstream /tmp/upstream 70 --layers 8
+bench qwen3 torch    "$ours"       60 --ckpt --layers 8
+bench gpt ours       "$ours"       60 --layers 12
+bench gpt upstream   /tmp/upstream 70 --layers 12
+bench gpt torch      "$ours"       50 --ckpt --layers 12
+# 3. The plan's price beside a profiled GPT iteration; where wrap's time goes on Qwen3.
+part 60 profile.log python3 benchmarks/profile_gpu.py --layers 12 --out "$out"
 part 90 profile_hf.log python3 benchmarks/profile_hf.py --layers 8 --out "$out/hf"
-part 80 profile_hf.log python3 benchmarks/profile_hf.py --layers 8 --loss-chunk-tokens 4096 --out "$out/hf4096"
-# 3. Side by side, GPT 12 blocks: roundpipe at 4 and 8 microbatches, the public RoundPipe.
-bench gpt ours     "$ours"        70 --layers 12
-bench gpt upstream /tmp/upstream  70 --layers 12
-bench gpt ours     "$ours"        70 --layers 12 --mb 8
-# 4. One iteration under torch.profiler beside the plan's priced timeline (same GPT).
-part 80 profile.log python3 benchmarks/profile_gpu.py --layers 12 --out "$out"
-# 5. What is left: the HF example in fp16 and with LoRA, plain PyTorch with recompute.
-part 70 smoke.log python3 examples/finetune_hf.py --steps 5
-part 60 smoke.log python3 examples/finetune_hf.py --steps 5 --lora 8
-bench gpt torch    "$ours"        60 --ckpt --layers 12
+# 4. What is left: 8 microbatches, the HF example in fp16 and with LoRA.
+bench gpt ours       "$ours"       50 --layers 12 --mb 8
+part 40 smoke.log python3 examples/finetune_hf.py --steps 5
+part 40 smoke.log python3 examples/finetune_hf.py --steps 5 --lora 8
 note "done in $(( $(date +%s) - started )) s; files under $out"
