@@ -1,15 +1,13 @@
 """The optimizer thread: FIFO, non-blocking launch, synchronize, error reporting, shutdown."""
 
-import os
 import signal
-import subprocess
 import sys
-import textwrap
 import threading
 import traceback
 
 import pytest
 import torch
+from script_common import run_script
 
 from roundpipe import optim_thread
 
@@ -136,22 +134,10 @@ def test_internal_wait_on_the_optimizer_thread_raises_instead_of_deadlocking():
     assert errors and "deadlock" in errors[0]
 
 
-def _run_script(code: str, **kwargs):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    return subprocess.Popen(
-        [sys.executable, "-c", textwrap.dedent(code)],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        **kwargs,
-    )
-
-
 @pytest.mark.slow
 def test_pending_work_drains_at_interpreter_exit(tmp_path):
     target = tmp_path / "written.txt"
-    proc = _run_script(f"""
+    proc = run_script(f"""
         import threading
         from roundpipe import optim_thread
         gate = threading.Event()
@@ -165,7 +151,7 @@ def test_pending_work_drains_at_interpreter_exit(tmp_path):
 
 @pytest.mark.slow
 def test_ctrl_c_while_waiting_raises_keyboard_interrupt():
-    proc = _run_script("""
+    proc = run_script("""
         import threading, sys
         from roundpipe import optim_thread
         release = threading.Event()
@@ -186,7 +172,7 @@ def test_ctrl_c_while_waiting_raises_keyboard_interrupt():
 
 @pytest.mark.slow
 def test_unreported_failure_at_exit_is_printed_not_dropped():
-    proc = _run_script("""
+    proc = run_script("""
         from roundpipe import optim_thread
         def lost_step():
             raise ValueError("nobody waited for me")
@@ -199,7 +185,7 @@ def test_unreported_failure_at_exit_is_printed_not_dropped():
 
 @pytest.mark.slow
 def test_import_starts_no_thread():
-    proc = _run_script("""
+    proc = run_script("""
         import threading
         import roundpipe
         print(sorted(t.name for t in threading.enumerate()))

@@ -1,15 +1,12 @@
 """Errors: re-raised on the main thread as their own type with where they happened; nothing
 hangs; the next iteration works. And each clear error for bad input or misuse."""
 
-import os
 import signal
-import subprocess
-import sys
-import textwrap
 import warnings
 
 import pytest
 import torch
+from script_common import run_script
 from torch import nn
 
 import roundpipe
@@ -598,17 +595,6 @@ def test_a_failure_is_raised_at_its_own_models_next_call_not_at_another_models()
     optim_thread.synchronize()  # nothing left unreported
 
 
-def _run_script(code):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), PYTHONUNBUFFERED="1")
-    return subprocess.Popen(
-        [sys.executable, "-c", textwrap.dedent(code)],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-
-
 @pytest.mark.slow
 @pytest.mark.cpu_pool_only  # its own process, on the CPU pool
 @pytest.mark.parametrize("call", ["synchronize", "forward_backward"])
@@ -616,7 +602,7 @@ def test_ctrl_c_while_a_long_step_runs_raises_at_once(call):
     # docs/errors.md promises a prompt KeyboardInterrupt from a wait. Here the step blocks until
     # released: the interrupt used to be raised only when the step ended (the call waited for
     # the step before re-raising it), so this script hung.
-    proc = _run_script(f"""
+    proc = run_script(f"""
         import threading, torch
         from torch import nn
         from roundpipe import OptimizerCtx, RoundPipe, optim_thread
