@@ -16,18 +16,7 @@ out=${OUT:-/tmp/gpu_out}; mkdir -p "$out"
 export PYTHONUNBUFFERED=1 ROUNDPIPE_DEVICES=cuda:0 TOKENIZERS_PARALLELISM=false
 sum="$out/summary.txt"; : > "$sum"
 started=$(date +%s); budget=${GPU_SESSION_SECONDS:-480}
-note() { echo "$*" | tee -a "$sum"; }
-fits() {  # seconds: whether a part of that limit ends inside the budget
-  if (( $(date +%s) - started + $1 > budget )); then note "skipped (budget): ${*:2}"; return 1; fi
-}
-part() {  # seconds log command...
-  local s=$1 log=$2; shift 2
-  fits "$s" "$*" || return 0
-  local t0=$(date +%s)
-  echo "== $*" >> "$out/$log"
-  timeout "$s" "$@" >> "$out/$log" 2>&1; local rc=$?
-  note "$log: rc=$rc in $(( $(date +%s) - t0 )) s (limit $s) :: $*"
-}
+source benchmarks/gpu_common.sh
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$sum"
 grep -m1 'model name' /proc/cpuinfo | tee -a "$sum"; nproc | tee -a "$sum"
@@ -47,15 +36,6 @@ python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/upstre
 export PYTHONPATH="$ours"
 python3 -c "import transformers; print('roundpipe runs with transformers', transformers.__version__)" | tee -a "$sum"
 
-bench() {  # model impl pythonpath seconds [flags]
-  local model=$1 impl=$2 path=$3 s=$4; shift 4
-  fits "$s" "bench $model $impl $*" || return 0
-  local t0=$(date +%s)
-  echo "== $model $impl $*" >> "$out/bench_err.log"
-  PYTHONPATH=$path timeout "$s" python3 .peer/peer_bench.py --model "$model" --impl "$impl" \
-    --warmup 2 --iters 8 "$@" 2>>"$out/bench_err.log" | tail -1 | tee -a "$out/peer.jsonl"
-  note "bench $model $impl $*: $(( $(date +%s) - t0 )) s"
-}
 
 # 1. Smoke and the CUDA tests (in a process that never installs the emulated device).
 part 50 smoke.log python3 -m roundpipe

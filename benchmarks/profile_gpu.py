@@ -206,6 +206,27 @@ def _all_threads():
     return None
 
 
+def profile_steady_state(iteration, synchronize, on_gpu: bool, out_dir: Path):
+    """Two iterations back to back (the second overlaps the first's step, as in a run), then
+    the last step, under torch.profiler: the steady state, not one iteration alone. Writes
+    ``trace.json.gz`` under ``out_dir``; returns the profile and the wall seconds."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if on_gpu:
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities, experimental_config=_all_threads()) as prof:
+        t0 = time.perf_counter()
+        for _ in range(PROFILED):
+            iteration()
+        synchronize()
+        wall = time.perf_counter() - t0
+    with tempfile.TemporaryDirectory() as tmp:
+        raw = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(raw))
+        with open(raw, "rb") as src, gzip.open(out_dir / "trace.json.gz", "wb") as dst:
+            shutil.copyfileobj(src, dst)
+    return prof, wall
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     for name in GPU_SIZES:
@@ -331,22 +352,7 @@ def main() -> int:
         json.dumps(dict(iteration_time=timeline.iteration_time, measured=measured, spans=spans))
     )
 
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if on_gpu:
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
-    # Two iterations back to back (the second overlaps the first's step, as in a run), then
-    # the last step: the steady state, not one iteration alone.
-    with torch.profiler.profile(activities=activities, experimental_config=_all_threads()) as prof:
-        t0 = time.perf_counter()
-        for _ in range(PROFILED):
-            iteration()
-        model.synchronize()
-        wall = time.perf_counter() - t0
-    with tempfile.TemporaryDirectory() as tmp:
-        raw = Path(tmp) / "trace.json"
-        prof.export_chrome_trace(str(raw))
-        with open(raw, "rb") as src, gzip.open(out_dir / "trace.json.gz", "wb") as dst:
-            shutil.copyfileobj(src, dst)
+    prof, wall = profile_steady_state(iteration, model.synchronize, on_gpu, out_dir)
     print(profile_summary(prof, wall))
     print(f"wrote {out_dir / 'trace.json.gz'} and {out_dir / 'timeline.json'}")
     return 0

@@ -25,18 +25,15 @@ Writes ``trace.json.gz`` under --out (open it in Perfetto). ``--loss-chunk-token
 from __future__ import annotations
 
 import argparse
-import gzip
 import os
-import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from profile_gpu import PROFILED, _all_threads, _device_time, profile_summary  # noqa: E402
+from profile_gpu import _device_time, profile_steady_state, profile_summary  # noqa: E402
 
 import roundpipe  # noqa: E402
 from roundpipe import GradScaler, OptimizerCtx, RoundPipeRunConfig  # noqa: E402
@@ -194,20 +191,7 @@ def main() -> int:
     if args.no_profile:
         return 0
 
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if on_gpu:
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
-    with torch.profiler.profile(activities=activities, experimental_config=_all_threads()) as prof:
-        t0 = time.perf_counter()
-        for _ in range(PROFILED):
-            iteration()
-        model.synchronize()
-        wall = time.perf_counter() - t0
-    with tempfile.TemporaryDirectory() as tmp:
-        raw = Path(tmp) / "trace.json"
-        prof.export_chrome_trace(str(raw))
-        with open(raw, "rb") as src, gzip.open(out_dir / "trace.json.gz", "wb") as dst:
-            shutil.copyfileobj(src, dst)
+    prof, wall = profile_steady_state(iteration, model.synchronize, on_gpu, out_dir)
     print("roundpipe's actions over the profiled iterations:")
     print(action_table(prof))
     print(profile_summary(prof, wall))

@@ -130,17 +130,13 @@ def test_without_cuda_it_says_so_and_exits_0():
     assert {name for name, *_ in ROW.findall(out)} == set(VARIANTS)
 
 
-def test_profile_gpu_prices_the_plan_and_writes_a_trace_and_a_timeline(tmp_path):
-    """benchmarks/profile_gpu.py in its tiny mode on the emulated device: the measured and the
-    priced iteration, the profile's thread and device split, and its two files."""
-    import gzip
-    import json
-
+def _profile_script(name, out):
+    """benchmarks/``name`` in its tiny mode on the emulated device, one timed iteration."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env.pop("ROUNDPIPE_DEVICES", None)
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "profile_gpu.py"), "--devices", "emu"]
-        + ["--warmup", "1", "--iters", "1", "--out", str(tmp_path)],
+        [sys.executable, str(ROOT / "benchmarks" / name), "--devices", "emu"]
+        + ["--warmup", "1", "--iters", "1", "--out", str(out)],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -148,6 +144,16 @@ def test_profile_gpu_prices_the_plan_and_writes_a_trace_and_a_timeline(tmp_path)
         timeout=300,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc
+
+
+def test_profile_gpu_prices_the_plan_and_writes_a_trace_and_a_timeline(tmp_path):
+    """benchmarks/profile_gpu.py in its tiny mode on the emulated device: the measured and the
+    priced iteration, the profile's thread and device split, and its two files."""
+    import gzip
+    import json
+
+    proc = _profile_script("profile_gpu.py", tmp_path)
     measured = float(re.search(r"^measured: ([\d.]+) s/iteration", proc.stdout, re.M)[1])
     priced = re.search(
         r"^priced: +([\d.]+) s/iteration \(devices ([\d.]+) s, optimizer thread ([\d.]+) s: "
@@ -175,18 +181,7 @@ def test_profile_hf_names_roundpipes_actions_in_its_profile(tmp_path):
     import gzip
     import json
 
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    env.pop("ROUNDPIPE_DEVICES", None)
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "profile_hf.py"), "--devices", "emu"]
-        + ["--warmup", "1", "--iters", "1", "--out", str(tmp_path)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    proc = _profile_script("profile_hf.py", tmp_path)
     assert re.search(r"^measured: [\d.]+ s/iteration", proc.stdout, re.M), proc.stdout
     assert re.search(r"^forward_backward alone: [\d.]+ s; step alone", proc.stdout, re.M)
     # tiny mode: 2 decoder layers, so stages 0 (embedding) to 3 (head)
