@@ -206,6 +206,20 @@ def _all_threads():
     return None
 
 
+def pool_and_sizes(args, gpu_sizes: dict, tiny_sizes: dict) -> str | None:
+    """The pool to run on (``--devices``, else ``$ROUNDPIPE_DEVICES``, else ``cuda:0`` where CUDA
+    is there; None: none), with each size ``args`` leaves unset taken from ``gpu_sizes`` on a
+    GPU and from ``tiny_sizes`` elsewhere."""
+    cuda = torch.cuda.is_available()
+    spec = args.devices or os.environ.get("ROUNDPIPE_DEVICES") or ("cuda:0" if cuda else None)
+    if spec is None:
+        return None
+    for key, value in (gpu_sizes if spec.startswith("cuda") else tiny_sizes).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    return spec
+
+
 def profile_steady_state(iteration, synchronize, on_gpu: bool, out_dir: Path):
     """Two iterations back to back (the second overlaps the first's step, as in a run), then
     the last step, under torch.profiler: the steady state, not one iteration alone. Writes
@@ -239,15 +253,11 @@ def main() -> int:
     parser.add_argument("--out", default="profile_out", help="folder for the trace and timeline")
     args = parser.parse_args()
 
-    cuda = torch.cuda.is_available()
-    spec = args.devices or os.environ.get("ROUNDPIPE_DEVICES") or ("cuda:0" if cuda else None)
+    spec = pool_and_sizes(args, GPU_SIZES, TINY_SIZES)
     if spec is None:
         print("No GPU: CUDA is not available; --devices emu (or cpu) tests the script.")
         return 0
     on_gpu = spec.startswith("cuda")
-    for key, value in (GPU_SIZES if on_gpu else TINY_SIZES).items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -25,7 +25,6 @@ Writes ``trace.json.gz`` under --out (open it in Perfetto). ``--loss-chunk-token
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path
@@ -33,7 +32,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from profile_gpu import _device_time, profile_steady_state, profile_summary  # noqa: E402
+from profile_gpu import (  # noqa: E402
+    _device_time,
+    pool_and_sizes,
+    profile_steady_state,
+    profile_summary,
+)
 
 import roundpipe  # noqa: E402
 from roundpipe import GradScaler, OptimizerCtx, RoundPipeRunConfig  # noqa: E402
@@ -101,15 +105,11 @@ def main() -> int:
     parser.add_argument("--out", default="profile_hf_out", help="folder for the trace")
     args = parser.parse_args()
 
-    cuda = torch.cuda.is_available()
-    spec = args.devices or os.environ.get("ROUNDPIPE_DEVICES") or ("cuda:0" if cuda else None)
+    spec = pool_and_sizes(args, GPU_SIZES, TINY_SIZES)
     if spec is None:
         print("No GPU: CUDA is not available; --devices emu (or cpu) tests the script.")
         return 0
     on_gpu = spec.startswith("cuda")
-    for key, value in (GPU_SIZES if on_gpu else TINY_SIZES).items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     M = args.microbatches
