@@ -52,6 +52,7 @@ bench gpt torch      "$ours"       50 --ckpt --layers 12
 # 3. The plan's price beside a profiled GPT iteration; where wrap's time goes on Qwen3.
 part 60 profile.log python3 benchmarks/profile_gpu.py --layers 12 --out "$out"
 part 90 profile_hf.log python3 benchmarks/profile_hf.py --layers 8 --out "$out/hf"
+part 60 profile_hf.log python3 benchmarks/profile_hf.py --layers 8 --no-profile --overlap-recompute
 # 4. What is left: 8 microbatches, the HF example in fp16 and with LoRA.
 bench gpt ours       "$ours"       50 --layers 12 --mb 8
 part 40 smoke.log python3 examples/finetune_hf.py --steps 5

@@ -19,7 +19,8 @@ Printed, in order:
    time of what the worker launched inside them), then torch's tables of the top operators.
 
 Writes ``trace.json.gz`` under --out (open it in Perfetto). ``--loss-chunk-tokens`` and
-``--mlp-tile-tokens`` pass through to wrap, so two runs compare a setting.
+``--mlp-tile-tokens`` pass through to wrap, and ``--overlap-recompute`` sets the run config's,
+so two runs compare a setting.
 """
 
 from __future__ import annotations
@@ -91,6 +92,12 @@ def main() -> int:
     parser.add_argument("--dtype", choices=["fp16", "bf16"], default="fp16")
     parser.add_argument("--loss-chunk-tokens", type=int, help="wrap's (default: its own)")
     parser.add_argument("--mlp-tile-tokens", type=int, help="wrap's (default: its own)")
+    parser.add_argument(
+        "--overlap-recompute",
+        action="store_true",
+        help="RoundPipeRunConfig(overlap_recompute=True): the next microbatch's recompute on "
+        "the device's helper thread while autograd's thread issues this one's backward",
+    )
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--iters", type=int, default=4)
     parser.add_argument(
@@ -123,13 +130,16 @@ def main() -> int:
         devices=spec,
         loss_chunk_tokens=args.loss_chunk_tokens,
         mlp_tile_tokens=args.mlp_tile_tokens,
-        model_run_config=RoundPipeRunConfig(num_microbatch=M),
+        model_run_config=RoundPipeRunConfig(
+            num_microbatch=M, overlap_recompute=args.overlap_recompute or None
+        ),
     )
     print(
         f"torch {torch.__version__}; pool {spec}; Qwen3 {args.layers} layers, hidden "
         f"{args.hidden}, vocab {args.vocab}, seq {args.seq}, batch {args.batch}, {M} "
         f"microbatches, {n_params / 1e6:.1f}M params ({args.dtype}); loss chunk "
-        f"{args.loss_chunk_tokens or 'default'}, MLP tile {args.mlp_tile_tokens or 'default'}; "
+        f"{args.loss_chunk_tokens or 'default'}, MLP tile {args.mlp_tile_tokens or 'default'}, "
+        f"overlap_recompute {args.overlap_recompute}; "
         f"built and wrapped in {time.perf_counter() - t0:.1f} s"
     )
     with OptimizerCtx():

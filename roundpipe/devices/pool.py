@@ -234,14 +234,16 @@ def _mark_worker() -> None:
 
 class DeviceWorker(WorkerThread):
     """One thread that runs work items for one device, in submission order (a
-    :class:`roundpipe.workers.WorkerThread`)."""
+    :class:`roundpipe.workers.WorkerThread`). ``role``: "worker" (the device's programs) or
+    "recompute" (its helper, see [Note: overlapped recompute] in
+    :mod:`roundpipe.runtime.stage_ops`)."""
 
-    def __init__(self, device: WorkerDevice) -> None:
+    def __init__(self, device: WorkerDevice, role: str = "worker") -> None:
         super().__init__(
-            name=f"roundpipe-worker-{device}",
+            name=f"roundpipe-{role}-{device}",
             thread_init=_mark_worker,
-            closed_message=f"the roundpipe worker for {device} has shut down (the interpreter "
-            f"is exiting); no new work can be submitted",
+            closed_message=f"the roundpipe {role} thread for {device} has shut down (the "
+            f"interpreter is exiting); no new work can be submitted",
         )
         self.device = device
 
@@ -252,16 +254,17 @@ class DeviceWorker(WorkerThread):
         return fut
 
 
-_WORKERS: dict[WorkerDevice, DeviceWorker] = {}
+_WORKERS: dict[tuple[WorkerDevice, str], DeviceWorker] = {}
 _WORKERS_LOCK = threading.Lock()
 
 
-def get_worker(device: WorkerDevice) -> DeviceWorker:
-    """The process-wide worker of ``device`` (created on first use). Any thread."""
+def get_worker(device: WorkerDevice, role: str = "worker") -> DeviceWorker:
+    """The process-wide worker of ``device`` (created on first use); ``role="recompute"``: its
+    helper thread. Any thread."""
     with _WORKERS_LOCK:
-        worker = _WORKERS.get(device)
+        worker = _WORKERS.get((device, role))
         if worker is None:
-            worker = _WORKERS[device] = DeviceWorker(device)
+            worker = _WORKERS[(device, role)] = DeviceWorker(device, role)
         return worker
 
 

@@ -166,7 +166,9 @@ class Plan:
     action the executor performs (default: ``per_device``, a CPU plan). ``deps``: for each action
     that waits for an action on another device (or for a compute action's data), the actions it
     reads, by key (default: the data dependencies of the order). ``stage_major``: the order of
-    [Note: streaming]; ``recompute``: whether its backward runs re-run each stage; ``sizes``:
+    [Note: streaming]; ``recompute``: whether its backward runs re-run each stage;
+    ``overlap_recompute``: whether a backward overlaps the next microbatch's recompute of the
+    same stage (see [Note: overlapped recompute] in :mod:`roundpipe.runtime.stage_ops`); ``sizes``:
     what the program was lowered with; ``peak_bytes``: per device, the ledger's peak (stages and
     saved inputs; None without sizes)."""
 
@@ -177,6 +179,7 @@ class Plan:
     per_device: tuple[tuple[Action, ...], ...]
     stage_major: bool = False
     recompute: bool = True
+    overlap_recompute: bool = False
     program: tuple[tuple[Action, ...], ...] | None = None
     deps: dict[tuple, tuple[Action, ...]] | None = None
     sizes: PlanSizes | None = None
@@ -204,6 +207,32 @@ class Plan:
 
     def action(self, kind: ActionKind, stage: int, mb_index: int) -> Action:
         return self._index[(kind, stage, mb_index)]  # type: ignore[attr-defined]
+
+    def overlapped_recomputes(self) -> frozenset[tuple[int, int]]:
+        """With ``overlap_recompute``: the (stage, microbatch) of each ``BACKWARD`` during which
+        the same stage's recompute of the next microbatch runs (see
+        [Note: overlapped recompute] in :mod:`roundpipe.runtime.stage_ops`): those whose
+        device's next compute action is that backward, with no reload of its input between."""
+        if not self.overlap_recompute or self.program is None:
+            return frozenset()
+        found = set()
+        for program in self.program:
+            pending: Action | None = None  # the last backward, while only moves followed it
+            for a in program:
+                if a.kind is ActionKind.BACKWARD:
+                    if pending is not None and (a.stage, a.mb_index) == (
+                        pending.stage,
+                        pending.mb_index + 1,
+                    ):
+                        found.add((pending.stage, pending.mb_index))
+                    pending = a
+                elif a.kind.computes or (
+                    pending is not None
+                    and a.kind is ActionKind.RELOAD
+                    and (a.stage, a.mb_index) == (pending.stage, pending.mb_index + 1)
+                ):
+                    pending = None
+        return frozenset(found)
 
     def dependencies(self, action: Action) -> tuple[Action, ...]:
         """The actions whose results ``action`` reads (across devices, through their ``H``)."""

@@ -78,6 +78,7 @@ def build_plan(
     stage_major: bool = False,
     recompute: bool = True,
     sizes: PlanSizes | None = None,
+    overlap_recompute: bool = False,
 ) -> Plan:
     """The plan of one ``forward_backward`` (``training=True``) or ``forward`` call.
 
@@ -85,7 +86,8 @@ def build_plan(
     instead of a forward and a backward per stage. ``stage_major``: the order of
     [Note: streaming], for accelerator pools, lowered into its moves with ``recompute`` and
     ``sizes`` (without sizes, or without a budget in them, nothing is offloaded unless
-    ``sizes.offload`` and every prefetch is made)."""
+    ``sizes.offload`` and every prefetch is made); ``overlap_recompute`` (with recompute): see
+    [Note: overlapped recompute] in :mod:`roundpipe.runtime.stage_ops`."""
     for name, value in (
         ("num_stages", num_stages),
         ("num_microbatch", num_microbatch),
@@ -136,7 +138,16 @@ def build_plan(
     devices = tuple(tuple(p) for p in per_device)
     if not stage_major:
         return Plan(S, M, D, training, devices)
-    order_only = Plan(S, M, D, training, devices, stage_major=True, recompute=recompute)
+    order_only = Plan(
+        S,
+        M,
+        D,
+        training,
+        devices,
+        stage_major=True,
+        recompute=recompute,
+        overlap_recompute=overlap_recompute and recompute and training,
+    )
     return _lower(order_only, sizes)
 
 
@@ -172,6 +183,7 @@ def _lower(order: Plan, sizes: PlanSizes | None) -> Plan:
         order.per_device,
         stage_major=True,
         recompute=order.recompute,
+        overlap_recompute=order.overlap_recompute,
         program=tuple(programs),
         deps=deps,
         sizes=sizes,

@@ -82,7 +82,7 @@ TERMS = {
     "grads": "gradient sums",
     "inputs": "stage inputs kept for the backward",
     "handoffs": "hand-offs (stage outputs, input gradients)",
-    "graph": "saved activations (recompute off)",
+    "graph": "saved activations (recompute off, or a recompute run ahead)",
     "outputs": "outputs kept to return",
     "context": "microbatch contexts (positions, rotary tables, labels)",
     "action": "activations and workspace of the running action",
@@ -114,7 +114,7 @@ class Held(enum.Enum):
     INPUT = "inputs"  # a stage input kept or taken (per stage and microbatch)
     OUTPUT = "out"  # a stage's output until the next stage takes it
     INPUT_GRAD = "gin"  # an input gradient until the stage before takes it
-    GRAPH = "graph"  # activations a forward with grad saves (recompute off)
+    GRAPH = "graph"  # activations a forward with grad saves (recompute off, or run ahead)
     RESULT = "res"  # a last-stage output kept until the call ends (per microbatch)
     CONTEXT = "context"  # a microbatch's context, from its first use here to the call's end
 
@@ -222,6 +222,7 @@ def device_peaks(
 
     walk = _Walk(plan)
     recompute = plan.recompute
+    overlapped = plan.overlapped_recomputes()
     has_context: set[tuple[int, int]] = set()  # (device, microbatch)
 
     def hold_context(d: int, m: int) -> None:
@@ -272,11 +273,17 @@ def device_peaks(
                 walk.put(d, Held.INPUT_GRAD, s + 1, m, nbytes)
                 if recompute:
                     extra = x.backward_peak
+                    if (s, m - 1) in overlapped:  # recomputed already: its peak counts it
+                        walk.pop(d, Held.GRAPH, s, m)
                 else:
                     extra = max(x.grad_phase_peak - x.graph, 0)
             end = x.backward_end - (0 if recompute or k is ActionKind.LAST else x.graph)
             if m == 0:  # the run's first backward: its gradients become the sums
                 extra = max(extra, end + stages[s].grad_copy)
+            if (s, m) in overlapped:
+                # The next microbatch's recompute runs beside this backward and after it, until
+                # its own backward: at most its forward's peak, from now on.
+                walk.put(d, Held.GRAPH, s, m + 1, act(s, m + 1).grad_forward_peak)
             walk.note(d, extra, a)
             walk.pop(d, Held.INPUT, s, m)
             walk.pop(d, Held.INPUT_GRAD, s + 1, m)

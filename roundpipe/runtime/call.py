@@ -158,6 +158,9 @@ class CallState:
         )
         self.sink: GradSink | None = None  # a fused plan's (see [Note: fused stages])
         self.uploads: dict[int, Upload] = {}
+        # (device, stage, microbatch): a recompute run ahead on the device's helper thread
+        # (see [Note: overlapped recompute] in stage_ops): the future of (output, input leaves)
+        self.ahead: dict[tuple[int, int, int], Future] = {}
         self.released: dict[tuple, torch.Event] = {}
         self.stage_drew = [False] * S  # written by the stage's worker: a generator moved
         self.contexts: list[Any] = [None] * M
@@ -259,7 +262,14 @@ def plan_call(
     autocast = resolve_autocast(cfg.autocast, pool.device_type)
     sizes = plan_sizes(stages, pool, cfg, training, chunks, model.cast_dtype, autocast)
     plan = model.stages.plan(
-        stages, cfg.num_microbatch, len(pool), pool.streaming, training, cfg.recompute, sizes
+        stages,
+        cfg.num_microbatch,
+        len(pool),
+        pool.streaming,
+        training,
+        cfg.recompute,
+        sizes,
+        overlap_recompute=cfg.overlap_recompute,
     )
     return stages, autocast, plan
 

@@ -30,6 +30,12 @@ class RoundPipeRunConfig:
       default: the stages with a dropout module in training mode, and those that a probe of
       their first call finds drawing random numbers.
     * ``recompute`` (default True): keep only stage inputs, recompute in backward.
+    * ``overlap_recompute`` (default False): on an accelerator, with recompute, a helper
+      thread issues a stage's recompute of the next microbatch while autograd's device thread
+      issues the backward of this one, so the host's two halves of each backward overlap
+      instead of taking turns (see [Note: overlapped recompute] in
+      :mod:`roundpipe.runtime.stage_ops`); the device holds one more microbatch's recompute
+      during a backward, which the memory plan counts. No effect on the CPU.
     * ``offload_activations`` (default False): on an accelerator, with recompute, keep those
       stage inputs in pinned host memory between the forward and the backward pass instead of
       on the device (see [Note: the program] in :mod:`roundpipe.plan.actions`); no effect on
@@ -63,6 +69,7 @@ class RoundPipeRunConfig:
     requires_grad: bool | None = None
     preserve_rng_state: bool | None = None
     recompute: bool | None = None
+    overlap_recompute: bool | None = None
     offload_activations: bool | None = None
     device_memory_budget: int | str | None = None
     device_grad_dtype: torch.dtype | None = None
@@ -101,7 +108,13 @@ class RoundPipeRunConfig:
                 f"device_grad_dtype must be None (the masters' dtype) or a floating "
                 f"torch.dtype such as torch.float16, got {dtype!r}"
             )
-        for name in ("requires_grad", "preserve_rng_state", "recompute", "offload_activations"):
+        for name in (
+            "requires_grad",
+            "preserve_rng_state",
+            "recompute",
+            "overlap_recompute",
+            "offload_activations",
+        ):
             v = getattr(self, name)
             if v is not None and not isinstance(v, bool):
                 raise ValueError(f"{name} must be None, True or False, got {v!r}")
@@ -136,6 +149,7 @@ class ResolvedRunConfig:
     requires_grad: GradSetting
     preserve_rng_state: RngSetting
     recompute: bool
+    overlap_recompute: bool
     offload_activations: bool
     device_memory_budget: BudgetSetting
     device_grad_dtype: GradDtypeSetting
@@ -173,6 +187,7 @@ def resolve_config(
         requires_grad=get("requires_grad", "caller"),
         preserve_rng_state=get("preserve_rng_state", "auto"),
         recompute=get("recompute", True),
+        overlap_recompute=get("overlap_recompute", False),
         offload_activations=get("offload_activations", False),
         device_memory_budget=budget,
         device_grad_dtype=get("device_grad_dtype", "masters"),

@@ -19,7 +19,7 @@ from roundpipe.optim_queue import add_note
 from roundpipe.plan import Action, ActionKind
 from roundpipe.runtime.call import CallSpec, CallState, Cancelled
 from roundpipe.runtime.params import ParamsCopyFailed, raise_copy_failure
-from roundpipe.runtime.stage_ops import ComputeFn, compute_action
+from roundpipe.runtime.stage_ops import ComputeFn, compute_action, wait_ahead
 
 __all__ = ["execute"]
 
@@ -119,6 +119,7 @@ def _run_program(
                     if fut is not None:
                         fut.set_result(None)
     finally:
+        wait_ahead(state, d)  # nothing it handed to its helper runs after it
         # Whatever stopped the program, nothing waits forever for what it did not run.
         _settle_cancelled(state, program[i:])
 

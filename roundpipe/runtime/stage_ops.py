@@ -11,6 +11,7 @@ after the stage's "params ready" event).
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -21,7 +22,7 @@ from torch.utils.checkpoint import checkpoint
 
 from roundpipe.autocast import autocast_context
 from roundpipe.context import WithContext
-from roundpipe.devices import Backend, StreamingBackend
+from roundpipe.devices import Backend, StreamingBackend, get_worker
 from roundpipe.microbatch import MicrobatchInfo
 from roundpipe.optim_queue import add_note
 from roundpipe.plan import Action, ActionKind
@@ -334,21 +335,78 @@ def _streamed_forward(spec: CallSpec, state: CallState, a: Action, backend: Back
     slot.saved_input, slot.out = inp, out
 
 
-def _recompute_backward(spec: CallSpec, state: CallState, a: Action, backend: Backend) -> None:
-    """BACKWARD of an accelerator plan with recompute: re-run the stage from its saved input
-    under the forward's autocast and RNG start state, on this run's upload, then take the
-    gradients. It runs on the worker, not inside autograd."""
-    s, m = a.stage, a.mb_index
-    _adopt(spec, state, s, backend)
-    after, slot = state.slots[(s + 1, m)], state.slots[(s, m)]
-    grads_out, after.grad_in = backend.to_device(after.grad_in, after=after.grad_ready), None
+# [Note: overlapped recompute]
+# On an accelerator the backward of stage s for microbatch m is two halves that the host issues
+# one after the other: the worker re-runs the stage (the forward's ops, with grad), then
+# autograd's device thread issues the backward's ops while the worker waits. Where the host's
+# issue path bounds the iteration (a fast GPU, small microbatches: benchmarks/results/gpu.md)
+# the device idles through part of both. With RoundPipeRunConfig(overlap_recompute=True),
+# BACKWARD(s, m) first hands the same stage's recompute of microbatch m+1 to the device's
+# helper thread and then takes its own gradients, so the two threads issue at once;
+# BACKWARD(s, m+1) takes the graph made ahead (and re-raises the helper's error as its own).
+# Only where the device's next compute action is BACKWARD(s, m+1), with its input already on
+# the device (Plan.overlapped_recomputes, which the memory plan counts: the graph made ahead is
+# held until its backward), and only for a stage outside the RNG chain: the backward's own
+# recomputes (checkpointed MLP tiles) may set the device's generator, which a stage that draws
+# random numbers reads. Both threads enqueue on the compute stream; what the two halves share
+# is the stage's upload, which both only read. A program that stops (a failure, a cancel)
+# first waits for what it handed to the helper, so nothing of the call runs after it ended.
+
+
+def _recompute(
+    spec: CallSpec, state: CallState, s: int, m: int, backend: Backend
+) -> tuple[Any, list[Any]]:
+    """Re-run stage ``s`` of microbatch ``m`` from its saved input under the forward's autocast
+    and RNG start state, on this run's upload, with grad: (output, input leaves)."""
+    slot = state.slots[(s, m)]
     inp, slot.saved_input = slot.saved_input, None
     _, in_leaves, inp = _cut_graph(inp, _requires_grad if s == 0 else _is_float)
     slot.phase = "recompute"
     with torch.enable_grad():
         with autocast_context(spec.autocast), rng_scope(slot.rng_start, backend):
             out = _run_stage(spec, state, spec.stages[s], inp, m, "recompute", backend)
+    return out, in_leaves
+
+
+def _recompute_ahead(
+    spec: CallSpec, state: CallState, s: int, m: int, backend: Backend
+) -> tuple[Any, list[Any]]:
+    """The helper thread: :func:`_recompute` on the device and compute stream the worker uses."""
+    with backend.action_context():
+        return _recompute(spec, state, s, m, backend)
+
+
+def _recompute_backward(
+    spec: CallSpec,
+    state: CallState,
+    a: Action,
+    backend: Backend,
+    ahead: frozenset[tuple[int, int]] = frozenset(),
+) -> None:
+    """BACKWARD of an accelerator plan with recompute: re-run the stage (or take the recompute
+    made ahead, see [Note: overlapped recompute]), then take the gradients. It runs on the
+    worker, not inside autograd. ``ahead``: the (stage, microbatch) during whose backward the
+    next microbatch's recompute runs on the helper thread."""
+    s, m = a.stage, a.mb_index
+    _adopt(spec, state, s, backend)
+    after = state.slots[(s + 1, m)]
+    grads_out, after.grad_in = backend.to_device(after.grad_in, after=after.grad_ready), None
+    made = state.ahead.pop((a.device, s, m), None)
+    out, in_leaves = made.result() if made is not None else _recompute(spec, state, s, m, backend)
+    if (s, m) in ahead:
+        helper = get_worker(backend.device, "recompute")  # type: ignore[attr-defined]
+        state.ahead[(a.device, s, m + 1)] = helper.submit(
+            _recompute_ahead, spec, state, s, m + 1, backend
+        )
+    with torch.enable_grad():
         _backward_from(spec, state, s, m, _leaves(out), grads_out, in_leaves, backend)
+
+
+def wait_ahead(state: CallState, d: int) -> None:
+    """Device ``d``'s worker, as its program stops: wait for the recomputes it handed to the
+    helper thread and drop them (an error of theirs belongs to an action that will not run)."""
+    for key in [k for k in state.ahead if k[0] == d]:
+        state.ahead.pop(key).exception()
 
 
 def _backward(spec: CallSpec, state: CallState, a: Action, backend: Backend) -> None:
@@ -490,7 +548,14 @@ def compute_action(spec: CallSpec, kind: ActionKind) -> ComputeFn:
         return _streamed_forward if streamed else _forward
     if kind is ActionKind.LAST:
         return _forward
-    return _recompute_backward if streamed else _backward
+    if not streamed:
+        return _backward
+    ahead = frozenset(
+        (s, m) for s, m in spec.plan.overlapped_recomputes() if not spec.rng.stage_rng[s]
+    )
+    if not ahead:
+        return _recompute_backward
+    return functools.partial(_recompute_backward, ahead=ahead)
 
 
 # -- helpers ----------------------------------------------------------------------------------

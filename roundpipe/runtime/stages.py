@@ -157,12 +157,23 @@ class ModelStages:
         training: bool,
         recompute: bool,
         sizes: PlanSizes | None = None,
+        overlap_recompute: bool = False,
     ) -> Plan:
         """The plan of a call. An accelerator pool streams stage by stage (see
         [Note: streaming]), lowered with ``sizes``; one CPU worker fuses each microbatch's
         stages (see [Note: fused stages] in :mod:`roundpipe.runtime.stage_ops`)."""
         fuse = training and not streaming and num_devices == 1 and not self._shared[id(stages)]
-        key = (id(stages), num_microbatch, num_devices, training, fuse, streaming, recompute, sizes)
+        key = (
+            id(stages),
+            num_microbatch,
+            num_devices,
+            training,
+            fuse,
+            streaming,
+            recompute,
+            sizes,
+            overlap_recompute,
+        )
         plan = self._plan_cache.get(key)
         if plan is None:
             plan = self._plan_cache[key] = build_plan(
@@ -174,6 +185,7 @@ class ModelStages:
                 stage_major=streaming,
                 recompute=recompute,
                 sizes=sizes,
+                overlap_recompute=overlap_recompute,
             )
             if len(self._plan_cache) > _PLANS_KEPT:
                 self._plan_cache.popitem(last=False)
