@@ -158,9 +158,10 @@ class CallState:
         )
         self.sink: GradSink | None = None  # a fused plan's (see [Note: fused stages])
         self.uploads: dict[int, Upload] = {}
-        # (device, stage, microbatch): a recompute run ahead on the device's helper thread
-        # (see [Note: overlapped recompute] in stage_ops): the future of (output, input leaves)
-        self.ahead: dict[tuple[int, int, int], Future] = {}
+        # Per device (its worker's alone), per (stage, microbatch): a recompute run ahead on the
+        # device's helper thread (see [Note: overlapped recompute] in stage_ops), the future of
+        # (output, input leaves).
+        self.ahead: dict[int, dict[tuple[int, int], Future]] = {}
         self.released: dict[tuple, torch.Event] = {}
         self.stage_drew = [False] * S  # written by the stage's worker: a generator moved
         self.contexts: list[Any] = [None] * M

@@ -391,13 +391,12 @@ def _recompute_backward(
     _adopt(spec, state, s, backend)
     after = state.slots[(s + 1, m)]
     grads_out, after.grad_in = backend.to_device(after.grad_in, after=after.grad_ready), None
-    made = state.ahead.pop((a.device, s, m), None)
+    made_ahead = state.ahead.setdefault(a.device, {})  # this worker's own
+    made = made_ahead.pop((s, m), None)
     out, in_leaves = made.result() if made is not None else _recompute(spec, state, s, m, backend)
     if (s, m) in ahead:
         helper = get_worker(backend.device, "recompute")  # type: ignore[attr-defined]
-        state.ahead[(a.device, s, m + 1)] = helper.submit(
-            _recompute_ahead, spec, state, s, m + 1, backend
-        )
+        made_ahead[(s, m + 1)] = helper.submit(_recompute_ahead, spec, state, s, m + 1, backend)
     with torch.enable_grad():
         _backward_from(spec, state, s, m, _leaves(out), grads_out, in_leaves, backend)
 
@@ -405,8 +404,9 @@ def _recompute_backward(
 def wait_ahead(state: CallState, d: int) -> None:
     """Device ``d``'s worker, as its program stops: wait for the recomputes it handed to the
     helper thread and drop them (an error of theirs belongs to an action that will not run)."""
-    for key in [k for k in state.ahead if k[0] == d]:
-        state.ahead.pop(key).exception()
+    made_ahead = state.ahead.get(d, {})
+    while made_ahead:
+        made_ahead.popitem()[1].exception()
 
 
 def _backward(spec: CallSpec, state: CallState, a: Action, backend: Backend) -> None:
