@@ -196,7 +196,10 @@ def test_a_backward_that_fails_while_a_recompute_is_ahead_leaves_nothing_running
     assert memory.memory_allocated(0) <= allocated
 
 
-def test_a_hf_model_trains_bitwise_the_same_with_the_recompute_ahead():
+@pytest.mark.parametrize("tile", [None, 8], ids=["untiled", "tiled MLPs"])
+def test_a_hf_model_trains_bitwise_the_same_with_the_recompute_ahead(tile):
+    """Tiled MLPs run again inside their backward on the stage's tensors, swapped in: their
+    stages keep the recompute on the worker, and the model keeps its own parameters."""
     transformers = pytest.importorskip("transformers")
     import roundpipe
 
@@ -217,10 +220,13 @@ def test_a_hf_model_trains_bitwise_the_same_with_the_recompute_ahead():
 
     def run(overlap):
         torch.manual_seed(0)
+        hf_model = transformers.Qwen3ForCausalLM(config).to(torch.bfloat16)
+        own = list(hf_model.parameters())
         model = roundpipe.hf.wrap(
-            transformers.Qwen3ForCausalLM(config).to(torch.bfloat16),
+            hf_model,
             optim_dtype=torch.float32,
             devices="emu",
+            mlp_tile_tokens=tile,
             model_run_config=RoundPipeRunConfig(num_microbatch=4, overlap_recompute=overlap),
         )
         with OptimizerCtx():
@@ -230,6 +236,8 @@ def test_a_hf_model_trains_bitwise_the_same_with_the_recompute_ahead():
             losses.append(model.forward_backward(input_kwargs=batch).item())
             model.step(lambda: (opt.step(), opt.zero_grad()))
         model.synchronize()
+        assert all(a is b for a, b in zip(hf_model.parameters(), own))
+        assert all(p.device.type == "cpu" for p in hf_model.parameters())
         with OptimizerCtx():
             return losses, [p.detach().clone() for p in model.parameters()]
 

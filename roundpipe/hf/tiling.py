@@ -65,6 +65,9 @@ def install(layer: nn.Module, names: Sequence[str]) -> list[str]:
             # An instance attribute, found before the class's forward by nn.Module.__call__;
             # deepcopy binds it to the copy.
             module.forward = types.MethodType(_tiled_forward, module)
+            # Its backward runs it again on the stage's tensors, swapped in for the tile: no
+            # other thread may run it meanwhile (see [Note: overlapped recompute]).
+            vars(module)["_roundpipe_runs_in_backward"] = True
         done.append(name)
     return done
 

@@ -346,11 +346,14 @@ def _streamed_forward(spec: CallSpec, state: CallState, a: Action, backend: Back
 # BACKWARD(s, m+1) takes the graph made ahead (and re-raises the helper's error as its own).
 # Only where the device's next compute action is BACKWARD(s, m+1), with its input already on
 # the device (Plan.overlapped_recomputes, which the memory plan counts: the graph made ahead is
-# held until its backward), and only for a stage outside the RNG chain: the backward's own
-# recomputes (checkpointed MLP tiles) may set the device's generator, which a stage that draws
-# random numbers reads. Both threads enqueue on the compute stream; what the two halves share
-# is the stage's upload, which both only read. A program that stops (a failure, a cancel)
-# first waits for what it handed to the helper, so nothing of the call runs after it ended.
+# held until its backward), and only for a stage outside the RNG chain (a backward's own
+# recomputes, checkpointed MLP tiles, may set the device's generator, which a stage that draws
+# random numbers reads) with no module that runs again inside its backward
+# (``_roundpipe_runs_in_backward``, as roundpipe.hf.tiling's tiled MLPs: the tile's recompute
+# swaps the stage's tensors into the module, which the helper's recompute may be running).
+# Both threads enqueue on the compute stream; what the two halves share is the stage's upload,
+# which both only read. A program that stops (a failure, a cancel) first waits for what it
+# handed to the helper, so nothing of the call runs after it ended.
 
 
 def _recompute(
@@ -551,7 +554,9 @@ def compute_action(spec: CallSpec, kind: ActionKind) -> ComputeFn:
     if not streamed:
         return _backward
     ahead = frozenset(
-        (s, m) for s, m in spec.plan.overlapped_recomputes() if not spec.rng.stage_rng[s]
+        (s, m)
+        for s, m in spec.plan.overlapped_recomputes()
+        if not spec.rng.stage_rng[s] and not _runs_in_backward(spec.stages[s])
     )
     if not ahead:
         return _recompute_backward
@@ -559,6 +564,16 @@ def compute_action(spec: CallSpec, kind: ActionKind) -> ComputeFn:
 
 
 # -- helpers ----------------------------------------------------------------------------------
+def _runs_in_backward(stage: Stage) -> bool:
+    """Whether a module of ``stage`` runs again inside the stage's backward (see
+    [Note: overlapped recompute])."""
+    return any(
+        getattr(sub, "_roundpipe_runs_in_backward", False)
+        for module in stage.modules
+        for sub in module.modules()
+    )
+
+
 def _is_float(x: Any) -> bool:
     return isinstance(x, torch.Tensor) and (x.is_floating_point() or x.is_complex())
 
