@@ -6,13 +6,12 @@ import copy
 import errno
 import os
 import socket
-import subprocess
-import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
 from spill_common import batches as _batches
+from spill_common import dead_pid
 from spill_common import model as _seq_model
 from spill_common import train as _train
 from torch import nn
@@ -253,19 +252,9 @@ def test_state_too_large_for_ram_names_state_dir(monkeypatch):
         rp_optim.Adam(_params())
 
 
-def _dead_pid():
-    proc = subprocess.run(
-        [sys.executable, "-c", "import os; print(os.getpid())"],
-        check=True,
-        capture_output=True,
-        text=True,
-    )
-    return int(proc.stdout)
-
-
 def test_a_killed_processs_state_directory_is_removed_by_the_next_optimizer(tmp_path):
     host = socket.gethostname()
-    dead = _dead_pid()
+    dead = dead_pid()
     orphan = tmp_path / f"roundpipe-adam-{host}-{dead}-abc_123"
     orphan.mkdir()
     (orphan / "adam_state.bin").write_bytes(b"\0" * (1 << 20))
