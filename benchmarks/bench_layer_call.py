@@ -21,7 +21,7 @@ import time
 import torch
 from torch import nn
 
-from roundpipe.devices.accelerator import AcceleratorBackend, Resident, _swaps
+from roundpipe.devices.accelerator import run_swapped, swaps_of
 
 
 def build(kind: str) -> tuple[nn.Module, tuple, dict]:
@@ -60,8 +60,7 @@ def main() -> None:
     def copy(t: torch.Tensor, is_param: bool) -> torch.Tensor:
         return copies.setdefault(id(t), t.detach().clone())
 
-    resident = Resident()
-    resident.swaps[id(layer)] = _swaps(layer, copy)
+    swaps = swaps_of(layer, copy)
     by_name = {n: copy(t, True) for n, t in layer.named_parameters()}
     by_name.update({n: copy(t, False) for n, t in layer.named_buffers()})
 
@@ -70,13 +69,7 @@ def main() -> None:
         "torch.func.functional_call": lambda: torch.func.functional_call(
             layer, by_name, call_args, call_kwargs
         ),
-        "roundpipe's swap": lambda: AcceleratorBackend.call_layer(
-            None,  # type: ignore[arg-type]  # the method reads only the upload
-            layer,
-            call_args,
-            call_kwargs,
-            resident,
-        ),
+        "roundpipe's swap": lambda: run_swapped(layer, swaps, call_args, call_kwargs),
     }
     times: dict[str, list[float]] = {name: [] for name in contenders}
     with torch.no_grad():
@@ -94,7 +87,7 @@ def main() -> None:
     base = median["torch.func.functional_call"] - floor
     print(
         f"torch {torch.__version__}, {torch.get_num_threads()} threads; layer {args.layer} "
-        f"({len(resident.swaps[id(layer)])} tensors); medians of {args.repeats} x {args.calls} "
+        f"({len(swaps)} tensors); medians of {args.repeats} x {args.calls} "
         f"calls"
     )
     print("| contender | us per call | overhead above the plain call (us) | overhead ratio |")

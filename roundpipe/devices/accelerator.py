@@ -4,9 +4,9 @@
 What the device does for each action of a plan's program (see [Note: the program] in
 :mod:`roundpipe.plan.actions`) is here, one method per move: the model stays in pinned host
 memory; a stage's parameters and buffers are uploaded once per run of actions
-(:meth:`AcceleratorBackend.upload`, a :class:`Resident`), its layers run on those copies (swapped
-in for the call, see [Note: the layer's device tensors]), its gradients accumulate on the device and are downloaded once,
-into pinned host memory.
+(:meth:`AcceleratorBackend.upload`, a :class:`Resident`), its layers run on those copies
+(swapped in for the call, see [Note: the layer's device tensors]), its gradients accumulate on
+the device and are downloaded once, into pinned host memory.
 """
 
 from __future__ import annotations
@@ -96,9 +96,14 @@ def cublas_workspace_bytes(major: int, env: dict[str, str] | None = None) -> int
 Swap = tuple[dict[str, Any], str, torch.Tensor]
 
 
-def _swaps(module: torch.nn.Module, copy: Any) -> list[Swap]:
+def swaps_of(
+    module: torch.nn.Module,
+    copy: Any,
+    buffers: list[tuple[torch.Tensor, torch.Tensor, bool]] | None = None,
+) -> list[Swap]:
     """Where each parameter and buffer of ``module`` goes while it runs; ``copy(t, is_param)``
-    gives a tensor's device copy."""
+    gives a tensor's device copy. ``buffers``: each buffer's (host tensor, copy, whether its
+    module is in training mode) is appended there."""
     swaps: list[Swap] = []
     for sub in module.modules():
         for key, p in sub._parameters.items():
@@ -107,7 +112,22 @@ def _swaps(module: torch.nn.Module, copy: Any) -> list[Swap]:
         for key, b in sub._buffers.items():
             if b is not None:
                 swaps.append((sub._buffers, key, copy(b, False)))
+                if buffers is not None:
+                    buffers.append((b, swaps[-1][2], sub.training))
     return swaps
+
+
+def run_swapped(layer: torch.nn.Module, swaps: list[Swap], args: tuple, kwargs: dict) -> Any:
+    """``layer(*args, **kwargs)`` with ``swaps`` in place, the originals back afterwards, also
+    when it raises (see [Note: the layer's device tensors])."""
+    originals = [owner[key] for owner, key, _ in swaps]
+    try:
+        for owner, key, copy in swaps:
+            owner[key] = copy
+        return layer(*args, **kwargs)
+    finally:
+        for (owner, key, _), original in zip(reversed(swaps), reversed(originals)):
+            owner[key] = original
 
 
 class Resident:
@@ -115,18 +135,17 @@ class Resident:
     by :meth:`AcceleratorBackend.upload`, read by every action of the run, dropped by
     :meth:`AcceleratorBackend.release`. Touched by the stage's worker only.
 
-    ``tensors``: per layer module (by id), its parameters and buffers by name. ``swaps``: per
-    layer module, where each of them goes while the layer runs (see [Note: the layer's device
-    tensors]). ``leaves``: the device copies of the stage's trainable
-    parameters, in the order given to ``upload``, that gradients are taken with respect to
-    (None for a differentiable upload, whose gradients flow back to the host parameters).
+    ``swaps``: per layer module (by id), where each of its parameters and buffers goes while
+    the layer runs, with its device copy (see [Note: the layer's device tensors]).
+    ``leaves``: the device copies of the stage's trainable parameters, in the order given to
+    ``upload``, that gradients are taken with respect to (None for a differentiable upload,
+    whose gradients flow back to the host parameters).
     ``ready``: a prefetch's copies done (an event on the copy stream), until adopted.
     ``buffers``: (host buffer, device copy, whether its module is in training mode)."""
 
-    __slots__ = ("tensors", "swaps", "leaves", "buffers", "ready")
+    __slots__ = ("swaps", "leaves", "buffers", "ready")
 
     def __init__(self) -> None:
-        self.tensors: dict[int, dict[str, torch.Tensor]] = {}
         self.swaps: dict[int, list[Swap]] = {}
         self.leaves: list[torch.Tensor] | None = None
         self.ready: torch.Event | None = None
@@ -260,16 +279,10 @@ class AcceleratorBackend:
 
         trainable_ids = {id(p) for p in trainable}
         for module in modules:
-            tensors = {
-                n: up(p, leaves and id(p) in trainable_ids) for n, p in module.named_parameters()
-            }
-            for prefix, sub in module.named_modules():
-                for n, b in sub.named_buffers(prefix=prefix, recurse=False):
-                    tensors[n] = up(b, False)
-                    resident.buffers.append((b, tensors[n], sub.training))
-            resident.tensors[id(module)] = tensors
-            resident.swaps[id(module)] = _swaps(
-                module, lambda t, is_param: up(t, is_param and leaves and id(t) in trainable_ids)
+            resident.swaps[id(module)] = swaps_of(
+                module,
+                lambda t, is_param: up(t, is_param and leaves and id(t) in trainable_ids),
+                resident.buffers,
             )
         if leaves:
             resident.leaves = [copies[id(p)] for p in trainable]
@@ -283,8 +296,8 @@ class AcceleratorBackend:
         if ready is None:
             return
         self.stream.wait_event(ready)
-        for tensors in resident.tensors.values():
-            for t in tensors.values():
+        for swaps in resident.swaps.values():
+            for _, _, t in swaps:
                 t.record_stream(self.stream)
 
     def release(self, upload: Any, write_back: bool) -> torch.Event:
@@ -296,7 +309,6 @@ class AcceleratorBackend:
                 for host, copy, training in resident.buffers:
                     if training:
                         host.copy_(copy)
-        resident.tensors.clear()
         resident.swaps.clear()
         resident.leaves = None
         resident.buffers.clear()
@@ -310,15 +322,7 @@ class AcceleratorBackend:
                 "an accelerator action ran a layer without its stage's upload; please report"
             )
         resident: Resident = upload
-        swaps = resident.swaps[id(layer)]
-        originals = [owner[key] for owner, key, _ in swaps]
-        try:
-            for owner, key, copy in swaps:
-                owner[key] = copy
-            return layer(*args, **kwargs)
-        finally:  # see [Note: the layer's device tensors]
-            for (owner, key, _), original in zip(reversed(swaps), reversed(originals)):
-                owner[key] = original
+        return run_swapped(layer, resident.swaps[id(layer)], args, kwargs)
 
     def download(
         self, tensors: list[torch.Tensor | None]

@@ -83,11 +83,10 @@ def move_grads(
     if arrived is not None:
         arrived.synchronize()
     found, largest = None, None
-    if nonfinite_flag is not None:
-        # [whether an inf/NaN was found, the largest magnitude] (the latter from newer checks)
-        flag = nonfinite_flag.tolist() if nonfinite_flag.dim() else [nonfinite_flag.item()]
-        found = bool(flag[0])
-        largest = float(flag[1]) if len(flag) > 1 and not found else None
+    if nonfinite_flag is not None:  # [inf/NaN found (1.0 or 0.0), the largest magnitude]
+        found_value, largest_value = nonfinite_flag.tolist()
+        found = bool(found_value)
+        largest = None if found else largest_value
     for master, grad in pairs:
         if master.grad is not None:
             before = finite_check.nonfinite(master.grad)
