@@ -1,21 +1,22 @@
 #!/bin/bash
-# A whole GPU session in one device call (about 8 minutes): smoke and the CUDA tests, the
-# side-by-side benchmark against the public RoundPipe and plain PyTorch (Qwen3's shape through
-# roundpipe.hf.wrap, then the GPT), the plan's price beside a profiled iteration, wrap's profile.
+# A whole GPU session in one device call (about 9 minutes): smoke and the CUDA tests, wrap's
+# compiled layers timed and profiled, the side-by-side benchmark on Qwen3's shape against the
+# public RoundPipe and plain transformers, the plan's price beside a profiled GPT iteration, and
+# two more host-path settings. The GPT rows are in benchmarks/gpu_followup.sh.
 # Prepare .peer/ first where pip works (python benchmarks/peer_setup.py; a transformers wheel the
 # GPU machine lacks goes in .peer/whl-extra), carry .peer, and run from the project's root:
 #
 #     bash benchmarks/gpu_session.sh
 #
 # Everything lands under $OUT (or /tmp/gpu_out): summary.txt, smoke.log, tests.log, peer.jsonl,
-# bench_err.log, profile_hf.log with hf*/trace.json.gz, profile.log, trace.json.gz, timeline.json. Each part has
+# bench_err.log, profile_hf.log with hfc/trace.json.gz, profile.log, trace.json.gz, timeline.json. Each part has
 # its own timeout, the order puts what matters most first, and a part that could run past
-# GPU_SESSION_SECONDS (default 480) from the start is skipped, so the call ends inside its limit.
+# GPU_SESSION_SECONDS (default 540) from the start is skipped, so the call ends inside its limit.
 cd "$(dirname "$0")/.." || exit 1
 out=${OUT:-/tmp/gpu_out}; mkdir -p "$out"
 export PYTHONUNBUFFERED=1 ROUNDPIPE_DEVICES=cuda:0 TOKENIZERS_PARALLELISM=false
 sum="$out/summary.txt"; : > "$sum"
-started=$(date +%s); budget=${GPU_SESSION_SECONDS:-480}
+started=$(date +%s); budget=${GPU_SESSION_SECONDS:-540}
 source benchmarks/gpu_common.sh
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$sum"
@@ -39,22 +40,19 @@ python3 -c "import transformers; print('roundpipe runs with transformers', trans
 
 # 1. Smoke and the CUDA tests (in a process that never installs the emulated device).
 part 50 smoke.log python3 -m roundpipe
-part 100 tests.log python3 -m pytest -q -p no:cacheprovider --noconftest --timeout 90 tests/test_cuda.py
-# 2. Side by side, each target's rows in one call: Qwen3-1.7B's shape (8 layers) through
-#    roundpipe.hf.wrap at its defaults, the public RoundPipe and plain transformers with
-#    gradient checkpointing; the GPT (12 blocks) at 4 microbatches, the same three.
-bench qwen3 ours     "$ours"       70 --layers 8
+part 170 tests.log python3 -m pytest -q -p no:cacheprovider --noconftest --timeout 120 tests/test_cuda.py
+# 2. Compiled decoder layers (roundpipe.hf.wrap(compile=True)) on Qwen3-1.7B's shape, 8 layers:
+#    timed and profiled (its inductor kernels stay in the machine's cache for the bench row).
+part 170 profile_hf.log python3 benchmarks/profile_hf.py --layers 8 --compile --out "$out/hfc"
+# 3. Side by side on that shape: compiled, the public RoundPipe, the defaults, plain
+#    transformers with gradient checkpointing.
+note "next qwen3 ours row: ROUNDPIPE_BENCH_COMPILE=1 (wrap(compile=True))"
+ROUNDPIPE_BENCH_COMPILE=1 bench qwen3 ours "$ours" 120 --layers 8
 bench qwen3 upstream /tmp/upstream 70 --layers 8
+bench qwen3 ours     "$ours"       60 --layers 8
 bench qwen3 torch    "$ours"       60 --ckpt --layers 8
-bench gpt ours       "$ours"       60 --layers 12
-bench gpt upstream   /tmp/upstream 70 --layers 12
-bench gpt torch      "$ours"       50 --ckpt --layers 12
-# 3. The plan's price beside a profiled GPT iteration; where wrap's time goes on Qwen3.
+# 4. The plan's price beside a profiled GPT iteration; the other host-path settings.
 part 60 profile.log python3 benchmarks/profile_gpu.py --layers 12 --out "$out"
-part 90 profile_hf.log python3 benchmarks/profile_hf.py --layers 8 --out "$out/hf"
 part 60 profile_hf.log python3 benchmarks/profile_hf.py --layers 8 --no-profile --overlap-recompute
-# 4. What is left: 8 microbatches, the HF example in fp16 and with LoRA.
-bench gpt ours       "$ours"       50 --layers 12 --mb 8
-part 40 smoke.log python3 examples/finetune_hf.py --steps 5
-part 40 smoke.log python3 examples/finetune_hf.py --steps 5 --lora 8
+part 60 profile_hf.log python3 benchmarks/profile_hf.py --layers 8 --no-profile --switch-interval 0.0005
 note "done in $(( $(date +%s) - started )) s; files under $out"

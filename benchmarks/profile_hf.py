@@ -18,9 +18,10 @@ Printed, in order:
    3``: the host time of that stage's forwards summed over the microbatches, and the device
    time of what the worker launched inside them), then torch's tables of the top operators.
 
-Writes ``trace.json.gz`` under --out (open it in Perfetto). ``--loss-chunk-tokens`` and
-``--mlp-tile-tokens`` pass through to wrap, and ``--overlap-recompute`` sets the run config's,
-so two runs compare a setting.
+Writes ``trace.json.gz`` under --out (open it in Perfetto). ``--loss-chunk-tokens``,
+``--mlp-tile-tokens`` and ``--compile`` pass through to wrap, ``--overlap-recompute`` sets the
+run config's, and ``--switch-interval`` the interpreter's thread switch interval, so two runs
+compare a setting.
 """
 
 from __future__ import annotations
@@ -98,6 +99,16 @@ def main() -> int:
         help="RoundPipeRunConfig(overlap_recompute=True): the next microbatch's recompute on "
         "the device's helper thread while autograd's thread issues this one's backward",
     )
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="roundpipe.hf.wrap(compile=True): the decoder layers through torch.compile",
+    )
+    parser.add_argument(
+        "--switch-interval",
+        type=float,
+        help="sys.setswitchinterval(SECONDS) first (CPython's default: 0.005)",
+    )
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--iters", type=int, default=4)
     parser.add_argument(
@@ -120,6 +131,8 @@ def main() -> int:
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     M = args.microbatches
+    if args.switch_interval:
+        sys.setswitchinterval(args.switch_interval)
 
     t0 = time.perf_counter()
     hf_model = build(args)
@@ -130,6 +143,7 @@ def main() -> int:
         devices=spec,
         loss_chunk_tokens=args.loss_chunk_tokens,
         mlp_tile_tokens=args.mlp_tile_tokens,
+        compile=args.compile,
         model_run_config=RoundPipeRunConfig(
             num_microbatch=M, overlap_recompute=args.overlap_recompute or None
         ),
@@ -139,7 +153,8 @@ def main() -> int:
         f"{args.hidden}, vocab {args.vocab}, seq {args.seq}, batch {args.batch}, {M} "
         f"microbatches, {n_params / 1e6:.1f}M params ({args.dtype}); loss chunk "
         f"{args.loss_chunk_tokens or 'default'}, MLP tile {args.mlp_tile_tokens or 'default'}, "
-        f"overlap_recompute {args.overlap_recompute}; "
+        f"overlap_recompute {args.overlap_recompute}, compile {args.compile}, switch "
+        f"interval {sys.getswitchinterval()} s; "
         f"built and wrapped in {time.perf_counter() - t0:.1f} s"
     )
     with OptimizerCtx():
@@ -182,6 +197,10 @@ def main() -> int:
         )
     if args.threads:
         roundpipe.optim_thread.set_num_threads(default_threads)
+    t0 = time.perf_counter()
+    iteration()
+    model.synchronize()
+    print(f"first iteration (compiles, if --compile): {time.perf_counter() - t0:.1f} s")
     measured = timed()
 
     t0 = time.perf_counter()

@@ -7,8 +7,8 @@ whole process, so these tests run in a process that never installs it:
 
 What they check: training on the GPU follows the CPU pool (losses and parameters); the model's
 state stays in pinned host memory and a call leaves nothing on the device; HF wrap equals plain
-transformers (loss and every gradient); the memory plan's device peak against the allocator's
-measured one; a checkpoint resumes bit for bit on the GPU (tiny_lm).
+transformers (loss and every gradient), also with compiled layers; the memory plan's device peak
+against the allocator's measured one; a checkpoint resumes bit for bit on the GPU (tiny_lm).
 """
 
 import gc
@@ -152,6 +152,36 @@ def test_hf_wrap_equals_plain_transformers_on_the_gpu(family, M, side):
     for name, p in plain.named_parameters():
         if p.grad is not None:
             torch.testing.assert_close(grads[name], p.grad, rtol=1e-3, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
+def test_compiled_layers_equal_plain_transformers_on_the_gpu(family):
+    """roundpipe.hf.wrap(compile=True): inductor's kernels on the worker, the recompute and
+    AOTAutograd's backward on autograd's device thread, the layers' uploads swapped in."""
+    pytest.importorskip("transformers")
+    from test_hf import config, master_grads, padded_batch, twins
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    extra = {"output_router_logits": True} if family == "qwen3_moe" else {}
+    wrapped, plain = twins(config(family, **extra))
+    batch = padded_batch("left")
+    ref = plain(**batch)
+    ref.loss.backward()
+    model = roundpipe.hf.wrap(
+        wrapped,
+        devices=DEVICE,
+        compile=True,
+        model_run_config=RoundPipeRunConfig(num_microbatch=1 if extra else 4),
+    )
+    loss = model.forward_backward(input_kwargs=batch)
+    torch.testing.assert_close(loss, ref.loss.detach(), rtol=1e-4, atol=1e-5)
+    grads = master_grads(model)
+    for name, p in plain.named_parameters():
+        if p.grad is not None:
+            torch.testing.assert_close(grads[name], p.grad, rtol=1e-3, atol=1e-5, msg=name)
+    assert 1 <= counters["stats"]["unique_graphs"] <= 4, dict(counters["stats"])
 
 
 def test_the_optimizer_thread_leaves_the_device_threads_their_cores():

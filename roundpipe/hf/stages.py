@@ -9,18 +9,69 @@ from __future__ import annotations
 
 import functools
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from roundpipe.context import WithContext
+from roundpipe.grad_access import internal_grad_reads
 from roundpipe.hf import compat, tiling
 from roundpipe.hf.families import Family
 from roundpipe.hf.loss import IGNORE_INDEX, chunked_causal_lm_loss
 
-__all__ = ["Embed", "Decoder", "Head", "num_experts", "has_experts"]
+__all__ = ["Embed", "Decoder", "Head", "num_experts", "has_experts", "compile_options"]
+
+# [Note: compiled decoder layers]
+# On a fast GPU the host is what bounds a streamed decoder layer: a HF layer's forward is about
+# seventy small ops, and a microbatched run issues each of them once per microbatch, three times
+# (forward, recompute, backward), where a whole-batch run issues them once. torch.compile turns
+# the layer into a few fused kernels with one cheap call each, on the forward, the recompute and
+# the backward (AOTAutograd's compiled backward, which autograd's device thread runs).
+#
+# What makes one compilation serve every layer and every upload: a Decoder compiles its own HF
+# layer module, and torch.compile treats a module's parameters as inputs of the graph (guarded
+# on shape, dtype and device, not identity), so the device copies swapped in for a run (see
+# [Note: the layer's device tensors]) and the other layers of the same class reuse the graph.
+# A forward without grad and a recompute with grad are two graphs; a new microbatch shape
+# compiles once more, and after a second shape torch makes the sizes that changed symbolic.
+#
+# Random numbers: the forward and the recompute are different graphs, and inductor's own random
+# kernels would draw different dropout masks in each, so the recompute's gradient would belong
+# to another forward. ``fallback_random`` makes inductor draw through torch's generator, as
+# eager code does, so the stage's captured RNG state replays the same masks (as for eager
+# layers, see roundpipe/runtime/rng.py).
+#
+# Where a layer runs eagerly: under a dispatch mode (the memory plan's trace on fake tensors
+# counts the eager layer's activations; the compiled layer keeps at most as many, inductor's
+# partitioner saving fewer), and on device types inductor does not target (the emulated one).
+
+# Device types torch.compile's default backend generates code for.
+COMPILED_DEVICE_TYPES = ("cuda", "cpu", "xpu")
+
+
+def compile_options(compile: Any) -> dict[str, Any] | None:
+    """``torch.compile``'s arguments for ``roundpipe.hf.wrap(compile=...)`` (False: None):
+    True is torch's defaults; a mapping is taken as given. Inductor (the default backend) gets
+    ``fallback_random`` unless the mapping's ``options`` set it (see [Note: compiled decoder
+    layers])."""
+    if compile is False or compile is None:
+        return None
+    if compile is True:
+        options: dict[str, Any] = {}
+    elif isinstance(compile, Mapping):
+        options = dict(compile)
+    else:
+        raise TypeError(
+            f"compile must be a bool or a dict of torch.compile's arguments, got {compile!r}"
+        )
+    if options.get("backend", "inductor") == "inductor":
+        inductor = dict(options.get("options") or {})
+        inductor.setdefault("fallback_random", True)
+        options["options"] = inductor
+    return options
 
 
 class Embed(nn.Module):
@@ -155,7 +206,10 @@ class Decoder(nn.Module):
     In a dense family the layer's token-wise submodules (:attr:`Family.tiled`: the MLP and its
     norms) run in tiles of ``mlp_tile_tokens`` tokens when a microbatch has more
     (:mod:`roundpipe.hf.tiling`; None: never). ``mlp_tile_tokens`` is written on the main thread
-    between calls (by :func:`roundpipe.hf.wrap`) and read by the worker that runs the stage."""
+    between calls (by :func:`roundpipe.hf.wrap`) and read by the worker that runs the stage.
+
+    :meth:`compile_layer` makes the stage run its layer through ``torch.compile`` (see
+    [Note: compiled decoder layers])."""
 
     takes_context = True
 
@@ -190,14 +244,25 @@ class Decoder(nn.Module):
         tiles = self.mlp_tile_tokens if self.tiled else None
         return f"kind={self.kind!r}, mlp_tile_tokens={tiles}"
 
+    def compile_layer(self, options: dict[str, Any]) -> None:
+        """Run the layer through ``torch.compile(layer, **options)`` from now on, except under
+        a dispatch mode (a memory trace on fake tensors runs it eagerly). Main thread, between
+        calls. The compiled module is kept outside the module tree: the parameters keep their
+        names, and the model stays the user's."""
+        vars(self)["_compiled"] = torch.compile(self.layer, **options)
+
     def forward(self, x: Any, context: dict[str, Any]) -> Any:
         sums = None
         if isinstance(x, tuple):
             x, *sums = x
         if self._tap is not None:
             self._tap.start()
-        with tiling.tiles(self.mlp_tile_tokens if self.tiled else None):
-            out = self.layer(
+        layer = self.layer
+        compiled = vars(self).get("_compiled")
+        if compiled is not None and _get_current_dispatch_mode() is None:
+            layer = compiled
+        with tiling.tiles(self.mlp_tile_tokens if self.tiled else None), internal_grad_reads():
+            out = layer(
                 x,
                 **compat.layer_kwargs(
                     self.layer,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -23,7 +24,14 @@ from roundpipe.hf.defaults import (
 )
 from roundpipe.hf.families import Family, family_of, layer_attention_types
 from roundpipe.hf.names import HFNames, export_state_dict
-from roundpipe.hf.stages import Decoder, Embed, Head, has_experts
+from roundpipe.hf.stages import (
+    COMPILED_DEVICE_TYPES,
+    Decoder,
+    Embed,
+    Head,
+    compile_options,
+    has_experts,
+)
 from roundpipe.main_thread import check_main_thread
 from roundpipe.memory.checks import DeviceMemoryError
 from roundpipe.memory.report import MemoryPlan
@@ -407,6 +415,7 @@ def wrap(
     loss_chunk_tokens: int | None = None,
     mlp_tile_tokens: int | None = None,
     check: bool = True,
+    compile: bool | Mapping[str, Any] = False,
     **kwargs: Any,
 ) -> HFRoundPipe:
     """Wrap a HuggingFace causal LM (``AutoModelForCausalLM``, or a peft model around one) as a
@@ -431,6 +440,12 @@ def wrap(
             cut of it (:func:`roundpipe.hf.check_stages`) and raise ``WrapCheckError`` naming
             the part that differs; a few seconds and a copy of the cut in fp32. ``False``
             skips it.
+        compile: run each decoder layer through ``torch.compile`` (see [Note: compiled
+            decoder layers]): ``True`` with torch's defaults (inductor), or a dict of
+            ``torch.compile``'s arguments (``{"mode": "max-autotune-no-cudagraphs"}``). One
+            compilation serves every layer of a family; the first iteration pays it (about a
+            minute on a GPU). On the emulated device, which compiled code cannot target, the
+            layers run eagerly (with a warning).
         **kwargs: RoundPipe's (``optim_dtype``, ``model_run_config``, ``devices``, ``name``).
 
     HF's own gradient checkpointing is turned off (roundpipe recomputes each stage itself) and
@@ -494,8 +509,22 @@ def wrap(
         ),
         Head(parts, config, loss_chunk_tokens, family),
     )
+    options = compile_options(compile)
     kwargs.setdefault("name", type(base).__name__)
     wrapped = HFRoundPipe(model, stages, **kwargs)
+    decoders: list[Any] = list(stages)[1:-1]
+    if options is not None:
+        if wrapped._pool.device_type not in COMPILED_DEVICE_TYPES:
+            warnings.warn(
+                f"roundpipe.hf.wrap(compile=...): {wrapped._pool.device_type} devices run the "
+                f"decoder layers eagerly (torch.compile's code targets "
+                f"{', '.join(COMPILED_DEVICE_TYPES)})",
+                UserWarning,
+                stacklevel=2,
+            )
+        else:
+            for decoder in decoders:
+                decoder.compile_layer(options)
     free = wrapped.device_free()
     if chosen_chunk is None:
         head: Any = stages[-1]
@@ -504,7 +533,6 @@ def wrap(
         itemsize = next(iter(base.parameters())).element_size()
         intermediate = int(getattr(config, "intermediate_size", 0) or 4 * config.hidden_size)
         tile = default_mlp_tile_tokens(intermediate, itemsize, free)
-        decoders: list[Any] = list(stages)[1:-1]
         for decoder in decoders:
             decoder.mlp_tile_tokens = tile
     return wrapped

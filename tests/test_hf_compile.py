@@ -1,0 +1,160 @@
+"""roundpipe.hf.wrap(compile=...): each decoder layer runs through torch.compile (see [Note:
+compiled decoder layers] in roundpipe/hf/stages.py). Loss and every gradient equal plain
+transformers; one compilation serves every layer; dropout's masks replay in the recompute; the
+memory plan's trace still runs the layers eagerly; the emulated device runs them eagerly with a
+warning. Most tests compile with ``aot_eager`` (torch's autograd graphs, eager kernels: seconds
+on the CPU); one compiles with inductor, the default, whose CPU kernels take about a minute to
+build here."""
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+transformers = pytest.importorskip("transformers")
+
+from test_hf import build, config, master_grads, padded_batch, twins  # noqa: E402
+
+import roundpipe  # noqa: E402
+from roundpipe import OptimizerCtx, RoundPipeRunConfig  # noqa: E402
+from roundpipe.hf.stages import compile_options  # noqa: E402
+
+AOT_EAGER = {"backend": "aot_eager"}
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    """Each test compiles from nothing and counts its own graphs."""
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+def wrap(hf, compile, M=4, devices="cpu", **kwargs):
+    return roundpipe.hf.wrap(
+        hf,
+        devices=devices,
+        compile=compile,
+        model_run_config=RoundPipeRunConfig(num_microbatch=M),
+        **kwargs,
+    )
+
+
+def compiled_graphs() -> int:
+    return counters["stats"]["unique_graphs"]
+
+
+def assert_equals_plain(model, plain, batch, rtol=1e-5, atol=1e-6):
+    ref = plain(**batch)
+    ref.loss.backward()
+    loss = model.forward_backward(input_kwargs=batch)
+    torch.testing.assert_close(loss, ref.loss.detach(), rtol=rtol, atol=atol)
+    grads = master_grads(model)
+    for name, p in plain.named_parameters():
+        if p.grad is not None:
+            torch.testing.assert_close(grads[name], p.grad, rtol=100 * rtol, atol=atol, msg=name)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_moe"])
+def test_compiled_layers_give_the_loss_and_every_gradient_of_plain_transformers(family):
+    """Left padding over four microbatches of different real lengths; the MoE family adds the
+    router's load-balancing loss, read by a hook inside the compiled layer."""
+    extra = {"output_router_logits": True} if family == "qwen3_moe" else {}
+    wrapped, plain = twins(config(family, **extra))
+    model = wrap(wrapped, AOT_EAGER, M=1 if extra else 4)
+    assert_equals_plain(model, plain, padded_batch("left"))
+    assert compiled_graphs() > 0
+
+
+def test_one_compilation_serves_every_layer():
+    """Eight layers, four microbatches, three steps: at most a graph without grad (a forward
+    whose stage recomputes) and one with grad, not one per layer or per step."""
+    model = wrap(build(config("qwen3", num_hidden_layers=8)), AOT_EAGER)
+    with OptimizerCtx():
+        opt = roundpipe.optim.Adam(model.parameters(), lr=1e-3)
+    ids = torch.randint(96, (4, 12), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+    for _ in range(3):
+        model.forward_backward(input_kwargs=batch)
+        model.step(lambda: (opt.step(), opt.zero_grad()))
+    model.synchronize()
+    assert 1 <= compiled_graphs() <= 2
+
+
+def _lora_losses(compile, seed=0):
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(seed)
+    hf = peft.get_peft_model(
+        build(config("qwen3")),
+        peft.LoraConfig(r=4, lora_dropout=0.5, target_modules=["q_proj", "v_proj", "up_proj"]),
+    )
+    model = wrap(hf, compile, M=2)
+    with OptimizerCtx():
+        opt = roundpipe.optim.Adam(model.parameters(), lr=1e-2)
+    ids = torch.randint(96, (4, 12), generator=torch.Generator().manual_seed(1))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+    losses = []
+    for _ in range(3):
+        losses.append(model.forward_backward(input_kwargs=batch))
+        model.step(lambda: (opt.step(), opt.zero_grad()))
+    model.synchronize()
+    with OptimizerCtx():
+        masters = [p.detach().clone() for p in model.optim_parameters()]
+    return torch.stack(losses), masters
+
+
+def test_dropout_inside_compiled_layers_trains_as_the_eager_layers_bit_for_bit():
+    """LoRA's dropout (p=0.5) draws inside the compiled layers: the recompute replays the
+    forward's masks, so the losses and the trained adapters are the eager run's exactly (a
+    different mask in the recompute would change the gradients by far more than rounding)."""
+    eager_losses, eager_masters = _lora_losses(False)
+    losses, masters = _lora_losses(AOT_EAGER)
+    assert compiled_graphs() > 0
+    assert torch.equal(losses, eager_losses)
+    for ours, theirs in zip(masters, eager_masters):
+        assert torch.equal(ours, theirs)
+
+
+def test_the_memory_plan_traces_the_layers_eagerly():
+    """The plan's trace on fake tensors runs under a dispatch mode: it compiles nothing, and
+    its numbers are the eager model's."""
+    cfg = config("llama", vocab_size=512, max_position_embeddings=256)
+    ids = torch.randint(512, (2, 64), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+    plans = []
+    for compile in (False, AOT_EAGER):
+        model = wrap(build(cfg, torch.bfloat16), compile, M=2, loss_chunk_tokens=32)
+        plans.append(model.memory_plan(input_kwargs=batch))
+    assert compiled_graphs() == 0
+    assert [d.peak for d in plans[0].devices] == [d.peak for d in plans[1].devices]
+
+
+def test_the_emulated_device_runs_the_layers_eagerly_and_says_so():
+    wrapped, plain = twins(config("qwen3"))
+    with pytest.warns(UserWarning, match=r"emu devices run the decoder layers eagerly"):
+        model = wrap(wrapped, True, devices="emu")
+    assert_equals_plain(model, plain, padded_batch("right"))
+    assert compiled_graphs() == 0
+
+
+def test_inductor_the_default_backend_matches_plain_transformers():
+    """compile=True: inductor's generated CPU kernels (fused norms and pointwise ops, so the
+    last bits of fp32 differ from the eager ops')."""
+    wrapped, plain = twins(config("qwen3"))
+    model = wrap(wrapped, True)
+    assert_equals_plain(model, plain, padded_batch("right"), rtol=1e-4, atol=1e-5)
+    assert counters["inductor"]["fxgraph_cache_miss"] + counters["inductor"]["fxgraph_cache_hit"]
+
+
+def test_compile_options():
+    assert compile_options(False) is None
+    assert compile_options(True) == {"options": {"fallback_random": True}}
+    assert compile_options({"mode": "max-autotune-no-cudagraphs"}) == {
+        "mode": "max-autotune-no-cudagraphs",
+        "options": {"fallback_random": True},
+    }
+    mine = {"options": {"fallback_random": False}}
+    assert compile_options(mine) == mine
+    assert compile_options(AOT_EAGER) == AOT_EAGER
+    with pytest.raises(TypeError, match="a bool or a dict of torch.compile's arguments"):
+        compile_options("inductor")
