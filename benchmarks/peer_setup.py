@@ -5,8 +5,8 @@
     bash benchmarks/gpu_session.sh
 
 It copies the harness into .peer/ (in .gitignore), points its ``ours_wrap_hf`` at
-``roundpipe.hf.wrap`` with the documented HuggingFace loop (``ROUNDPIPE_BENCH_COMPILE=1``:
-with ``compile=True``) (fp16 model, fp32 masters, roundpipe's
+``roundpipe.hf.wrap`` with the documented HuggingFace loop (``ROUNDPIPE_BENCH_COMPILE``: 1
+for ``compile=True``, 0 for ``compile=False``, unset for wrap's default) (fp16 model, fp32 masters, roundpipe's
 GradScaler and Adam), and downloads for the GPU machine's Python: the public RoundPipe's wheels
 with a transformers it runs on (4.57: it is written for the 4.5x API, and the GPU machine's 5.x
 fails inside its Qwen3 model), all installed into the peer's own folder there; and, with
@@ -38,7 +38,8 @@ OURS_WRAP_HF = '''def ours_wrap_hf(model, mb):
 
     import os
     rp = roundpipe.hf.wrap(model, optim_dtype=torch.float32,
-                           compile=os.environ.get("ROUNDPIPE_BENCH_COMPILE") == "1",
+                           compile={"1": True, "0": False}.get(
+                               os.environ.get("ROUNDPIPE_BENCH_COMPILE", "")),
                            model_run_config=RoundPipeRunConfig(num_microbatch=mb))
     with OptimizerCtx():
         opt = roundpipe.optim.Adam(rp.parameters(), lr=1e-5)

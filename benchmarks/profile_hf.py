@@ -19,7 +19,7 @@ Printed, in order:
    time of what the worker launched inside them), then torch's tables of the top operators.
 
 Writes ``trace.json.gz`` under --out (open it in Perfetto). ``--loss-chunk-tokens``,
-``--mlp-tile-tokens`` and ``--compile`` pass through to wrap, ``--overlap-recompute`` sets the
+``--mlp-tile-tokens`` and ``--compile`` (default/on/off) pass through to wrap, ``--overlap-recompute`` sets the
 run config's, and ``--switch-interval`` the interpreter's thread switch interval, so two runs
 compare a setting.
 """
@@ -72,6 +72,17 @@ def build(args):
     return Qwen3ForCausalLM(config).to({"fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype])
 
 
+def compiled_summary() -> str:
+    """What torch.compile did in this process: graphs, graph breaks by reason, recompiles."""
+    from torch._dynamo.utils import counters
+
+    stats = dict(counters["stats"])
+    if not stats:
+        return "none (eager)"
+    breaks = {k.splitlines()[0][:120]: v for k, v in counters["graph_break"].items()}
+    return f"{stats}; graph breaks {breaks or 'none'}; frames {dict(counters['frames'])}"
+
+
 def action_table(prof) -> str:
     """roundpipe's own actions (the executor's labels): calls, host and device seconds."""
     rows = [e for e in prof.key_averages() if e.key.startswith("roundpipe ")]
@@ -101,8 +112,10 @@ def main() -> int:
     )
     parser.add_argument(
         "--compile",
-        action="store_true",
-        help="roundpipe.hf.wrap(compile=True): the decoder layers through torch.compile",
+        choices=["default", "on", "off"],
+        default="default",
+        help="roundpipe.hf.wrap(compile=None/True/False): the decoder layers through "
+        "torch.compile (the default: on CUDA with Triton)",
     )
     parser.add_argument(
         "--switch-interval",
@@ -143,7 +156,7 @@ def main() -> int:
         devices=spec,
         loss_chunk_tokens=args.loss_chunk_tokens,
         mlp_tile_tokens=args.mlp_tile_tokens,
-        compile=args.compile,
+        compile={"default": None, "on": True, "off": False}[args.compile],
         model_run_config=RoundPipeRunConfig(
             num_microbatch=M, overlap_recompute=args.overlap_recompute or None
         ),
@@ -210,6 +223,7 @@ def main() -> int:
     step(is_async=False)
     step_s = time.perf_counter() - t0
     print(f"measured: {measured:.4f} s/iteration ({tokens / measured:,.0f} tokens/s)")
+    print(f"compiled decoder layers: {compiled_summary()}")
     print(
         f"forward_backward alone: {fb_s:.4f} s; step alone (synchronous, with the copy): "
         f"{step_s:.4f} s; optimizer thread's threads "

@@ -146,15 +146,49 @@ def test_inductor_the_default_backend_matches_plain_transformers():
     assert counters["inductor"]["fxgraph_cache_miss"] + counters["inductor"]["fxgraph_cache_hit"]
 
 
-def test_compile_options():
-    assert compile_options(False) is None
-    assert compile_options(True) == {"options": {"fallback_random": True}}
-    assert compile_options({"mode": "max-autotune-no-cudagraphs"}) == {
+def test_compile_options(monkeypatch):
+    from roundpipe.hf import stages
+
+    assert compile_options(False, "cuda") is None
+    assert compile_options(True, "cpu") == {"options": {"fallback_random": True}}
+    assert compile_options({"mode": "max-autotune-no-cudagraphs"}, "cuda") == {
         "mode": "max-autotune-no-cudagraphs",
         "options": {"fallback_random": True},
     }
     mine = {"options": {"fallback_random": False}}
-    assert compile_options(mine) == mine
-    assert compile_options(AOT_EAGER) == AOT_EAGER
-    with pytest.raises(TypeError, match="a bool or a dict of torch.compile's arguments"):
-        compile_options("inductor")
+    assert compile_options(mine, "cuda") == mine
+    assert compile_options(AOT_EAGER, "cuda") == AOT_EAGER
+    with pytest.raises(TypeError, match="a bool, None or a dict of torch.compile's arguments"):
+        compile_options("inductor", "cuda")
+    # The default: CUDA with Triton and torch >= 2.5 only.
+    monkeypatch.setattr(stages, "_has_triton", lambda: True)
+    assert compile_options(None, "cuda") == {"options": {"fallback_random": True}}
+    assert compile_options(None, "cpu") is None
+    assert compile_options(None, "emu") is None
+    monkeypatch.setattr(stages, "_has_triton", lambda: False)
+    assert compile_options(None, "cuda") is None
+    monkeypatch.setattr(stages, "_has_triton", lambda: True)
+    monkeypatch.setattr(stages, "_torch_version", lambda: (2, 4))
+    assert compile_options(None, "cuda") is None
+    with pytest.raises(RuntimeError, match=r"needs torch>=2.5.*or pass compile=False"):
+        compile_options(True, "cuda")
+
+
+def test_the_default_runs_eagerly_off_cuda():
+    """wrap's default compiles on CUDA only: a CPU or emulated pool compiles nothing."""
+    for devices in ("cpu", "emu"):
+        model = roundpipe.hf.wrap(build(config("qwen3")), devices=devices)
+        ids = torch.randint(96, (2, 12), generator=torch.Generator().manual_seed(0))
+        model.forward_backward(input_kwargs={"input_ids": ids, "labels": ids})
+    assert compiled_graphs() == 0
+
+
+@pytest.mark.parametrize("tile", [0, 8])
+def test_a_compiled_layer_is_one_graph_with_or_without_tiles(tile):
+    """No graph break inside a layer (each would be one more compiled call per layer and
+    microbatch), with its MLP untiled and in tiles of 8 tokens."""
+    model = wrap(build(config("qwen3")), AOT_EAGER, M=2, mlp_tile_tokens=tile)
+    ids = torch.randint(96, (4, 12), generator=torch.Generator().manual_seed(0))
+    model.forward_backward(input_kwargs={"input_ids": ids, "labels": ids})
+    assert compiled_graphs() > 0
+    assert not counters["graph_break"], dict(counters["graph_break"])

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import threading
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -50,14 +51,37 @@ __all__ = ["Embed", "Decoder", "Head", "num_experts", "has_experts", "compile_op
 
 # Device types torch.compile's default backend generates code for.
 COMPILED_DEVICE_TYPES = ("cuda", "cpu", "xpu")
+# Before this torch, torch.compile guards a module's parameters by identity, so every layer and
+# every upload would compile again.
+COMPILE_MIN_TORCH = (2, 5)
 
 
-def compile_options(compile: Any) -> dict[str, Any] | None:
-    """``torch.compile``'s arguments for ``roundpipe.hf.wrap(compile=...)`` (False: None):
-    True is torch's defaults; a mapping is taken as given. Inductor (the default backend) gets
-    ``fallback_random`` unless the mapping's ``options`` set it (see [Note: compiled decoder
-    layers])."""
-    if compile is False or compile is None:
+def _torch_version() -> tuple[int, int]:
+    major, minor = torch.__version__.split(".")[:2]
+    return int(major), int(minor)
+
+
+def _has_triton() -> bool:
+    try:
+        from torch.utils._triton import has_triton
+    except ImportError:
+        return False
+    return bool(has_triton())
+
+
+def compile_options(compile: Any, device_type: str) -> dict[str, Any] | None:
+    """``torch.compile``'s arguments for ``roundpipe.hf.wrap(compile=...)`` on a pool of
+    ``device_type`` devices, or None where the layers run eagerly.
+
+    None (the default) compiles on CUDA where torch can build its GPU kernels (Triton is
+    installed, torch >= 2.5), else runs eagerly; False never compiles; True is torch's
+    defaults; a mapping is taken as given. A compile asked for on a device type inductor does
+    not target warns and runs eagerly. Inductor (the default backend) gets ``fallback_random``
+    unless the mapping's ``options`` set it (see [Note: compiled decoder layers])."""
+    if compile is None:
+        auto = device_type == "cuda" and _torch_version() >= COMPILE_MIN_TORCH and _has_triton()
+        compile = auto
+    if compile is False:
         return None
     if compile is True:
         options: dict[str, Any] = {}
@@ -65,8 +89,22 @@ def compile_options(compile: Any) -> dict[str, Any] | None:
         options = dict(compile)
     else:
         raise TypeError(
-            f"compile must be a bool or a dict of torch.compile's arguments, got {compile!r}"
+            f"compile must be a bool, None or a dict of torch.compile's arguments, got {compile!r}"
         )
+    if _torch_version() < COMPILE_MIN_TORCH:
+        raise RuntimeError(
+            f"roundpipe.hf.wrap(compile=...) needs torch>=2.5 (before it, torch.compile "
+            f"compiles every layer and every upload again); this is torch {torch.__version__}: "
+            f"upgrade torch, or pass compile=False"
+        )
+    if device_type not in COMPILED_DEVICE_TYPES:
+        warnings.warn(
+            f"roundpipe.hf.wrap(compile=...): {device_type} devices run the decoder layers "
+            f"eagerly (torch.compile's code targets {', '.join(COMPILED_DEVICE_TYPES)})",
+            UserWarning,
+            stacklevel=3,
+        )
+        return None
     if options.get("backend", "inductor") == "inductor":
         inductor = dict(options.get("options") or {})
         inductor.setdefault("fallback_random", True)

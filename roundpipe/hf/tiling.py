@@ -82,7 +82,9 @@ def tiled_modules(layer: nn.Module) -> list[str]:
 
 
 def _tiled_forward(self: nn.Module, hidden: Any, *args: Any, **kwargs: Any) -> Any:
-    forward = type(self).forward.__get__(self)  # the module's own forward
+    # The module's own forward, called unbound: torch.compile traces that on every version
+    # (``function.__get__`` breaks its graph before torch 2.13).
+    forward = type(self).forward
     tokens = getattr(_local, "tokens", None)
     if (
         tokens is None
@@ -92,7 +94,7 @@ def _tiled_forward(self: nn.Module, hidden: Any, *args: Any, **kwargs: Any) -> A
         or hidden.dim() < 2
         or hidden.shape[:-1].numel() <= tokens
     ):
-        return forward(hidden, *args, **kwargs)
+        return forward(self, hidden, *args, **kwargs)
     shape = hidden.shape
     flat = hidden.reshape(-1, shape[-1])
     grad = torch.is_grad_enabled()
@@ -105,7 +107,7 @@ def _tiled_forward(self: nn.Module, hidden: Any, *args: Any, **kwargs: Any) -> A
         if grad:
             outs.append(checkpoint(_call_with, self, tensors, piece, use_reentrant=False))
         else:  # nothing is kept for a backward: a tile at a time is all it takes
-            outs.append(forward(piece))
+            outs.append(forward(self, piece))
     out = torch.cat(outs)
     del outs  # the tiles' outputs: cat's backward keeps only their sizes
     return out.reshape(*shape[:-1], out.shape[-1])
