@@ -183,6 +183,28 @@ def test_the_default_runs_eagerly_off_cuda():
     assert compiled_graphs() == 0
 
 
+def test_batches_of_varied_lengths_and_padding_reuse_a_few_graphs(recwarn):
+    """Ten batches of different lengths, rows and padding: after the first shapes, torch makes
+    the sizes symbolic, so the graphs stop growing well inside the limit wrap sets."""
+    from roundpipe.hf.stages import LAYER_GRAPHS
+
+    model = wrap(build(config("qwen3")), AOT_EAGER)
+    assert torch._dynamo.config.recompile_limit >= LAYER_GRAPHS
+    g = torch.Generator().manual_seed(0)
+    graphs = []
+    for i, tokens in enumerate([12, 16, 20, 9, 31, 24, 40, 17, 64, 13]):
+        ids = torch.randint(96, (6 if i % 3 else 5, tokens), generator=g)
+        mask = torch.ones_like(ids)
+        if i % 2:
+            mask[1, : tokens // 2] = 0
+        model.forward_backward(
+            input_kwargs={"input_ids": ids, "attention_mask": mask, "labels": ids}
+        )
+        graphs.append(compiled_graphs())
+    assert graphs[-1] == graphs[len(graphs) // 2] <= 12, graphs
+    assert not [w for w in recwarn if "recompile" in str(w.message)]
+
+
 @pytest.mark.parametrize("tile", [0, 8])
 def test_a_compiled_layer_is_one_graph_with_or_without_tiles(tile):
     """No graph break inside a layer (each would be one more compiled call per layer and

@@ -45,6 +45,10 @@ __all__ = ["Embed", "Decoder", "Head", "num_experts", "has_experts", "compile_op
 # eager code does, so the stage's captured RNG state replays the same masks (as for eager
 # layers, see roundpipe/runtime/rng.py).
 #
+# Graphs: with and without grad, with a mask or none, one row or more, first shapes and then
+# symbolic ones: a run of varied batches makes a dozen or so, past torch's default limit of 8
+# per function, so compiling raises that limit (:func:`allow_layer_graphs`).
+#
 # Where a layer runs eagerly: under a dispatch mode (the memory plan's trace on fake tensors
 # counts the eager layer's activations; the compiled layer keeps at most as many, inductor's
 # partitioner saving fewer), and on device types inductor does not target (the emulated one).
@@ -67,6 +71,21 @@ def _has_triton() -> bool:
     except ImportError:
         return False
     return bool(has_triton())
+
+
+# Graphs one decoder layer's code may need: with and without grad, a mask or none (no padding),
+# a microbatch of one row or more, its first shapes and then symbolic ones, per attention kind:
+# more than torch's default limit (8), past which it runs the layer eagerly.
+LAYER_GRAPHS = 64
+
+
+def allow_layer_graphs() -> None:
+    """Raise torch.compile's per-function graph limit to at least :data:`LAYER_GRAPHS`
+    (``recompile_limit``; ``cache_size_limit`` before torch 2.6). A process setting: a higher
+    limit than the user's is kept."""
+    config = torch._dynamo.config
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    setattr(config, name, max(getattr(config, name), LAYER_GRAPHS))
 
 
 def compile_options(compile: Any, device_type: str) -> dict[str, Any] | None:
@@ -287,6 +306,7 @@ class Decoder(nn.Module):
         a dispatch mode (a memory trace on fake tensors runs it eagerly). Main thread, between
         calls. The compiled module is kept outside the module tree: the parameters keep their
         names, and the model stays the user's."""
+        allow_layer_graphs()
         vars(self)["_compiled"] = torch.compile(self.layer, **options)
 
     def forward(self, x: Any, context: dict[str, Any]) -> Any:
