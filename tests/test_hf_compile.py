@@ -214,3 +214,38 @@ def test_a_compiled_layer_is_one_graph_with_or_without_tiles(tile):
     model.forward_backward(input_kwargs={"input_ids": ids, "labels": ids})
     assert compiled_graphs() > 0
     assert not counters["graph_break"], dict(counters["graph_break"])
+
+
+def test_a_compiled_layer_runs_on_swapped_device_copies_with_one_graph():
+    """The accelerator path's mechanism on the CPU: each call swaps fresh copies of the layer's
+    weights in (as each upload does; see [Note: the layer's device tensors]); the compiled
+    layer reuses its graph, computes with the copies (the module's own weights are never
+    read), and its gradients land on the copies."""
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer, Qwen3RotaryEmbedding
+
+    from roundpipe.devices.accelerator import run_swapped, swaps_of
+
+    cfg = config("qwen3")
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    layers = [Qwen3DecoderLayer(cfg, i) for i in range(2)]
+    compiled = {id(layer): torch.compile(layer, **AOT_EAGER) for layer in layers}
+    x = torch.randn(2, 12, 64)
+    positions = torch.arange(12)[None]
+    rotary = Qwen3RotaryEmbedding(cfg)(x, positions)
+    kwargs = dict(attention_mask=None, position_ids=positions, position_embeddings=rotary)
+    for step in range(3):
+        for layer in layers:
+            swaps = swaps_of(layer, lambda t, _: (t * (1 + step)).detach().requires_grad_())
+            out = run_swapped(compiled[id(layer)], swaps, (x,), kwargs)
+            out = out[0] if isinstance(out, tuple) else out
+            out.sum().backward()
+            eager_copies = [copy.detach().requires_grad_() for _, _, copy in swaps]
+            eager_swaps = [(owner, key, c) for (owner, key, _), c in zip(swaps, eager_copies)]
+            ref = run_swapped(layer, eager_swaps, (x,), kwargs)
+            ref = ref[0] if isinstance(ref, tuple) else ref
+            ref.sum().backward()
+            torch.testing.assert_close(out, ref)
+            for (_, _, copy), eager in zip(swaps, eager_copies):
+                torch.testing.assert_close(copy.grad, eager.grad)
+    assert compiled_graphs() == 1
