@@ -1,15 +1,15 @@
 #!/bin/bash
-# A whole GPU session in one device call (about 9 minutes): smoke and the CUDA tests, wrap's
-# compiled layers timed and profiled, the side-by-side benchmark on Qwen3's shape against the
-# public RoundPipe and plain transformers, the plan's price beside a profiled GPT iteration, and
-# two more host-path settings. The GPT rows are in benchmarks/gpu_followup.sh.
+# A whole GPU session in one device call (about 9 minutes): smoke and the CUDA tests, the
+# side-by-side benchmark against the public RoundPipe and plain PyTorch (Qwen3's shape through
+# roundpipe.hf.wrap, then the GPT, eager and with compiled blocks, at 4 and 8 microbatches), the
+# overlapped recompute against the defaults, and the plan's price beside a profiled GPT iteration.
 # Prepare .peer/ first where pip works (python benchmarks/peer_setup.py; a transformers wheel the
 # GPU machine lacks goes in .peer/whl-extra), carry .peer, and run from the project's root:
 #
 #     bash benchmarks/gpu_session.sh
 #
 # Everything lands under $OUT (or /tmp/gpu_out): summary.txt, smoke.log, tests.log, peer.jsonl,
-# bench_err.log, profile_hf.log with hfc/trace.json.gz, profile.log, trace.json.gz, timeline.json. Each part has
+# bench_err.log, profile_hf.log, profile.log, trace.json.gz, timeline.json. Each part has
 # its own timeout, the order puts what matters most first, and a part that could run past
 # GPU_SESSION_SECONDS (default 540) from the start is skipped, so the call ends inside its limit.
 cd "$(dirname "$0")/.." || exit 1
@@ -41,18 +41,23 @@ python3 -c "import transformers; print('roundpipe runs with transformers', trans
 # 1. Smoke and the CUDA tests (in a process that never installs the emulated device).
 part 50 smoke.log python3 -m roundpipe
 part 170 tests.log python3 -m pytest -q -p no:cacheprovider --noconftest --timeout 120 tests/test_cuda.py
-# 2. Compiled decoder layers (roundpipe.hf.wrap(compile=True)) on Qwen3-1.7B's shape, 8 layers:
-#    timed and profiled (its inductor kernels stay in the machine's cache for the bench row).
-part 170 profile_hf.log python3 benchmarks/profile_hf.py --layers 8 --compile --out "$out/hfc"
-# 3. Side by side on that shape: compiled, the public RoundPipe, the defaults, plain
-#    transformers with gradient checkpointing.
-note "next qwen3 ours row: ROUNDPIPE_BENCH_COMPILE=1 (wrap(compile=True))"
-ROUNDPIPE_BENCH_COMPILE=1 bench qwen3 ours "$ours" 120 --layers 8
+# 2. Side by side on Qwen3-1.7B's shape (8 layers): roundpipe.hf.wrap at its defaults (compiled
+#    decoder layers on CUDA), the public RoundPipe, plain transformers with checkpointing.
+bench qwen3 ours     "$ours"       80 --layers 8
 bench qwen3 upstream /tmp/upstream 70 --layers 8
-bench qwen3 ours     "$ours"       60 --layers 8
-bench qwen3 torch    "$ours"       60 --ckpt --layers 8
-# 4. The plan's price beside a profiled GPT iteration; the other host-path settings.
-part 60 profile.log python3 benchmarks/profile_gpu.py --layers 12 --out "$out"
+bench qwen3 torch    "$ours"       45 --ckpt --layers 8
+# 3. The GPT (12 blocks): roundpipe at its defaults (eager), with compile=True, the public
+#    RoundPipe, plain PyTorch with recompute; then 8 microbatches, eager and compiled.
+bench gpt ours       "$ours"       50 --layers 12
+note "next gpt ours row: ROUNDPIPE_BENCH_COMPILE=1 (RoundPipe(compile=True))"
+ROUNDPIPE_BENCH_COMPILE=1 bench gpt ours "$ours" 80 --layers 12
+bench gpt upstream   /tmp/upstream 70 --layers 12
+bench gpt torch      "$ours"       40 --ckpt --layers 12
+bench gpt ours       "$ours"       50 --layers 12 --mb 8
+note "next gpt ours row: ROUNDPIPE_BENCH_COMPILE=1 (RoundPipe(compile=True))"
+ROUNDPIPE_BENCH_COMPILE=1 bench gpt ours "$ours" 50 --layers 12 --mb 8
+# 4. The overlapped recompute against the defaults, in one call; the plan's price.
+part 60 profile_hf.log python3 benchmarks/profile_hf.py --layers 8 --no-profile
 part 60 profile_hf.log python3 benchmarks/profile_hf.py --layers 8 --no-profile --overlap-recompute
-part 60 profile_hf.log python3 benchmarks/profile_hf.py --layers 8 --no-profile --switch-interval 0.0005
+part 60 profile.log python3 benchmarks/profile_gpu.py --layers 12 --out "$out"
 note "done in $(( $(date +%s) - started )) s; files under $out"

@@ -6,7 +6,8 @@
 
 It copies the harness into .peer/ (in .gitignore), points its ``ours_wrap_hf`` at
 ``roundpipe.hf.wrap`` with the documented HuggingFace loop (``ROUNDPIPE_BENCH_COMPILE``: 1
-for ``compile=True``, 0 for ``compile=False``, unset for wrap's default) (fp16 model, fp32 masters, roundpipe's
+for ``compile=True``, 0 for ``compile=False``, unset for wrap's default; the GPT's ``RoundPipe``
+takes ``compile=True`` from it too, else its default) (fp16 model, fp32 masters, roundpipe's
 GradScaler and Adam), and downloads for the GPU machine's Python: the public RoundPipe's wheels
 with a transformers it runs on (4.57: it is written for the 4.5x API, and the GPU machine's 5.x
 fails inside its Qwen3 model), all installed into the peer's own folder there; and, with
@@ -57,6 +58,13 @@ OURS_WRAP_HF = '''def ours_wrap_hf(model, mb):
 '''
 
 
+GPT_ROUNDPIPE = (
+    "rp = RoundPipe(model, optim_dtype=torch.float32, model_run_config=cfg, "
+    "compile={'1': True, '0': False}.get(__import__('os').environ.get("
+    "'ROUNDPIPE_BENCH_COMPILE', ''), False))"
+)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -85,6 +93,14 @@ def main():
     )
     if count != 1:
         sys.exit(f"{bench}: ours_wrap_hf not found; patch it by hand (see this file)")
+    # The GPT's RoundPipe at its defaults, or with compiled blocks under $ROUNDPIPE_BENCH_COMPILE.
+    text, count = re.subn(
+        r"rp = RoundPipe\(model, optim_dtype=torch.float32, model_run_config=cfg\)",
+        GPT_ROUNDPIPE,
+        text,
+    )
+    if count != 1:
+        sys.exit(f"{bench}: the GPT's RoundPipe(...) line not found; patch it by hand")
     bench.write_text(text)
     if not args.no_download:
         subprocess.run(

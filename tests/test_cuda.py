@@ -5,10 +5,11 @@ whole process, so these tests run in a process that never installs it:
 
     ROUNDPIPE_DEVICES=cuda:0 python -m pytest --noconftest -p no:cacheprovider tests/test_cuda.py
 
-What they check: training on the GPU follows the CPU pool (losses and parameters); the model's
-state stays in pinned host memory and a call leaves nothing on the device; HF wrap equals plain
-transformers (loss and every gradient), also with compiled layers; the memory plan's device peak
-against the allocator's measured one; a checkpoint resumes bit for bit on the GPU (tiny_lm).
+What they check: training on the GPU follows the CPU pool (losses and parameters), also with
+compiled layers; the model's state stays in pinned host memory and a call leaves nothing on the
+device; HF wrap equals plain transformers (loss and every gradient), also with compiled layers;
+the memory plan's device peak against the allocator's measured one; a checkpoint resumes bit
+for bit on the GPU (tiny_lm).
 """
 
 import gc
@@ -52,12 +53,13 @@ def mlp(seed=0, width=256, depth=4):
     return nn.Sequential(*layers, nn.Linear(width, 10))
 
 
-def train(devices, steps=3, M=4, dtype=torch.float32):
+def train(devices, steps=3, M=4, dtype=torch.float32, compile=False):
     model = RoundPipe(
         mlp().to(dtype),
         optim_dtype=torch.float32,
         devices=devices,
         model_run_config=RoundPipeRunConfig(num_microbatch=M),
+        compile=compile,
     )
     with OptimizerCtx():
         opt = roundpipe.optim.Adam(model.parameters(), lr=1e-3)
@@ -94,6 +96,22 @@ def test_training_on_the_gpu_follows_the_cpu_pool():
     assert gpu_losses == pytest.approx(cpu_losses, rel=1e-4)
     for a, b in zip(gpu_masters, cpu_masters):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_compiled_layers_on_the_gpu_follow_the_cpu_pool():
+    """RoundPipe(compile=True): inductor's kernels on the streamed layers, one graph per
+    layer class and grad mode."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    gpu_losses, gpu_masters, _ = train(DEVICE, compile=True)
+    cpu_losses, cpu_masters, _ = train("cpu")
+    assert gpu_losses == pytest.approx(cpu_losses, rel=1e-4)
+    for a, b in zip(gpu_masters, cpu_masters):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    assert 0 < counters["frames"]["ok"] <= 4, dict(counters["frames"])
+    assert not counters["graph_break"], dict(counters["graph_break"])
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

@@ -1,5 +1,5 @@
 """roundpipe.hf.wrap(compile=...): each decoder layer runs through torch.compile (see [Note:
-compiled decoder layers] in roundpipe/hf/stages.py). Loss and every gradient equal plain
+compiled layers] in roundpipe/runtime/compiled.py). Loss and every gradient equal plain
 transformers; one compilation serves every layer; dropout's masks replay in the recompute; the
 memory plan's trace still runs the layers eagerly; the emulated device runs them eagerly with a
 warning. Most tests compile with ``aot_eager`` (torch's autograd graphs, eager kernels: seconds
@@ -16,7 +16,7 @@ from test_hf import build, config, master_grads, padded_batch, twins  # noqa: E4
 
 import roundpipe  # noqa: E402
 from roundpipe import OptimizerCtx, RoundPipeRunConfig  # noqa: E402
-from roundpipe.hf.stages import compile_options  # noqa: E402
+from roundpipe.runtime.compiled import compile_options  # noqa: E402
 
 AOT_EAGER = {"backend": "aot_eager"}
 
@@ -131,7 +131,7 @@ def test_the_memory_plan_traces_the_layers_eagerly():
 
 def test_the_emulated_device_runs_the_layers_eagerly_and_says_so():
     wrapped, plain = twins(config("qwen3"))
-    with pytest.warns(UserWarning, match=r"emu devices run the decoder layers eagerly"):
+    with pytest.warns(UserWarning, match=r"emu devices run the layers eagerly"):
         model = wrap(wrapped, True, devices="emu")
     assert_equals_plain(model, plain, padded_batch("right"))
     assert compiled_graphs() == 0
@@ -147,7 +147,7 @@ def test_inductor_the_default_backend_matches_plain_transformers():
 
 
 def test_compile_options(monkeypatch):
-    from roundpipe.hf import stages
+    from roundpipe.runtime import compiled as stages
 
     assert compile_options(False, "cuda") is None
     assert compile_options(True, "cpu") == {"options": {"fallback_random": True}}
@@ -186,7 +186,7 @@ def test_the_default_runs_eagerly_off_cuda():
 def test_batches_of_varied_lengths_and_padding_reuse_a_few_graphs(recwarn):
     """Ten batches of different lengths, rows and padding: after the first shapes, torch makes
     the sizes symbolic, so the graphs stop growing well inside the limit wrap sets."""
-    from roundpipe.hf.stages import LAYER_GRAPHS
+    from roundpipe.runtime.compiled import LAYER_GRAPHS
 
     model = wrap(build(config("qwen3")), AOT_EAGER)
     assert torch._dynamo.config.recompile_limit >= LAYER_GRAPHS

@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -117,8 +117,8 @@ def swaps_of(
     return swaps
 
 
-def run_swapped(layer: torch.nn.Module, swaps: list[Swap], args: tuple, kwargs: dict) -> Any:
-    """``layer(*args, **kwargs)`` with ``swaps`` in place, the originals back afterwards, also
+def run_swapped(layer: Callable[..., Any], swaps: list[Swap], args: tuple, kwargs: dict) -> Any:
+    """``layer(*args, **kwargs)`` (a module, or its compiled module) with ``swaps`` in place, the originals back afterwards, also
     when it raises (see [Note: the layer's device tensors])."""
     originals = [owner[key] for owner, key, _ in swaps]
     try:
@@ -315,14 +315,19 @@ class AcceleratorBackend:
         return self._event()
 
     def call_layer(
-        self, layer: torch.nn.Module, args: tuple, kwargs: dict, upload: Any = None
+        self,
+        layer: torch.nn.Module,
+        args: tuple,
+        kwargs: dict,
+        upload: Any = None,
+        call: Callable[..., Any] | None = None,
     ) -> Any:
         if upload is None:
             raise AssertionError(
                 "an accelerator action ran a layer without its stage's upload; please report"
             )
         resident: Resident = upload
-        return run_swapped(layer, resident.swaps[id(layer)], args, kwargs)
+        return run_swapped(layer if call is None else call, resident.swaps[id(layer)], args, kwargs)
 
     def download(
         self, tensors: list[torch.Tensor | None]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -79,9 +79,15 @@ class Backend(Protocol):
         ...
 
     def call_layer(
-        self, layer: torch.nn.Module, args: tuple, kwargs: dict, upload: Upload | None = None
+        self,
+        layer: torch.nn.Module,
+        args: tuple,
+        kwargs: dict,
+        upload: Upload | None = None,
+        call: Callable[..., Any] | None = None,
     ) -> Any:
-        """Run one layer; on an accelerator, on its stage's ``upload``."""
+        """Run one layer; on an accelerator, on its stage's ``upload``. ``call``: what runs in
+        place of ``layer(*args, **kwargs)`` (its compiled module), on the layer's tensors."""
         ...
 
     def get_rng_state(self) -> torch.Tensor | None:

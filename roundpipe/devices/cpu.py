@@ -4,6 +4,7 @@ and nothing runs once an action has returned."""
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -41,9 +42,14 @@ class CPUBackend:
         return tree
 
     def call_layer(
-        self, layer: torch.nn.Module, args: tuple, kwargs: dict, upload: Upload | None = None
+        self,
+        layer: torch.nn.Module,
+        args: tuple,
+        kwargs: dict,
+        upload: Upload | None = None,
+        call: Callable[..., Any] | None = None,
     ) -> Any:
-        return layer(*args, **kwargs)
+        return (layer if call is None else call)(*args, **kwargs)
 
     def get_rng_state(self) -> torch.Tensor | None:
         return None

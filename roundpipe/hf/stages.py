@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import functools
 import threading
-import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -22,113 +21,9 @@ from roundpipe.grad_access import internal_grad_reads
 from roundpipe.hf import compat, tiling
 from roundpipe.hf.families import Family
 from roundpipe.hf.loss import IGNORE_INDEX, chunked_causal_lm_loss
+from roundpipe.runtime.compiled import allow_layer_graphs
 
-__all__ = ["Embed", "Decoder", "Head", "num_experts", "has_experts", "compile_options"]
-
-# [Note: compiled decoder layers]
-# On a fast GPU the host is what bounds a streamed decoder layer: a HF layer's forward is about
-# seventy small ops, and a microbatched run issues each of them once per microbatch, three times
-# (forward, recompute, backward), where a whole-batch run issues them once. torch.compile turns
-# the layer into a few fused kernels with one cheap call each, on the forward, the recompute and
-# the backward (AOTAutograd's compiled backward, which autograd's device thread runs).
-#
-# What makes one compilation serve every layer and every upload: a Decoder compiles its own HF
-# layer module, and torch.compile treats a module's parameters as inputs of the graph (guarded
-# on shape, dtype and device, not identity), so the device copies swapped in for a run (see
-# [Note: the layer's device tensors]) and the other layers of the same class reuse the graph.
-# A forward without grad and a recompute with grad are two graphs; a new microbatch shape
-# compiles once more, and after a second shape torch makes the sizes that changed symbolic.
-#
-# Random numbers: the forward and the recompute are different graphs, and inductor's own random
-# kernels would draw different dropout masks in each, so the recompute's gradient would belong
-# to another forward. ``fallback_random`` makes inductor draw through torch's generator, as
-# eager code does, so the stage's captured RNG state replays the same masks (as for eager
-# layers, see roundpipe/runtime/rng.py).
-#
-# Graphs: with and without grad, with a mask or none, one row or more, first shapes and then
-# symbolic ones: a run of varied batches makes a dozen or so, past torch's default limit of 8
-# per function, so compiling raises that limit (:func:`allow_layer_graphs`).
-#
-# Where a layer runs eagerly: under a dispatch mode (the memory plan's trace on fake tensors
-# counts the eager layer's activations; the compiled layer keeps at most as many, inductor's
-# partitioner saving fewer), and on device types inductor does not target (the emulated one).
-
-# Device types torch.compile's default backend generates code for.
-COMPILED_DEVICE_TYPES = ("cuda", "cpu", "xpu")
-# Before this torch, torch.compile guards a module's parameters by identity, so every layer and
-# every upload would compile again.
-COMPILE_MIN_TORCH = (2, 5)
-
-
-def _torch_version() -> tuple[int, int]:
-    major, minor = torch.__version__.split(".")[:2]
-    return int(major), int(minor)
-
-
-def _has_triton() -> bool:
-    try:
-        from torch.utils._triton import has_triton
-    except ImportError:
-        return False
-    return bool(has_triton())
-
-
-# Graphs one decoder layer's code may need: with and without grad, a mask or none (no padding),
-# a microbatch of one row or more, its first shapes and then symbolic ones, per attention kind:
-# more than torch's default limit (8), past which it runs the layer eagerly.
-LAYER_GRAPHS = 64
-
-
-def allow_layer_graphs() -> None:
-    """Raise torch.compile's per-function graph limit to at least :data:`LAYER_GRAPHS`
-    (``recompile_limit``; ``cache_size_limit`` before torch 2.6). A process setting: a higher
-    limit than the user's is kept."""
-    config = torch._dynamo.config
-    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
-    setattr(config, name, max(getattr(config, name), LAYER_GRAPHS))
-
-
-def compile_options(compile: Any, device_type: str) -> dict[str, Any] | None:
-    """``torch.compile``'s arguments for ``roundpipe.hf.wrap(compile=...)`` on a pool of
-    ``device_type`` devices, or None where the layers run eagerly.
-
-    None (the default) compiles on CUDA where torch can build its GPU kernels (Triton is
-    installed, torch >= 2.5), else runs eagerly; False never compiles; True is torch's
-    defaults; a mapping is taken as given. A compile asked for on a device type inductor does
-    not target warns and runs eagerly. Inductor (the default backend) gets ``fallback_random``
-    unless the mapping's ``options`` set it (see [Note: compiled decoder layers])."""
-    if compile is None:
-        auto = device_type == "cuda" and _torch_version() >= COMPILE_MIN_TORCH and _has_triton()
-        compile = auto
-    if compile is False:
-        return None
-    if compile is True:
-        options: dict[str, Any] = {}
-    elif isinstance(compile, Mapping):
-        options = dict(compile)
-    else:
-        raise TypeError(
-            f"compile must be a bool, None or a dict of torch.compile's arguments, got {compile!r}"
-        )
-    if _torch_version() < COMPILE_MIN_TORCH:
-        raise RuntimeError(
-            f"roundpipe.hf.wrap(compile=...) needs torch>=2.5 (before it, torch.compile "
-            f"compiles every layer and every upload again); this is torch {torch.__version__}: "
-            f"upgrade torch, or pass compile=False"
-        )
-    if device_type not in COMPILED_DEVICE_TYPES:
-        warnings.warn(
-            f"roundpipe.hf.wrap(compile=...): {device_type} devices run the decoder layers "
-            f"eagerly (torch.compile's code targets {', '.join(COMPILED_DEVICE_TYPES)})",
-            UserWarning,
-            stacklevel=3,
-        )
-        return None
-    if options.get("backend", "inductor") == "inductor":
-        inductor = dict(options.get("options") or {})
-        inductor.setdefault("fallback_random", True)
-        options["options"] = inductor
-    return options
+__all__ = ["Embed", "Decoder", "Head", "num_experts", "has_experts"]
 
 
 class Embed(nn.Module):
@@ -265,8 +160,9 @@ class Decoder(nn.Module):
     (:mod:`roundpipe.hf.tiling`; None: never). ``mlp_tile_tokens`` is written on the main thread
     between calls (by :func:`roundpipe.hf.wrap`) and read by the worker that runs the stage.
 
-    :meth:`compile_layer` makes the stage run its layer through ``torch.compile`` (see
-    [Note: compiled decoder layers])."""
+    :meth:`compile_layer` makes the stage run its HF layer through ``torch.compile`` (see
+    [Note: compiled layers] in roundpipe/runtime/compiled.py): the layer, not this module,
+    whose context handling and tiling switch are thread-local Python."""
 
     takes_context = True
 

@@ -27,7 +27,6 @@ from roundpipe.hf.stages import (
     Decoder,
     Embed,
     Head,
-    compile_options,
     has_experts,
 )
 from roundpipe.main_thread import check_main_thread
@@ -35,6 +34,7 @@ from roundpipe.memory.checks import DeviceMemoryError
 from roundpipe.memory.report import MemoryPlan
 from roundpipe.memory.search import longest_fitting
 from roundpipe.runtime import RoundPipe, RoundPipeRunConfig
+from roundpipe.runtime.compiled import compile_options
 from roundpipe.runtime.optimizer_ctx import in_optimizer_ctx
 
 __all__ = ["wrap", "HFRoundPipe", "default_loss_chunk_tokens"]
@@ -439,7 +439,7 @@ def wrap(
             the part that differs; a few seconds and a copy of the cut in fp32. ``False``
             skips it.
         compile: run each decoder layer through ``torch.compile`` (see [Note: compiled
-            decoder layers]): default (None): on CUDA where torch can build GPU kernels
+            layers] in roundpipe/runtime/compiled.py): default (None): on CUDA where torch can build GPU kernels
             (Triton installed, torch >= 2.5), else eagerly; ``False``: eagerly; ``True``:
             with torch's defaults (inductor), also on the CPU; or a dict of
             ``torch.compile``'s arguments (``{"mode": "max-autotune-no-cudagraphs"}``). One

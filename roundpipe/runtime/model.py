@@ -12,7 +12,7 @@ from __future__ import annotations
 import warnings
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -38,6 +38,7 @@ from roundpipe.runtime.call_memory import (
     pinned_allocator,
     sharding_terms,
 )
+from roundpipe.runtime.compiled import allow_layer_graphs, compile_options
 from roundpipe.runtime.config import ResolvedRunConfig, RoundPipeRunConfig, resolve_config
 from roundpipe.runtime.executor import execute
 from roundpipe.runtime.grad_router import TOUCHES_GRADS, GradHooks, GradReducer, clear_grads
@@ -100,6 +101,14 @@ class RoundPipe(nn.Module):
             ``forward_backward`` on an accelerator pool, raise
             :class:`roundpipe.DeviceMemoryError` if its planned peak exceeds a device's free
             memory. False (or ``ROUNDPIPE_SKIP_MEMORY_CHECK=1``) skips both (docs/memory.md).
+        state_placement: where the masters and the optimizer's state live (None: host RAM;
+            :class:`roundpipe.MastersOnDisk`, :class:`roundpipe.distributed.ShardedState`).
+        compile: run each layer through ``torch.compile`` (see [Note: compiled layers] in
+            roundpipe/runtime/compiled.py): False (the default here) never; True with torch's
+            defaults (inductor); a dict of ``torch.compile``'s arguments; None: on CUDA where
+            torch can build GPU kernels (Triton installed, torch >= 2.5), else eagerly (the
+            default of :func:`roundpipe.hf.wrap`, whose layers are known to compile). Layers
+            of one class share one compilation; the first iteration pays it.
 
     Every public method is for the main thread (the one that runs the training loop), except
     :meth:`optim_parameters`/:meth:`optim_named_parameters` and ``parameters()`` inside
@@ -120,6 +129,7 @@ class RoundPipe(nn.Module):
         devices: DeviceSpec | None = None,
         memory_check: bool = True,
         state_placement: MasterPlacement | None = None,
+        compile: bool | Mapping[str, Any] | None = False,
     ) -> None:
         super().__init__()
         if not isinstance(model, nn.Module):
@@ -146,6 +156,11 @@ class RoundPipe(nn.Module):
             optim_queue.use_default_num_threads(len(self._pool))
         self._memory_check = bool(memory_check) and not skip_memory_check()
         layers = model_layers(model)
+        options = compile_options(compile, self._pool.device_type)
+        if options is not None:
+            allow_layer_graphs()
+            for layer in layers:
+                layer.compiled = torch.compile(layer.module, **options)
         if self._memory_check:  # before anything is allocated
             check_host_memory(
                 host_terms(

@@ -23,6 +23,7 @@ from torch.utils.checkpoint import checkpoint
 from roundpipe.autocast import autocast_context
 from roundpipe.context import WithContext
 from roundpipe.devices import Backend, StreamingBackend, get_worker
+from roundpipe.grad_access import internal_grad_reads
 from roundpipe.microbatch import MicrobatchInfo
 from roundpipe.optim_queue import add_note
 from roundpipe.plan import Action, ActionKind
@@ -121,6 +122,14 @@ def _detached(tree: Any) -> Any:
     return pytree.tree_map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, tree)
 
 
+def _call(backend: Backend, layer: Layer, args: tuple, kwargs: dict, upload: Any) -> Any:
+    """One layer on ``backend``: compiled where the model compiles its layers."""
+    if layer.compiled is None:
+        return backend.call_layer(layer.module, args, kwargs, upload)
+    with internal_grad_reads():  # torch.compile reads each parameter's .grad as it traces
+        return backend.call_layer(layer.module, args, kwargs, upload, call=layer.compiled)
+
+
 def _run_stage(
     spec: CallSpec,
     state: CallState,
@@ -136,7 +145,7 @@ def _run_stage(
     for i, layer in enumerate(stage.layers):
         try:
             if i == 0 and stage.index == 0:  # the model's first layer: the call's inputs
-                x = backend.call_layer(layer.module, args, kwargs, upload)
+                x = _call(backend, layer, args, kwargs, upload)
                 if isinstance(x, WithContext):
                     if phase == "forward":
                         state.contexts[m] = _detached(x.context)
@@ -145,11 +154,9 @@ def _run_stage(
             if i == 0:  # a later stage's input: the stage before's output
                 x = args[0]
             if layer.takes_context:
-                x = backend.call_layer(
-                    layer.module, (x, _context(spec, state, m, backend)), {}, upload
-                )
+                x = _call(backend, layer, (x, _context(spec, state, m, backend)), {}, upload)
             else:
-                x = backend.call_layer(layer.module, (x,), {}, upload)
+                x = _call(backend, layer, (x,), {}, upload)
         except _NOT_LAYER_ERRORS:
             raise
         except BaseException as exc:  # noqa: B036 -- annotated, then re-raised

@@ -60,12 +60,16 @@ def _warn_single_stage(model: nn.Module) -> None:
 @dataclasses.dataclass
 class Layer:
     """One layer of the wrapped model. ``takes_context``: called ``layer(x, context)`` (see
-    :mod:`roundpipe.context`)."""
+    :mod:`roundpipe.context`). ``compiled``: what a run calls instead of ``module`` (the memory
+    plan's traces call ``module``)."""
 
     index: int
     name: str
     module: nn.Module
     takes_context: bool = False
+    # ``torch.compile(module)`` where the model compiles its layers: the runtime calls it in
+    # place of the module (see [Note: compiled layers] in roundpipe/runtime/compiled.py).
+    compiled: Any = None
 
     def describe(self) -> str:
         kind = type(self.module).__name__
