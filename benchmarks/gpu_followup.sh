@@ -14,7 +14,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/upstream .peer/whl/*.whl \
   || note "peer wheels missing: run python benchmarks/peer_setup.py"
 ours="$PWD"; export PYTHONPATH="$ours"
-part 80 tests.log python3 -m pytest -q -p no:cacheprovider --noconftest --timeout 70 tests/test_cuda.py -k "compiled or hf_wrap"
+part 150 tests.log python3 -m pytest -q -p no:cacheprovider --noconftest --timeout 70 tests/test_cuda.py -k "compiled or hf_wrap"
 bench qwen3 ours     "$ours"       80 --layers 8
 bench qwen3 upstream /tmp/upstream 70 --layers 8
 bench qwen3 torch    "$ours"       45 --ckpt --layers 8

@@ -40,7 +40,7 @@ python3 -c "import transformers; print('roundpipe runs with transformers', trans
 
 # 1. Smoke and the CUDA tests (in a process that never installs the emulated device).
 part 50 smoke.log python3 -m roundpipe
-part 170 tests.log python3 -m pytest -q -p no:cacheprovider --noconftest --timeout 120 tests/test_cuda.py
+part 200 tests.log python3 -m pytest -q -p no:cacheprovider --noconftest --timeout 120 tests/test_cuda.py
 # 2. Side by side on Qwen3-1.7B's shape (8 layers): roundpipe.hf.wrap at its defaults (compiled
 #    decoder layers on CUDA), the public RoundPipe, plain transformers with checkpointing.
 bench qwen3 ours     "$ours"       80 --layers 8

@@ -12,6 +12,8 @@
   each test the host waits for every emulated device, so device work a test leaves unordered
   (tests of races leave some on purpose) is not charged to the next test: a tensor the test
   dropped while another stream still used it would otherwise fail the next test's allocation.
+* Fixtures for the tests that ask: ``fresh_dynamo`` (torch.compile reset, its counters zeroed),
+  ``group_of_one`` (a one-rank gloo process group).
 """
 
 import pytest
@@ -74,6 +76,18 @@ def pool_kind(request, monkeypatch):
             lambda devices=None: _on_emu(resolve(devices)),
         )
     return kind
+
+
+@pytest.fixture
+def fresh_dynamo():
+    """torch.compile from nothing, its counters at zero (``torch._dynamo.utils.counters``), so
+    a test of compiled layers counts its own graphs; reset again afterwards."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    yield counters
+    torch._dynamo.reset()
 
 
 @pytest.fixture

@@ -15,13 +15,7 @@ from roundpipe import OptimizerCtx, RoundPipe, RoundPipeRunConfig
 
 AOT_EAGER = {"backend": "aot_eager"}
 
-
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    torch._dynamo.reset()
-    counters.clear()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 class Block(nn.Module):

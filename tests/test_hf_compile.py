@@ -20,14 +20,7 @@ from roundpipe.runtime.compiled import compile_options  # noqa: E402
 
 AOT_EAGER = {"backend": "aot_eager"}
 
-
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    """Each test compiles from nothing and counts its own graphs."""
-    torch._dynamo.reset()
-    counters.clear()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 def wrap(hf, compile, M=4, devices="cpu", **kwargs):
