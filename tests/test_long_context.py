@@ -57,14 +57,14 @@ def _batch(rows, seq_len):
 
 
 def test_the_loss_chunk_shrinks_with_the_device_and_the_vocabulary():
-    # No device: the cap alone (1 GiB of fp32 logits; a 152k vocabulary gets 1,024 tokens).
-    assert default_loss_chunk_tokens(151936) == 1024
+    # No device: the cap alone (512 MiB of fp32 logits; a 152k vocabulary gets 512 tokens).
+    assert default_loss_chunk_tokens(151936) == 512
     assert default_loss_chunk_tokens(VOCAB) * 4 * VOCAB == LOSS_CHUNK_BYTES
-    # A 24 GiB device: 768 MiB of logits; a 32 MiB one: 1 MiB, 32 tokens of an 8k vocabulary.
-    assert default_loss_chunk_tokens(151936, 24 << 30) == 1024
-    assert default_loss_chunk_tokens(VOCAB, 32 * MIB) == 32
+    # A 24 GiB device: 384 MiB of logits; a 64 MiB one: 1 MiB, 32 tokens of an 8k vocabulary.
+    assert default_loss_chunk_tokens(151936, 24 << 30) == 512
+    assert default_loss_chunk_tokens(VOCAB, 64 * MIB) == 32
     assert default_loss_chunk_tokens(VOCAB, 4 * MIB) == 16  # the floor
-    assert default_loss_chunk_tokens(VOCAB, 48 * MIB) == 32  # a power of two, rounded down
+    assert default_loss_chunk_tokens(VOCAB, 96 * MIB) == 32  # a power of two, rounded down
 
 
 def test_offload_is_chosen_where_the_kept_inputs_take_more_than_their_share():
@@ -90,8 +90,8 @@ def test_longest_fitting_is_the_edge_of_the_verdict(high, step, edge):
 
 def test_a_sequence_the_old_defaults_refuse_trains_at_the_new_defaults_as_planned(capacity):
     """12 layers of hidden 256, 2 x 512 tokens, a 40 MiB device. With the old defaults (a loss
-    chunk of 1 GiB of fp32 logits: never chunked here; no offload) the plan needs about 119 MiB
-    and the first forward_backward is refused; wrap's defaults choose a 32-token chunk and
+    chunk of the cap's fp32 logits: never chunked here; no offload) the plan needs about 119 MiB
+    and the first forward_backward is refused; wrap's defaults choose a 16-token chunk and
     offload (13 MiB of kept inputs is more than a quarter of 40 MiB), and the run's peak on the
     emulated device is the planned one."""
     hf = _model()
@@ -109,7 +109,7 @@ def test_a_sequence_the_old_defaults_refuse_trains_at_the_new_defaults_as_planne
     gc.collect()
 
     model = roundpipe.hf.wrap(hf, devices="emu", check=False)
-    assert model.module[-1].chunk_tokens == 32
+    assert model.module[-1].chunk_tokens == 16
     assert model.fitting_run_config(batch, None).offload_activations is True
     plan = model.memory_plan(input_kwargs=batch)
     assert plan.fits, str(plan)

@@ -36,12 +36,13 @@ __all__ = [
 ]
 
 # The fp32 logits of one chunk of the loss head take at most this share of the device's
-# memory: with their gradient, the low-precision logits and the softmax the chunk's working set
-# is about four times that, an eighth of the device.
-LOSS_CHUNK_SHARE = 1 / 32
-# ... and never more than this many bytes (a 152k vocabulary: 1,024 tokens, 0.6 GB of logits),
+# memory: with the low-precision logits and their gradient's cast the chunk's working set is
+# about twice that (see [Note: the head's backward] in roundpipe/hf/loss.py), a thirty-second
+# of the device, besides the head weight's gradient.
+LOSS_CHUNK_SHARE = 1 / 64
+# ... and never more than this many bytes (a 152k vocabulary: 512 tokens, 0.3 GB of logits),
 # which is also the chunk where no device is known (a CPU pool computes in host memory).
-LOSS_CHUNK_BYTES = 1 << 30
+LOSS_CHUNK_BYTES = 512 << 20
 # The fewest tokens per chunk: below, the per-chunk launches cost more than the logits save.
 MIN_LOSS_CHUNK_TOKENS = 16
 # Stage inputs kept on the device for the backward may take at most this share of its free
