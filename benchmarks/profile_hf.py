@@ -12,7 +12,7 @@ Printed, in order:
 2. ``forward_backward alone``: one ``forward_backward`` with no step in flight (the devices'
    share), and ``step alone``: one synchronous step (the optimizer thread's share: the fused
    Adam and the master->model copy). The iteration is bound by the larger of the two when
-   they overlap perfectly.
+   they overlap perfectly. Then the peak GPU memory beside the memory plan's.
 3. The profile of two iterations and the last step: device time by kind, each host thread's
    time in top-level ops, and a table of roundpipe's own actions (``roundpipe forward stage
    3``: the host time of that stage's forwards summed over the microbatches, and the device
@@ -229,8 +229,12 @@ def main() -> int:
         f"{step_s:.4f} s; optimizer thread's threads "
         f"{roundpipe.optim_thread.get_num_threads()} of {torch.get_num_threads()}"
     )
+    planned = model.memory_plan(input_kwargs=batch).devices[0].peak
     if on_gpu:
-        print(f"peak GPU memory: {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB")
+        print(
+            f"peak GPU memory: {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB measured, "
+            f"{planned / 2**30:.2f} GiB planned (model.memory_plan)"
+        )
     if args.no_profile:
         return 0
 
