@@ -328,7 +328,6 @@ def test_resume_from_checkpoint_in_a_new_process_equals_the_uninterrupted_run(tm
 @pytest.mark.parametrize(
     "option, value",
     [
-        ("torch_compile", True),
         ("label_smoothing_factor", 0.1),
         ("load_best_model_at_end", True),
         ("neftune_noise_alpha", 5.0),
@@ -343,6 +342,35 @@ def test_options_it_cannot_honour_are_refused_at_construction(tmp_path, option, 
         roundpipe.hf.Trainer(
             model=tiny_llama(), args=args, train_dataset=token_dataset(), data_collator=collate
         )
+
+
+@pytest.mark.timeout(300)
+def test_torch_compile_compiles_the_decoder_layers_and_trains_as_eager(tmp_path, fresh_dynamo):
+    """TrainingArguments(torch_compile=True, torch_compile_backend=...): wrap's compile, with
+    the Trainer's backend, on the CPU pool too; with aot_eager the run is the eager one bit for
+    bit."""
+    runs = {}
+    for name, extra in (
+        ("eager", {}),
+        ("compiled", {"torch_compile": True, "torch_compile_backend": "aot_eager"}),
+    ):
+        trainer = roundpipe.hf.Trainer(
+            model=tiny_llama(),
+            args=training_args(tmp_path / name, max_steps=4, **extra),
+            train_dataset=token_dataset(),
+            data_collator=collate,
+        )
+        trainer.train()
+        runs[name] = trainer
+    assert fresh_dynamo["stats"]["unique_graphs"] > 0
+    assert step_losses(runs["compiled"].state.log_history) == step_losses(
+        runs["eager"].state.log_history
+    )
+    for (name, a), (_, b) in zip(
+        runs["compiled"].model.optim_named_parameters(),
+        runs["eager"].model.optim_named_parameters(),
+    ):
+        assert torch.equal(a, b), name
 
 
 @pytest.mark.timeout(120)

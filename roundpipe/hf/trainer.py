@@ -96,7 +96,6 @@ _UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
         "roundpipe keeps the model in host memory and streams it through the devices itself; "
         "leave fsdp unset",
     ),
-    "torch_compile": (bool, "leave torch_compile=False (roundpipe runs the stages eagerly)"),
     "use_liger_kernel": (
         bool,
         "leave use_liger_kernel=False (roundpipe computes the loss in its own chunked head)",
@@ -378,6 +377,12 @@ class RoundPipeTrainerMixin:
             options["devices"] = devices
         if self.spill_dir is not None:
             options["state_placement"] = MastersOnDisk(self.spill_dir)
+        if trainer.args.torch_compile and "compile" not in options:
+            # The Trainer's torch_compile: the decoder layers compiled, on any pool that can
+            # (wrap's default compiles them on CUDA already), with its backend and mode.
+            args = trainer.args
+            chosen = (("backend", args.torch_compile_backend), ("mode", args.torch_compile_mode))
+            options["compile"] = {key: value for key, value in chosen if value}
         self.hf_model = hf_model
         self._rp = wrap(hf_model, **options)
         self.data_parallel = _data_parallel(trainer.args, self._rp)
