@@ -380,8 +380,8 @@ class RoundPipeTrainerMixin:
         if trainer.args.torch_compile and "compile" not in options:
             # The Trainer's torch_compile: the decoder layers compiled, on any pool that can
             # (wrap's default compiles them on CUDA already), with its backend and mode.
-            args = trainer.args
-            chosen = (("backend", args.torch_compile_backend), ("mode", args.torch_compile_mode))
+            targs = trainer.args
+            chosen = (("backend", targs.torch_compile_backend), ("mode", targs.torch_compile_mode))
             options["compile"] = {key: value for key, value in chosen if value}
         self.hf_model = hf_model
         self._rp = wrap(hf_model, **options)
