@@ -229,8 +229,8 @@ def main() -> int:
         f"{step_s:.4f} s; optimizer thread's threads "
         f"{roundpipe.optim_thread.get_num_threads()} of {torch.get_num_threads()}"
     )
-    planned = model.memory_plan(input_kwargs=batch).devices[0].peak
     if on_gpu:
+        planned = model.memory_plan(input_kwargs=batch).devices[0].peak
         print(
             f"peak GPU memory: {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB measured, "
             f"{planned / 2**30:.2f} GiB planned (model.memory_plan)"

@@ -118,8 +118,9 @@ def swaps_of(
 
 
 def run_swapped(layer: Callable[..., Any], swaps: list[Swap], args: tuple, kwargs: dict) -> Any:
-    """``layer(*args, **kwargs)`` (a module, or its compiled module) with ``swaps`` in place, the originals back afterwards, also
-    when it raises (see [Note: the layer's device tensors])."""
+    """``layer(*args, **kwargs)`` (a module, or its compiled module) with ``swaps`` in place,
+    the originals back afterwards, also when it raises (see [Note: the layer's device
+    tensors])."""
     originals = [owner[key] for owner, key, _ in swaps]
     try:
         for owner, key, copy in swaps:

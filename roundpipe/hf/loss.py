@@ -118,7 +118,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         # The dtype the forward's matmul computed in: autocast's, else the weights'.
         state = ctx.autocast
         compute_dtype = state.dtype if state.enabled else weight.dtype
-        w = weight.to(compute_dtype)
+        w = weight.to(compute_dtype) if need_hidden else None
         rows = torch.arange(min(ctx.chunk, hidden.shape[0]), device=hidden.device)
         for start in range(0, hidden.shape[0], ctx.chunk):
             h = hidden[start : start + ctx.chunk]
@@ -133,7 +133,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             grad.mul_((valid * grad_total).unsqueeze(-1))
             grad_logits = grad.to(compute_dtype)
             del grad
-            if grad_hidden is not None:
+            if grad_hidden is not None and w is not None:
                 grad_hidden[start : start + ctx.chunk] = grad_logits @ w
             if grad_weight is not None:
                 h = h.to(compute_dtype)

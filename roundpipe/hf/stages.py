@@ -17,11 +17,10 @@ from torch import nn
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from roundpipe.context import WithContext
-from roundpipe.grad_access import internal_grad_reads
 from roundpipe.hf import compat, tiling
 from roundpipe.hf.families import Family
 from roundpipe.hf.loss import IGNORE_INDEX, chunked_causal_lm_loss
-from roundpipe.runtime.compiled import allow_layer_graphs
+from roundpipe.runtime.compiled import compiled_layer
 
 __all__ = ["Embed", "Decoder", "Head", "num_experts", "has_experts"]
 
@@ -202,8 +201,7 @@ class Decoder(nn.Module):
         a dispatch mode (a memory trace on fake tensors runs it eagerly). Main thread, between
         calls. The compiled module is kept outside the module tree: the parameters keep their
         names, and the model stays the user's."""
-        allow_layer_graphs()
-        vars(self)["_compiled"] = torch.compile(self.layer, **options)
+        vars(self)["_compiled"] = compiled_layer(self.layer, options)
 
     def forward(self, x: Any, context: dict[str, Any]) -> Any:
         sums = None
@@ -215,7 +213,7 @@ class Decoder(nn.Module):
         compiled = vars(self).get("_compiled")
         if compiled is not None and _get_current_dispatch_mode() is None:
             layer = compiled
-        with tiling.tiles(self.mlp_tile_tokens if self.tiled else None), internal_grad_reads():
+        with tiling.tiles(self.mlp_tile_tokens if self.tiled else None):
             out = layer(
                 x,
                 **compat.layer_kwargs(

@@ -23,12 +23,7 @@ from roundpipe.hf.defaults import (
 )
 from roundpipe.hf.families import Family, family_of, layer_attention_types
 from roundpipe.hf.names import HFNames, export_state_dict
-from roundpipe.hf.stages import (
-    Decoder,
-    Embed,
-    Head,
-    has_experts,
-)
+from roundpipe.hf.stages import Decoder, Embed, Head, has_experts
 from roundpipe.main_thread import check_main_thread
 from roundpipe.memory.checks import DeviceMemoryError
 from roundpipe.memory.report import MemoryPlan
@@ -439,8 +434,8 @@ def wrap(
             the part that differs; a few seconds and a copy of the cut in fp32. ``False``
             skips it.
         compile: run each decoder layer through ``torch.compile`` (see [Note: compiled
-            layers] in roundpipe/runtime/compiled.py): default (None): on CUDA where torch can build GPU kernels
-            (Triton installed, torch >= 2.5), else eagerly; ``False``: eagerly; ``True``:
+            layers] in roundpipe/runtime/compiled.py): default (None): on CUDA where torch can
+            build GPU kernels (Triton installed, torch >= 2.5), else eagerly; ``False``: eagerly; ``True``:
             with torch's defaults (inductor), also on the CPU; or a dict of
             ``torch.compile``'s arguments (``{"mode": "max-autotune-no-cudagraphs"}``). One
             compilation serves every layer of a family; the first iteration pays it (about

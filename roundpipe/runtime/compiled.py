@@ -5,12 +5,14 @@ layers]."""
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
-__all__ = ["COMPILED_DEVICE_TYPES", "allow_layer_graphs", "compile_options"]
+from roundpipe.grad_access import internal_grad_reads
+
+__all__ = ["COMPILED_DEVICE_TYPES", "allow_layer_graphs", "compile_options", "compiled_layer"]
 
 # [Note: compiled layers]
 # On a fast GPU the host is what bounds a streamed layer: a HF decoder layer's forward is about
@@ -73,6 +75,21 @@ def allow_layer_graphs() -> None:
     config = torch._dynamo.config
     name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
     setattr(config, name, max(getattr(config, name), LAYER_GRAPHS))
+
+
+def compiled_layer(module: torch.nn.Module, options: dict[str, Any]) -> Callable[..., Any]:
+    """What runs in place of ``module(*args, **kwargs)``: ``torch.compile(module, **options)``,
+    with the graph limit raised (:func:`allow_layer_graphs`) and the parameters' ``.grad``
+    reads torch.compile makes as it traces counted as roundpipe's own (no warning about the
+    wrapped model's gradients)."""
+    allow_layer_graphs()
+    compiled = torch.compile(module, **options)
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        with internal_grad_reads():
+            return compiled(*args, **kwargs)
+
+    return call
 
 
 def compile_options(compile: Any, device_type: str) -> dict[str, Any] | None:

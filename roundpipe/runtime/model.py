@@ -38,7 +38,7 @@ from roundpipe.runtime.call_memory import (
     pinned_allocator,
     sharding_terms,
 )
-from roundpipe.runtime.compiled import allow_layer_graphs, compile_options
+from roundpipe.runtime.compiled import compile_options, compiled_layer
 from roundpipe.runtime.config import ResolvedRunConfig, RoundPipeRunConfig, resolve_config
 from roundpipe.runtime.executor import execute
 from roundpipe.runtime.grad_router import TOUCHES_GRADS, GradHooks, GradReducer, clear_grads
@@ -158,9 +158,8 @@ class RoundPipe(nn.Module):
         layers = model_layers(model)
         options = compile_options(compile, self._pool.device_type)
         if options is not None:
-            allow_layer_graphs()
             for layer in layers:
-                layer.compiled = torch.compile(layer.module, **options)
+                layer.compiled = compiled_layer(layer.module, options)
         if self._memory_check:  # before anything is allocated
             check_host_memory(
                 host_terms(

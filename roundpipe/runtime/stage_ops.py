@@ -23,7 +23,6 @@ from torch.utils.checkpoint import checkpoint
 from roundpipe.autocast import autocast_context
 from roundpipe.context import WithContext
 from roundpipe.devices import Backend, StreamingBackend, get_worker
-from roundpipe.grad_access import internal_grad_reads
 from roundpipe.microbatch import MicrobatchInfo
 from roundpipe.optim_queue import add_note
 from roundpipe.plan import Action, ActionKind
@@ -122,14 +121,6 @@ def _detached(tree: Any) -> Any:
     return pytree.tree_map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, tree)
 
 
-def _call(backend: Backend, layer: Layer, args: tuple, kwargs: dict, upload: Any) -> Any:
-    """One layer on ``backend``: compiled where the model compiles its layers."""
-    if layer.compiled is None:
-        return backend.call_layer(layer.module, args, kwargs, upload)
-    with internal_grad_reads():  # torch.compile reads each parameter's .grad as it traces
-        return backend.call_layer(layer.module, args, kwargs, upload, call=layer.compiled)
-
-
 def _run_stage(
     spec: CallSpec,
     state: CallState,
@@ -145,7 +136,7 @@ def _run_stage(
     for i, layer in enumerate(stage.layers):
         try:
             if i == 0 and stage.index == 0:  # the model's first layer: the call's inputs
-                x = _call(backend, layer, args, kwargs, upload)
+                x = backend.call_layer(layer.module, args, kwargs, upload, layer.compiled)
                 if isinstance(x, WithContext):
                     if phase == "forward":
                         state.contexts[m] = _detached(x.context)
@@ -154,9 +145,15 @@ def _run_stage(
             if i == 0:  # a later stage's input: the stage before's output
                 x = args[0]
             if layer.takes_context:
-                x = _call(backend, layer, (x, _context(spec, state, m, backend)), {}, upload)
+                x = backend.call_layer(
+                    layer.module,
+                    (x, _context(spec, state, m, backend)),
+                    {},
+                    upload,
+                    layer.compiled,
+                )
             else:
-                x = _call(backend, layer, (x,), {}, upload)
+                x = backend.call_layer(layer.module, (x,), {}, upload, layer.compiled)
         except _NOT_LAYER_ERRORS:
             raise
         except BaseException as exc:  # noqa: B036 -- annotated, then re-raised
@@ -560,11 +557,13 @@ def compute_action(spec: CallSpec, kind: ActionKind) -> ComputeFn:
         return _forward
     if not streamed:
         return _backward
-    ahead = frozenset(
-        (s, m)
-        for s, m in spec.plan.overlapped_recomputes()
+    pairs = spec.plan.overlapped_recomputes()
+    kept = {
+        s
+        for s in {s for s, _ in pairs}
         if not spec.rng.stage_rng[s] and not _runs_in_backward(spec.stages[s])
-    )
+    }
+    ahead = frozenset((s, m) for s, m in pairs if s in kept)
     if not ahead:
         return _recompute_backward
     return functools.partial(_recompute_backward, ahead=ahead)

@@ -67,7 +67,7 @@ class Layer:
     name: str
     module: nn.Module
     takes_context: bool = False
-    # ``torch.compile(module)`` where the model compiles its layers: the runtime calls it in
+    # ``compiled_layer(module)`` where the model compiles its layers: the runtime calls it in
     # place of the module (see [Note: compiled layers] in roundpipe/runtime/compiled.py).
     compiled: Any = None
 
