@@ -17,6 +17,9 @@ What it measures, in order:
    forward and backward; the host-to-device bandwidth of a pinned copy of the largest stage.
    With these, ``price(model.plan(...), Costs(...))`` gives the planned iteration time, its
    compute time and the compute stream's idle time; the ratio measured / priced is printed.
+   The optimizer thread's step is timed alone too (synchronous), and so is a forward_backward
+   with no step in flight: the price overlaps the two with ``--contention`` (the host they
+   share), and the contention the measured iteration shows beside them is printed.
 3. The profile: two more iterations under ``torch.profiler`` (host and device activity), the
    device time split into kernels, host-to-device and device-to-host copies, the busy share of
    the iteration's wall time (the union of kernel intervals), and the top operators by device
@@ -30,6 +33,7 @@ printed. Without CUDA and without --devices, it says so and exits 0.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gzip
 import json
 import os
@@ -48,7 +52,7 @@ from bench_gpu import build_model, loss_of  # noqa: E402
 
 import roundpipe  # noqa: E402
 from roundpipe import GradScaler, OptimizerCtx, RoundPipe, RoundPipeRunConfig  # noqa: E402
-from roundpipe.plan import Costs, price  # noqa: E402
+from roundpipe.plan import HOST_CONTENTION, Costs, price  # noqa: E402
 
 PROFILED = 2  # iterations under the profiler
 GPU_SIZES = dict(layers=12, dim=2048, heads=16, seq=1024, vocab=32000, batch=16)
@@ -251,6 +255,13 @@ def main() -> int:
     parser.add_argument("--iters", type=int, default=3)
     parser.add_argument("--devices", help="roundpipe's pool (default: cuda:0 if CUDA is there)")
     parser.add_argument("--out", default="profile_out", help="folder for the trace and timeline")
+    parser.add_argument(
+        "--contention",
+        type=float,
+        default=HOST_CONTENTION,
+        help="the price's host contention between the step and the devices (Costs.contention; "
+        f"default {HOST_CONTENTION}, what GPU machines measured)",
+    )
     args = parser.parse_args()
 
     spec = pool_and_sizes(args, GPU_SIZES, TINY_SIZES)
@@ -310,7 +321,9 @@ def main() -> int:
     model.synchronize()
     measured = (time.perf_counter() - t0) / args.iters
 
-    # The optimizer thread's share alone: one step and the master->model copy after it.
+    # The devices' share alone: a forward_backward with no step in flight, then the optimizer
+    # thread's share alone: one step and the master->model copy after it.
+    t0 = time.perf_counter()
     model.forward_backward(
         input_args=(x,),
         label=y,
@@ -318,23 +331,48 @@ def main() -> int:
         loss_fn=lambda out, lbl: scaler.scale(loss_of(out, lbl)) / M,
     )
     model.synchronize()
+    fb_s = time.perf_counter() - t0
     t0 = time.perf_counter()  # a synchronous step: the step, then the master->model copy
     model.step(lambda: (scaler.step(opt), opt.zero_grad()), is_async=False)
     step_s = time.perf_counter() - t0
     scaler.update()
 
-    costs = Costs(forward, backward, upload, grads, bandwidth, issue=issue, optimizer=step_s)
+    costs = Costs(
+        forward,
+        backward,
+        upload,
+        grads,
+        bandwidth,
+        issue=issue,
+        optimizer=step_s,
+        contention=args.contention,
+    )
     plan = model.plan(cfg, inputs=((x,), {}))
     timeline = price(plan, costs)
+    apart = price(plan, dataclasses.replace(costs, contention=0.0)).iteration_time
     tokens = args.batch * args.seq
     print(f"measured: {measured:.4f} s/iteration ({tokens / measured:,.0f} tokens/s)")
     print(
         f"priced:   {timeline.iteration_time:.4f} s/iteration (devices {timeline.device_time:.4f} "
         f"s, optimizer thread {step_s:.4f} s: "
-        f"{'optimizer' if timeline.optimizer_bound else 'device'}-bound); compute "
-        f"{timeline.compute_time():.4f} s; compute stream idle {timeline.compute_idle(0):.4f} s; "
-        f"measured/priced {measured / timeline.iteration_time:.2f}; optimizer thread's threads "
+        f"{'optimizer' if timeline.optimizer_bound else 'device'}-bound, contention "
+        f"{args.contention}); compute {timeline.compute_time():.4f} s; compute stream idle "
+        f"{timeline.compute_idle(0):.4f} s; measured/priced "
+        f"{measured / timeline.iteration_time:.2f} (without contention "
+        f"{measured / apart:.2f}); optimizer thread's threads "
         f"{roundpipe.optim_thread.get_num_threads()} of {torch.get_num_threads()}"
+    )
+    # The contention this run shows: measured against its two sides, each timed alone (not
+    # shown where the shorter side is too short beside the longer for it to mean anything).
+    longer, shorter = max(fb_s, step_s), min(fb_s, step_s)
+    shown = (
+        f"{(measured - longer) / shorter:.2f}"
+        if shorter > 0.1 * longer
+        else "not shown (one side is under a tenth of the other)"
+    )
+    print(
+        f"alone:    forward_backward {fb_s:.4f} s, step {step_s:.4f} s; the iteration's "
+        f"contention {shown} (the price's {args.contention})"
     )
     print(
         f"price inputs: forward {sum(forward) * 1e3:.2f} ms, backward {sum(backward) * 1e3:.2f} "

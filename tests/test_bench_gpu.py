@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from roundpipe.plan import HOST_CONTENTION
+
 # Every test here runs a subprocess (see the slow marker in pyproject.toml).
 pytestmark = pytest.mark.slow
 
@@ -157,14 +159,19 @@ def test_profile_gpu_prices_the_plan_and_writes_a_trace_and_a_timeline(tmp_path)
     measured = float(re.search(r"^measured: ([\d.]+) s/iteration", proc.stdout, re.M)[1])
     priced = re.search(
         r"^priced: +([\d.]+) s/iteration \(devices ([\d.]+) s, optimizer thread ([\d.]+) s: "
-        r"(optimizer|device)-bound\).*measured/priced ([\d.]+)",
+        r"(optimizer|device)-bound, contention ([\d.]+)\).*measured/priced ([\d.]+) "
+        r"\(without contention ([\d.]+)\)",
         proc.stdout,
         re.M,
     )
     assert priced is not None, proc.stdout
-    total, devices, step = (float(priced[i]) for i in (1, 2, 3))
-    assert total == pytest.approx(max(devices, step), abs=1e-4)
-    assert float(priced[5]) == pytest.approx(measured / total, abs=0.01)
+    total, devices, step, contention = (float(priced[i]) for i in (1, 2, 3, 5))
+    assert contention == HOST_CONTENTION
+    longer, shorter = max(devices, step), min(devices, step)
+    assert total == pytest.approx(longer + contention * shorter, abs=2e-4)
+    assert float(priced[6]) == pytest.approx(measured / total, abs=0.01)
+    assert float(priced[7]) == pytest.approx(measured / longer, abs=0.01)
+    assert re.search(r"^alone: +forward_backward [\d.]+ s, step [\d.]+ s; ", proc.stdout, re.M)
     assert re.search(r"^  host thread \d+: [\d.]+ s in top-level ops", proc.stdout, re.M)
     timeline = json.loads((tmp_path / "timeline.json").read_text())
     assert timeline["iteration_time"] == pytest.approx(total, abs=1e-4)

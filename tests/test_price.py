@@ -7,7 +7,7 @@ import itertools
 
 import pytest
 
-from roundpipe.plan import ActionKind, Costs, PlanSizes, build_plan, price
+from roundpipe.plan import HOST_CONTENTION, ActionKind, Costs, PlanSizes, build_plan, price
 
 MB = 2**20
 
@@ -125,3 +125,27 @@ def test_the_optimizer_threads_step_bounds_the_iteration_from_below():
     assert bound.spans == devices.spans  # the devices' timeline itself is the same
     with pytest.raises(ValueError, match="optimizer"):
         price(plan, dataclasses.replace(long, optimizer=-1.0))
+
+
+@pytest.mark.parametrize("step_over_devices", [0.5, 1.0, 3.0])
+def test_contention_slows_the_overlap_of_the_step_and_the_devices(step_over_devices):
+    # While both run, each runs 1 + c times slower: the shorter ends at s * (1 + c), the longer
+    # after s more of its own work, so the iteration is longer + c * shorter, whichever is which.
+    plan = build_plan(4, 4, 1, training=True, stage_major=True)
+    costs = _costs(4, forward=0.01)
+    devices = price(plan, costs).device_time
+    step = step_over_devices * devices
+    longer, shorter = max(devices, step), min(devices, step)
+    for c in (0.0, HOST_CONTENTION, 1.0):
+        timeline = price(plan, dataclasses.replace(costs, optimizer=step, contention=c))
+        assert timeline.iteration_time == pytest.approx(longer + c * shorter)
+        assert timeline.device_time == pytest.approx(devices)
+        assert timeline.optimizer_bound == (step > devices)
+    # c = 1 is the two run one after the other.
+    serial = price(plan, dataclasses.replace(costs, optimizer=step, contention=1.0))
+    assert serial.iteration_time == pytest.approx(devices + step)
+    # Without a step to overlap there is nothing to contend with.
+    alone = price(plan, dataclasses.replace(costs, contention=HOST_CONTENTION))
+    assert alone.iteration_time == pytest.approx(devices)
+    with pytest.raises(ValueError, match="contention"):
+        price(plan, dataclasses.replace(costs, contention=1.5))

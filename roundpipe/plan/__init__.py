@@ -25,9 +25,10 @@ from roundpipe.plan.actions import (
 from roundpipe.plan.build import build_plan
 from roundpipe.plan.memory import ActionBytes, DevicePeak, StageBytes, device_peaks
 from roundpipe.plan.partition import check_execute_plan, partition, stages_by_size
-from roundpipe.plan.price import Costs, Span, Timeline, price
+from roundpipe.plan.price import HOST_CONTENTION, Costs, Span, Timeline, price
 
 __all__ = [
+    "HOST_CONTENTION",
     "Action",
     "ActionBytes",
     "ActionKind",

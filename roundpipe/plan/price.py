@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 from roundpipe.plan.actions import Action, ActionKind, Plan
 
-__all__ = ["Costs", "Span", "Timeline", "price"]
+__all__ = ["HOST_CONTENTION", "Costs", "Span", "Timeline", "price"]
 
 
 # [Note: pricing]
@@ -40,9 +40,21 @@ __all__ = ["Costs", "Span", "Timeline", "price"]
 # asynchronous step that work overlaps the next iteration, so a steady run takes the longer of
 # the two per iteration. On a GPU with a host-side Adam the optimizer thread is often the longer
 # (host memory traffic: about 28 bytes per parameter for Adam and 6 for the copy), which is why
-# it is priced at all. Host wait S of a stage is the bound on
-# how far the worker runs ahead: a prefetch that reuses the memory a run released is issued only
-# once the device has finished that run.
+# it is priced at all. The two overlap on one host, though: the step's threads stream memory
+# beside the iteration's DMA and take cores from the threads that issue the device's work, so
+# while they overlap both run slower. ``contention`` c prices that: during the overlap each
+# side runs at 1 / (1 + c) of its speed alone, so the shorter side (s) ends at s * (1 + c), the
+# longer one (l) after s more of its own work, and a steady iteration takes l + c * s
+# (c = 0: the plain maximum; c = 1: the two serialized). c is a property of the host, measured,
+# not derived: see HOST_CONTENTION. Host wait S of a stage is the bound on how far the worker
+# runs ahead: a prefetch that reuses the memory a run released is issued only once the device
+# has finished that run.
+
+# The contention measured on the GPU machines so far (benchmarks/results/gpu.md: an H100 and an
+# H200 of 16 Xeon cores, fused Adam on 14 of them): the GPT's iterations gave 0.41 and 0.42
+# (measured minus max(devices priced, step alone), over the shorter of the two), Qwen3's shape
+# with compiled layers 0.30 (forward_backward and the step each timed alone).
+HOST_CONTENTION = 0.4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +68,9 @@ class Costs:
     the host time to enqueue one of its compute actions (0: the host is never the limit).
     ``optimizer``: the optimizer thread's seconds per step (the step and the master->model
     copy); a steady run's iteration takes at least that long (0: never the limit).
+    ``contention``: how much slower the step and the devices' work run while they overlap
+    on one host (0: not at all; :data:`HOST_CONTENTION` is what GPU machines measured; see
+    [Note: pricing]).
     Stage inputs (offloads, hand-offs) have the sizes the plan was lowered with (none without
     them)."""
 
@@ -67,6 +82,7 @@ class Costs:
     peer_bandwidth: float | None = None
     issue: Sequence[float] | None = None
     optimizer: float = 0.0
+    contention: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,17 +100,18 @@ class Span:
 @dataclasses.dataclass(frozen=True)
 class Timeline:
     """A priced plan: every action with a duration, when the devices are done
-    (``device_time``), and when the iteration ends (``iteration_time``: no sooner than the
-    optimizer thread's step, see [Note: pricing])."""
+    (``device_time``), and when a steady iteration ends (``iteration_time``: the devices' work
+    and the optimizer thread's step overlapped, see [Note: pricing])."""
 
     spans: tuple[Span, ...]
     iteration_time: float
     device_time: float = 0.0
+    optimizer_time: float = 0.0
 
     @property
     def optimizer_bound(self) -> bool:
-        """Whether the optimizer thread, not the devices, sets the iteration time."""
-        return self.iteration_time > self.device_time
+        """Whether the optimizer thread's step, not the devices, is the longer side."""
+        return self.optimizer_time > self.device_time
 
     def on(self, device: int, stream: str) -> list[Span]:
         """The spans of one stream, in time order."""
@@ -138,6 +155,8 @@ def price(plan: Plan, costs: Costs) -> Timeline:
         raise ValueError(f"bandwidth must be positive, got {costs.bandwidth}")
     if costs.optimizer < 0:
         raise ValueError(f"optimizer seconds must be >= 0, got {costs.optimizer}")
+    if not 0 <= costs.contention <= 1:
+        raise ValueError(f"contention must be within [0, 1], got {costs.contention}")
     assert plan.program is not None
     peer = costs.peer_bandwidth or costs.bandwidth
     issue = list(costs.issue) if costs.issue is not None else [0.0] * S
@@ -235,4 +254,5 @@ def price(plan: Plan, costs: Costs) -> Timeline:
         if not progressed:
             raise RuntimeError(f"plan deadlocks; cannot price it\n{plan}")
     end = max(host + [t for f in free for t in f.values()])
-    return Timeline(tuple(spans), max(end, costs.optimizer), end)
+    overlapped = max(end, costs.optimizer) + costs.contention * min(end, costs.optimizer)
+    return Timeline(tuple(spans), overlapped, end, costs.optimizer)
