@@ -8,7 +8,8 @@ It copies the harness into .peer/ (in .gitignore), points its ``ours_wrap_hf`` a
 ``roundpipe.hf.wrap`` with the documented HuggingFace loop (``ROUNDPIPE_BENCH_COMPILE``: 1
 for ``compile=True``, 0 for ``compile=False``, unset for wrap's default; the GPT's ``RoundPipe``
 takes ``compile=True`` from it too, else its default) (fp16 model, fp32 masters, roundpipe's
-GradScaler and Adam), and downloads for the GPU machine's Python: the public RoundPipe's wheels
+GradScaler and Adam), lets the plain PyTorch baselines compile their decoder layers or blocks
+under ``PLAIN_BENCH_COMPILE=1`` (``nn.Module.compile`` in place, as a user would), and downloads for the GPU machine's Python: the public RoundPipe's wheels
 with a transformers it runs on (4.57: it is written for the 4.5x API, and the GPU machine's 5.x
 fails inside its Qwen3 model), all installed into the peer's own folder there; and, with
 ``--carry-transformers VERSION``, a transformers wheel for roundpipe's side (.peer/whl-extra),
@@ -65,6 +66,31 @@ GPT_ROUNDPIPE = (
 )
 
 
+# The plain baselines with compiled layers under $PLAIN_BENCH_COMPILE=1, as a user of plain
+# PyTorch would compile them (nn.Module.compile in place, torch's defaults): each decoder layer
+# of the HF model, each block of the GPT; gradient checkpointing recomputes the compiled call.
+PLAIN_COMPILE_QWEN3 = (
+    "model.train()\n"
+    "        if os.environ.get('PLAIN_BENCH_COMPILE') == '1':\n"
+    "            for layer in model.model.layers:\n"
+    "                layer.compile()"
+)
+PLAIN_COMPILE_GPT = (
+    "model = model.to(dev)\n"
+    "        if os.environ.get('PLAIN_BENCH_COMPILE') == '1':\n"
+    "            for block in list(model)[1:-1]:\n"
+    "                block.compile()"
+)
+
+
+def patch(text: str, pattern: str, replacement: str, what: str, path: Path) -> str:
+    """``text`` with the one match of ``pattern`` replaced; exits naming ``what`` otherwise."""
+    text, count = re.subn(pattern, lambda _: replacement, text)
+    if count != 1:
+        sys.exit(f"{path}: {what} not found (matched {count} times); patch it by hand")
+    return text
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -86,21 +112,23 @@ def main():
     for name in ("peer_bench.py", "run.sh", "README.md"):
         (peer / name).write_bytes((src / name).read_bytes())
     bench = peer / "peer_bench.py"
-    text, count = re.subn(
+    text = patch(
+        bench.read_text(),
         r"def ours_wrap_hf\(model, mb\):\n(?:    .*\n|\n)*?(?=\n\ndef )",
         OURS_WRAP_HF,
-        bench.read_text(),
+        "ours_wrap_hf",
+        bench,
     )
-    if count != 1:
-        sys.exit(f"{bench}: ours_wrap_hf not found; patch it by hand (see this file)")
     # The GPT's RoundPipe at its defaults, or with compiled blocks under $ROUNDPIPE_BENCH_COMPILE.
-    text, count = re.subn(
+    text = patch(
+        text,
         r"rp = RoundPipe\(model, optim_dtype=torch.float32, model_run_config=cfg\)",
         GPT_ROUNDPIPE,
-        text,
+        "the GPT's RoundPipe(...) line",
+        bench,
     )
-    if count != 1:
-        sys.exit(f"{bench}: the GPT's RoundPipe(...) line not found; patch it by hand")
+    text = patch(text, r"model\.train\(\)", PLAIN_COMPILE_QWEN3, "qwen3's model.train()", bench)
+    text = patch(text, r"model = model\.to\(dev\)", PLAIN_COMPILE_GPT, "the GPT's .to(dev)", bench)
     bench.write_text(text)
     if not args.no_download:
         subprocess.run(
