@@ -4,10 +4,10 @@
 # the public RoundPipe and plain transformers with checkpointing, eager and with compiled decoder
 # layers (PLAIN_BENCH_COMPILE=1); the plan's price beside a profiled GPT iteration (with the
 # host contention measured); wrap at 8 microbatches; the overlapped recompute against the
-# defaults; the GPT compiled and eager against plain PyTorch and the public RoundPipe; the rest
-# of the CUDA tests. Prepare .peer/ first where pip works (python benchmarks/peer_setup.py; a
-# transformers wheel the GPU machine lacks goes in .peer/whl-extra), carry .peer, and run from
-# the project's root:
+# defaults; the optimizer thread on 8 cores; the GPT compiled and eager against plain PyTorch
+# and the public RoundPipe; the rest of the CUDA tests. Prepare .peer/ first where pip works
+# (python benchmarks/peer_setup.py; a transformers wheel the GPU machine lacks goes in
+# .peer/whl-extra), carry .peer, and run from # the project's root:
 #
 #     bash benchmarks/gpu_session.sh
 #
@@ -60,6 +60,9 @@ part 60 profile.log python3 benchmarks/profile_gpu.py --layers 12 --out "$out"
 bench qwen3 ours     "$ours"       70 --layers 8 --mb 8
 part 60 profile_hf.log python3 benchmarks/profile_hf.py --layers 8 --no-profile
 part 60 profile_hf.log python3 benchmarks/profile_hf.py --layers 8 --no-profile --overlap-recompute
+#    The optimizer thread on 8 cores instead of 14: does the host contention fall?
+note "next qwen3 ours row: ROUNDPIPE_OPTIMIZER_THREADS=8"
+ROUNDPIPE_OPTIMIZER_THREADS=8 bench qwen3 ours "$ours" 60 --layers 8
 # 4. The GPT (12 blocks): roundpipe with compile=True and at its defaults (eager) against plain
 #    PyTorch with recompute, compiled and eager, and the public RoundPipe.
 note "next gpt ours row: ROUNDPIPE_BENCH_COMPILE=1 (RoundPipe(compile=True))"
