@@ -7,7 +7,7 @@
 # defaults; the optimizer thread on 8 cores; the GPT compiled and eager against plain PyTorch
 # and the public RoundPipe; the rest of the CUDA tests. Prepare .peer/ first where pip works
 # (python benchmarks/peer_setup.py; a transformers wheel the GPU machine lacks goes in
-# .peer/whl-extra), carry .peer, and run from # the project's root:
+# .peer/whl-extra), carry .peer, and run from the project's root:
 #
 #     bash benchmarks/gpu_session.sh
 #
