@@ -320,8 +320,8 @@ def test_the_longest_sequence_is_the_edge_of_the_plan(tmp_path):
     planner = ConfigPlanner(
         str(_tiny_config(tmp_path)), devices="emu", device_memory=700 << 20, host_memory=1 << 40
     )
-    longest = planner.longest_seq_len(16384, step=128)
-    assert 0 < longest < 16384 and longest % 128 == 0
+    longest = planner.longest_seq_len(32768, step=128)
+    assert 0 < longest < 32768 and longest % 128 == 0
     assert planner.plan(longest).fits and not planner.plan(longest + 128).fits
 
 
@@ -348,7 +348,7 @@ def test_the_plan_command_finds_the_longest_sequence(tmp_path):
     pytest.importorskip("transformers")
     path = _tiny_config(tmp_path)
     proc = run_cli(
-        "plan", str(path), "--max-seq-len", "16384", "--seq-step", "128", "--devices", "emu",
+        "plan", str(path), "--max-seq-len", "32768", "--seq-step", "128", "--devices", "emu",
         "--device-memory", "700MiB", "--host-memory", "1TiB",
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr

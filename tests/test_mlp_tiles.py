@@ -241,3 +241,37 @@ def test_the_plan_command_plans_the_tiled_layer(tmp_path, capsys):
     with pytest.raises(SystemExit):
         memory_cli.main([str(path), "--seq-len", "64", "--mlp-tile-tokens", "-1"])
     assert "--mlp-tile-tokens must be >= 0" in capsys.readouterr().err
+
+
+def test_the_final_norm_runs_in_tiles_in_training_and_lowers_the_heads_peak():
+    """The head's final norm in tiles (the decoders' tile), bf16 Llama of one layer whose head
+    is the peak untiled (hidden 256, one sequence of 4,096 tokens): in training the norm sees
+    tiles and the peak falls from the head's action to a decoder's backward, to the byte as
+    the plan says; without labels (inference) the norm runs whole."""
+    cfg = _config("llama", layers=1, hidden=256, intermediate=256)
+    model = roundpipe.hf.wrap(
+        _model(cfg).to(torch.bfloat16), devices="emu", check=False, mlp_tile_tokens=256
+    )
+    head = model.module[-1]
+    assert head.tiled == ["norm"] and "norm_tile_tokens=256" in repr(head)
+    seen = []
+    head.norm.register_forward_pre_hook(lambda _, args: seen.append(args[0].shape[:-1].numel()))
+    batch = _batch(1, 4096)
+    peaks = {}
+    for tile in (256, None):
+        head.norm_tile_tokens = tile
+        plan = model.memory_plan(input_kwargs=batch).devices[0]
+        seen.clear()
+        peaks[tile] = (plan.peak, plan.at, _measured_peak(model, batch))
+        assert max(seen) == 4096 and (min(seen) == 256) == (tile == 256), (tile, set(seen))
+    print(peaks)
+    (tiled, tiled_at, tiled_measured), (whole, whole_at, whole_measured) = peaks.values()
+    assert tiled_at.startswith("B") and whole_at.startswith("L"), (tiled_at, whole_at)
+    assert tiled_measured < 0.9 * whole_measured
+    assert abs(tiled - tiled_measured) <= 64 and abs(whole - whole_measured) <= 64
+    # Inference: the logits of the whole sequence, the norm called once on all of it.
+    head.norm_tile_tokens = 256
+    seen.clear()
+    with torch.no_grad():
+        model(input_ids=batch["input_ids"][:, :512])
+    assert seen == [512]

@@ -281,17 +281,30 @@ class Head(nn.Module):
     each row's sums of :func:`chunked_causal_lm_loss`'s token statistics (rows x 3: entropy,
     top-1 hits, predicted tokens). Inference: the logits.
 
-    ``token_stats`` is written on the main thread between calls (roundpipe.hf.Trainer's, for
-    TRL's metrics) and read by the worker that runs the stage during a call."""
+    In training the final norm runs in tiles of ``norm_tile_tokens`` tokens when a microbatch
+    has more (:mod:`roundpipe.hf.tiling`; None: never), as the decoder layers' norms do: its
+    fp32 intermediates and their gradients (several times the hidden states' bytes, the
+    largest term of a long sequence's head) exist for one tile at a time.
+
+    ``token_stats`` and ``norm_tile_tokens`` are written on the main thread between calls
+    (roundpipe.hf.Trainer's, for TRL's metrics; :func:`roundpipe.hf.wrap`) and read by the
+    worker that runs the stage during a call."""
 
     takes_context = True
 
     def __init__(
-        self, parts: dict[str, Any], config: Any, chunk_tokens: int, family: Family
+        self,
+        parts: dict[str, Any],
+        config: Any,
+        chunk_tokens: int,
+        family: Family,
+        norm_tile_tokens: int | None = None,
     ) -> None:
         super().__init__()
         self.norm = parts["norm"]
         self.lm_head = parts["head"]
+        self.tiled = tiling.install(self, ["norm"])
+        self.norm_tile_tokens = norm_tile_tokens
         self.chunk_tokens = chunk_tokens
         self.aux_coef = float(getattr(config, "router_aux_loss_coef", 0.0))
         self.aux_on = bool(getattr(config, "output_router_logits", False))
@@ -300,14 +313,20 @@ class Head(nn.Module):
         self.transform = None if family.logits is None else family.logits(config)
         self.token_stats = False
 
+    def extra_repr(self) -> str:
+        # Part of what decides its memory, as a Decoder's tile (see [Note: identical stages]).
+        tiles = self.norm_tile_tokens if self.tiled else None
+        return f"chunk_tokens={self.chunk_tokens}, norm_tile_tokens={tiles}"
+
     def forward(
         self, x: Any, context: dict[str, Any]
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         sums = None
         if isinstance(x, tuple):
             x, *sums = x
-        hidden = self.norm(x)
         labels = context.get("shift_labels")
+        with tiling.tiles(self.norm_tile_tokens if labels is not None and self.tiled else None):
+            hidden = self.norm(x)
         if labels is None:
             logits = self.lm_head(hidden)
             return logits if self.transform is None else self.transform(logits)

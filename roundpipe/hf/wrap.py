@@ -422,13 +422,14 @@ def wrap(
         loss_chunk_tokens: tokens per chunk of the loss head (the fp32 logits of this many
             tokens exist at once); default :func:`default_loss_chunk_tokens` of the vocabulary
             and of what the pool's smallest device has free at the wrap.
-        mlp_tile_tokens: tokens per tile of each decoder layer's MLP and its norms
-            (:mod:`roundpipe.hf.tiling`): a microbatch of more tokens runs them in tiles, each
-            recomputed alone in the backward, so no (tokens x intermediate) tensor of the
-            whole microbatch exists; 0: never tiled; default
+        mlp_tile_tokens: tokens per tile of each decoder layer's MLP and its norms, and of
+            the final norm in training (:mod:`roundpipe.hf.tiling`): a microbatch of more
+            tokens runs them in tiles, each recomputed alone in the backward, so no (tokens x
+            intermediate) tensor, nor the final norm's fp32 intermediates, of the whole
+            microbatch exists; 0: never tiled; default
             :func:`roundpipe.hf.defaults.default_mlp_tile_tokens` of the intermediate size
-            and of what the pool's smallest device has free at the wrap. Dense families only:
-            a mixture-of-experts layer is not tiled.
+            and of what the pool's smallest device has free at the wrap. A mixture-of-experts
+            layer is not tiled (its final norm is).
         check: before anything else, compare the stages with the model's own forward on a
             cut of it (:func:`roundpipe.hf.check_stages`) and raise ``WrapCheckError`` naming
             the part that differs; a few seconds and a copy of the cut in fp32. ``False``
@@ -502,7 +503,7 @@ def wrap(
             Decoder(layer, family, config, kind, mlp_tile_tokens or None)
             for layer, kind in zip(layers, kinds)
         ),
-        Head(parts, config, loss_chunk_tokens, family),
+        Head(parts, config, loss_chunk_tokens, family, mlp_tile_tokens or None),
     )
     kwargs.setdefault("name", type(base).__name__)
     wrapped = HFRoundPipe(model, stages, **kwargs)
@@ -521,4 +522,5 @@ def wrap(
         tile = default_mlp_tile_tokens(intermediate, itemsize, free)
         for decoder in decoders:
             decoder.mlp_tile_tokens = tile
+        stages[-1].norm_tile_tokens = tile
     return wrapped
