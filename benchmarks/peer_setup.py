@@ -4,14 +4,18 @@
     # then, on the GPU machine, from the project's root (carry .peer), one call of ~7 minutes:
     bash benchmarks/gpu_session.sh
 
-It copies the harness into .peer/ (in .gitignore), points its ``ours_wrap_hf`` at
-``roundpipe.hf.wrap`` with the documented HuggingFace loop (``ROUNDPIPE_BENCH_COMPILE``: 1
-for ``compile=True``, 0 for ``compile=False``, unset for wrap's default; the GPT's ``RoundPipe``
-takes ``compile=True`` from it too, else its default) (fp16 model, fp32 masters, roundpipe's
-GradScaler and Adam), lets the plain PyTorch baselines compile their decoder layers or blocks
-under ``PLAIN_BENCH_COMPILE=1`` (``nn.Module.compile`` in place, as a user would), and downloads for the GPU machine's Python: the public RoundPipe's wheels
-with a transformers it runs on (4.57: it is written for the 4.5x API, and the GPU machine's 5.x
-fails inside its Qwen3 model), all installed into the peer's own folder there; and, with
+It copies the harness into .peer/ (in .gitignore) and patches it:
+
+- its ``ours_wrap_hf`` runs ``roundpipe.hf.wrap`` with the documented HuggingFace loop (fp16
+  model, fp32 masters, roundpipe's GradScaler and Adam); ``ROUNDPIPE_BENCH_COMPILE``: 1 for
+  ``compile=True``, 0 for ``compile=False``, unset for wrap's default. The GPT's ``RoundPipe``
+  takes ``compile=True`` from it too, else its default;
+- the plain PyTorch baselines compile their decoder layers or blocks under
+  ``PLAIN_BENCH_COMPILE=1`` (``nn.Module.compile`` in place, as a user would).
+
+It downloads, for the GPU machine's Python, the public RoundPipe's wheels with a transformers
+it runs on (4.57: it is written for the 4.5x API, and the GPU machine's 5.x fails inside its
+Qwen3 model), all installed into the peer's own folder there; and, with
 ``--carry-transformers VERSION``, a transformers wheel for roundpipe's side (.peer/whl-extra),
 for a machine whose own transformers roundpipe does not support.
 """
