@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -513,8 +513,8 @@ def wrap(
         for decoder in decoders:
             decoder.compile_layer(options)
     free = wrapped.device_free()
+    head = cast(Head, stages[-1])
     if chosen_chunk is None:
-        head: Any = stages[-1]
         head.chunk_tokens = default_loss_chunk_tokens(vocab_size, free)
     if mlp_tile_tokens is None:
         itemsize = next(iter(base.parameters())).element_size()
@@ -522,5 +522,5 @@ def wrap(
         tile = default_mlp_tile_tokens(intermediate, itemsize, free)
         for decoder in decoders:
             decoder.mlp_tile_tokens = tile
-        stages[-1].norm_tile_tokens = tile
+        head.norm_tile_tokens = tile
     return wrapped
