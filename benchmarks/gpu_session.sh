@@ -58,11 +58,9 @@ PLAIN_BENCH_COMPILE=1 bench qwen3 torch "$ours" 80 --ckpt --layers 8
 #    microbatches; the overlapped recompute against the defaults, both in this call.
 part 60 profile.log python3 benchmarks/profile_gpu.py --layers 12 --out "$out"
 bench qwen3 ours     "$ours"       70 --layers 8 --mb 8
-part 60 profile_hf.log python3 benchmarks/profile_hf.py --layers 8 --no-profile
+#    The first also times the optimizer thread on 8 and 14 cores: does the contention fall?
+part 75 profile_hf.log python3 benchmarks/profile_hf.py --layers 8 --no-profile --threads 8 14
 part 60 profile_hf.log python3 benchmarks/profile_hf.py --layers 8 --no-profile --overlap-recompute
-#    The optimizer thread on 8 cores instead of 14: does the host contention fall?
-note "next qwen3 ours row: ROUNDPIPE_OPTIMIZER_THREADS=8"
-ROUNDPIPE_OPTIMIZER_THREADS=8 bench qwen3 ours "$ours" 60 --layers 8
 # 4. The GPT (12 blocks): roundpipe with compile=True and at its defaults (eager) against plain
 #    PyTorch with recompute, compiled and eager, and the public RoundPipe.
 note "next gpt ours row: ROUNDPIPE_BENCH_COMPILE=1 (RoundPipe(compile=True))"

@@ -12,7 +12,9 @@ Printed, in order:
 2. ``forward_backward alone``: one ``forward_backward`` with no step in flight (the devices'
    share), and ``step alone``: one synchronous step (the optimizer thread's share: the fused
    Adam and the master->model copy). The iteration is bound by the larger of the two when
-   they overlap perfectly. Then the peak GPU memory beside the memory plan's.
+   they overlap perfectly; ``overlapped`` prices them with the host contention of
+   :data:`roundpipe.plan.HOST_CONTENTION` and prints the contention the measured iteration
+   shows. Then the peak GPU memory beside the memory plan's.
 3. The profile of two iterations and the last step: device time by kind, each host thread's
    time in top-level ops, and a table of roundpipe's own actions (``roundpipe forward stage
    3``: the host time of that stage's forwards summed over the microbatches, and the device
@@ -43,6 +45,7 @@ from profile_gpu import (  # noqa: E402
 
 import roundpipe  # noqa: E402
 from roundpipe import GradScaler, OptimizerCtx, RoundPipeRunConfig  # noqa: E402
+from roundpipe.plan import HOST_CONTENTION  # noqa: E402
 
 # Qwen3-1.7B's published shape; the sequence, batch and microbatches of the GPU harness.
 GPU_SIZES = dict(layers=8, hidden=2048, intermediate=6144, heads=16, kv_heads=8, head_dim=128)
@@ -228,6 +231,14 @@ def main() -> int:
         f"forward_backward alone: {fb_s:.4f} s; step alone (synchronous, with the copy): "
         f"{step_s:.4f} s; optimizer thread's threads "
         f"{roundpipe.optim_thread.get_num_threads()} of {torch.get_num_threads()}"
+    )
+    # The two overlapped on one host (see [Note: pricing] in roundpipe/plan/price.py).
+    longer, shorter = max(fb_s, step_s), min(fb_s, step_s)
+    print(
+        f"overlapped: {longer + HOST_CONTENTION * shorter:.4f} s/iteration at the price's "
+        f"contention {HOST_CONTENTION} (measured/that "
+        f"{measured / (longer + HOST_CONTENTION * shorter):.2f}); the contention measured: "
+        f"{(measured - longer) / shorter:.2f}"
     )
     if on_gpu:
         planned = model.memory_plan(input_kwargs=batch).devices[0].peak

@@ -191,6 +191,11 @@ def test_profile_hf_names_roundpipes_actions_in_its_profile(tmp_path):
     proc = _profile_script("profile_hf.py", tmp_path)
     assert re.search(r"^measured: [\d.]+ s/iteration", proc.stdout, re.M), proc.stdout
     assert re.search(r"^forward_backward alone: [\d.]+ s; step alone", proc.stdout, re.M)
+    assert re.search(
+        rf"^overlapped: [\d.]+ s/iteration at the price's contention {HOST_CONTENTION} ",
+        proc.stdout,
+        re.M,
+    ), proc.stdout
     # tiny mode: 2 decoder layers, so stages 0 (embedding) to 3 (head)
     actions = dict(re.findall(r"^  (roundpipe [a-z_]+ stage \d+) +(\d+) ", proc.stdout, re.M))
     for stage in (1, 2):
