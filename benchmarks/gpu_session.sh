@@ -58,8 +58,10 @@ PLAIN_BENCH_COMPILE=1 bench qwen3 torch "$ours" 80 --ckpt --layers 8
 #    microbatches; the overlapped recompute against the defaults, both in this call.
 part 60 profile.log python3 benchmarks/profile_gpu.py --layers 12 --out "$out"
 bench qwen3 ours     "$ours"       70 --layers 8 --mb 8
-#    The first also times the optimizer thread on 8 and 14 cores: does the contention fall?
-part 75 profile_hf.log python3 benchmarks/profile_hf.py --layers 8 --no-profile --threads 8 14
+#    The first also times the optimizer thread on 8 and 14 cores (does the contention fall?)
+#    and profiles two iterations: where the iteration's edges (the embedding's upload and its
+#    gradient's download, the master->model copy before the first stage) leave the GPU idle.
+part 90 profile_hf.log python3 benchmarks/profile_hf.py --layers 8 --threads 8 14 --out "$out/hf"
 part 60 profile_hf.log python3 benchmarks/profile_hf.py --layers 8 --no-profile --overlap-recompute
 # 4. The GPT (12 blocks): roundpipe with compile=True and at its defaults (eager) against plain
 #    PyTorch with recompute, compiled and eager, and the public RoundPipe.
