@@ -12,9 +12,10 @@
 #     bash benchmarks/gpu_session.sh
 #
 # Everything lands under $OUT (or /tmp/gpu_out): summary.txt, smoke.log, tests.log, peer.jsonl,
-# bench_err.log, profile_hf.log, profile.log, trace.json.gz, timeline.json. Each part has
-# its own timeout, the order puts what matters most first, and a part that could run past
-# GPU_SESSION_SECONDS (default 540) from the start is skipped, so the call ends inside its limit.
+# bench_err.log, profile_hf.log and hf/ (its trace), profile.log, trace.json.gz, timeline.json.
+# Each part has its own timeout, the order puts what matters most first, and a part that could
+# run past GPU_SESSION_SECONDS (default 540) from the start is skipped, so the call ends inside
+# its limit.
 cd "$(dirname "$0")/.." || exit 1
 out=${OUT:-/tmp/gpu_out}; mkdir -p "$out"
 export PYTHONUNBUFFERED=1 ROUNDPIPE_DEVICES=cuda:0 TOKENIZERS_PARALLELISM=false
