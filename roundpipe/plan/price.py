@@ -50,10 +50,11 @@ __all__ = ["HOST_CONTENTION", "Costs", "Span", "Timeline", "price"]
 # runs ahead: a prefetch that reuses the memory a run released is issued only once the device
 # has finished that run.
 
-# The contention measured on the GPU machines so far (benchmarks/results/gpu.md: an H100 and an
-# H200 of 16 Xeon cores, fused Adam on 14 of them): the GPT's iterations gave 0.41 and 0.42
-# (measured minus max(devices priced, step alone), over the shorter of the two), Qwen3's shape
-# with compiled layers 0.30 (forward_backward and the step each timed alone).
+# The contention measured on the GPU machines so far (benchmarks/results/gpu.md: H200s of 16
+# Xeon cores, fused Adam on 14 of them), measured minus the longer side, over the shorter: the
+# GPT's iterations (devices priced, the step timed alone) 0.42 and 0.41, which the value is
+# fitted on; Qwen3's shape with compiled layers (forward_backward and the step each timed
+# alone) 0.30 in the harness's loop and 0.53 in profile_hf's.
 HOST_CONTENTION = 0.4
 
 
