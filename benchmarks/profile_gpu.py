@@ -33,7 +33,6 @@ printed. Without CUDA and without --devices, it says so and exits 0.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import gzip
 import json
 import os
@@ -52,7 +51,7 @@ from bench_gpu import build_model, loss_of  # noqa: E402
 
 import roundpipe  # noqa: E402
 from roundpipe import GradScaler, OptimizerCtx, RoundPipe, RoundPipeRunConfig  # noqa: E402
-from roundpipe.plan import HOST_CONTENTION, Costs, price  # noqa: E402
+from roundpipe.plan import HOST_CONTENTION, Costs, contention_shown, overlapped, price  # noqa: E402
 
 PROFILED = 2  # iterations under the profiler
 GPU_SIZES = dict(layers=12, dim=2048, heads=16, seq=1024, vocab=32000, batch=16)
@@ -349,7 +348,7 @@ def main() -> int:
     )
     plan = model.plan(cfg, inputs=((x,), {}))
     timeline = price(plan, costs)
-    apart = price(plan, dataclasses.replace(costs, contention=0.0)).iteration_time
+    apart = overlapped(timeline.device_time, step_s, 0.0)
     tokens = args.batch * args.seq
     print(f"measured: {measured:.4f} s/iteration ({tokens / measured:,.0f} tokens/s)")
     print(
@@ -362,17 +361,12 @@ def main() -> int:
         f"{measured / apart:.2f}); optimizer thread's threads "
         f"{roundpipe.optim_thread.get_num_threads()} of {torch.get_num_threads()}"
     )
-    # The contention this run shows: measured against its two sides, each timed alone (not
-    # shown where the shorter side is too short beside the longer for it to mean anything).
-    longer, shorter = max(fb_s, step_s), min(fb_s, step_s)
-    shown = (
-        f"{(measured - longer) / shorter:.2f}"
-        if shorter > 0.1 * longer
-        else "not shown (one side is under a tenth of the other)"
-    )
+    # The contention this run shows: measured against its two sides, each timed alone.
+    shown = contention_shown(measured, fb_s, step_s)
     print(
         f"alone:    forward_backward {fb_s:.4f} s, step {step_s:.4f} s; the iteration's "
-        f"contention {shown} (the price's {args.contention})"
+        f"contention {'not shown (one side under a tenth of the other)' if shown is None else round(shown, 2)} "
+        f"(the price's {args.contention})"
     )
     print(
         f"price inputs: forward {sum(forward) * 1e3:.2f} ms, backward {sum(backward) * 1e3:.2f} "

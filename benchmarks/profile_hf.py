@@ -45,7 +45,7 @@ from profile_gpu import (  # noqa: E402
 
 import roundpipe  # noqa: E402
 from roundpipe import GradScaler, OptimizerCtx, RoundPipeRunConfig  # noqa: E402
-from roundpipe.plan import HOST_CONTENTION  # noqa: E402
+from roundpipe.plan import HOST_CONTENTION, contention_shown, overlapped  # noqa: E402
 
 # Qwen3-1.7B's published shape; the sequence, batch and microbatches of the GPU harness.
 GPU_SIZES = dict(layers=8, hidden=2048, intermediate=6144, heads=16, kv_heads=8, head_dim=128)
@@ -233,12 +233,12 @@ def main() -> int:
         f"{roundpipe.optim_thread.get_num_threads()} of {torch.get_num_threads()}"
     )
     # The two overlapped on one host (see [Note: pricing] in roundpipe/plan/price.py).
-    longer, shorter = max(fb_s, step_s), min(fb_s, step_s)
+    priced = overlapped(fb_s, step_s, HOST_CONTENTION)
+    shown = contention_shown(measured, fb_s, step_s)
     print(
-        f"overlapped: {longer + HOST_CONTENTION * shorter:.4f} s/iteration at the price's "
-        f"contention {HOST_CONTENTION} (measured/that "
-        f"{measured / (longer + HOST_CONTENTION * shorter):.2f}); the contention measured: "
-        f"{(measured - longer) / shorter:.2f}"
+        f"overlapped: {priced:.4f} s/iteration at the price's contention {HOST_CONTENTION} "
+        f"(measured/that {measured / priced:.2f}); the contention measured: "
+        f"{'not shown (one side under a tenth of the other)' if shown is None else round(shown, 2)}"
     )
     if on_gpu:
         planned = model.memory_plan(input_kwargs=batch).devices[0].peak

@@ -25,7 +25,15 @@ from roundpipe.plan.actions import (
 from roundpipe.plan.build import build_plan
 from roundpipe.plan.memory import ActionBytes, DevicePeak, StageBytes, device_peaks
 from roundpipe.plan.partition import check_execute_plan, partition, stages_by_size
-from roundpipe.plan.price import HOST_CONTENTION, Costs, Span, Timeline, price
+from roundpipe.plan.price import (
+    HOST_CONTENTION,
+    Costs,
+    Span,
+    Timeline,
+    contention_shown,
+    overlapped,
+    price,
+)
 
 __all__ = [
     "HOST_CONTENTION",
@@ -43,8 +51,10 @@ __all__ = [
     "TransferKind",
     "build_plan",
     "check_execute_plan",
+    "contention_shown",
     "device_peaks",
     "device_stages",
+    "overlapped",
     "partition",
     "price",
     "simulate",

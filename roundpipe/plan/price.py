@@ -13,7 +13,15 @@ from collections.abc import Sequence
 
 from roundpipe.plan.actions import Action, ActionKind, Plan
 
-__all__ = ["HOST_CONTENTION", "Costs", "Span", "Timeline", "price"]
+__all__ = [
+    "HOST_CONTENTION",
+    "Costs",
+    "Span",
+    "Timeline",
+    "contention_shown",
+    "overlapped",
+    "price",
+]
 
 
 # [Note: pricing]
@@ -56,6 +64,20 @@ __all__ = ["HOST_CONTENTION", "Costs", "Span", "Timeline", "price"]
 # fitted on; Qwen3's shape with compiled layers (forward_backward and the step each timed
 # alone) 0.30 in the harness's loop and 0.53 in profile_hf's.
 HOST_CONTENTION = 0.4
+
+
+def overlapped(devices: float, optimizer: float, contention: float) -> float:
+    """A steady iteration's seconds: the devices' work and the optimizer thread's step, each
+    that long alone, overlapped on one host with ``contention`` (see [Note: pricing])."""
+    return max(devices, optimizer) + contention * min(devices, optimizer)
+
+
+def contention_shown(measured: float, devices: float, optimizer: float) -> float | None:
+    """The contention a ``measured`` iteration shows beside its two sides timed alone (the
+    inverse of :func:`overlapped`); None where the shorter side is under a tenth of the longer,
+    too short beside it for the figure to mean anything."""
+    longer, shorter = max(devices, optimizer), min(devices, optimizer)
+    return (measured - longer) / shorter if shorter > 0.1 * longer else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -255,5 +277,5 @@ def price(plan: Plan, costs: Costs) -> Timeline:
         if not progressed:
             raise RuntimeError(f"plan deadlocks; cannot price it\n{plan}")
     end = max(host + [t for f in free for t in f.values()])
-    overlapped = max(end, costs.optimizer) + costs.contention * min(end, costs.optimizer)
-    return Timeline(tuple(spans), overlapped, end, costs.optimizer)
+    iteration = overlapped(end, costs.optimizer, costs.contention)
+    return Timeline(tuple(spans), iteration, end, costs.optimizer)

@@ -103,8 +103,7 @@ def compile_options(compile: Any, device_type: str) -> dict[str, Any] | None:
     not target warns and runs eagerly. Inductor (the default backend) gets ``fallback_random``
     unless the mapping's ``options`` set it (see [Note: compiled layers])."""
     if compile is None:
-        auto = device_type == "cuda" and _torch_version() >= COMPILE_MIN_TORCH and _has_triton()
-        compile = auto
+        compile = device_type == "cuda" and _torch_version() >= COMPILE_MIN_TORCH and _has_triton()
     if compile is False:
         return None
     if compile is True:

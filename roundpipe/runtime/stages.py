@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import warnings
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -69,7 +69,7 @@ class Layer:
     takes_context: bool = False
     # ``compiled_layer(module)`` where the model compiles its layers: the runtime calls it in
     # place of the module (see [Note: compiled layers] in roundpipe/runtime/compiled.py).
-    compiled: Any = None
+    compiled: Callable[..., Any] | None = None
 
     def describe(self) -> str:
         kind = type(self.module).__name__
