@@ -7,13 +7,12 @@ thread. See README.md and docs/.
 """
 
 from roundpipe import checkpoint, distributed, optim, optim_thread
-from roundpipe.context import WithContext
 from roundpipe.devices.pinned import pin_module
-from roundpipe.grad_scaler import GradScaler, ScaleCollapseWarning, ScalerSnapshot
 from roundpipe.layer_costs import measure_layer_costs
 from roundpipe.memory.checks import HostMemoryError
 from roundpipe.memory.probe import host_memory_available
 from roundpipe.microbatch import MicrobatchInfo
+from roundpipe.microbatch_context import WithContext
 from roundpipe.monitor import TrainingHistory, TrainingMonitor
 from roundpipe.optim.master_file import MastersOnDisk
 from roundpipe.plan import stages_by_size
@@ -26,6 +25,7 @@ from roundpipe.runtime import (
     StageNotTraceable,
     UnevenMicrobatchWarning,
 )
+from roundpipe.scaler.grad_scaler import GradScaler, ScaleCollapseWarning, ScalerSnapshot
 
 __version__ = "0.1.0"
 

@@ -21,7 +21,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils import _pytree as pytree
 
 from roundpipe.devices import kind, resolve_devices
-from roundpipe.optim_queue import add_note
+from roundpipe.threads.workers import add_note
 
 __all__ = ["measure_layer_costs"]
 

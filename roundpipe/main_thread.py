@@ -3,8 +3,8 @@ thread, so made on one of those threads they would wait for themselves."""
 
 from __future__ import annotations
 
-from roundpipe import optim_queue
 from roundpipe.devices import on_device_worker
+from roundpipe.threads import optimizer_thread
 
 __all__ = ["check_main_thread"]
 
@@ -12,10 +12,10 @@ __all__ = ["check_main_thread"]
 def check_main_thread(method: str, owner: str = "RoundPipe") -> None:
     """Raise ``RuntimeError`` if the calling thread is the optimizer thread or a device worker,
     naming ``owner.method()`` and where to call it instead. Never blocks."""
-    if optim_queue.on_optimizer_thread() or on_device_worker():
+    if optimizer_thread.on_optimizer_thread() or on_device_worker():
         where = (
             "the optimizer thread (inside a step function)"
-            if optim_queue.on_optimizer_thread()
+            if optimizer_thread.on_optimizer_thread()
             else "a device worker (inside a stage or loss_fn)"
         )
         raise RuntimeError(

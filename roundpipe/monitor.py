@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from roundpipe.host_copy import HostCopy
+from roundpipe.scaler.host_copy import HostCopy
 
 __all__ = ["TrainingMonitor", "TrainingHistory"]
 
@@ -53,7 +53,7 @@ class TrainingHistory:
 
 
 def _host_loss(loss: torch.Tensor | float) -> HostCopy:
-    """A 0-d loss on its way to the host (see [Note: host copies] in host_copy.py): storing it
+    """A 0-d loss on its way to the host (see [Note: host copies] in scaler/host_copy.py): storing it
     never syncs the device, reading it (``history()``, off the hot path) waits for its copy."""
     if isinstance(loss, torch.Tensor) and loss.numel() != 1:
         raise ValueError(f"the loss must be a scalar (one element), got shape {tuple(loss.shape)}")

@@ -15,7 +15,7 @@ Public API (``roundpipe.optim_thread``):
 
 The client API that roundpipe's own modules build on (``launch_step``, ``launch_item``,
 ``launch_work``, ``wait_all``, ``raise_failures``, the non-blocking questions) lives in
-:mod:`roundpipe.optim_queue` and is re-exported here. This module sits above
+:mod:`roundpipe.threads.optimizer_thread` and is re-exported here. This module sits above
 :mod:`roundpipe.step_check`, so :func:`launch` calls the step check directly: nothing registers
 itself at import.
 """
@@ -25,13 +25,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from roundpipe import optim_queue
-from roundpipe.grad_scaler import note_step_launched
-from roundpipe.optim_queue import *  # noqa: F403 -- this module is the queue's public face
+from roundpipe.scaler.grad_scaler import note_step_launched
 from roundpipe.step_check import check_step_fn
+from roundpipe.threads import optimizer_thread
+from roundpipe.threads.optimizer_thread import *  # noqa: F403 -- this module is the queue's public face
 
 # The queue's public names, and launch.
-__all__ = ["launch", *optim_queue.__all__]
+__all__ = ["launch", *optimizer_thread.__all__]
 
 
 def launch(fn: Callable, *args: Any, **kwargs: Any) -> None:
@@ -49,4 +49,4 @@ def launch(fn: Callable, *args: Any, **kwargs: Any) -> None:
         **kwargs: keyword arguments for ``fn``.
     """
     scalers = check_step_fn(fn)
-    note_step_launched(scalers, optim_queue.launch_step(fn, *args, **kwargs))
+    note_step_launched(scalers, optimizer_thread.launch_step(fn, *args, **kwargs))

@@ -18,8 +18,9 @@ from typing import Any
 
 import torch
 
-from roundpipe import grad_scaler, optim_queue
-from roundpipe.optim_queue import caller_must_wait
+from roundpipe.scaler import grad_scaler
+from roundpipe.threads import optimizer_thread
+from roundpipe.threads.optimizer_thread import caller_must_wait
 
 __all__ = ["check_step_fn", "check_optimizer_step", "guard_optimizer"]
 
@@ -38,7 +39,7 @@ __all__ = ["check_step_fn", "check_optimizer_step", "guard_optimizer"]
 #     may not touch its back side while a step may run (grad_scaler.note_step_launched);
 #   * a torch optimizer found there (or stepping in a RoundPipe step) gets state_dict and
 #     load_state_dict pre-hooks that wait for launched work first, as the masters' .grad does
-#     ([Note: guarded master gradients] in grad_access.py). One registered on the optimizer
+#     ([Note: guarded master gradients] in runtime/grad_access.py). One registered on the optimizer
 #     thread at its first step leaves that first step unguarded against a concurrent
 #     state_dict(), which torch then may report as "dictionary changed size during iteration".
 
@@ -173,9 +174,9 @@ def check_step_fn(step_fn: Callable) -> list[grad_scaler.GradScaler]:
     optimizer thread, usually the main thread): raise ``RuntimeError`` if the
     step function refers to a ``torch.amp.GradScaler``; guard the optimizers it refers to (see
     [Note: what a step shares]). Returns the ``roundpipe.GradScaler`` objects it refers to, for
-    the launcher to hand the launched item (:func:`roundpipe.grad_scaler.note_step_launched`;
+    the launcher to hand the launched item (:func:`roundpipe.scaler.grad_scaler.note_step_launched`;
     the step's failure is theirs too, see [Note: error reporting] in
-    :mod:`roundpipe.optim_queue`). Never blocks."""
+    :mod:`roundpipe.threads.optimizer_thread`). Never blocks."""
     scalers: list[grad_scaler.GradScaler] = []
     for where, obj in _referenced_objects(step_fn):
         if _foreign_scaler(obj):
@@ -238,7 +239,7 @@ _GUARD_LOCK = threading.Lock()
 def _wait_before_state_dict(optimizer: torch.optim.Optimizer, *state_dict: Any) -> None:
     # Failures stay for the loop's next roundpipe call (see [Note: guarded master gradients]).
     if caller_must_wait():
-        optim_queue.wait_all()
+        optimizer_thread.wait_all()
 
 
 def guard_optimizer(optimizer: torch.optim.Optimizer) -> None:

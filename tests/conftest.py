@@ -95,7 +95,7 @@ def group_of_one(tmp_path):
     """A gloo process group of this process alone (a one-rank data-parallel run)."""
     import torch.distributed as dist
 
-    from roundpipe import distributed as rpd
+    from roundpipe.distributed import group as rpd_group
 
     assert not dist.is_initialized(), "a process group leaked from an earlier test"
     dist.init_process_group(
@@ -103,11 +103,11 @@ def group_of_one(tmp_path):
         store=dist.FileStore(str(tmp_path / "store"), 1),
         rank=0,
         world_size=1,
-        timeout=rpd._as_timedelta(10),
+        timeout=rpd_group._as_timedelta(10),
     )
     try:
         yield
     finally:
         dist.destroy_process_group()
-        if rpd._ACTIVE is not None:  # a failed test left a DataParallel attached
-            rpd._ACTIVE, rpd._ACTIVE_USERS = None, 0
+        if rpd_group.active_group() is not None:  # a failed test left a DataParallel attached
+            rpd_group._ACTIVE, rpd_group._ACTIVE_USERS = None, 0

@@ -24,6 +24,7 @@ from torch import nn
 
 from roundpipe import GradScaler, OptimizerCtx, RoundPipe
 from roundpipe import distributed as rpd
+from roundpipe.distributed.group import active_group
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import dp_worker  # noqa: E402
@@ -366,7 +367,7 @@ def test_without_a_process_group_the_calls_say_what_to_do():
     with pytest.raises(RuntimeError, match="init_process_group"):
         rpd.shard(torch.zeros(4))
     assert not model._step_pre_hooks
-    assert rpd._ACTIVE is None
+    assert active_group() is None
 
 
 def test_init_process_group_without_torchrun_names_the_command(monkeypatch):
@@ -386,7 +387,7 @@ def test_a_group_of_one_trains_bitwise_as_no_data_parallelism(group_of_one):
     cfg = {"steps": 4, "mode": "async", "inf_step": 1}
     plain = dp_worker.train(cfg)
     with_dp = dp_worker.train(cfg, dp={"bucket_cap_mb": 1e-4})  # several buckets, a ring reused
-    assert rpd._ACTIVE is None  # the worker closed its DataParallel
+    assert active_group() is None  # the worker closed its DataParallel
     for name, value in plain["masters"].items():
         assert torch.equal(with_dp["masters"][name], value), name
     assert with_dp["skipped"] == plain["skipped"] and plain["skipped"][1] is True
@@ -412,7 +413,7 @@ def test_data_parallel_misuse_is_rejected(group_of_one):
     finally:
         dp.close()
     dp.close()  # idempotent
-    assert not model._step_pre_hooks and rpd._ACTIVE is None
+    assert not model._step_pre_hooks and active_group() is None
     with pytest.raises(RuntimeError, match="was closed"):
         dp.replicas_identical()
 

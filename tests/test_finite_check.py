@@ -1,4 +1,4 @@
-"""Gradient sums checked for inf/NaN on the device (roundpipe.finite_check): the scaler's host
+"""Gradient sums checked for inf/NaN on the device (roundpipe.scaler.finite_check): the scaler's host
 pass skips the gradients the device checked, and only while they are unchanged; an overflow is
 caught either way, with the same steps skipped and the same scales as on the CPU pool."""
 
@@ -10,7 +10,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import roundpipe
-from roundpipe import GradScaler, OptimizerCtx, RoundPipe, RoundPipeRunConfig, finite_check
+from roundpipe import GradScaler, OptimizerCtx, RoundPipe, RoundPipeRunConfig
+from roundpipe.scaler import finite_check
 
 
 def build(devices):

@@ -1,7 +1,7 @@
 """The masters' .grad is never touched by the main thread while launched work may use it: a
 torch optimizer's zero_grad() anywhere in the loop trains as the documented loop does, the
 guard waits and warns, and the masters still work with torch's optimizers, state dicts,
-pickling and deep copies. See [Note: guarded master gradients] in roundpipe/grad_access.py."""
+pickling and deep copies. See [Note: guarded master gradients] in roundpipe/runtime/grad_access.py."""
 
 import copy
 import io
@@ -15,7 +15,7 @@ from torch import nn
 
 import roundpipe
 from roundpipe import OptimizerCtx, RoundPipe, RoundPipeRunConfig, optim_thread
-from roundpipe.grad_access import MasterParameter
+from roundpipe.runtime.grad_access import MasterParameter
 
 
 def _batches(n):
@@ -108,7 +108,7 @@ def opens_the_queue_when_waited(monkeypatch):
         real_wait_all()
 
     # The guard waits through the queue module that roundpipe's own modules use.
-    monkeypatch.setattr(roundpipe.optim_queue, "wait_all", wait_all)
+    monkeypatch.setattr(roundpipe.threads.optimizer_thread, "wait_all", wait_all)
     yield release, waits
     release.set()
     optim_thread.synchronize()
@@ -356,7 +356,7 @@ def test_reading_the_wrapped_models_gradients_warns_where_they_are_none():
 
 
 def test_the_wrapped_parameters_stay_parameters_everywhere_else():
-    from roundpipe.grad_access import WrappedParameter
+    from roundpipe.runtime.grad_access import WrappedParameter
 
     seq = _clip_net()
     model = RoundPipe(seq)

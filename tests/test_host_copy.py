@@ -1,12 +1,12 @@
 """HostCopy: values on their way to the host, read without waiting for anything but that copy
-(see [Note: host copies] in roundpipe.host_copy). On the emulated device an event is done only
+(see [Note: host copies] in roundpipe.scaler.host_copy). On the emulated device an event is done only
 once the host has waited for it (see [Note: emulated event queries] in roundpipe.testing.emu),
 so the branch where a copy is still on its way runs here as it does on a GPU."""
 
 import pytest
 import torch
 
-from roundpipe.host_copy import HostCopy
+from roundpipe.scaler.host_copy import HostCopy
 from roundpipe.testing.emu import rules_set
 
 

@@ -133,7 +133,7 @@ def test_the_masters_live_in_a_reserved_file_not_in_ram(tmp_path):
     expected = sum(-(-m.numel() * 4 // 4096) * 4096 for m in model.optim_parameters())
     assert file.stat().st_size == expected and file.stat().st_blocks * 512 >= expected
     first = next(model.optim_parameters())
-    assert isinstance(first, roundpipe.grad_access.MasterParameter)
+    assert isinstance(first, roundpipe.runtime.grad_access.MasterParameter)
     assert master_file.file_of_master(first) is not None
     # The masters are views of the file's map, holding the model's values.
     with open(file, "rb") as f:

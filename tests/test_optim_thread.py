@@ -243,10 +243,10 @@ def test_no_module_outside_the_runtime_uses_a_private_name_of_optim_thread():
     root = Path(optim_thread.__file__).resolve().parent
     offenders = []
     for path in sorted(root.rglob("*.py")):
-        if path.parent.name == "runtime" or path.name in ("optim_thread.py", "optim_queue.py"):
+        if path.parent.name == "runtime" or path.name in ("optim_thread.py", "optimizer_thread.py"):
             continue
         for lineno, line in enumerate(path.read_text().splitlines(), 1):
-            if "optim_thread._" in line or "optim_queue._" in line:
+            if "optim_thread._" in line or "optimizer_thread._" in line:
                 offenders.append(f"{path.relative_to(root)}:{lineno}: {line.strip()}")
     assert offenders == []
 

@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from roundpipe.scale_rule import ScaleHyper, ScaleRule, check_hyper, check_hyper_field
+from roundpipe.scaler.rule import ScaleHyper, ScaleRule, check_hyper, check_hyper_field
 
 
 def _flags(n, p, seed):

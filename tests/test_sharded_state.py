@@ -18,12 +18,21 @@ from torch import nn
 from roundpipe import OptimizerCtx, RoundPipe
 from roundpipe import checkpoint as rpc
 from roundpipe import distributed as rpd
+from roundpipe.distributed.group import active_group
+from roundpipe.distributed.sharded import StageReducer
 from roundpipe.memory.host import host_terms
 from roundpipe.runtime.placement import shard_by_bytes
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import dp_worker  # noqa: E402
 from test_distributed import run_ranks  # noqa: E402
+
+
+def _reducer_of(dp):
+    """A stage reducer over ``dp``'s group and gradient targets, as the DataParallel of a
+    sharded model of several ranks makes its own (a group of one has none)."""
+    return StageReducer(dp._group, dp._masters, dp._owners, dp._cap, dp._in_flight, dp._install)
+
 
 pytestmark = pytest.mark.skipif(
     not dist.is_available() or not dist.is_gloo_available(),
@@ -118,7 +127,7 @@ def test_a_sharded_group_of_one_trains_bitwise_as_no_data_parallelism(group_of_o
     cfg = {"steps": 4, "mode": "async", "dtype": "fp16", "inf_step": 1, "clip": 1.0}
     plain = dp_worker.train(cfg)
     sharded = dp_worker.train({**cfg, "shard": True}, dp={"bucket_cap_mb": 1e-4})
-    assert rpd._ACTIVE is None
+    assert active_group() is None
     for name, value in plain["masters"].items():
         assert torch.equal(sharded["masters"][name], value), name
     assert sharded["skipped"] == plain["skipped"] and plain["skipped"][1] is True
@@ -174,7 +183,7 @@ def test_a_stage_is_handed_over_only_once_the_stages_above_it_are_reduced(group_
         nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 2)), state_placement=rpd.ShardedState()
     )
     dp = rpd.DataParallel(model)
-    reducer = rpd._StageReducer(dp, dp._group)  # a group of one has none: made here
+    reducer = _reducer_of(dp)  # a group of one has none: made here
     try:
         records = model.state_access().params.records
         params = [[records[0], records[1]], [records[2], records[3]]]
@@ -215,7 +224,7 @@ def test_a_reducer_that_fails_outside_a_reduce_fails_every_hand_over(group_of_on
     submission and every later one with it, instead of leaving their moves waiting."""
     model = RoundPipe(nn.Sequential(nn.Linear(3, 3)), state_placement=rpd.ShardedState())
     dp = rpd.DataParallel(model)
-    reducer = rpd._StageReducer(dp, dp._group)
+    reducer = _reducer_of(dp)
     try:
 
         class Unsized:  # iterable, but len() raises TypeError: _arrive fails on it

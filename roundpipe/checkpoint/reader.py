@@ -20,7 +20,6 @@ from typing import Any
 
 import torch
 
-from roundpipe import distributed, optim_queue
 from roundpipe.checkpoint import named
 from roundpipe.checkpoint.files import (
     DTYPE_NAMES,
@@ -48,7 +47,10 @@ from roundpipe.checkpoint.state import (
     restore_on_main_thread,
     restore_on_optimizer_thread,
 )
+from roundpipe.distributed import exchange
+from roundpipe.distributed.group import data_parallel_rank
 from roundpipe.main_thread import check_main_thread
+from roundpipe.threads import optimizer_thread
 
 __all__ = ["load", "latest"]
 
@@ -121,7 +123,7 @@ def load(
             listener(done[0], checked + total)
 
     def agree(problems: list[str]) -> list[str]:
-        return distributed.union_over_ranks(problems, "the checks of the checkpoint's files")
+        return exchange.union_over_ranks(problems, "the checks of the checkpoint's files")
 
     try:
         verify_files(ckpt, advance, share, agree if share else None)
@@ -169,8 +171,8 @@ def load(
             scaler_state = decode(tree["scaler"], reader.load) if "scaler" in tree else None
             rank_state = _rank_state(ckpt)
             # Everything that changes the model runs behind whatever was launched (a write
-            # still holding the masters included: see [Note: holds] in optim_queue).
-            item = optim_queue.launch_work(
+            # still holding the masters included: see [Note: holds] in roundpipe.threads.optimizer_thread).
+            item = optimizer_thread.launch_work(
                 restore_on_optimizer_thread,
                 (
                     access,
@@ -271,7 +273,7 @@ def _check_tensors(ckpt: Checkpoint, description: dict[str, Any], access: Any) -
 def _rank_state(ckpt: Checkpoint) -> dict[str, Any]:
     """This rank's RNG state and ``extra`` (rank 0's if the checkpoint has fewer ranks)."""
     ranks = ckpt.manifest.get("ranks", [])
-    dp = distributed.data_parallel_rank()
+    dp = data_parallel_rank()
     rank = 0 if dp is None or dp[0] >= len(ranks) else dp[0]
     file = ckpt.path / ranks[rank]
     entries, metadata, start = read_header(file)

@@ -57,7 +57,7 @@ __all__ = [
 #     the model's low-precision parameters (the copy launched with the last step has run: they
 #     are what the next iteration computes with), the masters' gradients, the optimizer's and
 #     the scheduler's state, the scaler's back side.
-# The item takes no copy: it holds (optim_queue.hold) the parts the writer thread still has to
+# The item takes no copy: it holds (optimizer_thread.hold) the parts the writer thread still has to
 # write, "grads", "params", "masters", "optimizer", released one by one as their files are
 # written. Until then a later item that would change one of them (the next step, the next
 # master->model copy) waits on the optimizer thread, while the main thread computes on; a
@@ -76,7 +76,7 @@ __all__ = [
 # what is replicated (the model's parameters and buffers, the scaler, the scheduler, every
 # rank's RNG state and ``extra``, as a replicated data-parallel checkpoint). Each rank then posts
 # its files' sizes, checksums and tensor index to rank 0 (see [Note: messages to rank 0] in
-# roundpipe.distributed); rank 0 waits for all of them, writes the manifest (its world size,
+# roundpipe.distributed.exchange); rank 0 waits for all of them, writes the manifest (its world size,
 # every file, and the file of every tensor) and renames the directory: as in one process, a
 # checkpoint that has its name is complete, and a rank that fails or dies leaves no manifest.
 # The optimizer state is stored by master name (roundpipe.checkpoint.named), not by the
@@ -89,7 +89,7 @@ __all__ = [
 # The groups of shards, in the order they are written (the parts they hold are released in
 # that order; gradients first, so that the next forward_backward's gradient moves can pass).
 GROUPS = ("grads", "model", "masters", "optimizer")
-# The part of the state each group holds (see [Note: holds] in roundpipe.optim_queue).
+# The part of the state each group holds (see [Note: holds] in roundpipe.threads.optimizer_thread).
 TOUCHES = {"grads": "grads", "model": "params", "masters": "masters", "optimizer": "optimizer"}
 
 

@@ -10,7 +10,7 @@ the HuggingFace directory if asked, the manifest, and renames the directory into
 is the call's handle.
 
 Threads: :func:`save` and :func:`wait` on the main thread; the write on the writer thread
-(one per process, a :class:`roundpipe.workers.WorkerThread`, started by the first save and
+(one per process, a :class:`roundpipe.threads.workers.WorkerThread`, started by the first save and
 drained at interpreter exit after the optimizer thread has handed it everything).
 """
 
@@ -27,7 +27,6 @@ from typing import Any
 
 import torch
 
-from roundpipe import distributed, optim_queue
 from roundpipe.checkpoint import hf_export, named
 from roundpipe.checkpoint.files import ShardWriter, file_crc32, remove_dir, sync_dir
 from roundpipe.checkpoint.manifest import (
@@ -38,8 +37,11 @@ from roundpipe.checkpoint.manifest import (
 )
 from roundpipe.checkpoint.progress import listener as progress_listener
 from roundpipe.checkpoint.state import GROUPS, TOUCHES, Capture, Completed, take_on_main_thread
+from roundpipe.distributed import exchange
+from roundpipe.distributed.group import data_parallel_rank
 from roundpipe.main_thread import check_main_thread
-from roundpipe.workers import Future, WorkerThread
+from roundpipe.threads import optimizer_thread
+from roundpipe.threads.workers import Future, WorkerThread
 
 __all__ = ["PendingCheckpoint", "save", "wait", "DEFAULT_SHARD_BYTES"]
 
@@ -75,13 +77,13 @@ class PendingCheckpoint:
         self.bytes_total = 0
         self.writes = False  # whether this process writes the files (rank 0)
         self._owners = owners
-        self._item: optim_queue.WorkItem | None = None
+        self._item: optimizer_thread.WorkItem | None = None
         self._written = Future()
-        self._failure: optim_queue.WorkItem | None = None
+        self._failure: optimizer_thread.WorkItem | None = None
         self._listeners: list[Callable[[int, int], None]] = []
         self._listeners_lock = threading.Lock()
 
-    def _attach(self, item: optim_queue.WorkItem) -> None:
+    def _attach(self, item: optimizer_thread.WorkItem) -> None:
         """Main thread, at the save: the work item that hands the state over."""
         self._item = item
 
@@ -141,14 +143,14 @@ class PendingCheckpoint:
 
     def _finish(self, exc: BaseException | None) -> None:
         """Writer (or optimizer) thread: settle the handle; a failure goes to the owners' next
-        report too (see [Note: error reporting] in :mod:`roundpipe.optim_queue`)."""
+        report too (see [Note: error reporting] in :mod:`roundpipe.threads.optimizer_thread`)."""
         if exc is not None:
-            optim_queue.add_note(
+            optimizer_thread.add_note(
                 exc,
                 f"[roundpipe checkpoint writer] writing {self.path} failed; the checkpoints "
                 f"written before it are untouched",
             )
-            self._failure = optim_queue.record_failure(exc, self._owners)
+            self._failure = optimizer_thread.record_failure(exc, self._owners)
         with _LOCK:
             if self in _PENDING:
                 _PENDING.remove(self)
@@ -159,7 +161,7 @@ class PendingCheckpoint:
         self._listeners_lock = threading.Lock()
         if not self._written.done():
             self._finish(
-                optim_queue.ForkedWithPendingWork(
+                optimizer_thread.ForkedWithPendingWork(
                     f"checkpoint {self.path} was being written when this process was forked; "
                     f"the write goes on in the parent only"
                 )
@@ -242,7 +244,7 @@ def save(
     root_path = Path(root)
     if root_path.exists() and not root_path.is_dir():
         raise NotADirectoryError(f"save() writes checkpoints into a directory; {root} is a file")
-    dp = distributed.data_parallel_rank()
+    dp = data_parallel_rank()
     capture = take_on_main_thread(
         model, optimizer, scheduler, scaler, extra, dp[0] if dp else 0, dp[1] if dp else 1
     )
@@ -252,7 +254,7 @@ def save(
     with _LOCK:
         _PENDING.append(handle)
     job = _Job(handle, capture, export, keep_last, max_shard_bytes)
-    handle._attach(optim_queue.launch_work(job.hand_over, owners=owners, touches=()))
+    handle._attach(optimizer_thread.launch_work(job.hand_over, owners=owners, touches=()))
     _ensure_exit_hook()
     return handle
 
@@ -300,7 +302,7 @@ def _ensure_exit_hook() -> None:
 
 
 def _drain_at_exit() -> None:
-    optim_queue.wait_all()
+    optimizer_thread.wait_all()
     _WRITER.shutdown()
 
 
@@ -332,9 +334,9 @@ class _Job:
         sharded = capture.shard_rank is not None
         try:
             if sharded:  # every rank writes (see [Note: sharded checkpoints])
-                completed = capture.complete(lambda data: distributed.all_gather_bytes(data, where))
+                completed = capture.complete(lambda data: exchange.all_gather_bytes(data, where))
                 first = json.loads(
-                    distributed.all_gather_bytes(
+                    exchange.all_gather_bytes(
                         json.dumps([str(self.handle.path), os.getpid()]).encode(), where
                     )[0]
                 )
@@ -343,7 +345,7 @@ class _Job:
                 if capture.shard_rank != 0:
                     completed.rank_files = None
             else:
-                completed = capture.complete(lambda data: distributed.gather_bytes(data, where))
+                completed = capture.complete(lambda data: exchange.gather_bytes(data, where))
         except BaseException:
             self.handle._finish(None)  # the item's own failure is what wait() raises
             raise
@@ -357,7 +359,7 @@ class _Job:
         parts = {TOUCHES[g] for g, tensors in completed.groups.items() if tensors}
         if self.export is not None:
             parts.add("masters")
-        hold = optim_queue.hold(parts)
+        hold = optimizer_thread.hold(parts)
         try:
             _WRITER.enqueue(lambda: self.write(completed, capture, hold))
         except BaseException:
@@ -365,7 +367,7 @@ class _Job:
             self.handle._finish(None)
             raise
 
-    def write(self, completed: Completed, capture: Capture, hold: optim_queue.Hold) -> None:
+    def write(self, completed: Completed, capture: Capture, hold: optimizer_thread.Hold) -> None:
         """Writer thread: the files, the manifest, the rename, the pruning; never raises (the
         failure goes to the handle and the owners)."""
         handle = self.handle
@@ -448,7 +450,12 @@ class _Job:
         return f"checkpoint/{self.handle.path}/{self.tmp_pid}/{self.handle.sequence}/rank{rank}"
 
     def _write_share(
-        self, completed: Completed, capture: Capture, hold: optim_queue.Hold, tmp: Path, rank: int
+        self,
+        completed: Completed,
+        capture: Capture,
+        hold: optimizer_thread.Hold,
+        tmp: Path,
+        rank: int,
     ) -> None:
         """Writer thread of a sharded rank other than 0: its masters, gradients and optimizer
         state into files of its own in the checkpoint's temporary directory, then their sizes,
@@ -477,11 +484,11 @@ class _Job:
         except BaseException as exc:  # noqa: B036 -- posted to rank 0 and handed to the handle
             message["error"] = f"{type(exc).__name__}: {exc}"
             with contextlib.suppress(Exception):
-                distributed.post_to_rank0(self._share_key(rank), json.dumps(message).encode())
+                exchange.post_to_rank0(self._share_key(rank), json.dumps(message).encode())
             handle._finish(exc)
             return
         try:
-            distributed.post_to_rank0(self._share_key(rank), json.dumps(message).encode())
+            exchange.post_to_rank0(self._share_key(rank), json.dumps(message).encode())
         except BaseException as exc:  # noqa: B036 -- handed to the handle and the owners
             handle._finish(exc)
         else:
@@ -491,10 +498,10 @@ class _Job:
         self, completed: Completed, files: dict[str, Any], index: dict[str, str], world: int
     ) -> None:
         """Writer thread of rank 0, sharded: wait for every other rank's files (see
-        [Note: messages to rank 0] in roundpipe.distributed), and add them to the manifest's
+        [Note: messages to rank 0] in roundpipe.distributed.exchange), and add them to the manifest's
         ``files``, ``index`` and state."""
         what = f"checkpoint {self.handle.path.name}: the files of every rank"
-        messages = distributed.collect_on_rank0([self._share_key(r) for r in range(1, world)], what)
+        messages = exchange.collect_on_rank0([self._share_key(r) for r in range(1, world)], what)
         tree = completed.tree
         optimizers = [tree.get("optimizer_by_name")]
         for r, raw in enumerate(messages, start=1):
@@ -572,7 +579,7 @@ def _alive(pid: int) -> bool:
 
 
 def _after_fork_in_child() -> None:
-    """In a fork child (see [Note: fork] in roundpipe.optim_queue): fresh locks (the parent's
+    """In a fork child (see [Note: fork] in roundpipe.threads.optimizer_thread): fresh locks (the parent's
     may have been held by a thread that is gone), and every pending checkpoint fails there."""
     global _LOCK
     _LOCK = threading.Lock()

@@ -22,7 +22,7 @@ from roundpipe.devices.pool import (
     register_device_kind,
     resolve_devices,
 )
-from roundpipe.workers import Future
+from roundpipe.threads.workers import Future
 
 __all__ = [
     "ENV_VAR",

@@ -159,7 +159,7 @@ class StreamingBackend(Backend, Protocol):
         """``D`` of gradient sums: :meth:`download`, plus a two-element fp32 host tensor,
         arrived with them: 1.0 if any of them holds an inf or NaN, else 0.0; and the largest
         magnitude among them (checked on the device; see [Note: checked on the device] in
-        :mod:`roundpipe.finite_check`)."""
+        :mod:`roundpipe.scaler.finite_check`)."""
         ...
 
     def wait_for(self, event: torch.Event) -> None:

@@ -11,8 +11,8 @@
 * :func:`resolve_devices`: the ``devices=`` argument beats ``ROUNDPIPE_DEVICES``, which beats the
   default (every CUDA device, else one CPU worker).
 * One worker thread per device, process-wide (:func:`get_worker`): a
-  :class:`roundpipe.workers.WorkerThread` whose work items have future-like results
-  (:class:`roundpipe.workers.Future`). Except CPU device 0, whose work the calling thread runs
+  :class:`roundpipe.threads.workers.WorkerThread` whose work items have future-like results
+  (:class:`roundpipe.threads.workers.Future`). Except CPU device 0, whose work the calling thread runs
   itself, in :func:`caller_as_worker` (see [Note: the calling thread runs CPU device 0]).
 """
 
@@ -33,7 +33,7 @@ from roundpipe.devices.accelerator import AcceleratorBackend
 from roundpipe.devices.backend import Backend, WorkerDevice
 from roundpipe.devices.cpu import CPUBackend
 from roundpipe.devices.pinned import TORCH_PINNED, PinnedAllocator
-from roundpipe.workers import Future, WorkerThread
+from roundpipe.threads.workers import Future, WorkerThread
 
 __all__ = [
     "ENV_VAR",
@@ -234,7 +234,7 @@ def _mark_worker() -> None:
 
 class DeviceWorker(WorkerThread):
     """One thread that runs work items for one device, in submission order (a
-    :class:`roundpipe.workers.WorkerThread`). ``role``: "worker" (the device's programs) or
+    :class:`roundpipe.threads.workers.WorkerThread`). ``role``: "worker" (the device's programs) or
     "recompute" (its helper, see [Note: overlapped recompute] in
     :mod:`roundpipe.runtime.stage_ops`)."""
 

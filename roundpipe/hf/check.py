@@ -27,9 +27,9 @@ import torch
 from torch import nn
 from torch.nn.utils.stateless import _reparametrize_module
 
-from roundpipe.context import WithContext
 from roundpipe.hf.families import Family
 from roundpipe.hf.stages import IGNORE_INDEX, Decoder, Embed, Head, shift_labels
+from roundpipe.microbatch_context import WithContext
 
 __all__ = ["WrapCheckError", "CheckReport", "check_stages", "TOLERANCE"]
 

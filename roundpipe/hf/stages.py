@@ -16,10 +16,10 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from roundpipe.context import WithContext
 from roundpipe.hf import compat, tiling
 from roundpipe.hf.families import Family
 from roundpipe.hf.loss import IGNORE_INDEX, chunked_causal_lm_loss
+from roundpipe.microbatch_context import WithContext
 from roundpipe.runtime.compiled import compiled_layer
 
 __all__ = ["Embed", "Decoder", "Head", "num_experts", "has_experts"]

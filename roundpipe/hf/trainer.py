@@ -29,10 +29,10 @@ from torch import nn
 
 from roundpipe import checkpoint, optim_thread
 from roundpipe.distributed import DataParallel
-from roundpipe.grad_scaler import GradScaler
 from roundpipe.hf.wrap import HFRoundPipe, wrap
 from roundpipe.optim.master_file import MastersOnDisk
 from roundpipe.runtime import RoundPipeRunConfig
+from roundpipe.scaler.grad_scaler import GradScaler
 
 __all__ = ["RoundPipeTrainerMixin", "Trainer", "unsupported_arguments"]
 

@@ -11,7 +11,6 @@ import torch
 from torch import nn
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from roundpipe import optim_queue
 from roundpipe.hf import compat
 from roundpipe.hf.calls import causal_lm_loss, count_predicted, parse_batch, positional_batch
 from roundpipe.hf.check import check_stages
@@ -31,6 +30,7 @@ from roundpipe.memory.search import longest_fitting
 from roundpipe.runtime import RoundPipe, RoundPipeRunConfig
 from roundpipe.runtime.compiled import compile_options
 from roundpipe.runtime.optimizer_ctx import in_optimizer_ctx
+from roundpipe.threads import optimizer_thread
 
 __all__ = ["wrap", "HFRoundPipe", "default_loss_chunk_tokens"]
 
@@ -177,7 +177,7 @@ class HFRoundPipe(RoundPipe):
                 "load_state_dict(assign=True) would replace the parameter objects "
                 "that RoundPipe's masters shadow; load with assign=False"
             )
-        optim_queue.synchronize()
+        optimizer_thread.synchronize()
         self._params.wait_ready()
         state = self._names.translate_stage_names(state_dict)
         result = self.hf_model.load_state_dict(state, strict=strict)

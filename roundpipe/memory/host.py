@@ -54,7 +54,7 @@ class HostTerms:
     ``grads``: the masters' gradients (one per trainable parameter, in its master's dtype);
     sharded (``ranks`` > 1) with the gradients handed over stage by stage (``grads_by_stage``:
     a pool of accelerators or of several CPU devices, see [Note: sharded state] in
-    :mod:`roundpipe.distributed`), this rank's share plus two layers' sums on their way to
+    :mod:`roundpipe.distributed.sharded`), this rank's share plus two layers' sums on their way to
     their owners; one CPU device's fused call hands every sum at its end, so all of them;
     ``optimizer``: the optimizer's state, estimated as Adam's (two moments per held master),
     or, with ``optimizer_dir`` (``Adam(state_dir=...)``), the host buffer it streams through;

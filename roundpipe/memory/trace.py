@@ -30,9 +30,9 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from roundpipe.autocast import AutocastState, autocast_context
-from roundpipe.context import WithContext
 from roundpipe.memory.live import LiveBytes
 from roundpipe.microbatch import MicrobatchInfo
+from roundpipe.microbatch_context import WithContext
 from roundpipe.plan import ActionBytes
 from roundpipe.runtime.stages import Stage
 

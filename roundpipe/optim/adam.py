@@ -22,9 +22,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from roundpipe import optim_queue
 from roundpipe.optim.kernel import FUSED_DEVICE_TYPES, group_allows_fused, param_fits_fused
 from roundpipe.optim.placement import OptimizerStatePlacement, StateInRAM, make_placement
+from roundpipe.threads import optimizer_thread
 
 __all__ = ["Adam", "AdamW"]
 
@@ -269,7 +269,7 @@ class Adam(torch.optim.Adam):
 
 def _wait_for_launched_work() -> None:
     # Returns at once on the optimizer thread itself (see roundpipe.optim_thread.synchronize).
-    optim_queue.synchronize()
+    optimizer_thread.synchronize()
 
 
 class AdamW(Adam):

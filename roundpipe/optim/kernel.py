@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from roundpipe.grad_access import MasterParameter, WrappedParameter
+from roundpipe.runtime.grad_access import MasterParameter, WrappedParameter
 
 __all__ = [
     "COMPLEX_FUSABLE",

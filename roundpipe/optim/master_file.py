@@ -14,9 +14,9 @@ import torch
 from torch import Tensor, nn
 from torch.utils.weak import WeakIdKeyDictionary
 
-from roundpipe.grad_access import MasterParameter
 from roundpipe.memory.host import MASTERS_COPY_BUFFER_BYTES, format_bytes
 from roundpipe.optim.spill_file import ALIGN, SpillFile
+from roundpipe.runtime.grad_access import MasterParameter
 from roundpipe.runtime.placement import MasterPlacement
 
 __all__ = ["MastersOnDisk", "DEFAULT_COPY_BUFFER_BYTES", "file_of_master"]

@@ -48,7 +48,7 @@ class ActionBytes:
     the parameter and input gradients); ``input_grad``: the gradient it hands to the stage
     before; ``param_grads``: its parameters' gradients (before they are summed); ``context``
     (stage 0 only): the microbatch's context its forward makes (an HF model's position ids,
-    rotary tables, shifted labels; see :mod:`roundpipe.context`), which every device that runs
+    rotary tables, shifted labels; see :mod:`roundpipe.microbatch_context`), which every device that runs
     one of the microbatch's stages holds until the call ends."""
 
     input: int = 0

@@ -130,7 +130,7 @@ class CallState:
     ``uploads``: per stage, its upload while a run of it holds one (the stage's worker only).
     ``released``: per (stage, pass), the event after its run, for a later host wait.
     ``contexts``: per microbatch, the context its first layer returned; ``device_contexts``: a
-    copy per (device, microbatch) on the other devices (see :mod:`roundpipe.context`)."""
+    copy per (device, microbatch) on the other devices (see :mod:`roundpipe.microbatch_context`)."""
 
     def __init__(self, spec: CallSpec) -> None:
         S, M = len(spec.stages), spec.plan.num_microbatch

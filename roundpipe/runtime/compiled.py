@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from roundpipe.grad_access import internal_grad_reads
+from roundpipe.runtime.grad_access import internal_grad_reads
 
 __all__ = ["COMPILED_DEVICE_TYPES", "allow_layer_graphs", "compile_options", "compiled_layer"]
 

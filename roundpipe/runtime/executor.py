@@ -15,11 +15,11 @@ from collections.abc import Callable, Sequence
 import torch
 
 from roundpipe.devices import Backend, Future, StreamingBackend, caller_as_worker
-from roundpipe.optim_queue import add_note
 from roundpipe.plan import Action, ActionKind
 from roundpipe.runtime.call import CallSpec, CallState, Cancelled
 from roundpipe.runtime.params import ParamsCopyFailed, raise_copy_failure
 from roundpipe.runtime.stage_ops import ComputeFn, compute_action, wait_ahead
+from roundpipe.threads.workers import add_note
 
 __all__ = ["execute"]
 

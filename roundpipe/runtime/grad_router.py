@@ -29,11 +29,12 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from roundpipe import finite_check, optim_queue
 from roundpipe.devices import StreamingBackend
 from roundpipe.runtime.params import ParamRecord
+from roundpipe.scaler import finite_check
+from roundpipe.threads import optimizer_thread
 
-# What a gradient move or clear changes (see [Note: holds] in roundpipe.optim_queue).
+# What a gradient move or clear changes (see [Note: holds] in roundpipe.threads.optimizer_thread).
 TOUCHES_GRADS = ("grads",)
 
 __all__ = [
@@ -79,7 +80,7 @@ def move_grads(
     """Optimizer thread: hand a stage's summed gradients of a call (tensors nobody else holds)
     to the masters; first wait for their download (``arrived``) from an accelerator, with
     ``nonfinite_flag``, the device's inf/NaN check of them (see [Note: checked on the device]
-    in :mod:`roundpipe.finite_check`)."""
+    in :mod:`roundpipe.scaler.finite_check`)."""
     if arrived is not None:
         arrived.synchronize()
     found, largest = None, None
@@ -326,10 +327,10 @@ class CallGrads:
             self.moves.append(_launch_move(self.owner, install))
 
 
-def _launch_move(owner: Any, fn: Callable, *args: Any) -> optim_queue.WorkItem:
+def _launch_move(owner: Any, fn: Callable, *args: Any) -> optimizer_thread.WorkItem:
     """A gradient move, owned by its model; it touches the masters' gradients only, so it
-    passes a checkpoint's hold on the masters (see [Note: holds] in roundpipe.optim_queue)."""
-    return optim_queue.launch_work(fn, args, owners=(owner,), touches=TOUCHES_GRADS)
+    passes a checkpoint's hold on the masters (see [Note: holds] in roundpipe.threads.optimizer_thread)."""
+    return optimizer_thread.launch_work(fn, args, owners=(owner,), touches=TOUCHES_GRADS)
 
 
 def stash_grads(params: Sequence[Sequence[ParamRecord]]) -> list[tuple[nn.Parameter, torch.Tensor]]:
@@ -422,7 +423,9 @@ class GradHooks:
 
     def __init__(self, records: Sequence[ParamRecord], owner: Any) -> None:
         self._records = records
-        self.owner = owner  # the model (see [Note: error reporting] in roundpipe.optim_queue)
+        self.owner = (
+            owner  # the model (see [Note: error reporting] in roundpipe.threads.optimizer_thread)
+        )
         self._registered = False
         self.sink: GradSink | None = None
         self._moves = PendingMoves()

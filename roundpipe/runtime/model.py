@@ -20,9 +20,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 from torch.utils.hooks import RemovableHandle
 
-from roundpipe import optim_queue
 from roundpipe.devices import DevicePool, DeviceSpec
-from roundpipe.grad_scaler import GradScaler, note_step_launched
 from roundpipe.main_thread import check_main_thread
 from roundpipe.memory.checks import check_host_memory, skip_memory_check
 from roundpipe.memory.host import host_terms
@@ -48,8 +46,10 @@ from roundpipe.runtime.placement import MasterPlacement
 from roundpipe.runtime.rng import RngMemo, learn_rng_use, restore_after_call
 from roundpipe.runtime.stage_ops import backward_to_inputs
 from roundpipe.runtime.stages import ModelStages, model_layers
+from roundpipe.scaler.grad_scaler import GradScaler, note_step_launched
 from roundpipe.step_check import check_step_fn
-from roundpipe.workers import in_fork_child
+from roundpipe.threads import optimizer_thread
+from roundpipe.threads.workers import in_fork_child
 
 __all__ = ["RoundPipe", "UnevenMicrobatchWarning"]
 
@@ -153,7 +153,7 @@ class RoundPipe(nn.Module):
         self.model_run_config = model_run_config or RoundPipeRunConfig()
         self._pool = DevicePool(devices)
         if self._pool.streaming:  # leave the device threads their cores during a step
-            optim_queue.use_default_num_threads(len(self._pool))
+            optimizer_thread.use_default_num_threads(len(self._pool))
         self._memory_check = bool(memory_check) and not skip_memory_check()
         layers = model_layers(model)
         options = compile_options(compile, self._pool.device_type)
@@ -495,7 +495,7 @@ class RoundPipe(nn.Module):
                 item.wait(report=False)  # reported together, below
             # The moves' failures (one per stage when a data-parallel group breaks) in one
             # report, with any of a step of this model launched before.
-            optim_queue.raise_failures(self)
+            optimizer_thread.raise_failures(self)
             ok = True
             out_device = cfg.output_device
             # Summed where the losses are when they share a device (one transfer, not M).
@@ -607,7 +607,7 @@ class RoundPipe(nn.Module):
             )
         # Before anything changes: a refused step can be retried. The step's failure belongs to
         # this model and to the scalers its steps use, now or before (see
-        # [Note: error reporting] in optim_queue): the scaler of this loop reports it at its
+        # [Note: error reporting] in roundpipe.threads.optimizer_thread): the scaler of this loop reports it at its
         # update.
         for scaler in check_step_fn(step_fn):
             if scaler not in self._step_scalers:
@@ -629,11 +629,11 @@ class RoundPipe(nn.Module):
         if is_async:
             self._params.launch_copy()
             note_step_launched(
-                self._step_scalers, optim_queue.launch_work(run, step=True, owners=owners)
+                self._step_scalers, optimizer_thread.launch_work(run, step=True, owners=owners)
             )
             return
         note_step_launched(
-            self._step_scalers, optim_queue.launch_work(run, step=True, owners=owners)
+            self._step_scalers, optimizer_thread.launch_work(run, step=True, owners=owners)
         )
         self._params.launch_copy()
         self._wait_for_steps()
@@ -641,9 +641,9 @@ class RoundPipe(nn.Module):
     def _wait_for_steps(self) -> None:
         """Main thread: wait for every launched step and raise this model's failures (then
         drop its gradients). Ctrl-C raises at once: the step runs on and nothing is dropped."""
-        optim_queue.wait_all()
+        optimizer_thread.wait_all()
         try:
-            optim_queue.raise_failures(self)
+            optimizer_thread.raise_failures(self)
         except BaseException:
             self._discard_grads()
             raise
@@ -671,7 +671,7 @@ class RoundPipe(nn.Module):
         """A backward on an accelerator in a fork child of a process that ran one: torch's
         autograd cannot start its device threads there (it raises "Unable to handle autograd's
         threading in combination with fork-based multiprocessing" from a worker); say so before
-        anything runs. A CPU pool trains in a fork child (see [Note: fork] in optim_queue)."""
+        anything runs. A CPU pool trains in a fork child (see [Note: fork] in roundpipe.threads.optimizer_thread)."""
         if (
             self._pool.streaming
             and self._pool.device_type in _DEVICE_BACKWARD_RAN
@@ -699,7 +699,7 @@ class RoundPipe(nn.Module):
 
     def _report_failures(self) -> None:
         try:
-            optim_queue.raise_failures(self)
+            optimizer_thread.raise_failures(self)
         except BaseException:
             self._discard_grads()
             raise

@@ -18,11 +18,11 @@ from typing import Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from roundpipe.optim_queue import add_note
 from roundpipe.runtime.grad_router import clear_grads
 from roundpipe.runtime.params import Params
 from roundpipe.step_check import check_optimizer_step
-from roundpipe.step_context import check_optimizer_params, in_step, running_step
+from roundpipe.threads.step_context import check_optimizer_params, in_step, running_step
+from roundpipe.threads.workers import add_note
 
 __all__ = [
     "OptimizerCtx",

@@ -21,10 +21,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from roundpipe import optim_queue
-from roundpipe.grad_access import MasterParameter, guard_wrapped_params
 from roundpipe.memory.host import master_dtype_of
+from roundpipe.runtime.grad_access import MasterParameter, guard_wrapped_params
 from roundpipe.runtime.placement import MasterPlacement
+from roundpipe.threads import optimizer_thread
 
 __all__ = [
     "ParamRecord",
@@ -117,7 +117,7 @@ class Params:
         owner: Any = None,
         placement: MasterPlacement | None = None,
     ) -> None:
-        # The model whose work this launches (see [Note: error reporting] in optim_queue).
+        # The model whose work this launches (see [Note: error reporting] in roundpipe.threads.optimizer_thread).
         self.owner = owner
         self.placement = placement if placement is not None else MasterPlacement()
         named = list(module.named_parameters())
@@ -180,15 +180,15 @@ class Params:
         self.ready = ready
         return ready
 
-    def launch(self, fn: Any, *args: Any, touches: Sequence[str]) -> optim_queue.WorkItem:
+    def launch(self, fn: Any, *args: Any, touches: Sequence[str]) -> optimizer_thread.WorkItem:
         """Any thread: launch library work of this model that changes ``touches`` (see
-        [Note: holds] in :mod:`roundpipe.optim_queue`)."""
-        return optim_queue.launch_work(fn, args, owners=(self.owner,), touches=touches)
+        [Note: holds] in :mod:`roundpipe.threads.optimizer_thread`)."""
+        return optimizer_thread.launch_work(fn, args, owners=(self.owner,), touches=touches)
 
     def synchronize(self) -> None:
         """Main thread: wait for everything launched, then raise this model's failures."""
-        optim_queue.wait_all()
-        optim_queue.raise_failures(self.owner)
+        optimizer_thread.wait_all()
+        optimizer_thread.raise_failures(self.owner)
 
     def copy_masters_to_model(self, ready: ParamsReady) -> None:
         """Optimizer thread: masters -> low-precision params, layer by layer."""
@@ -312,8 +312,8 @@ def raise_copy_failure(ready: ParamsReady) -> None:
     if item is not None:
         if item.wait(report=False):
             raise AssertionError("params copy reported failed but succeeded; please report")
-        optim_queue.wait_all()
-        optim_queue.raise_failures(item.owners[0] if item.owners else None)
+        optimizer_thread.wait_all()
+        optimizer_thread.raise_failures(item.owners[0] if item.owners else None)
     raise RuntimeError(
         "copying the masters into the model parameters failed (reported earlier); the model "
         "parameters may be partly updated: call model.synchronize() to copy them again"

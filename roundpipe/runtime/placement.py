@@ -23,7 +23,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from roundpipe.grad_access import MasterParameter
+from roundpipe.runtime.grad_access import MasterParameter
 
 __all__ = ["MasterPlacement", "shard_by_bytes"]
 
@@ -36,7 +36,7 @@ __all__ = ["MasterPlacement", "shard_by_bytes"]
 # process's gradient of the parameter until the data-parallel step hands it to its owner and
 # drops it. The master->model copy runs through ``copy_layer``: in RAM a local cast; sharded,
 # each owner casts its masters into the model's low-precision parameters and broadcasts them
-# to the other ranks (see [Note: sharded state] in roundpipe.distributed).
+# to the other ranks (see [Note: sharded state] in roundpipe.distributed.sharded).
 
 
 class MasterPlacement:

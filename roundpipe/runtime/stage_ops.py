@@ -21,15 +21,15 @@ from torch.utils import checkpoint as checkpoint_module
 from torch.utils.checkpoint import checkpoint
 
 from roundpipe.autocast import autocast_context
-from roundpipe.context import WithContext
 from roundpipe.devices import Backend, StreamingBackend, get_worker
 from roundpipe.microbatch import MicrobatchInfo
-from roundpipe.optim_queue import add_note
+from roundpipe.microbatch_context import WithContext
 from roundpipe.plan import Action, ActionKind
 from roundpipe.runtime.call import CallSpec, CallState, Cancelled, Slot
 from roundpipe.runtime.params import ParamsCopyFailed
 from roundpipe.runtime.rng import RNGState, rng_scope
 from roundpipe.runtime.stages import Layer, Stage
+from roundpipe.threads.workers import add_note
 
 __all__ = ["ComputeFn", "backward_to_inputs", "compute_action", "where"]
 
@@ -104,7 +104,7 @@ def _stage_input(
 
 def _context(spec: CallSpec, state: CallState, m: int, backend: Backend) -> Any:
     """Microbatch ``m``'s context on ``backend``'s device (moved there once per device, after
-    the event of stage 0's forward hand-off; see :mod:`roundpipe.context`)."""
+    the event of stage 0's forward hand-off; see :mod:`roundpipe.microbatch_context`)."""
     context = state.contexts[m]
     if context is None or not spec.pool.streaming:
         return context

@@ -23,9 +23,9 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from roundpipe.context import WithContext
-from roundpipe.grad_access import internal_grad_reads
+from roundpipe.microbatch_context import WithContext
 from roundpipe.plan import Plan, PlanSizes, build_plan
+from roundpipe.runtime.grad_access import internal_grad_reads
 from roundpipe.runtime.params import ParamRecord, Params
 
 __all__ = ["Layer", "Stage", "ModelStages", "model_layers", "probe_input_bytes"]
@@ -60,7 +60,7 @@ def _warn_single_stage(model: nn.Module) -> None:
 @dataclasses.dataclass
 class Layer:
     """One layer of the wrapped model. ``takes_context``: called ``layer(x, context)`` (see
-    :mod:`roundpipe.context`). ``compiled``: what a run calls instead of ``module`` (the memory
+    :mod:`roundpipe.microbatch_context`). ``compiled``: what a run calls instead of ``module`` (the memory
     plan's traces call ``module``)."""
 
     index: int

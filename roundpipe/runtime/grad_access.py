@@ -19,8 +19,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from roundpipe import optim_queue
-from roundpipe.optim_queue import caller_must_wait
+from roundpipe.threads import optimizer_thread
+from roundpipe.threads.optimizer_thread import caller_must_wait
 from roundpipe.user_frame import user_stacklevel
 
 __all__ = ["MasterParameter", "WrappedParameter", "guard_wrapped_params"]
@@ -52,7 +52,7 @@ _get_grad, _set_grad, _del_grad = _GRAD.__get__, _GRAD.__set__, _GRAD.__delete__
 def _wait_for_launched_work(what: str) -> None:
     """A thread other than the optimizer thread is about to ``what`` a master's ``.grad``
     while launched work is pending: wait until all of it ran, and say what that costs."""
-    optim_queue.wait_all()
+    optimizer_thread.wait_all()
     warnings.warn(
         f"the gradient of a RoundPipe master parameter was {what} on thread "
         f"{threading.current_thread().name!r} while work launched on the optimizer thread (a "

@@ -3,7 +3,7 @@ roundpipe's extras (hysteresis, bounds, the collapse streak, the stale-scale cap
 
 :class:`ScaleRule` knows nothing of threads or of the double buffer: :class:`roundpipe.GradScaler`
 owns one and calls :meth:`ScaleRule.apply` on whichever thread runs its update (see
-[Note: the scale double buffer] in :mod:`roundpipe.grad_scaler`). Tests drive it directly.
+[Note: the scale double buffer] in :mod:`roundpipe.scaler.grad_scaler`). Tests drive it directly.
 
 :func:`check_hyper` and :func:`check_hyper_field` are the one validation of the hyperparameters:
 the scaler's constructor, its setters and ``load_state_dict`` all call them.

@@ -18,17 +18,18 @@ from typing import Any, Protocol, overload
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
-from roundpipe import finite_check, optim_queue
-from roundpipe.host_copy import HostCopy
-from roundpipe.optim_queue import on_optimizer_thread
-from roundpipe.scale_rule import (
+from roundpipe.scaler import finite_check
+from roundpipe.scaler.host_copy import HostCopy
+from roundpipe.scaler.rule import (
     COLLAPSE_STREAK,
     ScaleHyper,
     ScaleRule,
     check_hyper,
     check_hyper_field,
 )
-from roundpipe.step_context import check_optimizer_params
+from roundpipe.threads import optimizer_thread
+from roundpipe.threads.optimizer_thread import on_optimizer_thread
+from roundpipe.threads.step_context import check_optimizer_params
 
 __all__ = [
     "AgreesOnOverflow",
@@ -253,7 +254,7 @@ def _check_not_on_model_params(optimizer: torch.optim.Optimizer) -> None:
     check_optimizer_params(optimizer)
 
 
-def note_step_launched(scalers: Iterable[GradScaler], item: optim_queue.WorkItem) -> None:
+def note_step_launched(scalers: Iterable[GradScaler], item: optimizer_thread.WorkItem) -> None:
     """Record that the launched step ``item`` uses each of ``scalers`` (``model.step`` or
     ``optim_thread.launch`` found them in the function it launched): the main thread may not
     touch their back side while the step may run, and their next :meth:`GradScaler.update` is
@@ -337,7 +338,7 @@ class GradScaler:
         # Whether back == newest (always after a sync update): then the overflow rule's
         # min(newest, back) is a no-op and is skipped, keeping sync mode torch's exact kernels.
         self._back_is_newest = True
-        self._failures_seen = optim_queue.failure_count()
+        self._failures_seen = optimizer_thread.failure_count()
         self._per_optimizer_states: dict[int, _PerOptimizerState] = defaultdict(_PerOptimizerState)
         # Front side (main thread).
         self._front: torch.Tensor | None = None
@@ -349,15 +350,15 @@ class GradScaler:
         self._setter_seq = 0
         self._setter_applied = 0
         self._published: _Published | None = None
-        self._pending: optim_queue.WorkItem | None = None  # the last launched update
+        self._pending: optimizer_thread.WorkItem | None = None  # the last launched update
         # What a step since the previous update() looks like from the main thread: a launch
         # (model.step) or a step()/unscale_() called on the main thread itself.
         # The newest launched step found to use this scaler (note_step_launched), and what it
         # was at the previous update().
-        self._newest_step: optim_queue.WorkItem | None = None
-        self._launch_mark: optim_queue.WorkItem | None = None
+        self._newest_step: optimizer_thread.WorkItem | None = None
+        self._launch_mark: optimizer_thread.WorkItem | None = None
         self._stepped_on_main = False
-        self._last_item: optim_queue.WorkItem | None = None  # the last launched back work
+        self._last_item: optimizer_thread.WorkItem | None = None  # the last launched back work
         self._used_by_steps = False
         self._data_parallel: AgreesOnOverflow | None = None
         if data_parallel is not None:
@@ -387,7 +388,7 @@ class GradScaler:
         if self._enabled:
             self._data_parallel = data_parallel
 
-    def _note_step(self, item: optim_queue.WorkItem) -> None:
+    def _note_step(self, item: optimizer_thread.WorkItem) -> None:
         """See :func:`note_step_launched`."""
         self._used_by_steps = True
         self._newest_step = item
@@ -498,7 +499,7 @@ class GradScaler:
             return
         # Only steps can touch it besides its own items, and only if they use this scaler: a
         # scaler of a plain loop on the main thread is not held up by an unrelated RoundPipe.
-        if self._used_by_steps and optim_queue.has_pending_launch():
+        if self._used_by_steps and optimizer_thread.has_pending_launch():
             raise RuntimeError(
                 f"GradScaler.{what} was called on the main thread while a step launched on the "
                 "optimizer thread (e.g. by model.step), which uses this scaler, has not finished, "
@@ -512,11 +513,11 @@ class GradScaler:
         if not on_optimizer_thread():
             self._stepped_on_main = True
 
-    def _launch(self, fn: Any, *args: Any) -> optim_queue.WorkItem:
+    def _launch(self, fn: Any, *args: Any) -> optimizer_thread.WorkItem:
         """The scaler's own back-side work, owned by it (see [Note: error reporting] in
-        roundpipe.optim_queue); it changes the scaler only, so a checkpoint's hold does not
+        roundpipe.threads.optimizer_thread); it changes the scaler only, so a checkpoint's hold does not
         stop it (its state was taken when the checkpoint's item ran)."""
-        return optim_queue.launch_work(fn, args, owners=(self,), touches=("scaler",))
+        return optimizer_thread.launch_work(fn, args, owners=(self,), touches=("scaler",))
 
     def _wait_last_item(self) -> None:
         item = self._last_item
@@ -534,7 +535,7 @@ class GradScaler:
     ) -> dict[torch.device, torch.Tensor]:
         """Unscale the gradients by ``inv_scale`` and flag inf/NaN, per device (torch's pass).
         ``check_only`` (``inv_scale`` is 1): a gradient the device already checked is not read
-        again (see [Note: checked on the device] in :mod:`roundpipe.finite_check`)."""
+        again (see [Note: checked on the device] in :mod:`roundpipe.scaler.finite_check`)."""
         grads: dict[torch.device, dict[torch.dtype, list[torch.Tensor]]] = defaultdict(
             lambda: defaultdict(list)
         )
@@ -764,7 +765,7 @@ class GradScaler:
         # See [Note: which update]: only the launched steps that use this scaler count.
         newest = launch_mark = self._newest_step
         stepped_by_launch = launch_mark is not self._launch_mark
-        launched = newest is not None and not optim_queue.was_waited(newest)
+        launched = newest is not None and not optimizer_thread.was_waited(newest)
         if is_async is None:
             is_async = launched
         if new_value is None and not stepped_by_launch and not self._stepped_on_main:
@@ -789,9 +790,9 @@ class GradScaler:
             self._update_async(new_value)
         else:
             if launched:
-                optim_queue.wait_all()
+                optimizer_thread.wait_all()
             self._update_sync(new_value)
-        optim_queue.raise_failures(self)
+        optimizer_thread.raise_failures(self)
 
     def _check_new_scale(self, new_scale: float | torch.Tensor) -> torch.Tensor:
         assert self._front is not None  # update() checked the lazy init
@@ -850,7 +851,7 @@ class GradScaler:
         ``next_back`` is the scale the compute side was handed for the next iteration (async), or
         None (sync: it is the new scale itself).
         """
-        failures = optim_queue.failure_count()
+        failures = optimizer_thread.failure_count()
         scale = self._rule.scale
         try:
             if new_value is not None:
@@ -936,8 +937,8 @@ class GradScaler:
         what the pending update produced."""
         if on_optimizer_thread():
             return
-        optim_queue.wait_all()
-        optim_queue.raise_failures(self)
+        optimizer_thread.wait_all()
+        optimizer_thread.raise_failures(self)
         item = self._last_item
         if item is not None:
             item.wait()
@@ -1014,7 +1015,7 @@ class GradScaler:
         setattr(self._mirror, name, value)
         self._setter_seq += 1
         newest = self._newest_step
-        if (newest is not None and not optim_queue.was_waited(newest)) or (
+        if (newest is not None and not optimizer_thread.was_waited(newest)) or (
             self._last_item is not None and not self._last_item.done()
         ):
             self._last_item = self._launch(self._apply_hyper, name, value, self._setter_seq)

@@ -8,7 +8,7 @@
   a submission after shutdown raises ``RuntimeError``; :meth:`WorkerThread.shutdown` drains the
   queue, is idempotent, and runs at interpreter exit for every started worker. In a child of
   ``os.fork()``, where the thread does not exist, it is "not started" again (see [Note: fork] in
-  :mod:`roundpipe.optim_queue`).
+  :mod:`roundpipe.threads.optimizer_thread`).
 
 :mod:`roundpipe.devices` builds one worker per device on it (``get_worker``), and
 :mod:`roundpipe.optim_thread` the optimizer thread, whose work items are futures that also
@@ -26,7 +26,13 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["Future", "WorkerThread", "in_fork_child"]
+__all__ = ["Future", "WorkerThread", "add_note", "in_fork_child"]
+
+
+def add_note(exc: BaseException, note: str) -> None:
+    """Attach ``note`` to ``exc`` (shown under its traceback); a no-op before Python 3.11."""
+    if hasattr(exc, "add_note"):
+        exc.add_note(note)
 
 
 class Future:
@@ -148,7 +154,7 @@ class WorkerThread:
         parent's may have been held by a thread that is gone), and "not started" unless it was
         shut down, so the next job starts a thread here. Jobs queued in the parent are dropped
         with the old queue (their futures are the optimizer thread's concern, see
-        [Note: fork] in :mod:`roundpipe.optim_queue`)."""
+        [Note: fork] in :mod:`roundpipe.threads.optimizer_thread`)."""
         self._lock = threading.Lock()
         self._queue = queue.SimpleQueue()
         if self._state is _State.RUNNING:

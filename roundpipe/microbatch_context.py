@@ -1,5 +1,6 @@
-"""Per-microbatch context: values that every layer of a stage needs besides the previous layer's
-output (an HF decoder layer's attention mask, position ids and rotary embeddings).
+"""The per-microbatch context (:class:`WithContext`): values that every layer of a stage needs
+besides the previous layer's output (an HF decoder layer's attention mask, position ids and
+rotary embeddings).
 
 The model's first layer returns ``WithContext(output, context)``; the runtime hands ``output`` to
 the next layer as usual and keeps ``context`` (a pytree) for the microbatch. Every later layer

@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from roundpipe.workers import Future, WorkerThread
+from roundpipe.threads.workers import Future, WorkerThread, add_note
 
 __all__ = [
     "synchronize",
@@ -70,7 +70,7 @@ __all__ = [
 # [Note: steps and items]
 # Everything launched runs on the one thread, in launch order, but the scaler needs to know
 # whether *user* work (a step: launch(), launch_step(), model.step) was launched and not waited
-# for, which decides its update mode ([Note: the scale double buffer] in grad_scaler.py), and
+# for, which decides its update mode ([Note: the scale double buffer] in scaler/grad_scaler.py), and
 # whether such work may still be running (then the main thread must not touch a scaler that
 # steps use). Library work (launch_item: gradient moves, master->model copies, the scaler's own
 # updates) does not count as a step. Four counters describe the queue: ``_seq`` (every launch),
@@ -107,14 +107,8 @@ __all__ = [
 # for a hold never outlives the write.
 
 
-def add_note(exc: BaseException, note: str) -> None:
-    """Attach ``note`` to ``exc`` (shown under its traceback); a no-op before Python 3.11."""
-    if hasattr(exc, "add_note"):
-        exc.add_note(note)
-
-
 class WorkItem(Future):
-    """One launched callable and its future-like result (a :class:`roundpipe.workers.Future`
+    """One launched callable and its future-like result (a :class:`roundpipe.threads.workers.Future`
     that also reports its failure, see [Note: error reporting]); :func:`launch_step` and
     :func:`launch_item` return it.
 
@@ -215,7 +209,7 @@ def _describe(fn: Callable | None) -> str:
 
 
 class _OptimizerThread:
-    """The process-wide optimizer thread (a :class:`roundpipe.workers.WorkerThread`) and the
+    """The process-wide optimizer thread (a :class:`roundpipe.threads.workers.WorkerThread`) and the
     bookkeeping of what was launched on it.
 
     Shared state, guarded by ``_lock``: ``_seq`` (launch counter), ``_tracked_seq`` (the last
@@ -451,7 +445,7 @@ class ForkedWithPendingWork(RuntimeError):
 # os.fork() copies the forking thread only: the child has no optimizer thread and no device
 # workers, while their objects say they run, so a call there would wait forever. In the child,
 # every WorkerThread returns to "not started" with a fresh queue (the next job starts a thread,
-# roundpipe/workers.py), this module's locks are new, and the items the parent had not finished
+# roundpipe/threads/workers.py), this module's locks are new, and the items the parent had not finished
 # fail with ForkedWithPendingWork (the state they would have changed is not the parent's): the
 # child's next dependent call raises it, and after that, or when nothing was pending (the
 # parent synchronized before forking), the child trains on its own threads.
