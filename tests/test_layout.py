@@ -272,3 +272,57 @@ def test_memory_is_one_concern_findable_by_its_name():
         if t == "roundpipe.plan.memory" and name == "DeviceLedger"
     }
     assert "roundpipe.plan.build" in ledger_users
+
+
+# The root of roundpipe/: the public faces and the small modules that every concern uses, each
+# with what it holds. A new module goes into the folder of its concern; one that truly cuts
+# across them is added here, with its reason.
+_ROOT_MODULES = {
+    "roundpipe": "the public face: re-exports only",
+    "roundpipe.__main__": "python -m roundpipe: the self-check and the plan command",
+    "roundpipe.optim_thread": "the optimizer thread's public face (launch, synchronize)",
+    "roundpipe.autocast": "the caller's autocast state carried into the workers",
+    "roundpipe.microbatch": "splitting a batch into microbatches, merging the outputs",
+    "roundpipe.microbatch_context": "WithContext: the per-microbatch values every layer needs",
+    "roundpipe.monitor": "TrainingMonitor, TrainingHistory",
+    "roundpipe.layer_costs": "measure_layer_costs, the public timing of a model's layers",
+    "roundpipe.main_thread": "check_main_thread (below the runtime, above threads and devices)",
+    "roundpipe.step_check": "what a step function shares: above the scaler, below the runtime",
+    "roundpipe.user_frame": "the stacklevel of a warning raised inside the library",
+}
+
+
+def test_the_root_holds_the_public_faces_and_cross_cutting_modules_only():
+    root = {m for m in MODULES if m.count(".") <= 1 and not _is_package(m)} | {"roundpipe"}
+    assert root == set(_ROOT_MODULES), (
+        f"new at the root: {sorted(root - set(_ROOT_MODULES))}; "
+        f"gone: {sorted(set(_ROOT_MODULES) - root)}"
+    )
+
+
+def _is_package(module):
+    return (PACKAGE / "/".join(module.split(".")[1:]) / "__init__.py").exists()
+
+
+def test_each_concern_is_a_folder_named_for_it():
+    """Data parallelism, the scaler and the threads each read as one folder, one module per
+    concern; the stage reducer is handed what it needs instead of importing DataParallel."""
+    folders = {
+        "roundpipe.distributed": {"group", "exchange", "buckets", "sharded", "data_parallel"},
+        "roundpipe.scaler": {"grad_scaler", "rule", "finite_check", "host_copy"},
+        "roundpipe.threads": {"workers", "optimizer_thread", "step_context"},
+    }
+    for package, modules in folders.items():
+        assert {f"{package}.{m}" for m in modules} <= set(MODULES), package
+    sharded = MODULES["roundpipe.distributed.sharded"]
+    imported = {t for t, _, _ in _imports("roundpipe.distributed.sharded", sharded)}
+    assert "roundpipe.distributed.data_parallel" not in imported
+    # checkpoints use the byte exchange and the rank, not DataParallel
+    for m in ("roundpipe.checkpoint.reader", "roundpipe.checkpoint.writer"):
+        targets = {t for t, _, _ in _imports(m, MODULES[m])}
+        assert "roundpipe.distributed.data_parallel" not in targets, m
+        assert "roundpipe.distributed.exchange" in targets, m
+    # the thin faces re-export; nothing is defined in the scaler's and threads' __init__
+    for package in ("roundpipe.scaler", "roundpipe.threads"):
+        body = [n for n in MODULES[package].body if not isinstance(n, ast.Expr)]
+        assert body == [], package
