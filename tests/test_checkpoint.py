@@ -293,14 +293,14 @@ def test_a_save_between_forward_backward_and_step_is_refused_over_several_ranks(
 ):
     # Each rank's accumulated gradients are its own until the step averages them: rank 0's copy
     # restored on every rank would be wrong, so the save is refused before anything is launched.
-    from roundpipe import distributed
+    from roundpipe.distributed import group
 
     model, opt, scaler = build()
     x, y = batch(0)
     model.forward_backward(
         input_args=(x,), label=y, loss_fn=lambda out, lbl: F.cross_entropy(out.float(), lbl)
     )
-    monkeypatch.setattr(distributed, "data_parallel_rank", lambda: (0, 2))
+    monkeypatch.setattr(group, "data_parallel_rank", lambda: (0, 2))
     with pytest.raises(RuntimeError, match=r"over 2 ranks.*between forward_backward and step"):
         ckpt.save(tmp_path, model, opt, scaler=scaler)
     assert list(tmp_path.iterdir()) == []

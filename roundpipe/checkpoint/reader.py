@@ -48,7 +48,7 @@ from roundpipe.checkpoint.state import (
     restore_on_optimizer_thread,
 )
 from roundpipe.distributed import exchange
-from roundpipe.distributed.group import data_parallel_rank
+from roundpipe.distributed import group as dp_group
 from roundpipe.main_thread import check_main_thread
 from roundpipe.threads import optimizer_thread
 
@@ -273,7 +273,7 @@ def _check_tensors(ckpt: Checkpoint, description: dict[str, Any], access: Any) -
 def _rank_state(ckpt: Checkpoint) -> dict[str, Any]:
     """This rank's RNG state and ``extra`` (rank 0's if the checkpoint has fewer ranks)."""
     ranks = ckpt.manifest.get("ranks", [])
-    dp = data_parallel_rank()
+    dp = dp_group.data_parallel_rank()
     rank = 0 if dp is None or dp[0] >= len(ranks) else dp[0]
     file = ckpt.path / ranks[rank]
     entries, metadata, start = read_header(file)

@@ -38,7 +38,7 @@ from roundpipe.checkpoint.manifest import (
 from roundpipe.checkpoint.progress import listener as progress_listener
 from roundpipe.checkpoint.state import GROUPS, TOUCHES, Capture, Completed, take_on_main_thread
 from roundpipe.distributed import exchange
-from roundpipe.distributed.group import data_parallel_rank
+from roundpipe.distributed import group as dp_group
 from roundpipe.main_thread import check_main_thread
 from roundpipe.threads import optimizer_thread
 from roundpipe.threads.workers import Future, WorkerThread
@@ -244,7 +244,7 @@ def save(
     root_path = Path(root)
     if root_path.exists() and not root_path.is_dir():
         raise NotADirectoryError(f"save() writes checkpoints into a directory; {root} is a file")
-    dp = data_parallel_rank()
+    dp = dp_group.data_parallel_rank()
     capture = take_on_main_thread(
         model, optimizer, scheduler, scaler, extra, dp[0] if dp else 0, dp[1] if dp else 1
     )
