@@ -415,9 +415,11 @@ class ConfigPlanner:
         )
 
     def _settings(self) -> list[bool]:
-        if self.offload_activations is not None:
-            return [self.offload_activations]
-        return [False, True] if self.streaming else [False]
+        # Both where there are devices, even with one given: they trace the same, and the
+        # other is what the advice weighs.
+        if not self.streaming:
+            return [False]
+        return [False, True]
 
     def _length_plans(
         self, seq_len: int, predicted: StageTraces | None = None, num_microbatch: int | None = None
@@ -438,10 +440,11 @@ class ConfigPlanner:
         return self._choose(seq_len, by)
 
     def _choose(self, seq_len: int, by: dict[bool, MemoryPlan]) -> LengthPlans:
-        if self.offload_activations is not None:
-            return LengthPlans(seq_len, by, self.offload_activations, "as given")
         if len(by) == 1:
             return LengthPlans(seq_len, by, False, "no accelerator: nothing to offload")
+        if self.offload_activations is not None:
+            given = self.offload_activations
+            return LengthPlans(seq_len, by, given, f"{'on' if given else 'off'}, as given")
         kept, offloaded = by[False], by[True]
         if kept.fits:
             reason = "off: the device holds the stage inputs kept for the backward"
@@ -525,12 +528,14 @@ class ConfigPlanner:
                 hi = min(hi, k)
             return exact[k]
 
+        for length, m in list(self._plans):  # planned before: a bracket
+            if m == self.num_microbatch and length % step == 0 and length <= limit:
+                probe(length // step)
         first = min(top, max(1, -(-self._short_length() // step)))
-        probe(first)
-        if exact[first].fits and first < top:
-            probe(min(top, 2 * first))
-        elif not exact[first].fits and first > 1:
-            probe(1)
+        if len(self._traced) < 2:
+            probe(first)
+        if len(self._traced) < 2:
+            probe(min(top, 2 * first) if exact[first].fits else max(1, first // 4))
         widths = [hi - lo]
         while hi - lo > 1 and lo < top:
             if hi <= top and len(widths) >= 3 and widths[-1] * 2 > widths[-3]:
@@ -681,7 +686,7 @@ def _host_changes(planner: ConfigPlanner, lp: LengthPlans) -> list[_Change]:
         note = "the stage inputs kept for the backward stay on the device"
         if dev is not None:
             over = dev.peak + dev.reserve - (dev.available or 0)
-            note += f", which is then {format_bytes(over)} short"
+            note += f", {format_bytes(over)} more than it has"
         changes.append(_Change("--no-offload-activations", host.activations, kept.fits, note))
     state = host.masters + host.grads + host.optimizer
     if not planner.lora:
@@ -775,12 +780,13 @@ def _device_changes(
 
     if not lp.offload and True in lp.by_offload:
         moved = lp.by_offload[True]
-        note = "the stage inputs kept for the backward wait in host memory"
-        extra = moved.host.activations
-        note += f", {format_bytes(extra)} more of it"
+        note = (
+            f"the stage inputs kept for the backward wait in host memory instead: "
+            f"{format_bytes(moved.host.activations)} more host RAM"
+        )
         if not _host_fits(moved):
             over = moved.host.new_bytes - (moved.host.available or 0)
-            note += f", which is then {format_bytes(over)} short"
+            note += f", {format_bytes(over)} more than it has"
         changes.append(_Change("--offload-activations", need(plan) - need(moved), moved.fits, note))
     if planner.batch_size > planner.num_microbatch:
         split = planner.plans(lp.seq_len, num_microbatch=planner.batch_size)

@@ -251,8 +251,7 @@ class MemoryPlan:
         lines.append(f"Largest term: {term} ({where}), {format_bytes(nbytes)}")
         for s in self.measured:
             lines.append(
-                f"{self.stage_name(s)} could not run on fake tensors; measured with a real run "
-                f"on the CPU"
+                f"Stage {s} could not run on fake tensors; measured with a real run on the CPU"
             )
         for _, exc in sorted(self.untraced.items()):
             lines.append(f"Not counted: {exc} (its activations are missing from the peaks)")
