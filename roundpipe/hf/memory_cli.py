@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import re
 import time
@@ -538,15 +539,17 @@ class ConfigPlanner:
             probe(min(top, 2 * first) if exact[first].fits else max(1, first // 4))
         widths = [hi - lo]
         while hi - lo > 1 and lo < top:
-            if hi <= top and len(widths) >= 3 and widths[-1] * 2 > widths[-3]:
+            stalled = len(widths) >= 3 and widths[-1] * 2 > widths[-3]
+            if stalled and hi <= top:
                 k = (lo + hi) // 2  # the estimates are not closing in: bisect
             else:
                 k = self._estimated_edge(exact, lo, hi, step)
-                if lo and k > 3 * lo:
-                    # Far past the longest traced length, the estimate may miss a kink: trace
-                    # twice that first (a trace costs about its length, so this costs less
-                    # than a wrong guess at the edge would) and estimate again.
-                    probe(2 * lo)
+                if lo and (k > 3 * lo or stalled):
+                    # Far past the longest traced length, the estimate may miss a kink (or
+                    # the estimates creep up to the edge): trace halfway there first (the
+                    # geometric mean; a trace costs about its length, so this costs less than
+                    # a wrong guess at the edge would) and estimate again.
+                    probe(min(top, max(2 * lo, math.isqrt(lo * k))))
                     widths.append(hi - lo)
                     continue
             probe(k)
@@ -811,8 +814,8 @@ def _device_changes(
                     about=True,
                 )
             )
-    if longer_search and lp.seq_len > planner_step(lp.seq_len):
-        found = planner.search(lp.seq_len - 1, planner_step(lp.seq_len))
+    if longer_search and lp.seq_len > _advice_step(lp.seq_len):
+        found = planner.search(lp.seq_len - 1, _advice_step(lp.seq_len))
         if found.seq_len:
             saves = need(plan) - need(found.at.plan)
             changes.append(
@@ -821,13 +824,13 @@ def _device_changes(
                     saves,
                     True,
                     "the longest that fits (a multiple of "
-                    f"{planner_step(lp.seq_len)} tokens, --max-seq-len's search)",
+                    f"{_advice_step(lp.seq_len)} tokens, --max-seq-len's search)",
                 )
             )
     return changes
 
 
-def planner_step(seq_len: int) -> int:
+def _advice_step(seq_len: int) -> int:
     """The step of the shorter length the advice names for ``seq_len``: a power of two about a
     sixty-fourth of it, at least 16 tokens."""
     return max(16, 1 << max(0, (seq_len // 64).bit_length() - 1))
@@ -912,14 +915,15 @@ def describe_bound(found: SeqLenSearch) -> list[str]:
         ]
     if found.beyond is None:
         return [f"Bound by the search's limit ({found.limit} tokens), not by memory."]
-    lines = [f"Bound at {found.beyond.seq_len} tokens by:"]
-    for offload, plan in sorted(found.beyond.by_offload.items()):
-        setting = (
-            ""
-            if len(found.beyond.by_offload) == 1
-            else ("  activation offload on: " if offload else "  activation offload off: ")
-        )
-        lines.append(f"{setting or '  '}short of {' and '.join(_short_of(plan))}")
+    beyond = found.beyond
+    lines = [f"Bound at {beyond.seq_len} tokens by:"]
+    for offload, plan in sorted(beyond.by_offload.items()):
+        what = "short of " + " and ".join(_short_of(plan)) if not plan.fits else "it fits"
+        if len(beyond.by_offload) == 1:
+            lines.append(f"  {what}")
+            continue
+        given = " (given)" if offload == beyond.offload and "given" in beyond.reason else ""
+        lines.append(f"  activation offload {'on' if offload else 'off'}{given}: {what}")
     return lines
 
 

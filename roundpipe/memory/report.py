@@ -48,7 +48,7 @@ __all__ = [
 
 # What the report calls the host RAM it compares with, when measured here (a plan for another
 # machine names where its figure came from instead: MemoryPlan.host_source).
-HOST_FREE_HERE = "this machine's free RAM now (MemAvailable)"
+HOST_FREE_HERE = "free RAM on this machine"
 
 
 def stage_label(stage: Stage) -> str:
@@ -128,6 +128,10 @@ class MemoryPlan:
     stages whose activations are not counted (``untraced``: stage -> the
     :class:`StageNotTraceable` that says why), those measured by a real CPU run instead of
     a trace (``measured``), and each stage's own bytes (``stages``, :class:`StageMemory`).
+    ``stage_names``: how the report names each stage (by its layers, ``"layer 3 (Block)"``;
+    the plan command, by the HF modules it runs); ``host_source``: what ``host.available``
+    is (this machine's free RAM, or a figure given for another machine); ``recompute``:
+    whether the plan's backwards recompute their stage (for the report's words).
     ``str(plan)`` is the report (docs/memory.md reads one)."""
 
     name: str
@@ -213,14 +217,14 @@ class MemoryPlan:
         host = self.host
         lines.append("Host RAM")
         rows = host.rows()
-        width = max([len(r[0]) for r in rows] + [52])
+        available_label = self.host_source + (
+            ", for all but the weights" if host.weights_allocated else ""
+        )
+        width = max([len(r[0]) for r in rows] + [52, len(available_label)])
         for label, nbytes in rows:
             lines.append(f"  {label:<{width}} {format_bytes(nbytes):>11}")
         lines.append(f"  {'total':<{width}} {format_bytes(host.total):>11}")
         if host.available is not None:
-            available_label = self.host_source + (
-                ", for all but the weights" if host.weights_allocated else ""
-            )
             verdict = "fits" if host.new_bytes <= host.available else "DOES NOT FIT"
             lines.append(
                 f"  {available_label:<{width}} "
