@@ -89,6 +89,9 @@ def ask(args: list[str]) -> tuple[float, float, int, list[str]]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--long", action="store_true", help="also the 512 GiB host questions")
+    parser.add_argument(
+        "--only", default="", help="ask only the questions whose name contains this text"
+    )
     args = parser.parse_args()
     from roundpipe.testing import emu
 
@@ -101,6 +104,8 @@ def main() -> int:
         f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}"
     )
     for name, question in QUESTIONS + (LONG if args.long else []):
+        if args.only not in name:
+            continue
         wall, cpu, code, lines = ask(question)
         shown = " ".join(a if "/" not in a else Path(a).name for a in question)
         print(f"\n{name}: {wall:.1f} s ({cpu:.1f} s CPU), exit {code}")

@@ -563,11 +563,12 @@ class ConfigPlanner:
         )
 
     def _short_length(self) -> int:
-        """The first length the search traces: a few MLP tiles and loss chunks, past the
-        lengths that run untiled, short enough to trace in a second or two."""
+        """The first length the search traces: several MLP tiles and loss chunks, past the
+        lengths that run untiled and the kinks of the first few tiles, short enough to trace
+        in a few seconds."""
         tile = self.model.module[1].mlp_tile_tokens if len(self.model.module) > 2 else None
         chunk = getattr(self.model.module[-1], "chunk_tokens", None)
-        return 4 * max(tile or 0, chunk or 0, 1024)
+        return max(8 * max(tile or 0, 1024), 4 * (chunk or 0))
 
     def _estimated_edge(self, exact: dict[int, LengthPlans], lo: int, hi: int, step: int) -> int:
         """The step in ``(lo, hi)`` (fits at ``lo``, not at ``hi``) where the plan estimated
