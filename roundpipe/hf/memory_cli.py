@@ -537,25 +537,27 @@ class ConfigPlanner:
             probe(first)
         if len(self._traced) < 2:
             probe(min(top, 2 * first) if exact[first].fits else max(1, first // 4))
-        widths = [hi - lo]
+        widths, los = [hi - lo], [lo]
         while hi - lo > 1 and lo < top:
-            stalled = len(widths) >= 3 and widths[-1] * 2 > widths[-3]
-            if stalled and hi <= top:
-                k = (lo + hi) // 2  # the estimates are not closing in: bisect
+            if hi <= top and len(widths) >= 3 and widths[-1] * 2 > widths[-3]:
+                k = (lo + hi) // 2  # the estimates are not closing in on the edge: bisect
             else:
                 k = self._estimated_edge(exact, lo, hi, step)
-                if lo and (k > 3 * lo or stalled):
-                    # Far past the longest traced length, the estimate may miss a kink (or
-                    # the estimates creep up to the edge): trace halfway there first (the
-                    # geometric mean; a trace costs about its length, so this costs less than
-                    # a wrong guess at the edge would) and estimate again.
+                # No length that does not fit traced yet: the estimate may be far past the
+                # longest traced length and miss a kink there, or creep up to the edge a step
+                # at a time: trace halfway first (the geometric mean; a trace costs about its
+                # length, so this costs less than a wrong guess at the edge would).
+                creeping = len(los) >= 3 and los[-1] - los[-3] <= 4
+                if hi > top and lo and (k > 3 * lo or creeping):
                     probe(min(top, max(2 * lo, math.isqrt(lo * k))))
                     widths.append(hi - lo)
+                    los.append(lo)
                     continue
             probe(k)
             if exact[k].fits and k + 1 < hi:
                 probe(k + 1)
             widths.append(hi - lo)
+            los.append(lo)
         at = exact[lo] if lo else (exact.get(1) or self.plans(step))
         beyond = exact.get(hi) if hi <= top else None
         return SeqLenSearch(
