@@ -224,8 +224,11 @@ class _Traces(TraceMemo):
 #   (short sequences, a kink), the traced lengths bracket the edge tighter and the next estimate
 #   comes from the two traces nearest to it; a bracket that does not halve in two rounds is
 #   bisected, so the search ends in about log2(limit / step) traces at worst, as plain bisection.
-# A trace costs about linearly in the tokens (a tile or chunk is a few ops on fake tensors),
-# so the first two are short ones (a few tiles), and the long ones are those at the edge.
+# A trace costs about linearly in the tokens (a tile or chunk is a few ops on fake tensors), so
+# the first two are short ones (eight MLP tiles and twice that), and, before any length has
+# failed, an estimate more than three times the longest traced length (which may miss a kink on
+# the way) is approached by the geometric mean of the two first: the long traces are the ones
+# at the edge.
 
 
 class ConfigPlanner:
