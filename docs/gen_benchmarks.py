@@ -81,6 +81,14 @@ SECTIONS = [
         "run on the CPU and the emulated device (target: within a few percent).",
     ),
     (
+        "The plan command",
+        "plan",
+        "benchmarks/bench_plan.py",
+        "how long `python -m roundpipe plan --max-seq-len` takes to answer on Llama-3.1-8B's and "
+        "Qwen3-1.7B's configs, and what it answers (issue 43: seconds, not minutes, on the 2-core "
+        "machine; the target is under 20 s for an 8B config).",
+    ),
+    (
         "GPU",
         "gpu",
         "benchmarks/bench_gpu.py",

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import roundpipe
+from roundpipe.memory.host import format_bytes
 
 
 def run_cli(*args, env_extra=None, timeout=100):
@@ -246,10 +247,9 @@ def test_the_plan_command_says_what_to_change_when_it_does_not_fit(tmp_path):
     for expected in (
         "DOES NOT FIT. What would make it fit:",
         "host RAM:",
-        "--lora 16",
-        "device emu:0:",
-        "--offload-activations",
-        "--seq-len below 32",
+        "--lora 16: saves about",
+        "device GPU of 520.0 MiB:",
+        "short at the peak, during the ",
     ):
         assert expected in out, (expected, out)
     proc = run_cli("plan", str(path), "--seq-len", "32", "--gpu", "rtx4090", "--devices", "emu")
@@ -259,9 +259,33 @@ def test_the_plan_command_says_what_to_change_when_it_does_not_fit(tmp_path):
     assert bad.returncode == 2 and "24GiB" in bad.stderr
 
 
+def _big_config(tmp_path):
+    """A model whose Adam state (728 MB) and masters (364 MB) outgrow the spill buffers; two
+    layers, so a plan traces little."""
+    config = {
+        "model_type": "llama",
+        "vocab_size": 32000,
+        "hidden_size": 1024,
+        "intermediate_size": 2816,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 8,
+    }
+    path = tmp_path / "big.json"
+    path.write_text(json.dumps(config))
+    return str(path)
+
+
+def _hints(path, **kwargs):
+    from roundpipe.hf.memory_cli import ConfigPlanner, what_to_change
+
+    planner = ConfigPlanner(path, devices="emu", host_memory=1 << 20, **kwargs)
+    return what_to_change(planner, planner.plans(32))
+
+
 def test_a_plan_with_a_spill_dir_counts_only_the_streaming_buffer(tmp_path, capsys):
     pytest.importorskip("transformers")
-    from roundpipe.hf.memory_cli import main, plan_config, what_to_change
+    from roundpipe.hf.memory_cli import main, plan_config
     from roundpipe.optim.spill import DEFAULT_BUFFER_BYTES
 
     path = str(_tiny_config(tmp_path))
@@ -273,20 +297,22 @@ def test_a_plan_with_a_spill_dir_counts_only_the_streaming_buffer(tmp_path, caps
     assert spilled.host.optimizer == DEFAULT_BUFFER_BYTES
     assert spilled.host.total == plain.host.total - plain.host.optimizer + DEFAULT_BUFFER_BYTES
     assert f"optimizer state: in files under {tmp_path}" in str(spilled)
-    # A host short of RAM is told about --spill-dir, unless it is spilled already.
-    small = plan_config(path, seq_len=32, devices="emu", host_memory=1 << 20)
-    hints = what_to_change(small, lora=0, offload_activations=False, seq_len=32)
-    assert any("--spill-dir DIR" in line for line in hints)
-    small = plan_config(path, seq_len=32, devices="emu", host_memory=1 << 20, spill_dir="/x")
-    hints = what_to_change(small, lora=0, offload_activations=False, seq_len=32)
-    assert not any("--spill-dir" in line for line in hints)
+    # A host short of RAM is told about --spill-dir and what it saves, unless it is spilled
+    # already (or the state is smaller than the buffer it would stream through).
+    big = _big_config(tmp_path)
+    hints = _hints(big)
+    state = plan_config(big, seq_len=32, devices="emu").host.optimizer
+    saves = format_bytes(state - DEFAULT_BUFFER_BYTES)
+    assert any(f"--spill-dir DIR: saves {saves};" in line for line in hints), hints
+    assert not any("--spill-dir" in line for line in _hints(big, spill_dir="/x"))
+    assert not any("--spill-dir DIR:" in line for line in _hints(path))
     assert main([path, "--seq-len", "32", "--devices", "emu", "--spill-dir", str(tmp_path)]) == 0
     assert "streaming buffer" in capsys.readouterr().out
 
 
 def test_a_plan_with_spilled_masters_counts_only_the_two_buffers(tmp_path, capsys):
     pytest.importorskip("transformers")
-    from roundpipe.hf.memory_cli import main, plan_config, what_to_change
+    from roundpipe.hf.memory_cli import main, plan_config
     from roundpipe.optim.master_file import DEFAULT_COPY_BUFFER_BYTES
 
     path = str(_tiny_config(tmp_path))
@@ -298,13 +324,9 @@ def test_a_plan_with_spilled_masters_counts_only_the_two_buffers(tmp_path, capsy
     assert both.host.total == state.host.total - state.host.masters + DEFAULT_COPY_BUFFER_BYTES
     assert "master copies" in str(both) and "in files under /x (copy buffer)" in str(both)
     # Short of RAM with the state spilled, the plan names the masters next; spilled, not.
-    small = plan_config(path, seq_len=32, devices="emu", host_memory=1 << 20, spill_dir="/x")
-    hints = what_to_change(small, lora=0, offload_activations=False, seq_len=32)
-    assert any("--spill-masters" in line for line in hints)
-    small = plan_config(
-        path, seq_len=32, devices="emu", host_memory=1 << 20, spill_dir="/x", spill_masters=True
-    )
-    hints = what_to_change(small, lora=0, offload_activations=False, seq_len=32)
+    big = _big_config(tmp_path)
+    assert any("--spill-masters: saves" in line for line in _hints(big, spill_dir="/x"))
+    hints = _hints(big, spill_dir="/x", spill_masters=True)
     assert not any("--spill-masters" in line for line in hints)
     with pytest.raises(SystemExit):
         main([path, "--seq-len", "32", "--devices", "emu", "--spill-masters"])
@@ -323,6 +345,8 @@ def test_the_longest_sequence_is_the_edge_of_the_plan(tmp_path):
     longest = planner.longest_seq_len(32768, step=128)
     assert 0 < longest < 32768 and longest % 128 == 0
     assert planner.plan(longest).fits and not planner.plan(longest + 128).fits
+    # Nor with the stage inputs offloaded or kept: the automatic choice is the best one.
+    assert not any(p.fits for p in planner.plans(longest + 128).by_offload.values())
 
 
 def test_identical_decoder_layers_are_traced_once(tmp_path, monkeypatch):
@@ -352,4 +376,4 @@ def test_the_plan_command_finds_the_longest_sequence(tmp_path):
         "--device-memory", "700MiB", "--host-memory", "1TiB",
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "Longest sequence that fits: " in proc.stdout and "fits" in proc.stdout
+    assert "Longest sequence that fits: " in proc.stdout and "Bound at " in proc.stdout

@@ -75,6 +75,33 @@ def test_offload_is_chosen_where_the_kept_inputs_take_more_than_their_share():
     assert not offload_needed(kept, None)  # a CPU pool computes in host memory
 
 
+def test_offload_is_not_chosen_where_the_host_has_not_the_kept_inputs_free():
+    kept = kept_input_bytes(num_layers=12, tokens=1024, hidden_size=256, itemsize=4)
+    device = int(kept / KEPT_INPUTS_SHARE) - 1  # a device they would take too much of
+    assert offload_needed(kept, device, host_free=kept)
+    assert not offload_needed(kept, device, host_free=kept - 1)  # the host would be short
+    assert offload_needed(kept, device, host_free=None)  # unknown: the device decides
+
+
+def test_wraps_default_keeps_the_inputs_on_the_device_when_the_host_has_no_room(
+    capacity, monkeypatch
+):
+    """The stage inputs of 2 x 512 tokens (13 MiB) would take more than a quarter of a 40 MiB
+    device: wrap offloads them, unless the host has less than that free, where offloading
+    would only move the shortfall to the host (the plan command's choice, see
+    roundpipe.hf.memory_cli.ConfigPlanner.plans)."""
+    import sys
+
+    model = roundpipe.hf.wrap(_model(), devices="emu", check=False)
+    batch = _batch(2, 512)
+    capacity(40 * MIB)
+    assert model.fitting_run_config(batch, None).offload_activations is True
+    kept = kept_input_bytes(num_layers=12, tokens=1024, hidden_size=256, itemsize=4)
+    wrap_module = sys.modules["roundpipe.hf.wrap"]
+    monkeypatch.setattr(wrap_module, "host_memory_available", lambda: kept - 1)
+    assert model.fitting_run_config(batch, None) is None
+
+
 @pytest.mark.parametrize("high,step,edge", [(100, 1, 37), (100, 1, 100), (100, 1, 0), (96, 8, 41)])
 def test_longest_fitting_is_the_edge_of_the_verdict(high, step, edge):
     asked = []

@@ -4,6 +4,7 @@ report, stages fake tensors cannot run, a plan that changes nothing, and the che
 forward_backward (DeviceMemoryError)."""
 
 import gc
+import re
 
 import pytest
 import torch
@@ -165,6 +166,13 @@ def test_the_report_names_every_term_and_the_largest():
         [b for _, b in plan.host.rows()[1:]] + [b for d in plan.devices for _, b in d.terms]
     )
     assert f"Largest term: {term} ({where})" in text
+    # When the device peaks, in words, with the stage named by its layers; the compact label
+    # (as print(model.plan()) writes the program) stays on the DeviceMemory.
+    (dev,) = plan.devices
+    assert re.fullmatch(r"[FLB][0-9]+\.[0-9]+", dev.at), dev.at
+    assert dev.during.startswith("the ") and f"during {dev.during}" in text
+    assert dev.at not in text
+    assert "layer 4 (Sequential)" in text and "layer 1 (Block)" in text
     assert plan.fits
     assert [r.stage for r in plan.stages] == list(range(5))
     assert all(r.backward and r.backward > 0 for r in plan.stages)

@@ -8,8 +8,9 @@ device it trains on, so that a long batch trains without hand-picked options (do
 * Activation offload (:func:`offload_needed`), per call: the stage inputs a recompute keeps
   between the forward and the backward (one per decoder layer and microbatch, each tokens x
   hidden) go to pinned host memory when they would take more than :data:`KEPT_INPUTS_SHARE`
-  of what the smallest device has free; otherwise they stay on the device, where they cost no
-  transfer.
+  of what the smallest device has free, and the host has that much free; otherwise they stay
+  on the device, where they cost no transfer (a host without room for them would be the
+  shortfall instead).
 * The decoder layers' MLP tile (:func:`default_mlp_tile_tokens`): the MLP and its norms run
   in tiles of as many tokens as make their intermediates (gate, up and their product: about
   three tokens x intermediate tensors) at most :data:`MLP_TILE_SHARE` of the device's memory
@@ -78,10 +79,15 @@ def kept_input_bytes(num_layers: int, tokens: int, hidden_size: int, itemsize: i
     return (num_layers + 1) * tokens * hidden_size * itemsize
 
 
-def offload_needed(kept_bytes: int, device_free: int | None) -> bool:
+def offload_needed(kept_bytes: int, device_free: int | None, host_free: int | None = None) -> bool:
     """Whether stage inputs of ``kept_bytes`` go to host memory on a device with
-    ``device_free`` bytes free (None: unknown, a CPU pool: never)."""
-    return device_free is not None and kept_bytes > device_free * KEPT_INPUTS_SHARE
+    ``device_free`` bytes free (None: unknown, a CPU pool: never): where they would take more
+    than :data:`KEPT_INPUTS_SHARE` of it, unless the host has not that much free
+    (``host_free``; None: unknown), where offloading them would only move the shortfall to a
+    host that cannot hold it."""
+    if device_free is None or kept_bytes <= device_free * KEPT_INPUTS_SHARE:
+        return False
+    return host_free is None or kept_bytes <= host_free
 
 
 def default_mlp_tile_tokens(

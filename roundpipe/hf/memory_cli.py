@@ -7,7 +7,8 @@ wrapped as :func:`roundpipe.hf.wrap` wraps it, so the host terms and every stage
 are the real model's; a plan traces one decoder layer and reuses its bytes for the identical
 ones (see [Note: identical stages] in :mod:`roundpipe.memory.trace`), so planning a 70B model
 costs about what a small one does. ``--max-seq-len`` answers "how long a sequence fits": a
-bisection over the plan (:class:`ConfigPlanner`), never a run.
+search over the plan (:meth:`ConfigPlanner.search`, see [Note: the length search]), never a
+run.
 
 The question it answers is "does it fit on my machine": ``--device-memory 24GiB`` or ``--gpu
 rtx4090`` (:data:`GPUS`) plans against that GPU instead of the local device, with the reserve a
@@ -18,7 +19,7 @@ only its streaming buffer counts against the host; ``--spill-masters`` plans the
 (``state_placement=roundpipe.MastersOnDisk(DIR)``): only its copy buffer counts. Planned from a
 config, the weights do not
 exist yet, so they count against the host like every other term. When it does not fit, the
-report ends with what to change.
+report ends with what to change, each change with what it saves.
 """
 
 from __future__ import annotations
@@ -26,8 +27,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import re
+import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -38,14 +42,34 @@ from roundpipe.hf.defaults import (
     kept_input_bytes,
     offload_needed,
 )
-from roundpipe.memory.host import format_bytes, host_terms
+from roundpipe.memory.host import HostTerms, format_bytes, host_terms
 from roundpipe.memory.probe import host_memory_available
+from roundpipe.memory.report import (
+    HOST_FREE_HERE,
+    MemoryPlan,
+    PlannedCall,
+    TraceMemo,
+    make_memory_plan,
+    reused_traces,
+)
 from roundpipe.memory.search import longest_fitting
+from roundpipe.memory.trace import StageTraces, interpolate_traces
 from roundpipe.optim.master_file import DEFAULT_COPY_BUFFER_BYTES
 from roundpipe.optim.spill import DEFAULT_BUFFER_BYTES
 from roundpipe.runtime.stages import model_layers
 
-__all__ = ["GPUS", "CUDA_CONTEXT", "ConfigPlanner", "main", "parse_size", "plan_config"]
+__all__ = [
+    "GPUS",
+    "CUDA_CONTEXT",
+    "LORA_TARGETS",
+    "ConfigPlanner",
+    "LengthPlans",
+    "SeqLenSearch",
+    "main",
+    "parse_size",
+    "plan_config",
+    "what_to_change",
+]
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -64,6 +88,9 @@ GPUS: dict[str, tuple[int, int]] = {
 # What the CUDA context takes of a GPU before the first tensor (it varies with the driver and
 # the libraries loaded; about this much with torch's CUDA libraries on a recent driver).
 CUDA_CONTEXT = 512 * _MIB
+# The modules ``--lora`` puts adapters on, in every decoder layer (peft's LoraConfig
+# target_modules; alpha twice the rank).
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
 _UNITS.update({"kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12})
@@ -100,29 +127,129 @@ def _with_lora(model: Any, rank: int) -> Any:
         return model
     from peft import LoraConfig, get_peft_model
 
-    targets = ["q_proj", "k_proj", "v_proj", "o_proj"]
-    return get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets))
+    config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=list(LORA_TARGETS))
+    return get_peft_model(model, config)
+
+
+def _lora_numel(model: torch.nn.Module, rank: int) -> int:
+    """Parameters LoRA adapters of ``rank`` on :data:`LORA_TARGETS` would add to ``model``:
+    ``rank x (in + out)`` per targeted linear layer."""
+    total = 0
+    for name, module in model.named_modules():
+        if name.rsplit(".", 1)[-1] in LORA_TARGETS and isinstance(module, torch.nn.Linear):
+            total += rank * (module.in_features + module.out_features)
+    return total
+
+
+def _host_fits(plan: MemoryPlan) -> bool:
+    host = plan.host
+    return host.available is None or host.new_bytes <= host.available
+
+
+def _devices_fit(plan: MemoryPlan) -> bool:
+    return all(d.fits for d in plan.devices)
+
+
+@dataclasses.dataclass(frozen=True)
+class LengthPlans:
+    """The plans of ``seq_len`` tokens per sequence under each activation-offload setting the
+    planner weighs (``by_offload``: False, the stage inputs kept on the device; True, in host
+    memory), the setting chosen (``offload``) and why (``reason``). The plan at that setting is
+    :attr:`plan`; it fits when any setting does (see :meth:`ConfigPlanner.plans`)."""
+
+    seq_len: int
+    by_offload: dict[bool, MemoryPlan]
+    offload: bool
+    reason: str
+
+    @property
+    def plan(self) -> MemoryPlan:
+        return self.by_offload[self.offload]
+
+    @property
+    def fits(self) -> bool:
+        return self.plan.fits
+
+
+@dataclasses.dataclass(frozen=True)
+class SeqLenSearch:
+    """What :meth:`ConfigPlanner.search` found: ``seq_len``, the longest multiple of ``step``
+    of at most ``limit`` tokens that fits (0: none), the plans there (``at``; at ``step`` when
+    none fits), the plans one step more (``beyond``: the length that does not fit; None when
+    ``seq_len`` is the limit, or when the host is short at every length, ``host_everywhere``,
+    found before tracing anything), and how many lengths were traced (``traced``)."""
+
+    seq_len: int
+    step: int
+    limit: int
+    at: LengthPlans
+    beyond: LengthPlans | None
+    host_everywhere: bool
+    traced: int
+
+
+class _Traces(TraceMemo):
+    """The planner's trace memo: traces reused per call (see [Note: reused traces]); the last
+    one handed out (``last``); and, while ``predicted`` is set, those traces instead of any."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.predicted: StageTraces | None = None
+        self.last: StageTraces | None = None
+        self.last_call: PlannedCall | None = None
+
+    def get(self, call: Any, real_runs: bool, trace: Callable[[], StageTraces]) -> StageTraces:
+        if self.predicted is not None:
+            return self.predicted
+        self.last_call = call
+        self.last = super().get(call, real_runs, trace)
+        return self.last
+
+
+# [Note: the length search]
+# The longest sequence that fits is the edge of a verdict that is monotone in the length (what
+# fits at n fits at every shorter n), found to the step with real plans on both sides of it:
+# the plan at the answer fits and the plan one step more does not, each traced. What makes it
+# seconds rather than minutes:
+# * The host is bounded before anything is traced: its terms do not depend on the length
+#   except the offloaded stage inputs, so a host short with them kept on the device is short at
+#   every length, and the search ends there (the host binds).
+# * A length is traced once, whatever the settings weighed there (the activation offload on
+#   and off trace the same, [Note: reused traces]), and of its stages only the first, one
+#   decoder layer and the head ([Note: identical stages]).
+# * Between traced lengths the plan is estimated from two traces (interpolate_traces: each
+#   stage's counts are affine in the tokens once a sequence spans several MLP tiles and loss
+#   chunks) and the whole plan walked on the estimate, which costs no trace; the search traces
+#   the length the estimate names as the edge and the one after it. Where the estimate is off
+#   (short sequences, a kink), the traced lengths bracket the edge tighter and the next estimate
+#   comes from the two traces nearest to it; a bracket that does not halve in two rounds is
+#   bisected, so the search ends in about log2(limit / step) traces at worst, as plain bisection.
+# A trace costs about linearly in the tokens (a tile or chunk is a few ops on fake tensors), so
+# the first two are short ones (eight MLP tiles and twice that), and, before any length has
+# failed, an estimate more than three times the longest traced length (which may miss a kink on
+# the way) is approached by the geometric mean of the two first: the long traces are the ones
+# at the edge.
 
 
 class ConfigPlanner:
     """Memory plans of training the causal LM that ``path`` (a config.json or a local model
     directory) describes, at any sequence length, from one model of shapes only: the whole
     model is built on the meta device (no weights are allocated, so the host terms and every
-    stage are the real model's), wrapped once, and each plan traces one decoder layer and
+    stage are the real model's), wrapped once, and each length traces one decoder layer and
     reuses it for the identical ones (see [Note: identical stages] in
     :mod:`roundpipe.memory.trace`). ``device_memory``: plan against a GPU of that many bytes
     (its total: the CUDA context is taken off) and compute capability ``compute_capability``
-    instead of the local device, with the loss chunk, the MLP tile and the activation offload
-    chosen for it as :func:`roundpipe.hf.wrap` chooses them for a local device
-    (:mod:`roundpipe.hf.defaults`); ``offload_activations`` None: chosen per length;
-    ``mlp_tile_tokens``: wrap's (None: chosen for the device, 0: untiled);
-    ``host_memory``: against that much host RAM instead of what this machine has free;
-    ``ranks``: the state sharded over that many data-parallel ranks
-    (:class:`roundpipe.distributed.ShardedState`), the host terms of the rank with the largest
-    share; ``spill_dir``: Adam's state in files there (``roundpipe.optim.AdamW(state_dir=spill_dir)``),
-    so only its streaming buffer counts against the host; ``spill_masters`` (with ``spill_dir``):
-    the masters in files there too (:class:`roundpipe.MastersOnDisk`), so only its copy buffer
-    counts. Main thread."""
+    instead of the local device, with the loss chunk and the MLP tile chosen for it as
+    :func:`roundpipe.hf.wrap` chooses them for a local device (:mod:`roundpipe.hf.defaults`);
+    ``gpu``: its name, for the report; ``offload_activations`` None: chosen per length, on
+    only where it makes the plan fit (see :meth:`plans`); ``mlp_tile_tokens``: wrap's (None:
+    chosen for the device, 0: untiled); ``host_memory``: against that much host RAM instead of
+    what this machine has free; ``ranks``: the state sharded over that many data-parallel
+    ranks (:class:`roundpipe.distributed.ShardedState`), the host terms of the rank with the
+    largest share; ``spill_dir``: Adam's state in files there
+    (``roundpipe.optim.AdamW(state_dir=spill_dir)``), so only its streaming buffer counts
+    against the host; ``spill_masters`` (with ``spill_dir``): the masters in files there too
+    (:class:`roundpipe.MastersOnDisk`), so only its copy buffer counts. Main thread."""
 
     def __init__(
         self,
@@ -142,6 +269,7 @@ class ConfigPlanner:
         spill_dir: str | None = None,
         mlp_tile_tokens: int | None = None,
         spill_masters: bool = False,
+        gpu: str | None = None,
     ) -> None:
         from transformers import AutoModelForCausalLM
 
@@ -155,8 +283,16 @@ class ConfigPlanner:
         self.device_memory = device_memory
         self.compute_capability = compute_capability
         self.itemsize = dtype.itemsize
+        self.dtype = dtype
+        self.optim_dtype = optim_dtype
+        self.lora = lora
+        self.gpu = gpu
+        if spill_masters and spill_dir is None:
+            raise ValueError("spill_masters plans the masters in files under spill_dir: give it")
         with torch.device("meta"):
-            whole = _with_lora(AutoModelForCausalLM.from_config(config, dtype=dtype), lora)
+            plain = AutoModelForCausalLM.from_config(config, dtype=dtype)
+            self._lora_numel = _lora_numel(plain, lora or 16)
+            whole = _with_lora(plain, lora)
         if devices is None:
             devices = "cuda:0" if torch.cuda.is_available() else "emu"
         chunk = None
@@ -181,13 +317,12 @@ class ConfigPlanner:
         # Shapes only: the meta model's terms are the whole model's (nothing pinned is counted);
         # an accelerator pool hands the gradients over stage by stage.
         available = host_memory if host_memory is not None else host_memory_available()
+        self.host_source = "host RAM given (--host-memory)" if host_memory is not None else None
         layers = [layer.module for layer in model_layers(self.model.module)]
         self.host = dataclasses.replace(
             host_terms(whole, optim_dtype, None, available, ranks=ranks, layers=layers),
             weights_allocated=False,
         )
-        if spill_masters and spill_dir is None:
-            raise ValueError("spill_masters plans the masters in files under spill_dir: give it")
         if spill_dir is not None:
             self.host = dataclasses.replace(
                 self.host, optimizer=DEFAULT_BUFFER_BYTES, optimizer_dir=spill_dir
@@ -196,67 +331,330 @@ class ConfigPlanner:
             self.host = dataclasses.replace(
                 self.host, masters=DEFAULT_COPY_BUFFER_BYTES, masters_dir=spill_dir
             )
+        self._stage_names = _hf_stage_names(whole, self.model.module)
+        self._traces = _Traces()
+        self._plans: dict[tuple[int, int], LengthPlans] = {}
+        self._traced: dict[int, StageTraces] = {}  # exact traces, by length
+        # A traced call and its host terms per (offload, microbatches), for predicted plans.
+        self._calls: dict[tuple[bool, int], tuple[PlannedCall, HostTerms]] = {}
+        # Without inputs: the host terms that do not depend on the length (the gradients' pinned
+        # downloads counted as the runtime holds them), and whether there are devices at all.
+        bare = self.model.memory_plan()
+        self.streaming = bool(bare.devices)
+        self.fixed_host = self._host(bare.host, activations=0)
 
-    def offloads(self, seq_len: int) -> bool:
-        """Whether the plan at ``seq_len`` offloads the stage inputs (given, or chosen as wrap
-        chooses it for the target device)."""
-        if self.offload_activations is not None:
-            return self.offload_activations
-        free = None if self.device_memory is None else self.device_memory - CUDA_CONTEXT
-        if free is None:
-            free = self.model.device_free()
-        kept = kept_input_bytes(
-            int(self.config.num_hidden_layers),
-            self.batch_size * seq_len,
-            int(self.config.hidden_size),
-            self.itemsize,
-        )
-        return offload_needed(kept, free)
-
-    def plan(self, seq_len: int) -> Any:
-        """The :class:`roundpipe.MemoryPlan` of one ``forward_backward`` of ``batch_size``
-        sequences of ``seq_len`` tokens."""
-        from roundpipe import RoundPipeRunConfig
-
-        run_config = RoundPipeRunConfig(
-            num_microbatch=self.num_microbatch, offload_activations=self.offloads(seq_len)
-        )
-        ids = torch.zeros((self.batch_size, seq_len), dtype=torch.long)
-        batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
-        plan = self.model.memory_plan(input_kwargs=batch, run_config=run_config)
+    # -- one length ------------------------------------------------------------------------------
+    def _host(self, planned: HostTerms, activations: int) -> HostTerms:
         # The masters' gradients as the runtime holds them (the wrapped model's plan): on an
         # accelerator each stage's are downloaded into a pinned pool of their own, so a tied
         # embedding (in the first and last stage) has two until the second is added. Sharded,
         # a rank keeps its share only (self.host's).
-        host = dataclasses.replace(
+        return dataclasses.replace(
             self.host,
-            activations=plan.host.activations,
-            grads=self.host.grads if self.host.ranks > 1 else plan.host.grads,
+            activations=activations,
+            grads=self.host.grads if self.host.ranks > 1 else planned.grads,
         )
+
+    def device_free(self) -> int | None:
+        """What the planned device has free for tensors: the GPU's total less the CUDA context,
+        or what the local device has free (None: a CPU pool)."""
+        if self.device_memory is not None:
+            return self.device_memory - CUDA_CONTEXT
+        return self.model.device_free()
+
+    def _plan_with(
+        self, seq_len: int, offload: bool, num_microbatch: int, predicted: bool = False
+    ) -> MemoryPlan:
+        """The plan at ``seq_len`` with ``offload``: traced (the wrapped model's memory_plan),
+        or, ``predicted``, walked on the memo's predicted traces with the call of a traced
+        length (the program does not depend on the length without a device budget, which
+        the planner never sets), which costs no trace."""
+        from roundpipe import RoundPipeRunConfig
+
+        key = (offload, num_microbatch)
+        if predicted and key in self._calls:
+            known, base = self._calls[key]
+            plan = make_memory_plan("", base, known)
+        else:
+            run_config = RoundPipeRunConfig(
+                num_microbatch=num_microbatch, offload_activations=offload
+            )
+            ids = torch.zeros((self.batch_size, seq_len), dtype=torch.long)
+            batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+            plan = self.model.memory_plan(input_kwargs=batch, run_config=run_config)
+            call = self._traces.last_call
+            sizes = call.plan.sizes if call is not None else None
+            if call is not None and (sizes is None or sizes.budget is None):
+                self._calls[key] = (call, plan.host)
+        host = self._host(plan.host, plan.host.activations)
         devs = plan.devices
         if self.device_memory is not None:
             from roundpipe.devices.accelerator import cublas_workspace_bytes, device_reserve
 
             workspace = cublas_workspace_bytes(self.compute_capability)
             gpu_devs = []
-            for d in devs:
+            for i, d in enumerate(devs):
                 reserve, note = device_reserve(d.peak, workspace)
+                label = self.gpu or f"GPU of {format_bytes(self.device_memory)}"
                 gpu_devs.append(
                     dataclasses.replace(
                         d,
+                        device=label if len(devs) == 1 else f"{label} #{i}",
                         available=self.device_memory - CUDA_CONTEXT,
                         reserve=reserve,
                         reserve_note=note,
                     )
                 )
             devs = tuple(gpu_devs)
-        name = f" {type(self.model.hf_model).__name__} ({self.path})"
-        return dataclasses.replace(plan, host=host, devices=devs, name=name)
+        names = plan.stage_names
+        if len(self._stage_names) == len(names):
+            names = self._stage_names
+        return dataclasses.replace(
+            plan,
+            host=host,
+            devices=devs,
+            name=f" {type(self.model.hf_model).__name__} ({self.path})",
+            stage_names=names,
+            host_source=self.host_source or plan.host_source,
+        )
 
+    def _settings(self) -> list[bool]:
+        # Both where there are devices, even with one given: they trace the same, and the
+        # other is what the advice weighs.
+        if not self.streaming:
+            return [False]
+        return [False, True]
+
+    def _length_plans(
+        self, seq_len: int, predicted: StageTraces | None = None, num_microbatch: int | None = None
+    ) -> LengthPlans:
+        m = self.num_microbatch if num_microbatch is None else num_microbatch
+        self._traces.predicted = predicted
+        self._traces.last = None
+        try:
+            with reused_traces(self._traces):
+                by = {
+                    off: self._plan_with(seq_len, off, m, predicted is not None)
+                    for off in self._settings()
+                }
+        finally:
+            self._traces.predicted = None
+        if predicted is None and self._traces.last is not None and m == self.num_microbatch:
+            self._traced[seq_len] = self._traces.last
+        return self._choose(seq_len, by)
+
+    def _choose(self, seq_len: int, by: dict[bool, MemoryPlan]) -> LengthPlans:
+        if len(by) == 1:
+            return LengthPlans(seq_len, by, False, "no accelerator: nothing to offload")
+        if self.offload_activations is not None:
+            given = self.offload_activations
+            return LengthPlans(seq_len, by, given, f"{'on' if given else 'off'}, as given")
+        kept, offloaded = by[False], by[True]
+        if kept.fits:
+            reason = "off: the device holds the stage inputs kept for the backward"
+            return LengthPlans(seq_len, by, False, reason)
+        if offloaded.fits:
+            reason = "on: the device is short without it, and the host holds the stage inputs"
+            return LengthPlans(seq_len, by, True, reason)
+        # Neither fits: offloaded where that moves the shortfall off the device onto a host
+        # that holds it, else kept (the host is the shortfall, or both are short either way).
+        if not _devices_fit(kept) and _host_fits(offloaded):
+            return LengthPlans(seq_len, by, True, "on: the device is short without it")
+        return LengthPlans(seq_len, by, False, "off: offloading does not make it fit")
+
+    def plans(self, seq_len: int, num_microbatch: int | None = None) -> LengthPlans:
+        """The plans of one ``forward_backward`` of ``batch_size`` sequences of ``seq_len``
+        tokens under each activation-offload setting weighed, and the one chosen: as given
+        (``offload_activations``), else off where it fits (the stage inputs cost no transfer
+        on the device), on where only that fits (the device short without it, the host with
+        room for them), so that the verdict is the best setting's. One trace per length
+        (cached, see [Note: reused traces])."""
+        m = self.num_microbatch if num_microbatch is None else num_microbatch
+        key = (seq_len, m)
+        if key not in self._plans:
+            self._plans[key] = self._length_plans(seq_len, num_microbatch=m)
+        return self._plans[key]
+
+    def plan(self, seq_len: int) -> MemoryPlan:
+        """The :class:`roundpipe.MemoryPlan` of one ``forward_backward`` of ``batch_size``
+        sequences of ``seq_len`` tokens, under the setting :meth:`plans` chooses."""
+        return self.plans(seq_len).plan
+
+    def offloads(self, seq_len: int) -> bool:
+        """Whether the plan at ``seq_len`` offloads the stage inputs (given, or chosen by
+        :meth:`plans`)."""
+        return self.plans(seq_len).offload
+
+    def wrap_offloads(self, seq_len: int) -> bool:
+        """Whether :func:`roundpipe.hf.wrap`'s per-call default would offload the stage inputs
+        of this batch on the planned machine (:func:`roundpipe.hf.defaults.offload_needed`:
+        more than a quarter of the device, and room on the host beside the model's state)."""
+        kept = kept_input_bytes(
+            int(self.config.num_hidden_layers),
+            self.batch_size * seq_len,
+            int(self.config.hidden_size),
+            self.itemsize,
+        )
+        host = self.fixed_host
+        room = None if host.available is None else host.available - host.new_bytes
+        return offload_needed(kept, self.device_free(), room)
+
+    # -- the longest that fits -----------------------------------------------------------------
     def longest_seq_len(self, limit: int, step: int = 1) -> int:
         """The longest sequence, a multiple of ``step`` of at most ``limit`` tokens, whose plan
-        fits (host and devices), by bisection over :meth:`plan`; 0 if ``step`` does not."""
-        return longest_fitting(lambda n: self.plan(n).fits, limit, step)
+        fits (host and devices) under the setting :meth:`plans` chooses; 0 if ``step`` does
+        not (see :meth:`search`)."""
+        return self.search(limit, step).seq_len
+
+    def search(self, limit: int, step: int = 1) -> SeqLenSearch:
+        """The longest sequence, a multiple of ``step`` of at most ``limit`` tokens, whose plan
+        fits, with the plans there and one step more, each traced (see [Note: the length
+        search]): assumes, as any bisection, that what fits at n fits at every shorter n."""
+        if step < 1 or limit < step:
+            raise ValueError(f"search needs 1 <= step <= limit, got step {step}, limit {limit}")
+        traced_before = len(self._traced)
+        host = self.fixed_host
+        if host.available is not None and host.new_bytes > host.available:
+            return SeqLenSearch(
+                0, step, limit, self.plans(step), None, True, len(self._traced) - traced_before
+            )
+        top = limit // step  # in steps from here on
+        lo, hi = 0, top + 1  # fits at lo (0: nothing yet), not at hi (top + 1: past the limit)
+        exact: dict[int, LengthPlans] = {}
+
+        def probe(k: int) -> LengthPlans:
+            nonlocal lo, hi
+            if k not in exact:
+                exact[k] = self.plans(k * step)
+            if exact[k].fits:
+                lo = max(lo, k)
+            else:
+                hi = min(hi, k)
+            return exact[k]
+
+        for length, m in list(self._plans):  # planned before: a bracket
+            if m == self.num_microbatch and length % step == 0 and length <= limit:
+                probe(length // step)
+        first = min(top, max(1, -(-self._short_length() // step)))
+        if len(self._traced) < 2:
+            probe(first)
+        if len(self._traced) < 2:
+            probe(min(top, 2 * first) if exact[first].fits else max(1, first // 4))
+        widths, los = [hi - lo], [lo]
+        while hi - lo > 1 and lo < top:
+            if hi <= top and len(widths) >= 3 and widths[-1] * 2 > widths[-3]:
+                k = (lo + hi) // 2  # the estimates are not closing in on the edge: bisect
+            else:
+                k = self._estimated_edge(exact, lo, hi, step)
+                # No length that does not fit traced yet: the estimate may be far past the
+                # longest traced length and miss a kink there, or creep up to the edge a step
+                # at a time: trace halfway first (the geometric mean; a trace costs about its
+                # length, so this costs less than a wrong guess at the edge would).
+                creeping = len(los) >= 3 and los[-1] - los[-3] <= 4
+                if hi > top and lo and (k > 3 * lo or creeping):
+                    probe(min(top, max(2 * lo, math.isqrt(lo * k))))
+                    widths.append(hi - lo)
+                    los.append(lo)
+                    continue
+            probe(k)
+            if exact[k].fits and k + 1 < hi:
+                probe(k + 1)
+            widths.append(hi - lo)
+            los.append(lo)
+        at = exact[lo] if lo else (exact.get(1) or self.plans(step))
+        beyond = exact.get(hi) if hi <= top else None
+        return SeqLenSearch(
+            lo * step, step, limit, at, beyond, False, len(self._traced) - traced_before
+        )
+
+    def _short_length(self) -> int:
+        """The first length the search traces: several MLP tiles and loss chunks, past the
+        lengths that run untiled and the kinks of the first few tiles, short enough to trace
+        in a few seconds."""
+        tile = self.model.module[1].mlp_tile_tokens if len(self.model.module) > 2 else None
+        chunk = getattr(self.model.module[-1], "chunk_tokens", None)
+        return max(8 * max(tile or 0, 1024), 4 * (chunk or 0))
+
+    def _estimated_edge(self, exact: dict[int, LengthPlans], lo: int, hi: int, step: int) -> int:
+        """The step in ``(lo, hi)`` (fits at ``lo``, not at ``hi``) where the plan estimated
+        from the traced lengths stops fitting (see :meth:`estimate`): its last fitting step,
+        ``lo + 1`` at least."""
+        if len(self._traced) < 2:
+            return (lo + hi) // 2
+
+        def fits(n: int) -> bool:
+            length = (lo + n) * step
+            return self._length_plans(length, predicted=self.estimate(length)).fits
+
+        right = hi - 1 if hi > lo + 1 else lo + 1
+        edge = longest_fitting(fits, right - lo) + lo
+        return min(max(edge, lo + 1), right)
+
+    def estimate(self, seq_len: int) -> StageTraces:
+        """The traces at ``seq_len`` estimated from the lengths traced so far (two at least):
+        interpolated between the traced lengths on either side, or extrapolated from the two
+        nearest (see :func:`roundpipe.memory.trace.interpolate_traces`)."""
+        known = sorted(self._traced)
+        if len(known) < 2:
+            raise ValueError("estimate needs two traced lengths")
+        below = [n for n in known if n <= seq_len]
+        above = [n for n in known if n > seq_len]
+        if below and above:
+            a, b = below[-1], above[0]
+        elif above:
+            a, b = above[0], above[1]
+        else:
+            a, b = below[-2], below[-1]
+        return interpolate_traces(self._traced[a], self._traced[b], (seq_len - a) / (b - a))
+
+
+def _hf_stage_names(whole: torch.nn.Module, stages: torch.nn.Module) -> tuple[str, ...]:
+    """Each stage named by the HF modules it runs: ``"layer 33 (model.norm + lm_head + loss)"``.
+    A stage's modules are the largest HF modules all of whose tensors are the stage's; a tied
+    tensor is named as the stage holds it (the head's ``lm_head``, not the embedding)."""
+    names: dict[int, list[str]] = {}
+    for name, t in (
+        *whole.named_parameters(remove_duplicate=False),
+        *whole.named_buffers(remove_duplicate=False),
+    ):
+        names.setdefault(id(t), []).append(name)
+    # HF module path -> ids of every tensor under it
+    under: dict[str, set[int]] = {}
+    for tid, tensor_names in names.items():
+        for name in tensor_names:
+            parts = name.split(".")[:-1]
+            for i in range(1, len(parts) + 1):
+                under.setdefault(".".join(parts[:i]), set()).add(tid)
+    out = []
+    children = list(stages.named_children())
+    for index, (_, stage) in enumerate(children):
+        own: dict[int, str] = {}
+        for local, t in (
+            *stage.named_parameters(remove_duplicate=False),
+            *stage.named_buffers(remove_duplicate=False),
+        ):
+            candidates = names.get(id(t))
+            if not candidates:
+                continue
+            tail = ".".join(local.split(".")[-2:])
+            own.setdefault(id(t), next((n for n in candidates if n.endswith(tail)), candidates[0]))
+        modules: list[str] = []
+        for name in own.values():
+            parts = name.split(".")[:-1]
+            best = ".".join(parts)
+            for i in range(len(parts), 0, -1):
+                path = ".".join(parts[:i])
+                if under.get(path, set()) <= own.keys():
+                    best = path
+                else:
+                    break
+            if best and best not in modules:
+                modules.append(best)
+        shown = [m.removeprefix("base_model.model.") for m in modules]
+        if index == len(children) - 1 and index > 0:
+            shown.append("loss")
+        out.append(f"layer {index} ({' + '.join(shown) or type(stage).__name__})")
+    return tuple(out)
 
 
 def plan_config(path: str, *, seq_len: int, **kwargs: Any) -> Any:
@@ -265,53 +663,290 @@ def plan_config(path: str, *, seq_len: int, **kwargs: Any) -> Any:
     return ConfigPlanner(path, **kwargs).plan(seq_len)
 
 
-def what_to_change(plan: Any, *, lora: int, offload_activations: bool, seq_len: int) -> list[str]:
-    """Lines naming what would make a plan that does not fit fit."""
+# -- what to say -----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Change:
+    """One change the advice names: its options, what it saves (bytes; ``about``: an
+    estimate, not a plan), whether it alone makes the plan fit (``fits_alone``), and a note."""
+
+    options: str
+    saves: int
+    fits_alone: bool
+    note: str
+    about: bool = False
+
+
+def _host_changes(planner: ConfigPlanner, lp: LengthPlans) -> list[_Change]:
+    plan = lp.plan
+    host = plan.host
+    assert host.available is not None
+    short = host.new_bytes - host.available
+    devices_fit = _devices_fit(plan)
+
+    def alone(saves: int) -> bool:  # a change of the host terms only
+        return saves >= short and devices_fit
+
+    changes = []
+    if lp.offload and False in lp.by_offload:
+        kept = lp.by_offload[False]
+        dev = next((d for d in kept.devices if not d.fits), None)
+        note = "the stage inputs kept for the backward stay on the device"
+        if dev is not None:
+            over = dev.peak + dev.reserve - (dev.available or 0)
+            note += f", {format_bytes(over)} more than it has"
+        changes.append(_Change("--no-offload-activations", host.activations, kept.fits, note))
+    state = host.masters + host.grads + host.optimizer
+    if not planner.lora:
+        n = planner._lora_numel
+        opt = planner.optim_dtype.itemsize
+        adapters = n * (opt * 4 + planner.itemsize)  # master, gradient, two moments; weights
+        saves = state - adapters
+        targets = ", ".join(LORA_TARGETS)
+        changes.append(
+            _Change(
+                "--lora 16",
+                saves,
+                alone(saves),
+                f"adapters of rank 16 on {targets}: only they get masters, gradients and "
+                f"optimizer state",
+                about=True,
+            )
+        )
+    if host.optimizer_dir is None:
+        saves = host.optimizer - DEFAULT_BUFFER_BYTES
+        if saves > 0:
+            changes.append(
+                _Change(
+                    "--spill-dir DIR",
+                    saves,
+                    alone(saves),
+                    "Adam's state in files on a fast disk (roundpipe.optim.AdamW(..., "
+                    "state_dir=DIR)), streamed through a buffer",
+                )
+            )
+    if host.masters_dir is None and host.ranks == 1:
+        saves = host.masters - DEFAULT_COPY_BUFFER_BYTES
+        if host.optimizer_dir is None:
+            saves += host.optimizer - DEFAULT_BUFFER_BYTES
+        if saves > 0:
+            flags = "--spill-masters" if host.optimizer_dir else "--spill-dir DIR --spill-masters"
+            changes.append(
+                _Change(
+                    flags,
+                    saves,
+                    alone(saves),
+                    "the masters in files too (RoundPipe(..., state_placement="
+                    "roundpipe.MastersOnDisk(DIR)))",
+                )
+            )
+    if host.master_dtype is not None and host.master_dtype.itemsize == 4:
+        in_ram = host.grads + (0 if host.masters_dir else host.masters)
+        in_ram += 0 if host.optimizer_dir else host.optimizer
+        saves = in_ram // 2
+        changes.append(
+            _Change(
+                "--optim-dtype bf16",
+                saves,
+                alone(saves),
+                "masters, their gradients and the optimizer state in half the bytes (less "
+                "precise updates)",
+                about=True,
+            )
+        )
+    if host.ranks == 1 and not host.masters_dir:
+        sharded = host.masters + host.optimizer
+        room = host.available - (host.new_bytes - sharded)
+        if room > 0 and sharded > 0:
+            n = max(2, -(-sharded // room))
+            saves = sharded - -(-sharded // n)
+            changes.append(
+                _Change(
+                    f"--ranks {n}",
+                    saves,
+                    alone(saves),
+                    f"masters and optimizer state sharded over {n} data-parallel ranks, one "
+                    f"per machine (roundpipe.distributed.ShardedState); per machine",
+                    about=True,
+                )
+            )
+    return changes
+
+
+def _device_changes(
+    planner: ConfigPlanner, lp: LengthPlans, dev_index: int, longer_search: bool
+) -> list[_Change]:
+    plan = lp.plan
+    dev = plan.devices[dev_index]
+    short = dev.peak + dev.reserve - (dev.available or 0)
+    host_fits = _host_fits(plan)
+    changes = []
+
+    def need(p: MemoryPlan) -> int:
+        d = p.devices[dev_index]
+        return d.peak + d.reserve
+
+    if not lp.offload and True in lp.by_offload:
+        moved = lp.by_offload[True]
+        note = (
+            f"the stage inputs kept for the backward wait in host memory instead: "
+            f"{format_bytes(moved.host.activations)} more host RAM"
+        )
+        if not _host_fits(moved):
+            over = moved.host.new_bytes - (moved.host.available or 0)
+            note += f", {format_bytes(over)} more than it has"
+        changes.append(_Change("--offload-activations", need(plan) - need(moved), moved.fits, note))
+    if planner.batch_size > planner.num_microbatch:
+        split = planner.plans(lp.seq_len, num_microbatch=planner.batch_size)
+        saves = need(plan) - need(split.plan)
+        changes.append(
+            _Change(
+                f"--num-microbatch {planner.batch_size}",
+                saves,
+                split.fits,
+                "one sequence per microbatch: fewer tokens per action",
+            )
+        )
+    if not planner.lora:
+        sums = dict(dev.terms).get("gradient sums", 0)
+        if sums:
+            changes.append(
+                _Change(
+                    "--lora 16",
+                    sums,
+                    sums >= short and host_fits,
+                    "no gradient sums of the full weights on the device (the adapters' only)",
+                    about=True,
+                )
+            )
+    if longer_search and lp.seq_len > _advice_step(lp.seq_len):
+        found = planner.search(lp.seq_len - 1, _advice_step(lp.seq_len))
+        if found.seq_len:
+            saves = need(plan) - need(found.at.plan)
+            changes.append(
+                _Change(
+                    f"--seq-len {found.seq_len}",
+                    saves,
+                    True,
+                    "the longest that fits (a multiple of "
+                    f"{_advice_step(lp.seq_len)} tokens, --max-seq-len's search)",
+                )
+            )
+    return changes
+
+
+def _advice_step(seq_len: int) -> int:
+    """The step of the shorter length the advice names for ``seq_len``: a power of two about a
+    sixty-fourth of it, at least 16 tokens."""
+    return max(16, 1 << max(0, (seq_len // 64).bit_length() - 1))
+
+
+def _change_lines(changes: list[_Change]) -> list[str]:
     lines = []
+    closing = [c for c in changes if c.fits_alone]
+    partial = [c for c in changes if not c.fits_alone and c.saves > 0]
+
+    def line(c: _Change) -> str:
+        saves = ("about " if c.about else "") + format_bytes(c.saves)
+        return f"      {c.options}: saves {saves}; {c.note}"
+
+    if closing:
+        lines.append("    any one of these makes it fit:")
+        lines.extend(line(c) for c in sorted(closing, key=lambda c: -c.saves))
+    if partial:
+        lines.append("    not enough alone:" if closing else "    none is enough alone:")
+        lines.extend(line(c) for c in sorted(partial, key=lambda c: -c.saves))
+    return lines
+
+
+def what_to_change(
+    planner: ConfigPlanner, lp: LengthPlans, *, longer_search: bool = False
+) -> list[str]:
+    """Lines naming what would make ``lp``'s plan fit, for the host and each device that is
+    short: each change with what it saves, and apart those that alone make the whole plan fit.
+    ``longer_search``: also search the longest length that fits (a ``--seq-len`` plan)."""
+    lines = []
+    plan = lp.plan
     host = plan.host
     if host.available is not None and host.new_bytes > host.available:
         short = host.new_bytes - host.available
-        lines.append(f"  host RAM: {format_bytes(short)} more (or any of these):")
-        if host.optimizer_dir is None:
-            lines.append(
-                "    --spill-dir DIR: the optimizer state in files on a fast disk "
-                "(roundpipe.optim.AdamW(..., state_dir=DIR))"
-            )
-        if host.masters_dir is None:
-            lines.append(
-                "    --spill-masters (with a spill directory): the masters in files there too "
-                "(RoundPipe(..., state_placement=roundpipe.MastersOnDisk(DIR)))"
-            )
-        if not lora:
-            lines.append(
-                "    --lora 16: only the adapters get masters, gradients and optimizer state"
-            )
         lines.append(
-            "    --optim-dtype bf16: masters, gradients and optimizer state in half the bytes"
+            f"  host RAM: {format_bytes(short)} short ({format_bytes(host.new_bytes)} to "
+            f"allocate, {format_bytes(host.available)} {_host_name(plan)})"
         )
-        if not lora:
-            lines.append(
-                "    --ranks N: masters and optimizer state sharded over N data-parallel ranks "
-                "(machines), roundpipe.distributed.ShardedState"
-            )
-    for dev in plan.devices:
+        lines.extend(_change_lines(_host_changes(planner, lp)))
+    for i, dev in enumerate(plan.devices):
         if dev.fits:
             continue
         short = dev.peak + dev.reserve - (dev.available or 0)
-        lines.append(f"  device {dev.device}: {format_bytes(short)} less at the peak:")
-        if not offload_activations:
-            lines.append("    --offload-activations: stage inputs kept for recompute on the host")
         lines.append(
-            "    --num-microbatch N (larger) with --batch-size N: fewer tokens per microbatch"
+            f"  device {dev.device}: {format_bytes(short)} short at the peak, during "
+            f"{plan.describe_peak(dev)}"
         )
-        lines.append(f"    --seq-len below {seq_len}: activations grow with the tokens")
-        if not lora:
-            lines.append("    --lora 16: no gradient sums of the full weights on the device")
+        lines.extend(_change_lines(_device_changes(planner, lp, i, longer_search)))
+    return lines
+
+
+def _host_name(plan: MemoryPlan) -> str:
+    return "given" if plan.host_source != HOST_FREE_HERE else "free on this machine"
+
+
+def _short_of(plan: MemoryPlan) -> list[str]:
+    """What ``plan`` is short of, in words: ``["the host RAM by 4.49 GiB"]``."""
+    out = []
+    host = plan.host
+    if host.available is not None and host.new_bytes > host.available:
+        out.append(f"the host RAM by {format_bytes(host.new_bytes - host.available)}")
+    for dev in plan.devices:
+        if not dev.fits:
+            over = dev.peak + dev.reserve - (dev.available or 0)
+            out.append(
+                f"the device ({dev.device}) by {format_bytes(over)}, during "
+                f"{plan.describe_peak(dev)}"
+            )
+    return out
+
+
+def describe_bound(found: SeqLenSearch) -> list[str]:
+    """Which limit binds the answer of a search, in words."""
+    if found.host_everywhere:
+        host = found.at.plan.host
+        assert host.available is not None
+        return [
+            f"Bound by the host RAM at every length: the model's state alone (weights, masters, "
+            f"their gradients, the optimizer's state) takes {format_bytes(host.new_bytes)} of "
+            f"the {format_bytes(host.available)} {_host_name(found.at.plan)}, "
+            f"{format_bytes(host.new_bytes - host.available)} short before any activation."
+        ]
+    if found.beyond is None:
+        return [f"Bound by the search's limit ({found.limit} tokens), not by memory."]
+    beyond = found.beyond
+    lines = [f"Bound at {beyond.seq_len} tokens by:"]
+    for offload, plan in sorted(beyond.by_offload.items()):
+        what = "short of " + " and ".join(_short_of(plan)) if not plan.fits else "it fits"
+        if len(beyond.by_offload) == 1:
+            lines.append(f"  {what}")
+            continue
+        given = " (given)" if offload == beyond.offload and "given" in beyond.reason else ""
+        lines.append(f"  activation offload {'on' if offload else 'off'}{given}: {what}")
     return lines
 
 
 # --max-seq-len searches up to this many tokens unless given a limit.
 MAX_SEQ_LEN_LIMIT = 1 << 20
+
+
+def _offload_line(planner: ConfigPlanner, lp: LengthPlans) -> str | None:
+    if not planner.streaming:
+        return None
+    line = f"Activation offload: {lp.reason}"
+    if planner.offload_activations is None and planner.wrap_offloads(lp.seq_len) != lp.offload:
+        line += (
+            f". roundpipe.hf.wrap's per-call default would choose otherwise at this length: "
+            f"pass RoundPipeRunConfig(offload_activations={lp.offload}) to train as planned"
+        )
+    return line
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -330,7 +965,8 @@ def main(argv: list[str] | None = None) -> int:
         const=MAX_SEQ_LEN_LIMIT,
         metavar="LIMIT",
         help="find the longest sequence that fits (at most LIMIT tokens, default "
-        f"{MAX_SEQ_LEN_LIMIT}), by a search over the plan, and print its plan",
+        f"{MAX_SEQ_LEN_LIMIT}), by a search over the plan, and print its plan and the limit "
+        "that binds",
     )
     parser.add_argument(
         "--seq-step",
@@ -344,7 +980,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--optim-dtype", choices=sorted(_DTYPES), default="fp32", help="masters' dtype (fp32)"
     )
-    parser.add_argument("--lora", type=int, default=0, help="LoRA rank (0: full fine-tuning)")
+    parser.add_argument(
+        "--lora",
+        type=int,
+        default=0,
+        metavar="RANK",
+        help=f"LoRA rank (0: full fine-tuning): adapters on every decoder layer's "
+        f"{', '.join(LORA_TARGETS)} (peft, alpha = 2 x rank), the rest frozen",
+    )
     parser.add_argument(
         "--devices", default=None, help="device pool (default cuda:0, else the emulated device)"
     )
@@ -353,7 +996,8 @@ def main(argv: list[str] | None = None) -> int:
         action=argparse.BooleanOptionalAction,
         default=None,
         help="keep stage inputs in host memory (RoundPipeRunConfig.offload_activations; "
-        "default: where they would take more than a quarter of the device, as wrap chooses)",
+        "default: chosen per length, on only where the device is short without it and the "
+        "host holds them)",
     )
     parser.add_argument(
         "--mlp-tile-tokens",
@@ -417,6 +1061,7 @@ def main(argv: list[str] | None = None) -> int:
         if device_memory is not None:
             parser.error("give --gpu or --device-memory, not both")
         device_memory, major = GPUS[args.gpu]
+    start = time.perf_counter()
     planner = ConfigPlanner(
         args.config,
         batch_size=args.batch_size,
@@ -433,26 +1078,41 @@ def main(argv: list[str] | None = None) -> int:
         spill_dir=args.spill_dir,
         mlp_tile_tokens=args.mlp_tile_tokens,
         spill_masters=args.spill_masters,
+        gpu=args.gpu,
     )
-    seq_len = args.seq_len
+    if args.lora:
+        print(
+            f"LoRA rank {args.lora} (alpha {2 * args.lora}) on every decoder layer's "
+            f"{', '.join(LORA_TARGETS)}; the rest frozen"
+        )
     if args.max_seq_len is not None:
-        seq_len = planner.longest_seq_len(args.max_seq_len, args.seq_step)
-        if not seq_len:
-            print(f"No sequence fits: not even {args.seq_step} tokens. At {args.seq_step}:")
-            seq_len = args.seq_step
-        else:
-            limit = " (the search's limit)" if seq_len + args.seq_step > args.max_seq_len else ""
+        found = planner.search(args.max_seq_len, args.seq_step)
+        took = time.perf_counter() - start
+        searched = f"{found.traced} length(s) traced, {took:.1f} s"
+        lp = found.at
+        if not found.seq_len:
             print(
-                f"Longest sequence that fits: {seq_len} tokens{limit} x {args.batch_size} "
-                f"sequence(s), a multiple of {args.seq_step} (found by a search over the plan)"
+                f"No sequence fits: not even {args.seq_step} tokens x {args.batch_size} "
+                f"sequence(s) ({searched})."
             )
-    plan = planner.plan(seq_len)
-    print(plan)
-    if not plan.fits:
+        else:
+            print(
+                f"Longest sequence that fits: {found.seq_len} tokens x {args.batch_size} "
+                f"sequence(s), a multiple of {args.seq_step} ({searched})"
+            )
+        for line in describe_bound(found):
+            print(line)
+        if not found.seq_len:
+            print(f"The plan at {found.at.seq_len} tokens:")
+    else:
+        lp = planner.plans(args.seq_len)
+    offload = _offload_line(planner, lp)
+    if offload:
+        print(offload)
+    print(lp.plan)
+    if not lp.fits:
         print("DOES NOT FIT. What would make it fit:")
-        for line in what_to_change(
-            plan, lora=args.lora, offload_activations=planner.offloads(seq_len), seq_len=seq_len
-        ):
+        for line in what_to_change(planner, lp, longer_search=args.max_seq_len is None):
             print(line)
         return 1
     return 0

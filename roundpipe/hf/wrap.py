@@ -25,6 +25,7 @@ from roundpipe.hf.names import HFNames, export_state_dict
 from roundpipe.hf.stages import Decoder, Embed, Head, has_experts
 from roundpipe.main_thread import check_main_thread
 from roundpipe.memory.checks import DeviceMemoryError
+from roundpipe.memory.probe import host_memory_available
 from roundpipe.memory.report import MemoryPlan
 from roundpipe.memory.search import longest_fitting
 from roundpipe.runtime import RoundPipe, RoundPipeRunConfig
@@ -92,8 +93,8 @@ class HFRoundPipe(RoundPipe):
     ) -> RoundPipeRunConfig | None:
         """``run_config`` with what the call needs to fit chosen where neither it nor the model's
         config chooses (see :mod:`roundpipe.hf.defaults`): ``offload_activations=True`` when the
-        stage inputs kept for the recompute of this batch would not fit the device. Main
-        thread."""
+        stage inputs kept for the recompute of this batch would not fit the device and the host
+        has that much free. Main thread."""
         chosen = [c for c in (run_config, self.model_run_config) if c is not None]
         if any(c.offload_activations is not None for c in chosen):
             return run_config
@@ -110,7 +111,7 @@ class HFRoundPipe(RoundPipe):
             int(self._config.hidden_size),
             itemsize,
         )
-        if not offload_needed(kept, self.device_free()):
+        if not offload_needed(kept, self.device_free(), host_memory_available()):
             return run_config
         if run_config is None:
             return RoundPipeRunConfig(offload_activations=True)

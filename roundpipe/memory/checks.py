@@ -143,7 +143,7 @@ def check_device_memory(devices: Sequence[DeviceMemory], what: str, cfg: Any) ->
     lines = [
         f"{what}: this forward_backward would need about {format_bytes(dev.peak + dev.reserve)} "
         f"on {dev.device}, which has {format_bytes(dev.available)} free (planned before "
-        f"allocating anything; the peak is during {dev.at}):"
+        f"allocating anything; the peak is during {dev.during or dev.at}):"
     ]
     terms = list(dev.terms)
     if dev.reserve:

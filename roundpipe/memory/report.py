@@ -15,8 +15,10 @@ Main thread.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -27,26 +29,46 @@ from roundpipe.devices import DevicePool
 from roundpipe.devices.pinned import pool_layout
 from roundpipe.memory.host import HostTerms, format_bytes
 from roundpipe.memory.trace import StageNotTraceable, StageTraces, trace_stages
-from roundpipe.plan import ActionBytes, ActionKind, Plan, StageBytes, device_peaks
+from roundpipe.plan import Action, ActionBytes, ActionKind, Plan, StageBytes, device_peaks
 from roundpipe.plan.memory import TERMS
 from roundpipe.runtime.stages import Stage
 
 __all__ = [
+    "HOST_FREE_HERE",
     "DeviceMemory",
     "MemoryPlan",
     "PlannedCall",
     "StageMemory",
+    "TraceMemo",
     "make_memory_plan",
+    "reused_traces",
+    "stage_label",
 ]
+
+
+# What the report calls the host RAM it compares with, when measured here (a plan for another
+# machine names where its figure came from instead: MemoryPlan.host_source).
+HOST_FREE_HERE = "free RAM on this machine"
+
+
+def stage_label(stage: Stage) -> str:
+    """A stage named by its layers, for reports: ``"layer 3 (Block)"``, ``"layers 3-5 (Block)"``."""
+    layers = stage.layers
+    if len(layers) == 1:
+        return layers[0].describe()
+    kinds = ", ".join(dict.fromkeys(type(layer.module).__name__ for layer in layers))
+    return f"layers {layers[0].index}-{layers[-1].index} ({kinds})"
 
 
 @dataclasses.dataclass(frozen=True)
 class DeviceMemory:
     """One device's planned peak: ``peak`` bytes of tensors during ``at`` (an action of the
-    plan's program, as ``print(plan)`` writes it), made of ``terms`` ((description, bytes),
-    largest first); ``available``: what the device had free when planned (None: unknown);
-    ``reserve``: what the device needs beside the tensors (a GPU's library workspaces and
-    allocator rounding, ``reserve_note`` says which), left free by the check."""
+    plan's program, as ``print(plan)`` writes it: ``"B32.0"``), made of ``terms``
+    ((description, bytes), largest first); ``available``: what the device had free when
+    planned (None: unknown); ``reserve``: what the device needs beside the tensors (a GPU's
+    library workspaces and allocator rounding, ``reserve_note`` says which), left free by the
+    check; ``during``: ``at`` in words, with the stage's name (``"the recompute and backward of
+    layer 32 (Decoder), microbatch 0"``), and ``action`` the action itself (None: no peak)."""
 
     device: str
     peak: int
@@ -55,6 +77,8 @@ class DeviceMemory:
     available: int | None
     reserve: int = 0
     reserve_note: str = ""
+    during: str = ""
+    action: Action | None = None
 
     @property
     def fits(self) -> bool:
@@ -67,7 +91,8 @@ class StageMemory:
     ``input`` (its input), ``forward`` (the most its forward allocates beyond them) and
     ``backward`` (the most its recompute and backward, or for the last stage its forward,
     ``loss_fn`` and backward, allocate beyond its input, weights and output gradient); None
-    where not traced."""
+    where not traced, and ``forward`` of the last stage of a training call, which runs no
+    forward without grad."""
 
     stage: int
     weights: int
@@ -103,6 +128,10 @@ class MemoryPlan:
     stages whose activations are not counted (``untraced``: stage -> the
     :class:`StageNotTraceable` that says why), those measured by a real CPU run instead of
     a trace (``measured``), and each stage's own bytes (``stages``, :class:`StageMemory`).
+    ``stage_names``: how the report names each stage (by its layers, ``"layer 3 (Block)"``;
+    the plan command, by the HF modules it runs); ``host_source``: what ``host.available``
+    is (this machine's free RAM, or a figure given for another machine); ``recompute``:
+    whether the plan's backwards recompute their stage (for the report's words).
     ``str(plan)`` is the report (docs/memory.md reads one)."""
 
     name: str
@@ -114,6 +143,16 @@ class MemoryPlan:
     measured: tuple[int, ...]
     notes: tuple[str, ...] = ()
     stages: tuple[StageMemory, ...] = ()
+    stage_names: tuple[str, ...] = ()
+    host_source: str = HOST_FREE_HERE
+    recompute: bool = True
+
+    def stage_name(self, stage: int) -> str:
+        """How the report names ``stage``: its name in ``stage_names`` (``"layer 33 (Head)"``),
+        else ``"stage 33"``."""
+        if 0 <= stage < len(self.stage_names):
+            return self.stage_names[stage]
+        return f"stage {stage}"
 
     @property
     def largest(self) -> tuple[str, str, int]:
@@ -132,6 +171,13 @@ class MemoryPlan:
         host_ok = self.host.available is None or self.host.new_bytes <= self.host.available
         return host_ok and all(d.fits for d in self.devices)
 
+    def describe_peak(self, dev: DeviceMemory) -> str:
+        """When ``dev`` peaks, in words, with this plan's stage names (``dev.at`` when the
+        action is not known)."""
+        if dev.action is None:
+            return dev.during or dev.at
+        return dev.action.describe(self.stage_name, self.recompute)
+
     def _stage_table(self, most: int = 8) -> str:
         """Per stage (the ``most`` largest by backward, if there are more), microbatch 0."""
         rows = list(self.stages)
@@ -140,17 +186,19 @@ class MemoryPlan:
             rows = sorted(rows, key=lambda r: -(r.backward or 0))[:most]
             rows.sort(key=lambda r: r.stage)
             title = f"Stages, the {most} with the largest backward, microbatch 0:"
+        names = [self.stage_name(r.stage) for r in rows]
+        width = max([len(n) for n in names] + [5])
         lines = [
             title,
-            f"  {'stage':>5} {'weights':>11} {'input':>11} {'forward':>11} {'backward':>11}",
+            f"  {'stage':<{width}} {'weights':>11} {'input':>11} {'forward':>11} {'backward':>11}",
         ]
 
         def cell(n: int | None) -> str:
             return "-" if n is None else format_bytes(n)
 
-        for r in rows:
+        for name, r in zip(names, rows):
             lines.append(
-                f"  {r.stage:>5} {cell(r.weights):>11} {cell(r.input):>11} "
+                f"  {name:<{width}} {cell(r.weights):>11} {cell(r.input):>11} "
                 f"{cell(r.forward):>11} {cell(r.backward):>11}"
             )
         return "\n".join(lines)
@@ -169,14 +217,14 @@ class MemoryPlan:
         host = self.host
         lines.append("Host RAM")
         rows = host.rows()
-        width = max([len(r[0]) for r in rows] + [52])
+        available_label = self.host_source + (
+            ", for all but the weights" if host.weights_allocated else ""
+        )
+        width = max([len(r[0]) for r in rows] + [52, len(available_label)])
         for label, nbytes in rows:
             lines.append(f"  {label:<{width}} {format_bytes(nbytes):>11}")
         lines.append(f"  {'total':<{width}} {format_bytes(host.total):>11}")
         if host.available is not None:
-            available_label = "available to allocate" + (
-                " (all but the weights)" if host.weights_allocated else ""
-            )
             verdict = "fits" if host.new_bytes <= host.available else "DOES NOT FIT"
             lines.append(
                 f"  {available_label:<{width}} "
@@ -190,8 +238,9 @@ class MemoryPlan:
                 else " (free memory unknown)"
             )
             verdict = "" if dev.available is None else ("  fits" if dev.fits else "  DOES NOT FIT")
+            during = self.describe_peak(dev)
             lines.append(
-                f"Device {dev.device}: peak {format_bytes(dev.peak)}{free}, during {dev.at}{verdict}"
+                f"Device {dev.device}: peak {format_bytes(dev.peak)}{free}, during {during}{verdict}"
             )
             for term, nbytes in dev.terms:
                 lines.append(f"  {term:<{width}} {format_bytes(nbytes):>11}")
@@ -225,9 +274,97 @@ def _stage_bytes(stage: Stage, grad_dtype: torch.dtype | None) -> StageBytes:
     return StageBytes(stage.upload_bytes, stage.grad_sum_bytes(grad_dtype), copy)
 
 
+# [Note: reused traces]
+# A search over sequence lengths plans each length under several settings (the activation
+# offload on and off, say) that trace the same: a trace depends on the stages (their modules,
+# whose repr shows what decides their memory, see [Note: identical stages]), the microbatches'
+# shapes and the settings of the call below, not on where the kept inputs wait or how the
+# program orders the moves. Inside ``reused_traces(memo)`` a call whose key is in ``memo``
+# reuses that trace, so a length is traced once. The memo is the caller's: it lives as long as
+# the caller's model does not change (the keys hold module ids), e.g. the plan command's
+# ConfigPlanner.
+class TraceMemo:
+    """Traces kept by what decides them (see [Note: reused traces]), for :func:`reused_traces`.
+    A subclass may answer a call otherwise (from traces of other sizes, say). Main thread."""
+
+    def __init__(self) -> None:
+        self._traces: dict[tuple, StageTraces] = {}
+
+    def get(
+        self, call: PlannedCall, real_runs: bool, trace: Callable[[], StageTraces]
+    ) -> StageTraces:
+        """``call``'s traces: kept ones where ``call`` traces the same, else ``trace()``."""
+        key = _trace_key(call, real_runs)
+        if key not in self._traces:
+            self._traces[key] = trace()
+        return self._traces[key]
+
+
+_REUSED: contextvars.ContextVar[TraceMemo | None] = contextvars.ContextVar(
+    "roundpipe_reused_traces", default=None
+)
+
+
+@contextlib.contextmanager
+def reused_traces(memo: TraceMemo) -> Iterator[None]:
+    """Within it, :func:`trace_call` asks ``memo`` for its traces, which reuses one where a
+    call traces the same (see [Note: reused traces]). Main thread."""
+    token = _REUSED.set(memo)
+    try:
+        yield
+    finally:
+        _REUSED.reset(token)
+
+
+def _signature(tree: Any) -> tuple:
+    leaves, spec = pytree.tree_flatten(tree)
+    return (
+        str(spec),
+        tuple(
+            (tuple(x.shape), x.dtype, x.requires_grad, x.device.type)
+            if isinstance(x, torch.Tensor)
+            else repr(x)
+            for x in leaves
+        ),
+    )
+
+
+def _trace_key(call: PlannedCall, real_runs: bool) -> tuple:
+    stages = tuple(
+        (
+            stage.index,
+            tuple(
+                (id(layer.module), type(layer.module), repr(layer.module)) for layer in stage.layers
+            ),
+        )
+        for stage in call.stages
+    )
+    return (
+        stages,
+        _signature(list(call.chunks)),
+        _signature(list(call.labels)),
+        tuple(call.sizes),
+        call.cast_dtype,
+        dataclasses.astuple(call.autocast),
+        call.training,
+        call.loss_fn,
+        call.loss_takes_microbatch,
+        str(call.pool.backends[0].torch_device),
+        real_runs,
+    )
+
+
 def trace_call(call: PlannedCall, real_runs: bool = True) -> StageTraces:
     """Trace ``call``'s stages on fake tensors on the pool's first device (``real_runs``: see
-    :func:`roundpipe.memory.trace.trace_stages`)."""
+    :func:`roundpipe.memory.trace.trace_stages`); inside :func:`reused_traces`, once per
+    distinct call."""
+    memo = _REUSED.get()
+    if memo is None:
+        return _trace(call, real_runs)
+    return memo.get(call, real_runs, lambda: _trace(call, real_runs))
+
+
+def _trace(call: PlannedCall, real_runs: bool) -> StageTraces:
     device = call.pool.backends[0].torch_device
     return trace_stages(
         call.stages,
@@ -268,6 +405,7 @@ def plan_devices(call: PlannedCall, traces: StageTraces | None) -> tuple[DeviceM
         return_outputs=call.return_outputs,
     )
     out = []
+    names = [stage_label(stage) for stage in call.stages]
     for peak, device, backend in zip(peaks, call.pool.devices, call.pool.accelerators):
         reserve, note = backend.reserve(peak.peak)
         out.append(
@@ -279,6 +417,12 @@ def plan_devices(call: PlannedCall, traces: StageTraces | None) -> tuple[DeviceM
                 backend.memory_available(),
                 reserve,
                 note,
+                during=(
+                    peak.at.describe(names.__getitem__, plan.recompute)
+                    if peak.at is not None
+                    else "-"
+                ),
+                action=peak.at,
             )
         )
     return tuple(out)
@@ -358,6 +502,8 @@ def make_memory_plan(
         tuple(traces.measured) if traces is not None else (),
         tuple(notes),
         _stage_rows(call, traces),
+        stage_names=tuple(stage_label(stage) for stage in call.stages) if call is not None else (),
+        recompute=call.plan.recompute if call is not None else True,
     )
 
 
@@ -365,11 +511,15 @@ def _stage_rows(call: PlannedCall | None, traces: StageTraces | None) -> tuple[S
     if call is None or traces is None:
         return ()
     rows = []
+    last = len(call.stages) - 1
     for s, stage in enumerate(call.stages):
         x = traces.bytes[s][0] if traces.bytes[s] else None
         if x is None:
             rows.append(StageMemory(s, stage.upload_bytes, None, None, None))
         else:
             backward = x.backward_peak if call.training else None
-            rows.append(StageMemory(s, stage.upload_bytes, x.input, x.forward_peak, backward))
+            # In training the last stage runs no forward without grad (its backward column
+            # counts its forward, loss and backward).
+            forward = None if call.training and s == last and s > 0 else x.forward_peak
+            rows.append(StageMemory(s, stage.upload_bytes, x.input, forward, backward))
     return tuple(rows)

@@ -36,7 +36,13 @@ from roundpipe.microbatch_context import WithContext
 from roundpipe.plan import ActionBytes
 from roundpipe.runtime.stages import Stage
 
-__all__ = ["REAL_RUN_LIMIT", "StageNotTraceable", "StageTraces", "trace_stages"]
+__all__ = [
+    "REAL_RUN_LIMIT",
+    "StageNotTraceable",
+    "StageTraces",
+    "interpolate_traces",
+    "trace_stages",
+]
 
 # A stage that fake tensors cannot run is measured with a real CPU run when its weights and
 # input take at most this many bytes.
@@ -110,9 +116,12 @@ class _LiveBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
-        for t in pytree.tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                self._count(t)
+        if isinstance(out, torch.Tensor):
+            self._count(out)
+        elif isinstance(out, (tuple, list)):  # no storage in a device or a size (prim ops)
+            for t in pytree.tree_leaves(out):
+                if isinstance(t, torch.Tensor):
+                    self._count(t)
         return out
 
 
@@ -126,6 +135,31 @@ class StageTraces:
     bytes: list[list[ActionBytes | None]]
     untraced: dict[int, StageNotTraceable]
     measured: list[int]
+
+
+def interpolate_traces(a: StageTraces, b: StageTraces, t: float) -> StageTraces:
+    """The traces of a size between (``0 < t < 1``) or beyond two traced ones, ``a`` at
+    ``t = 0`` and ``b`` at ``t = 1``: each count ``a + t * (b - a)``, rounded, at least 0;
+    None where either is. Exact where every count is affine in the size, as a decoder's are in
+    the tokens of a sequence past its MLP tile and loss chunk (a tile or chunk adds the same
+    ops); elsewhere an estimate, which a search checks with real traces (the plan command's
+    ``--max-seq-len``). The stages not traced or measured are ``b``'s. Any thread."""
+    if len(a.bytes) != len(b.bytes) or any(len(x) != len(y) for x, y in zip(a.bytes, b.bytes)):
+        raise ValueError("interpolate_traces needs traces of the same stages and microbatches")
+
+    def mix(x: ActionBytes | None, y: ActionBytes | None) -> ActionBytes | None:
+        if x is None or y is None:
+            return None
+        values = {
+            f.name: max(
+                0, round(getattr(x, f.name) + t * (getattr(y, f.name) - getattr(x, f.name)))
+            )
+            for f in dataclasses.fields(ActionBytes)
+        }
+        return ActionBytes(**values)
+
+    rows = [[mix(x, y) for x, y in zip(ra, rb)] for ra, rb in zip(a.bytes, b.bytes)]
+    return StageTraces(rows, dict(b.untraced), list(b.measured))
 
 
 def _nbytes_new(tree: Any, before: set[int]) -> int:
@@ -270,12 +304,17 @@ def _traced(
     label: Any,
 ) -> tuple[ActionBytes, Any, Any]:
     before = _storages((inp, context))
-    base = live.reset()
-    with torch.no_grad(), autocast_context(call.autocast):
-        out, context = _run_layers(stage, inp, context, tensors)
-    forward_peak = live.count.peak - base
-    output = _nbytes_new(out, before)
-    made = _nbytes_new(context, before) if stage.index == 0 else 0
+    out: Any = None
+    forward_peak = output = made = 0
+    # The last stage of a training call runs no FORWARD (its LAST runs the forward with grad,
+    # traced below), so its no-grad forward is not traced: it would only cost the time.
+    if not (last and stage.index > 0):
+        base = live.reset()
+        with torch.no_grad(), autocast_context(call.autocast):
+            out, context = _run_layers(stage, inp, context, tensors)
+        forward_peak = live.count.peak - base
+        output = _nbytes_new(out, before)
+        made = _nbytes_new(context, before) if stage.index == 0 else 0
     if not call.training:
         return (
             ActionBytes(_nbytes_new(inp, set()), output, forward_peak, context=made),
@@ -306,6 +345,9 @@ def _traced(
                 del lbl
         graph = live.count.live - base
         grad_forward_peak = live.count.peak - base
+        if out is None:  # not run without grad: its output, as the forward with grad made it
+            output = _nbytes_new(out_g, before)
+            out = pytree.tree_map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, out_g)
         if last:
             grad_outputs = [torch.ones_like(outputs[0])]
         else:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 __all__ = ["ActionKind", "Action", "Plan", "PlanSizes", "Transfer", "TransferKind", "simulate"]
 
@@ -88,6 +88,45 @@ class Action:
         if self.mb_index < 0:
             return f"{k}{self.stage}" + ("w" if self.write_back else "")
         return f"{k}{self.stage}.{self.mb_index}"
+
+    def describe(
+        self, stage_name: Callable[[int], str] | None = None, recompute: bool = True
+    ) -> str:
+        """The action in words, for reports people read (``str(action)`` is the compact form
+        the plan prints): ``"the recompute and backward of stage 3, microbatch 0"``.
+        ``stage_name``: how a stage is named (default ``"stage 3"``); ``recompute``: whether a
+        ``BACKWARD`` recomputes its stage first (the plan's ``recompute``)."""
+        name = stage_name or (lambda s: f"stage {s}")
+        kind = self.kind
+        if kind is ActionKind.MICROBATCH:
+            return f"microbatch {self.mb_index} (every stage, fused)"
+        if kind is ActionKind.SYNC and self.stage < 0:
+            return "the wait for the device at the call's end"
+        doing = _DOING[kind]
+        if kind is ActionKind.BACKWARD and recompute:
+            doing = "the recompute and backward of"
+        what = "every stage" if self.stage < 0 else name(self.stage)
+        text = f"{doing} {what}"
+        if self.mb_index >= 0:
+            text += f", microbatch {self.mb_index}"
+        return text
+
+
+# Each kind in words, before the stage it acts on (Action.describe).
+_DOING = {
+    ActionKind.FORWARD: "the forward of",
+    ActionKind.LAST: "the forward, loss and backward of",
+    ActionKind.BACKWARD: "the backward of",
+    ActionKind.WAIT_PARAMS: "the wait for the weights of",
+    ActionKind.UPLOAD: "the upload of the weights of",
+    ActionKind.PREFETCH: "the prefetch of the weights of",
+    ActionKind.RELEASE: "the release of the weights of",
+    ActionKind.DOWNLOAD: "the gradient download of",
+    ActionKind.HANDOFF: "the hand-off after",
+    ActionKind.OFFLOAD: "the offload of the kept input of",
+    ActionKind.RELOAD: "the reload of the kept input of",
+    ActionKind.SYNC: "the wait for the device after",
+}
 
 
 # [Note: the program]
