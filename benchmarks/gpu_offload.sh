@@ -40,25 +40,25 @@ cfg=benchmarks/configs
 QWEN3_LONGEST=325120
 LLAMA_LONGEST=284672
 source benchmarks/gpu_common.sh
-if [ -n "$GPU_DRY_RUN" ]; then budget=0; else
-
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$sum"
-grep -m1 'model name' /proc/cpuinfo | tee -a "$sum"; nproc | tee -a "$sum"
-python3 -c "import torch, sys; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'python', sys.version.split()[0])" | tee -a "$sum"
-python3 -c "import transformers, peft; print('machine transformers', transformers.__version__, 'peft', peft.__version__)" 2>&1 | tail -1 | tee -a "$sum"
-# roundpipe and FSDP2 run on the machine's transformers where roundpipe supports it, else on the
-# wheel in .peer/whl-extra; the public RoundPipe in its own folder, with the transformers 4.57 and
-# peft 0.17 it runs on (benchmarks/peer_setup.py downloads them).
-ours="$PWD"
-if ! python3 -c "import sys, transformers; from packaging.version import Version; sys.exit(Version(transformers.__version__) < Version('4.56.2'))" 2>/dev/null \
-  && ls .peer/whl-extra/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/extra .peer/whl-extra/*.whl \
-    && ours="$PWD:/tmp/extra"
-fi
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/upstream .peer/whl/*.whl \
-  || note "peer wheels missing: run python benchmarks/peer_setup.py"
-export PYTHONPATH="$ours"
-python3 -c "import transformers; print('roundpipe runs with transformers', transformers.__version__)" | tee -a "$sum"
+if [ -n "$GPU_DRY_RUN" ]; then budget=0  # every part is listed as skipped
+else
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$sum"
+  grep -m1 'model name' /proc/cpuinfo | tee -a "$sum"; nproc | tee -a "$sum"
+  python3 -c "import torch, sys; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'python', sys.version.split()[0])" | tee -a "$sum"
+  python3 -c "import transformers, peft; print('machine transformers', transformers.__version__, 'peft', peft.__version__)" 2>&1 | tail -1 | tee -a "$sum"
+  # roundpipe and FSDP2 run on the machine's transformers where roundpipe supports it, else on the
+  # wheel in .peer/whl-extra; the public RoundPipe in its own folder, with the transformers 4.57 and
+  # peft 0.17 it runs on (benchmarks/peer_setup.py downloads them).
+  ours="$PWD"
+  if ! python3 -c "import sys, transformers; from packaging.version import Version; sys.exit(Version(transformers.__version__) < Version('4.56.2'))" 2>/dev/null \
+    && ls .peer/whl-extra/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/extra .peer/whl-extra/*.whl \
+      && ours="$PWD:/tmp/extra"
+  fi
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/upstream .peer/whl/*.whl \
+    || note "peer wheels missing: run python benchmarks/peer_setup.py"
+  export PYTHONPATH="$ours"
+  python3 -c "import transformers; print('roundpipe runs with transformers', transformers.__version__)" | tee -a "$sum"
 fi
 note "cap: BENCH_GPU_CAP_GIB=$BENCH_GPU_CAP_GIB; budget ${budget} s; rows:$rows"
 
