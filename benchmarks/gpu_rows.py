@@ -160,11 +160,13 @@ def _no_init_weights() -> Iterator[None]:
     """transformers' own context that skips weight initialisation (torch's ``nn.init``
     functions and the model's ``init_weights``): in ``transformers.initialization`` from 5.0,
     ``transformers.modeling_utils`` before."""
+    import importlib
+
     try:
-        from transformers.initialization import no_init_weights
+        module = importlib.import_module("transformers.initialization")
     except ImportError:  # transformers 4.x
-        from transformers.modeling_utils import no_init_weights  # type: ignore[no-redef]
-    with no_init_weights():
+        module = importlib.import_module("transformers.modeling_utils")
+    with module.no_init_weights():
         yield
 
 
@@ -342,6 +344,10 @@ def _ours(
     scaler = GradScaler(enabled=dtype == torch.float16)
     planned: list[bool] = []
 
+    def step() -> None:  # on the optimizer thread
+        scaler.step(opt)
+        opt.zero_grad()
+
     def it(ids: torch.Tensor) -> float:
         batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
         if a.memory_plan and not planned:  # the first batch's plan, before it runs
@@ -357,7 +363,7 @@ def _ours(
                 )
         scale = scaler.get_scale()
         loss = rp.forward_backward(input_kwargs=batch, loss_fn=lambda l, _: scaler.scale(l))
-        rp.step(lambda: (scaler.step(opt), opt.zero_grad()))
+        rp.step(step)
         scaler.update()
         return float(loss.item()) / scale
 
@@ -379,6 +385,10 @@ def _upstream(model: Any, a: argparse.Namespace) -> tuple[Callable, Callable]:
     )
     opt = Adam(rp.optim_parameters(), lr=1e-5)
 
+    def step() -> None:  # on its optimizer thread
+        opt.step()
+        opt.zero_grad()
+
     def it(ids: torch.Tensor) -> float:
         loss = rp.forward_backward(
             input_kwargs={
@@ -389,7 +399,7 @@ def _upstream(model: Any, a: argparse.Namespace) -> tuple[Callable, Callable]:
             },
             loss_fn=lambda outputs, _: outputs.loss / a.mb,
         )
-        rp.step(lambda: (opt.step(), opt.zero_grad(), None)[-1])
+        rp.step(step)
         return float(loss)
 
     return it, rp.synchronize
@@ -422,13 +432,11 @@ def _fsdp2(model: Any, a: argparse.Namespace, dtype: torch.dtype) -> tuple[Calla
         for key, buf in module._buffers.items():
             if buf is not None:
                 module._buffers[key] = buf.to(dev)
-    policy = dict(
-        mp_policy=MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32),
-        offload_policy=CPUOffloadPolicy(pin_memory=cuda),
-    )
+    mixed = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    offload = CPUOffloadPolicy(pin_memory=cuda)
     for layer in model.model.layers:
-        fully_shard(layer, **policy)
-    fully_shard(model, **policy)
+        fully_shard(layer, mp_policy=mixed, offload_policy=offload)
+    fully_shard(model, mp_policy=mixed, offload_policy=offload)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
 
     def it(ids: torch.Tensor) -> float:
