@@ -68,7 +68,7 @@ row() { [[ $rows == *" $1 "* ]]; }
 if row 1; then
   q4="--config $cfg/qwen3-4b.json --dtype bf16 --seq 2048 --batch 8 --mb 4"
   bench hf ours     "$ours"       150 $q4 --iters 3
-  bench hf upstream /tmp/upstream 150 $q4 --iters 3
+  bench hf upstream /tmp/upstream 170 $q4 --iters 3
   bench hf fsdp2    "$ours"       170 $q4 --iters 2
   note "row 1 done at $(( $(date +%s) - started )) s"
 fi

@@ -22,7 +22,9 @@ It imports nothing of roundpipe at module level: the public RoundPipe's process 
 ``roundpipe`` on the path (the same import name). ``python benchmarks/gpu_rows.py layers CONFIG N
 OUT`` writes CONFIG with N decoder layers (the plan command takes a config file);
 ``python benchmarks/gpu_rows.py run --impl IMPL --config CONFIG ...`` runs one contender as the
-harness's ``--model hf`` does, without the harness (tests/test_bench_gpu.py runs it on the CPU).
+harness's ``--model hf`` does, without the harness (tests/test_bench_gpu.py runs it on the CPU);
+``python benchmarks/gpu_rows.py build CONFIG [--own-init]`` times building a config's model
+(benchmarks/results/gpu.md).
 """
 
 from __future__ import annotations
@@ -537,6 +539,37 @@ def run_hf(a: argparse.Namespace) -> None:
         sys.exit(1)
 
 
+def _time_build(args: argparse.Namespace) -> None:
+    """Prints one JSON line: the build's wall and CPU seconds (transformers imported first)
+    and the process's peak RSS."""
+    from transformers import AutoModelForCausalLM
+
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    config = load_config(args.config)
+    wall, cpu = time.perf_counter(), time.process_time()
+    if args.own_init:
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    else:
+        model = build_random_model(config, dtype)
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    weights = {p.data_ptr(): p.numel() * p.element_size() for p in model.parameters()}
+    print(
+        json.dumps(
+            dict(
+                model=Path(args.config).stem,
+                how="from_config" if args.own_init else "build_random_model",
+                params_B=round(sum(p.numel() for p in model.parameters()) / 1e9, 3),
+                weights_GiB=round(sum(weights.values()) / GiB, 2),
+                build_s=round(wall, 1),
+                cpu_s=round(cpu, 1),
+                rss_peak_GiB=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2),
+                threads=torch.get_num_threads(),
+            )
+        ),
+        flush=True,
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -552,10 +585,21 @@ def main(argv: list[str] | None = None) -> int:
     for name, default in (("seq", 1024), ("batch", 16), ("mb", 4), ("warmup", 2), ("iters", 6)):
         run.add_argument(f"--{name}", type=int, default=default)
     add_arguments(run)
+    build = sub.add_parser("build", help="time building CONFIG's model with random weights")
+    build.add_argument("config")
+    build.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    build.add_argument(
+        "--own-init",
+        action="store_true",
+        help="transformers' own from_config (an initialisation per element), to compare",
+    )
     args = parser.parse_args(argv)
     if args.command == "run":
         apply_cap()
         run_hf(args)
+        return 0
+    if args.command == "build":
+        _time_build(args)
         return 0
     raw = json.loads(Path(args.config).read_text())
     raw["num_hidden_layers"] = args.n
