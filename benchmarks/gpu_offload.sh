@@ -81,16 +81,16 @@ if row 2; then
   note "row 2 done at $(( $(date +%s) - started )) s"
 fi
 
-# 3. The planned longest sequences, run (about 4 minutes: the plans in parallel, then each model).
-if row 3 && fits $(( 100 + 130 )) "row 3 (its plans and the first model)"; then
+# 3. The planned longest sequences, run (about 5 minutes: the plans in parallel, then each model).
+if row 3 && fits $(( 150 + 130 )) "row 3 (its plans and the first model)"; then
   declare -A longest=([qwen3-1.7b]=$QWEN3_LONGEST [llama-3.1-8b]=$LLAMA_LONGEST)
   for name in qwen3-1.7b llama-3.1-8b; do
     python3 benchmarks/gpu_rows.py layers "$cfg/$name.json" 4 "$out/$name-4l.json"
     n=${longest[$name]}
     # Up to the precomputed length (one plan when it still fits), and one step past it.
-    timeout 100 python3 -m roundpipe plan "$out/$name-4l.json" --max-seq-len "$n" \
+    timeout 150 python3 -m roundpipe plan "$out/$name-4l.json" --max-seq-len "$n" \
       --device-memory 24GiB > "$out/plan_$name.log" 2>&1 &
-    timeout 100 python3 -m roundpipe plan "$out/$name-4l.json" --seq-len $(( n + 256 )) \
+    timeout 150 python3 -m roundpipe plan "$out/$name-4l.json" --seq-len $(( n + 256 )) \
       --device-memory 24GiB > "$out/plan_${name}_next.log" 2>&1 &
   done
   wait
@@ -103,6 +103,7 @@ if row 3 && fits $(( 100 + 130 )) "row 3 (its plans and the first model)"; then
     elif grep -q '^Memory plan' "$out/plan_${name}_next.log"; then next="FITS (the plan's longest is longer now)"
     else next="not answered"; fi
     note "row 3 $name: $seq tokens ($how); $(( n + 256 )) $next"
+    note "  plan: $(grep -m1 '^Device' "$out/plan_$name.log"); $(grep -m1 'reserve (' "$out/plan_$name.log" | tr -s ' ')"
     bench hf ours "$ours" $([ "$name" = qwen3-1.7b ] && echo 130 || echo 160) --config "$out/$name-4l.json" \
       --dtype bf16 --seq "$seq" --batch 1 --mb 1 --warmup 1 --iters 1 --memory-plan
   done

@@ -419,6 +419,8 @@ def _fsdp2(model: Any, a: argparse.Namespace, dtype: torch.dtype) -> tuple[Calla
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
     cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(0)  # NCCL's rank 0 and FSDP2's default mesh
     if not dist.is_initialized():
         dist.init_process_group(
             "nccl" if cuda else "gloo",
