@@ -96,7 +96,11 @@ SECTIONS = [
         "same GPU, with the model resident there, with and without per-block checkpoint: tokens/s "
         "for each microbatch count, peak GPU memory and peak host RSS, in one run, with the "
         "issue's targets (roundpipe >= 0.85x plain PyTorch with the same recompute, tokens/s not "
-        "falling as microbatches grow, GPU peak <= 2 stages + activations).",
+        "falling as microbatches grow, GPU peak <= 2 stages + activations); the side-by-side "
+        "harness against the public RoundPipe (`benchmarks/peer_setup.py`, "
+        "`benchmarks/gpu_session.sh`); and the run of models and sequences that do not fit a 24 "
+        "GiB GPU, every contender capped to it (`benchmarks/gpu_offload.sh`: roundpipe, the "
+        "public RoundPipe and FSDP2 with CPU offload, each row with its MFU).",
     ),
 ]
 

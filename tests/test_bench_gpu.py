@@ -1,7 +1,12 @@
 """benchmarks/bench_gpu.py, run as a user runs it (a subprocess from the repository root): its tiny
 mode on the CPU and on the emulated accelerator prints the table of the three variants with
 ratios that agree with its own tokens/s, and without CUDA it says so and exits 0. No timing is
-asserted: only that the script runs and reports what it measured."""
+asserted: only that the script runs and reports what it measured.
+
+The pieces of the GPU run of models that do not fit (benchmarks/gpu_rows.py, gpu_offload.sh):
+the 24 GiB cap, the random models built without per-element initialisation, the model FLOPs
+against torch's flop counter, the FSDP2 contender and roundpipe's on the CPU, the patched
+side-by-side harness, and the script's rows in the issue's order."""
 
 import os
 import re
@@ -13,9 +18,6 @@ import pytest
 import torch
 
 from roundpipe.plan import HOST_CONTENTION
-
-# Every test here runs a subprocess (see the slow marker in pyproject.toml).
-pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "bench_gpu.py"
@@ -60,6 +62,7 @@ def run_bench(*args):
     return proc.stdout
 
 
+@pytest.mark.slow  # a subprocess (see the marker in pyproject.toml)
 @pytest.mark.parametrize("devices", ["cpu", "emu"])
 def test_tiny_mode_prints_the_three_variants_with_ratios(devices):
     out = run_bench("--devices", devices, "--microbatches", "1", "2", *TIGHT)
@@ -120,6 +123,7 @@ def test_tiny_mode_prints_the_three_variants_with_ratios(devices):
             assert line and line[1] == rows[("roundpipe", m)][3], out
 
 
+@pytest.mark.slow  # a subprocess (see the marker in pyproject.toml)
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available here")
 def test_without_cuda_it_says_so_and_exits_0():
     for args in ([], ["--devices", "cuda"]):
@@ -149,6 +153,7 @@ def _profile_script(name, out):
     return proc
 
 
+@pytest.mark.slow  # a subprocess (see the marker in pyproject.toml)
 def test_profile_gpu_prices_the_plan_and_writes_a_trace_and_a_timeline(tmp_path):
     """benchmarks/profile_gpu.py in its tiny mode on the emulated device: the measured and the
     priced iteration, the profile's thread and device split, and its two files."""
@@ -180,6 +185,7 @@ def test_profile_gpu_prices_the_plan_and_writes_a_trace_and_a_timeline(tmp_path)
     assert any(e.get("name", "").startswith("Optimizer.step") for e in trace["traceEvents"])
 
 
+@pytest.mark.slow  # a subprocess (see the marker in pyproject.toml)
 def test_profile_hf_names_roundpipes_actions_in_its_profile(tmp_path):
     """benchmarks/profile_hf.py in its tiny mode on the emulated device: the measured iteration,
     the two shares, and a table of the executor's labelled actions (every stage's forward and
@@ -208,8 +214,365 @@ def test_profile_hf_names_roundpipes_actions_in_its_profile(tmp_path):
     assert any(e.get("name") == "roundpipe forward stage 1" for e in trace["traceEvents"])
 
 
+@pytest.mark.slow  # a subprocess (see the marker in pyproject.toml)
 def test_the_gpu_session_script_is_valid_bash():
     proc = subprocess.run(
         ["bash", "-n", str(ROOT / "benchmarks" / "gpu_session.sh")], capture_output=True, text=True
     )
     assert proc.returncode == 0, proc.stderr
+
+
+# -- benchmarks/gpu_rows.py and gpu_offload.sh: the GPU run of models that do not fit ------------
+def _load_benchmark(name):
+    """benchmarks/``name``.py as a module (the benchmarks folder is not a package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+gpu_rows = _load_benchmark("gpu_rows")
+GiB = 1 << 30
+H200_TOTAL = 143_771 << 20  # what mem_get_info reports on the H200 (benchmarks/results/gpu.md)
+# Small models of the GPU rows' two families, as config.json files name them.
+TINY_QWEN3 = dict(
+    model_type="qwen3",
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    tie_word_embeddings=True,
+    max_position_embeddings=512,
+)
+TINY_LLAMA = dict(
+    model_type="llama",
+    vocab_size=16384,
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    tie_word_embeddings=False,
+    max_position_embeddings=512,
+)
+
+
+def _config_file(tmp_path, raw, name="tiny"):
+    import json
+
+    path = tmp_path / f"{name}.json"
+    path.write_text(json.dumps(raw))
+    return path
+
+
+def test_the_cap_leaves_the_allocator_the_gpu_less_the_cuda_context():
+    """A process capped to C GiB holds at most C GiB: its allocator's share of the device plus
+    the CUDA context, the same context the memory plan takes off a GPU."""
+    from roundpipe.hf.memory_cli import CUDA_CONTEXT
+
+    assert gpu_rows.CUDA_CONTEXT == CUDA_CONTEXT
+    for cap_gib in (16, 24, 48):
+        fraction = gpu_rows.cap_fraction(cap_gib * GiB, H200_TOTAL)
+        assert 0 < fraction < 1
+        assert fraction * H200_TOTAL + CUDA_CONTEXT == pytest.approx(cap_gib * GiB, abs=1)
+    assert gpu_rows.cap_fraction(24 * GiB, 16 * GiB) == 1.0  # a device smaller than the cap
+    with pytest.raises(ValueError, match=gpu_rows.CAP_ENV):
+        gpu_rows.cap_fraction(CUDA_CONTEXT, H200_TOTAL)
+
+
+def test_the_capped_device_reports_what_the_allocator_may_still_reserve():
+    """mem_get_info under the cap: the total is the cap, and what is free plus what the
+    allocator caches is what a run may still allocate under it (roundpipe's measure of free
+    memory), however much it has reserved; never more than the device has free."""
+    cap = 24 * GiB
+    fraction = gpu_rows.cap_fraction(cap, H200_TOTAL)
+    limit = int(fraction * H200_TOTAL)
+    device_free = H200_TOTAL - (700 << 20)
+    for reserved, allocated in ((0, 0), (5 * GiB, 3 * GiB), (limit, limit - GiB)):
+        free, total = gpu_rows.capped_mem_info(device_free, H200_TOTAL, reserved, fraction, cap)
+        assert total == cap
+        assert free + reserved - allocated == limit - allocated
+    # The real device nearly full (another process): its free memory bounds what is reported.
+    assert gpu_rows.capped_mem_info(GiB, H200_TOTAL, 0, fraction, cap) == (GiB, cap)
+
+
+def test_apply_cap_sets_the_fraction_and_the_process_sees_a_gpu_of_the_cap(monkeypatch):
+    """With CUDA (torch.cuda's device queries stood in for by a device of the H200's size),
+    ``BENCH_GPU_CAP_GIB=24`` sets the allocator's fraction once and ``torch.cuda.mem_get_info``
+    (both its names) then answers as a 24 GiB GPU, as the allocator's reserve grows."""
+    reserved, fractions = [0], []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(
+        torch.cuda, "mem_get_info", lambda d=None: (H200_TOTAL - reserved[0], H200_TOTAL)
+    )
+    monkeypatch.setattr(torch.cuda.memory, "mem_get_info", torch.cuda.mem_get_info)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d=None: reserved[0])
+    monkeypatch.setattr(
+        torch.cuda, "set_per_process_memory_fraction", lambda f, d=None: fractions.append((f, d))
+    )
+    monkeypatch.setattr(gpu_rows, "_cap", {})
+    monkeypatch.setenv(gpu_rows.CAP_ENV, "24")
+
+    applied = gpu_rows.apply_cap()
+    fraction = gpu_rows.cap_fraction(24 * GiB, H200_TOTAL)
+    assert fractions == [(fraction, 0)]
+    assert applied["allocator_limit_GiB"] == pytest.approx(
+        24 - gpu_rows.CUDA_CONTEXT / GiB, abs=1e-3
+    )
+    assert torch.cuda.memory.mem_get_info is torch.cuda.mem_get_info
+    assert torch.cuda.mem_get_info(0) == (int(fraction * H200_TOTAL), 24 * GiB)
+    reserved[0] = 5 * GiB
+    assert torch.cuda.mem_get_info(0) == (int(fraction * H200_TOTAL) - 5 * GiB, 24 * GiB)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available here")
+def test_without_cuda_the_cap_is_not_applied_and_says_so(monkeypatch, capsys):
+    monkeypatch.setattr(gpu_rows, "_cap", {})
+    monkeypatch.delenv(gpu_rows.CAP_ENV, raising=False)
+    assert gpu_rows.apply_cap() is None  # no cap asked for
+    monkeypatch.setenv(gpu_rows.CAP_ENV, "24")
+    assert gpu_rows.apply_cap() is None
+    assert "no CUDA: the 24 GiB cap is not applied" in capsys.readouterr().err
+    assert gpu_rows._cap == {}
+
+
+class _RandomDraws(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the random numbers torch draws (the elements its random ops write)."""
+
+    RANDOM = {"normal", "normal_", "uniform_", "randn", "rand", "randint", "random_", "bernoulli_"}
+
+    def __init__(self):
+        super().__init__()
+        self.drawn = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.overloadpacket.__name__ in self.RANDOM and isinstance(out, torch.Tensor):
+            self.drawn += out.numel()
+        return out
+
+
+def test_the_fast_builder_makes_transformers_model_without_a_draw_per_weight(tmp_path):
+    """build_random_model gives transformers' own model for the config (the same parameter
+    names, shapes, buffers and tying), in the dtype asked for, with weights of the configured
+    spread and norms at one, while drawing one pool of random numbers for the whole model where
+    transformers' own initialisation draws one per weight; bf16 and fp32 builds of one seed are
+    one model (FSDP2's fp32 masters and the others' bf16 weights)."""
+    pytest.importorskip("transformers")
+    from transformers import AutoModelForCausalLM
+
+    for raw in (TINY_LLAMA, dict(TINY_QWEN3, vocab_size=32768, hidden_size=128)):
+        config = gpu_rows.load_config(_config_file(tmp_path, raw))
+        with _RandomDraws() as fast_draws:
+            fast = gpu_rows.build_random_model(config, torch.bfloat16, seed=3)
+        with _RandomDraws() as own_draws:
+            own = AutoModelForCausalLM.from_config(config)
+        numel = sum(p.numel() for p in own.parameters())
+        assert numel > 4 * gpu_rows.POOL_NUMEL  # big enough to tell the two apart
+        assert own_draws.drawn >= numel - 2 * config.num_hidden_layers * config.hidden_size
+        assert fast_draws.drawn <= gpu_rows.POOL_NUMEL + len(list(fast.parameters()))
+
+        shapes = {n: p.shape for n, p in own.named_parameters()}
+        assert {n: p.shape for n, p in fast.named_parameters()} == shapes
+        assert {p.dtype for p in fast.parameters()} == {torch.bfloat16}
+        for (name, mine), (_, theirs) in zip(fast.named_buffers(), own.named_buffers()):
+            assert mine.dtype == theirs.dtype and torch.equal(mine, theirs), name
+        tied = fast.lm_head.weight is fast.get_input_embeddings().weight
+        assert tied == bool(config.tie_word_embeddings)
+        for name, p in fast.named_parameters():
+            if p.dim() == 1:
+                assert torch.all(p == 1), name  # the norms' scales
+            else:
+                assert float(p.float().std()) == pytest.approx(gpu_rows.INIT_STD, rel=0.05), name
+
+        fp32 = gpu_rows.build_random_model(config, torch.float32, seed=3)
+        for (name, a), (_, b) in zip(fp32.named_parameters(), fast.named_parameters()):
+            assert torch.equal(a.to(torch.bfloat16), b), name
+
+
+@pytest.mark.parametrize("lora", [0, 4])
+def test_model_flops_per_token_are_what_torchs_flop_counter_counts(tmp_path, lora):
+    """One training step of a tiny model under torch.utils.flop_counter.FlopCounterMode (SDPA's
+    math kernel, whose matmuls the counter sees): its FLOPs are flops_per_token x tokens without
+    the causal discount, and with it the counter's less half its attention matmuls. With LoRA
+    the frozen weights count their forward and input gradient (every layer's input needs one
+    here: the embedding's output requires grad)."""
+    pytest.importorskip("transformers")
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    raw = TINY_LLAMA if lora else TINY_QWEN3
+    config = gpu_rows.load_config(_config_file(tmp_path, dict(raw, vocab_size=256)))
+    model = gpu_rows.build_random_model(config, torch.float32)
+    if lora:
+        model = gpu_rows._lora(model, lora)
+        model.get_base_model().enable_input_require_grads()
+        assert any(not p.requires_grad for p in model.parameters())
+    seq = 24
+    ids = torch.randint(0, config.vocab_size, (2, seq), generator=torch.Generator().manual_seed(0))
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        model(input_ids=ids, labels=ids).loss.backward()
+    counted = counter.get_total_flops()
+    attention = counter.get_flop_counts()["Global"][torch.ops.aten.bmm]
+    dims = gpu_rows.attention_dims(config)
+    assert gpu_rows.flops_per_token(model, seq, dims, causal=False) * ids.numel() == counted
+    assert gpu_rows.flops_per_token(model, seq, dims) * ids.numel() == counted - attention / 2
+    tokens_per_s = 1000.0
+    assert gpu_rows.mfu(tokens_per_s, counted / ids.numel()) == pytest.approx(
+        tokens_per_s * counted / ids.numel() / 989e12
+    )
+
+
+def test_the_configs_are_the_published_shapes(tmp_path):
+    """benchmarks/configs: Qwen3-4B, Qwen3-1.7B and Llama-3.1-8B as their model cards count
+    them (Qwen3's non-embedding parameters and Llama's total, to the cards' precision), and the
+    `layers` command the GPU script uses writes one with fewer decoder layers."""
+    pytest.importorskip("transformers")
+    from transformers import AutoModelForCausalLM
+
+    cards = {"qwen3-4b": (3.6, False), "qwen3-1.7b": (1.4, False), "llama-3.1-8b": (8.03, True)}
+    for name, (billions, total) in cards.items():
+        path = ROOT / "benchmarks" / "configs" / f"{name}.json"
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(gpu_rows.load_config(path))
+        count = sum(p.numel() for p in model.parameters())
+        if not total:
+            count -= model.get_input_embeddings().weight.numel()
+        assert round(count / 1e9, 2 if total else 1) == billions, name
+
+    out = tmp_path / "four.json"
+    assert (
+        gpu_rows.main(["layers", str(ROOT / "benchmarks/configs/qwen3-1.7b.json"), "4", str(out)])
+        == 0
+    )
+    config = gpu_rows.load_config(out)
+    assert config.num_hidden_layers == 4 and config.max_window_layers == 4
+    assert (
+        config.hidden_size
+        == gpu_rows.load_config(ROOT / "benchmarks/configs/qwen3-1.7b.json").hidden_size
+    )
+
+
+def _run_json(cmd, env_extra=None, timeout=240):
+    """Runs ``cmd`` from the repository root; returns (its last stdout line as JSON, stderr)."""
+    import json
+
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **(env_extra or {}))
+    env.pop("ROUNDPIPE_DEVICES", None)
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1]), proc.stderr
+
+
+def _check_row(row, impl):
+    assert row["impl"] == impl and "error" not in row, row
+    assert row["tok_s"] > 0 and row["s_per_iter"] > 0
+    assert row["mfu"] == float(f"{row['tok_s'] * row['flops_per_token'] / 989e12:.4g}")
+    assert torch.isfinite(torch.tensor([row["loss_first"], row["loss_last"]])).all()
+
+
+@pytest.mark.slow  # a subprocess (see the marker in pyproject.toml)
+@pytest.mark.timeout(480)
+def test_fsdp2_with_cpu_offload_and_roundpipe_train_the_same_model_on_the_cpu(tmp_path):
+    """The FSDP2 contender on the CPU (gloo, one rank): fully_shard of every decoder layer and
+    the root with CPUOffloadPolicy (unpinned: pinning needs CUDA) and the bf16
+    MixedPrecisionPolicy, checkpointed layers, fused AdamW, 2 warm-up and a timed iteration; and
+    roundpipe's contender on the same config, data and microbatches. Both report the same
+    model FLOPs and the same first loss (one model, one batch), under a cap that without CUDA
+    is not applied and says so."""
+    config = _config_file(tmp_path, TINY_QWEN3)
+    args = ["--config", str(config), "--seq", "32", "--batch", "4", "--mb", "2"]
+    args += ["--warmup", "2", "--iters", "1"]
+    rows = {}
+    for impl in ("fsdp2", "ours"):
+        rows[impl], err = _run_json(
+            [
+                sys.executable,
+                str(ROOT / "benchmarks" / "gpu_rows.py"),
+                "run",
+                "--impl",
+                impl,
+                *args,
+            ],
+            {gpu_rows.CAP_ENV: "24"},
+        )
+        _check_row(rows[impl], impl)
+        if not torch.cuda.is_available():
+            assert "no CUDA: the 24 GiB cap is not applied" in err
+    assert rows["fsdp2"]["flops_per_token"] == rows["ours"]["flops_per_token"]
+    assert rows["fsdp2"]["trained_M"] == rows["ours"]["trained_M"]
+    assert rows["fsdp2"]["loss_first"] == pytest.approx(rows["ours"]["loss_first"], rel=1e-2)
+
+
+SHARED_HARNESS = ROOT.parent / "shared" / "gpu" / "peer_bench.py"
+
+
+@pytest.mark.slow  # a subprocess (see the marker in pyproject.toml)
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(
+    not SHARED_HARNESS.exists(), reason="the shared harness is not beside the checkout"
+)
+def test_the_patched_harness_runs_fsdp2_and_gives_every_row_its_mfu(tmp_path):
+    """benchmarks/peer_setup.py's patches applied to the shared harness: placed as on the GPU
+    machine (.peer/ beside benchmarks/), it runs ``--model hf --impl fsdp2`` and its own GPT
+    rows, each with its model FLOPs and MFU."""
+    peer_setup = _load_benchmark("peer_setup")
+    (tmp_path / ".peer").mkdir()
+    (tmp_path / "benchmarks").symlink_to(ROOT / "benchmarks")
+    bench = tmp_path / ".peer" / "peer_bench.py"
+    bench.write_text(peer_setup.patched_harness(SHARED_HARNESS.read_text(), SHARED_HARNESS))
+    config = _config_file(tmp_path, TINY_QWEN3)
+    row, _ = _run_json(
+        [sys.executable, str(bench), "--model", "hf", "--impl", "fsdp2", "--config", str(config)]
+        + ["--seq", "32", "--batch", "4", "--mb", "2", "--warmup", "2", "--iters", "1"],
+        {gpu_rows.CAP_ENV: "24"},
+    )
+    _check_row(row, "fsdp2")
+    assert row["model"] == "tiny" and row["layers"] == 2
+    gpt, _ = _run_json(
+        [sys.executable, str(bench), "--model", "gpt", "--impl", "torch", "--layers", "1"]
+        + ["--d", "32", "--heads", "2", "--vocab", "64", "--seq", "16", "--batch", "4"]
+        + ["--mb", "2", "--warmup", "1", "--iters", "1"]
+    )
+    # The GPT's FLOPs: 6 x its linear weights (the blocks' and the head's) plus attention.
+    linear = 32 * 96 + 32 * 32 + 2 * 32 * 128 + 32 * 64
+    assert gpt["flops_per_token"] == 6 * linear + 3 * 4 * 16 * 32 // 2
+    assert gpt["mfu"] == float(f"{gpt['tok_s'] * gpt['flops_per_token'] / 989e12:.4g}")
+
+
+@pytest.mark.slow  # a subprocess (see the marker in pyproject.toml)
+def test_the_offload_script_runs_the_issues_rows_in_order_within_its_budget(tmp_path):
+    """benchmarks/gpu_offload.sh with GPU_DRY_RUN=1 lists its parts in order, each skipped by
+    the budget: row 1 (Qwen3-4B's shape, roundpipe, the public RoundPipe, FSDP2 on one batch),
+    row 2 (LoRA 16 on Llama-3.1-8B's shape), row 3 (the planned lengths), row 4 (continuity)."""
+    script = ROOT / "benchmarks" / "gpu_offload.sh"
+    assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
+    env = dict(os.environ, GPU_DRY_RUN="1", OUT=str(tmp_path))
+    proc = subprocess.run(
+        ["bash", str(script)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    parts = re.findall(r"^skipped \(budget\): (.*)$", proc.stdout, re.M)
+    benches = [p.split()[1:3] for p in parts if p.startswith("bench ")]
+    assert benches == [
+        ["hf", "ours"], ["hf", "upstream"], ["hf", "fsdp2"],
+        ["hf", "ours"], ["hf", "upstream"],
+        ["qwen3", "ours"], ["qwen3", "ours"], ["qwen3", "upstream"], ["qwen3", "torch"],
+    ], parts  # fmt: skip
+    row1 = [p for p in parts if "qwen3-4b.json" in p]
+    assert len(row1) == 3
+    for part in row1:  # the same model, data and batch for every contender
+        assert "--dtype bf16 --seq 2048 --batch 8 --mb 4" in part
+    row2 = [p for p in parts if "llama-3.1-8b.json" in p]
+    assert len(row2) == 2 and all("--lora 16 --seq 4096" in p for p in row2)
+    assert parts.index(row2[-1]) < parts.index("row 3 (its plans and the first model)")
+    assert parts.index("row 3 (its plans and the first model)") < parts.index(
+        "bench qwen3 ours --layers 8"
+    )
+    assert "--mb 8" in parts[parts.index("bench qwen3 ours --layers 8") + 1]
+    assert (tmp_path / "summary.txt").read_text().count("skipped (budget)") == len(parts)
