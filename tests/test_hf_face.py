@@ -42,7 +42,7 @@ def trained():
     """A Trainer run with a callback that generates at every log, its tokenizer, and what the
     callback got (module-wide: the tests below read it)."""
     tokenizer, words = word_tokenizer()
-    prompt = tokenizer("the cat", return_tensors="pt")
+    prompt = tokenizer("the cat", return_tensors="pt", return_token_type_ids=False)
     generated = []
 
     class SampleOnLog(transformers.TrainerCallback):

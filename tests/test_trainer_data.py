@@ -128,10 +128,11 @@ def test_default_arguments_feed_the_model_the_batches_of_the_plain_trainer(
         assert not {"text", "idx"} & set(got)  # and the extra columns were
         for key in keys:
             assert torch.equal(got[key], want[key]), key
-    # The first step computes with the initial weights in both: the same loss.
+    # The first step computes with the initial weights in both: the same loss (transformers
+    # 4.x logs it rounded to 4 decimals).
     first = [e["loss"] for e in ours.state.log_history if "loss" in e][0]
     want_first = [e["loss"] for e in plain.state.log_history if "loss" in e][0]
-    assert first == pytest.approx(want_first, rel=1e-5)
+    assert first == pytest.approx(want_first, abs=6e-5)
 
 
 def test_the_wrapped_models_forward_has_the_hf_models_signature():

@@ -670,8 +670,8 @@ class _TrainLoop:
 
     def _resume_transformers(self, path: Path, scaler: GradScaler | None) -> None:
         """A checkpoint that transformers' Trainer saved (no roundpipe manifest): its weights,
-        TrainerState, scheduler, scaler and RNG state; the optimizer's state fresh, with a
-        warning (see [Note: resuming a transformers checkpoint])."""
+        TrainerState (the schedule stepped to its step), scaler and RNG state; the optimizer's
+        state fresh, with a warning (see [Note: resuming a transformers checkpoint])."""
         t, model = self.t, self.model
         if not path.is_dir():
             raise FileNotFoundError(f"resume_from_checkpoint: no checkpoint directory at {path}")
@@ -698,15 +698,16 @@ class _TrainLoop:
             t._load_callback_state()
         else:
             fresh.append("the step count (no trainer_state.json: training starts at step 0)")
-        scheduler_file = path / transformers.trainer.SCHEDULER_NAME
-        if scheduler_file.is_file() and state_file.is_file():
-            t.lr_scheduler.load_state_dict(torch.load(scheduler_file, weights_only=True))
-            last = getattr(t.lr_scheduler, "get_last_lr", None)
-            if callable(last):  # the rate of the next step (the optimizer's groups are new)
-                for group, lr in zip(t.optimizer.param_groups, last()):
-                    group["lr"] = lr
-        elif state_file.is_file():
-            fresh.append("the learning-rate schedule (no scheduler.pt)")
+        step = t.state.global_step if state_file.is_file() else 0
+        if isinstance(t.lr_scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+            fresh.append("ReduceLROnPlateau's state (it follows the evaluations to come)")
+        else:
+            # transformers' schedules are functions of the step: stepped to it, the rate is the
+            # schedule's at the step (scheduler.pt may hold other param groups than these).
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler")
+                for _ in range(step):
+                    t.lr_scheduler.step()
         scaler_file = path / transformers.trainer.SCALER_NAME
         if scaler is not None:
             if scaler_file.is_file():
@@ -716,13 +717,12 @@ class _TrainLoop:
         load_rng = getattr(t, "_load_rng_state", None)
         if callable(load_rng):
             load_rng(str(path))
-        step = t.state.global_step if state_file.is_file() else 0
         warnings.warn(
             f"resume_from_checkpoint: {path} is a checkpoint of transformers' Trainer (it has "
             f"no roundpipe {MANIFEST}): training goes on from its model weights at step "
-            f"{step}, with its data position, logs and learning-rate schedule, but "
-            f"{'; '.join(fresh)} start(s) fresh, so the first steps differ from an "
-            f"uninterrupted run. The checkpoints this run saves resume exactly",
+            f"{step}, with its data position, logs and learning-rate schedule; these start "
+            f"fresh: {'; '.join(fresh)}, so the first steps differ from an uninterrupted run. "
+            f"The checkpoints this run saves resume exactly",
             UserWarning,
             stacklevel=user_stacklevel(),
         )
@@ -1056,16 +1056,17 @@ class _TrainLoop:
 
 # [Note: resuming a transformers checkpoint]
 # A checkpoint that transformers' Trainer saved (a run started with the plain Trainer, then
-# moved to roundpipe) has the model's weights, its TrainerState, the scheduler's and the
-# scaler's state in torch's formats, which roundpipe's own objects read, and the optimizer's
-# state as a state dict over the model's parameters, by their positions in the plain
-# optimizer's groups. roundpipe's optimizer steps its fp32 masters, so that state starts fresh
-# (with a warning that says so): the weights are loaded into the model's parameters as
-# transformers loads them (Trainer._load_from_checkpoint, peft adapters included) and the
-# masters start from those parameters, in the model's dtype, as they do at a fresh start from
-# the same weights; the TrainerState gives the step, so the data position, the logs and the
-# learning-rate schedule go on where the plain run stopped. resume_from_checkpoint=True takes
-# the newest checkpoint-N of either kind (newest_checkpoint).
+# moved to roundpipe) has the model's weights, its TrainerState, the scaler's state in torch's
+# format (which roundpipe's GradScaler reads), the scheduler's, and the optimizer's state as a
+# state dict over the model's parameters, by their positions in the plain optimizer's groups
+# (which keep an empty group that roundpipe's leave out). roundpipe's optimizer steps its fp32
+# masters, so that state starts fresh, with a warning that says so. The weights are loaded into
+# the model's parameters as transformers loads them (Trainer._load_from_checkpoint, peft
+# adapters included) and the masters start from those parameters, in the model's dtype, as at a
+# fresh start from the same weights; the TrainerState gives the step, so the data position and
+# the logs go on where the plain run stopped, and the learning-rate schedule (a function of the
+# step in transformers) is stepped to it. resume_from_checkpoint=True takes the newest
+# checkpoint-N of either kind (newest_checkpoint).
 
 
 def newest_checkpoint(output_dir: str | os.PathLike[str]) -> Path | None:
