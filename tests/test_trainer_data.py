@@ -157,3 +157,33 @@ def test_the_wrapped_models_forward_has_the_hf_models_signature():
         by_position = model(ids, torch.ones_like(ids)).logits
         by_keyword = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits
     assert torch.equal(by_position, by_keyword)
+
+
+@pytest.mark.timeout(240)
+def test_the_documented_trainer_script_runs_unchanged(tmp_path, monkeypatch):
+    """The script of docs/hf.md, "The Trainer", with the model's name pointing at a tiny model
+    saved on this machine (nothing is downloaded) and a train.txt in its directory."""
+    import re
+
+    page = (Path(__file__).resolve().parents[1] / "docs" / "hf.md").read_text()
+    section = page.split("## The Trainer\n", 1)[1]
+    code = re.search(r"```python\n(.*?)```", section, flags=re.S)[1]
+    name = 'model_name = "Qwen/Qwen3-0.6B"'
+    assert name in code
+    tokenizer, words = word_tokenizer()
+    local = tmp_path / "tiny"
+    tokenizer.save_pretrained(local)
+    tiny_llama().save_pretrained(local)
+    (tmp_path / "train.txt").write_text("\n".join(sentences(words, n=40)) + "\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "cache"))
+    namespace = {}
+    exec(compile(code.replace(name, f"model_name = {str(local)!r}"), "hf.md", "exec"), namespace)
+    trainer = namespace["trainer"]
+    assert isinstance(trainer, roundpipe.hf.Trainer) and trainer.state.global_step == 3
+    assert {p.dtype for p in trainer.hf_model.parameters()} == {torch.bfloat16}
+    final = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out" / "final")
+    last = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out" / "checkpoint-3")
+    masters = trainer.model.master_state_dict()
+    for (name, a), (_, b) in zip(final.named_parameters(), last.named_parameters()):
+        assert torch.equal(a.detach(), masters[name]) and torch.equal(b.detach(), masters[name])

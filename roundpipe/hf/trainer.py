@@ -543,7 +543,7 @@ def _check_half_dtype(model: nn.Module, low: torch.dtype | None) -> None:
         + (" and overflow values beyond float16's 65504" if low == torch.float16 else "")
         + f". Load the model in float32 (dtype=torch.float32; roundpipe converts it with fp32 "
         f"masters) or in {str(low).replace('torch.', '')}, or train in {name}: "
-        f"TrainingArguments({other_flag}=True) instead of {flag}=True"
+        f"TrainingArguments({other_flag}=True, {flag}=False)"
     )
 
 
