@@ -27,9 +27,9 @@ class FinishedLoss(torch.Tensor):
     """A loss whose backward has run: a detached tensor that behaves as one, except that
     :meth:`backward` raises ``RuntimeError`` naming the next call (``model.step(...)``)."""
 
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
 
-    def backward(self, *args: Any, **kwargs: Any) -> None:  # type: ignore[override]
+    def backward(self, *args: Any, **kwargs: Any) -> None:
         if self.requires_grad:  # a graph was attached to it since: torch's own backward
             return super().backward(*args, **kwargs)
         raise RuntimeError(
@@ -44,8 +44,8 @@ class FinishedLoss(torch.Tensor):
     def __format__(self, spec: str) -> str:
         return self.as_subclass(torch.Tensor).__format__(spec)
 
-    def __repr__(self, *args: Any, **kwargs: Any) -> str:
-        return self.as_subclass(torch.Tensor).__repr__(*args, **kwargs)
+    def __repr__(self, **kwargs: Any) -> Any:  # type: ignore[override]  # tensor(...), as before
+        return torch.Tensor.__repr__(self.as_subclass(torch.Tensor), **kwargs)
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         return self.as_subclass(torch.Tensor).__reduce_ex__(protocol)
