@@ -167,6 +167,7 @@ def main():
             **extra,
         )
     else:
+        from datasets import Dataset
         from transformers import DataCollatorForLanguageModeling
 
         if args.plain:
@@ -177,11 +178,16 @@ def main():
             from peft import get_peft_model
 
             hf_model = get_peft_model(hf_model, peft_config)
-        samples = [tokenizer(t, truncation=True, max_length=args.seq_len) for t in texts]
+        # A datasets.Dataset after map, its "text" column kept: the Trainer drops the columns
+        # the model's forward does not take (TrainingArguments' remove_unused_columns=True).
+        data = Dataset.from_dict({"text": texts}).map(
+            lambda batch: tokenizer(batch["text"], truncation=True, max_length=args.seq_len),
+            batched=True,
+        )
         trainer = Trainer(
             model=hf_model,
             args=TrainingArguments(**options),
-            train_dataset=samples,
+            train_dataset=data,
             data_collator=DataCollatorForLanguageModeling(tokenizer, mlm=False),
             **extra,
         )

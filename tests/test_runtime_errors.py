@@ -1,6 +1,8 @@
 """Errors: re-raised on the main thread as their own type with where they happened; nothing
 hangs; the next iteration works. And each clear error for bad input or misuse."""
 
+import copy
+import io
 import signal
 import warnings
 
@@ -644,3 +646,49 @@ def test_ctrl_c_while_a_long_step_runs_raises_at_once(call):
             proc.communicate()
     assert "interrupted" in out and "done" in out, err
     assert proc.returncode == 0, err
+
+
+@pytest.mark.parametrize(
+    "model_dtype, optim_dtype",
+    [
+        (torch.float32, torch.float16),
+        (torch.float32, torch.bfloat16),
+        (torch.float16, torch.bfloat16),
+        (torch.bfloat16, torch.float16),
+    ],
+)
+def test_masters_less_precise_than_the_model_are_refused_naming_the_fix(model_dtype, optim_dtype):
+    seq = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 2)).to(model_dtype)
+    with pytest.raises(ValueError, match=rf"optim_dtype={optim_dtype}.*lower precision.*None"):
+        RoundPipe(seq, optim_dtype=optim_dtype)
+    # as precise or more: accepted
+    RoundPipe(nn.Sequential(nn.Linear(3, 2)).to(model_dtype), optim_dtype=model_dtype)
+    RoundPipe(nn.Sequential(nn.Linear(3, 2)).to(model_dtype), optim_dtype=torch.float32)
+
+
+def test_backward_on_forward_backwards_loss_names_the_next_call():
+    model = RoundPipe(nn.Sequential(nn.Linear(3, 3), nn.Tanh(), nn.Linear(3, 2)), devices="cpu:2")
+    x, y = torch.randn(4, 3), torch.randint(0, 2, (4,))
+    loss = model.forward_backward(
+        input_args=(x,), label=y, loss_fn=lambda out, lbl: nn.functional.cross_entropy(out, lbl)
+    )
+    with pytest.raises(RuntimeError, match=r"forward_backward has already run the backward.*step"):
+        loss.backward()
+    # Everything else is a plain tensor's
+    value = loss.item()
+    assert float(loss) == value and f"{loss:.4f}" == f"{value:.4f}"
+    assert (
+        loss.numpy() == pytest.approx(value)
+        and bool(loss == value)
+        and repr(loss).startswith("tensor(")
+    )
+    assert type(loss * 2) is torch.Tensor and type(loss.detach()) is torch.Tensor
+    buffer = io.BytesIO()
+    torch.save({"loss": loss}, buffer)
+    buffer.seek(0)
+    saved = torch.load(buffer, weights_only=True)["loss"]
+    assert type(saved) is torch.Tensor and saved.item() == value
+    assert copy.deepcopy(loss).item() == value
+    with OptimizerCtx():
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model.step(lambda: (opt.step(), opt.zero_grad()))  # and the loop goes on

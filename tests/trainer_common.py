@@ -69,7 +69,6 @@ def training_args(output_dir, **overrides):
         seed=0,
         disable_tqdm=True,
         dataloader_num_workers=0,
-        remove_unused_columns=False,
     )
     kwargs.update(overrides)
     return TrainingArguments(**kwargs)

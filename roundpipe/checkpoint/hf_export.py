@@ -26,16 +26,26 @@ __all__ = ["HFExport", "prepare", "export"]
 
 class HFExport:
     """What the export needs, taken on the main thread: the HF model, its masters by HF name
-    (live tensors) and the dtype to write."""
+    (live tensors), the dtype to write and the directory, relative to the checkpoint's (``"."``:
+    the checkpoint directory itself, ``in_root``)."""
 
-    def __init__(self, hf_model: Any, masters: dict[str, torch.Tensor], dtype: torch.dtype):
+    def __init__(
+        self,
+        hf_model: Any,
+        masters: dict[str, torch.Tensor],
+        dtype: torch.dtype,
+        directory: str = "hf",
+    ):
         self.hf_model = hf_model
         self.masters = masters
         self.dtype = dtype
+        self.directory = directory
+        self.in_root = directory in ("", ".")
 
 
-def prepare(model: Any, dtype: Any) -> HFExport:
-    """Main thread: ``model`` must be a wrapped HF model; ``TypeError``/``ValueError`` else."""
+def prepare(model: Any, dtype: Any, directory: str = "hf") -> HFExport:
+    """Main thread: ``model`` must be a wrapped HF model and ``directory`` a plain relative
+    name or ``"."``; ``TypeError``/``ValueError`` else."""
     hf_model = getattr(model, "hf_model", None)
     if hf_model is None or not callable(getattr(hf_model, "save_pretrained", None)):
         raise TypeError(
@@ -44,8 +54,16 @@ def prepare(model: Any, dtype: Any) -> HFExport:
         )
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise ValueError(f"hf_dtype= takes a floating torch.dtype, got {dtype!r}")
+    if not isinstance(directory, str) or (
+        directory not in ("", ".")
+        and (directory.startswith(".") or "/" in directory or os.sep in directory)
+    ):
+        raise ValueError(
+            f"hf_dir= takes a plain directory name (default 'hf') or '.' (the checkpoint "
+            f"directory itself), got {directory!r}"
+        )
     masters = {name: m.detach() for name, m in model.optim_named_parameters()}
-    return HFExport(hf_model, masters, dtype)
+    return HFExport(hf_model, masters, dtype, "." if directory == "" else directory)
 
 
 def export(job: HFExport, directory: Path) -> None:

@@ -181,6 +181,7 @@ def save(
     max_shard_bytes: int = DEFAULT_SHARD_BYTES,
     hf: bool = False,
     hf_dtype: torch.dtype = torch.float32,
+    hf_dir: str = "hf",
 ) -> PendingCheckpoint:
     """Save everything an exact resume needs into a new checkpoint directory in ``root``,
     written while training goes on; returns its :class:`PendingCheckpoint`.
@@ -203,7 +204,10 @@ def save(
     gets one of its own). ``hf=True`` (a model made by :func:`roundpipe.hf.wrap`) also writes
     ``hf/``, a directory that transformers' (or, for a LoRA model, peft's) ``from_pretrained``
     loads, with the weights in ``hf_dtype`` (default fp32: the masters themselves; another
-    dtype makes a copy of the trained weights in it).
+    dtype makes a copy of the trained weights in it). ``hf_dir="."`` writes those files into
+    the checkpoint directory itself, so that ``from_pretrained(checkpoint)`` loads it as it
+    loads a transformers Trainer's checkpoint (roundpipe's own shards are then named
+    ``roundpipe-model-...``, apart from transformers' ``model-...``).
 
     Under data parallelism (an open :class:`roundpipe.distributed.DataParallel`) every rank
     calls it at the same point; rank 0 writes the replicated state and every rank's RNG state
@@ -240,7 +244,7 @@ def save(
             "its share. Save without hf=, then load the checkpoint into the model on one "
             "process (the default placement) and save it there with hf=True"
         )
-    export = hf_export.prepare(model, hf_dtype) if hf else None
+    export = hf_export.prepare(model, hf_dtype, hf_dir) if hf else None
     root_path = Path(root)
     if root_path.exists() and not root_path.is_dir():
         raise NotADirectoryError(f"save() writes checkpoints into a directory; {root} is a file")
@@ -384,8 +388,12 @@ class _Job:
                 tmp.mkdir(exist_ok=rank is not None)  # sharded: another rank may have made it
                 files: dict[str, dict[str, int]] = {}
                 index: dict[str, str] = {}
+                # Beside an HF export in the directory itself, roundpipe's shards get names
+                # of their own (transformers' save_pretrained removes "model-NNNNN-of-NNNNN"
+                # files it did not write).
+                mark = "roundpipe-" if self.export is not None and self.export.in_root else ""
                 for group in GROUPS:
-                    prefix = (
+                    prefix = mark + (
                         group if rank is None or group == "model" else f"{group}-rank{rank:05d}"
                     )
                     for fname, shard in self._shards(prefix, completed.groups[group], tmp):
@@ -398,14 +406,18 @@ class _Job:
                         hold.release([TOUCHES[group]])
                 hf_info = None
                 if self.export is not None:
-                    hf_export.export(self.export, tmp / "hf")
+                    where = tmp / self.export.directory
+                    hf_export.export(self.export, where)
                     capture.access.params.placement.release()  # the masters it read
-                    fsync_tree(tmp / "hf")
-                    for file in sorted((tmp / "hf").rglob("*")):
-                        if file.is_file():
-                            rel = str(file.relative_to(tmp))
+                    fsync_tree(where)
+                    for file in sorted(where.rglob("*")):
+                        rel = str(file.relative_to(tmp))
+                        if file.is_file() and rel not in files:
                             files[rel] = {"bytes": file.stat().st_size, "crc32": file_crc32(file)}
-                    hf_info = {"dir": "hf", "dtype": str(self.export.dtype).replace("torch.", "")}
+                    hf_info = {
+                        "dir": self.export.directory,
+                        "dtype": str(self.export.dtype).replace("torch.", ""),
+                    }
             finally:
                 hold.release()
             assert completed.rank_files is not None

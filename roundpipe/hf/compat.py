@@ -26,6 +26,10 @@ an interface keeps working. The differences met from 4.56 to 5.24:
   (``position_embeddings_global`` / ``_local``) on 4.x, and has one rotary module that takes
   the layer type, with each layer given its own, on 5.x (:func:`position_embeddings`,
   :func:`layer_kwargs`);
+* peft reads a model's ``is_gradient_checkpointing`` when it wraps it, which warns from 5.24,
+  a warning about peft's code that its user cannot act on (:func:`quiet_checkpointing_names`);
+* the pipelines log that a model class they do not know is "not supported" for a task, and keep
+  the wrapper classes they accept in ``SUPPORTED_PEFT_TASKS`` (:func:`accept_in_pipelines`);
 * Gemma 2 multiplies its token embeddings by the square root of the hidden size in its model's
   forward (4.x and 5.0), or in a scaled embedding module that holds the factor as
   ``embed_scale`` (by 5.5), as Gemma 3's does on every version (:func:`embedding_scales_itself`).
@@ -33,10 +37,12 @@ an interface keeps working. The differences met from 4.56 to 5.24:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import operator
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -52,6 +58,8 @@ __all__ = [
     "position_embeddings",
     "layer_kwargs",
     "embedding_scales_itself",
+    "quiet_checkpointing_names",
+    "accept_in_pipelines",
 ]
 
 
@@ -199,3 +207,30 @@ def embedding_scales_itself(embed: nn.Module) -> bool:
         if isinstance(getattr(module, "embed_scale", None), torch.Tensor):
             return True
     return False
+
+
+@contextlib.contextmanager
+def quiet_checkpointing_names() -> Iterator[None]:
+    """Inside, transformers' FutureWarnings about the old gradient-checkpointing names
+    (``is_gradient_checkpointing``, which peft reads when it wraps a model) are not shown.
+    Main thread (``warnings.catch_warnings`` changes the process's filters)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore", message=r"`is_gradient_checkpointing` is deprecated", category=FutureWarning
+        )
+        yield
+
+
+def accept_in_pipelines(cls: type, task: str = "text-generation") -> None:
+    """Let transformers' pipelines of ``task`` take a model of class ``cls`` without logging that
+    it is not supported: its name joins the wrapper classes the pipelines accept
+    (``transformers.pipelines.base.SUPPORTED_PEFT_TASKS``, where this version has it; else
+    nothing changes). Idempotent; main thread (imports transformers.pipelines, about 0.1 s)."""
+    try:
+        from transformers.pipelines import base
+    except ImportError:  # pragma: no cover - a transformers without pipelines
+        return
+    accepted = getattr(base, "SUPPORTED_PEFT_TASKS", None)
+    if isinstance(accepted, dict) and isinstance(accepted.get(task), list):
+        if cls.__name__ not in accepted[task]:
+            accepted[task].append(cls.__name__)

@@ -12,14 +12,18 @@ parallelism]).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
 import math
 import os
+import re
 import threading
 import time
+import warnings
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -28,13 +32,20 @@ import transformers
 from torch import nn
 
 from roundpipe import checkpoint, optim_thread
+from roundpipe.checkpoint import files as checkpoint_files
+from roundpipe.checkpoint import manifest as checkpoint_manifest
+from roundpipe.checkpoint.manifest import MANIFEST
 from roundpipe.distributed import DataParallel
+from roundpipe.hf import compat
 from roundpipe.hf.wrap import HFRoundPipe, wrap
 from roundpipe.optim.master_file import MastersOnDisk
 from roundpipe.runtime import RoundPipeRunConfig
 from roundpipe.scaler.grad_scaler import GradScaler
+from roundpipe.user_frame import user_stacklevel
 
-__all__ = ["RoundPipeTrainerMixin", "Trainer", "unsupported_arguments"]
+__all__ = ["RoundPipeTrainerMixin", "Trainer", "unsupported_arguments", "newest_checkpoint"]
+
+logger = transformers.utils.logging.get_logger(__name__)
 
 # [Note: the Trainer's step]
 # One optimizer step of transformers' Trainer is gradient_accumulation_steps batches, each a
@@ -277,8 +288,13 @@ class RoundPipeTrainerMixin:
       every CUDA device, else the CPU).
     * ``wrap_kwargs``: more arguments for :func:`roundpipe.hf.wrap` (``loss_chunk_tokens``,
       ``check``, ``model_run_config``, ``memory_check``).
-    * ``checkpoint_hf`` (default False): each checkpoint also holds ``hf/``, the model as
-      ``from_pretrained`` loads it.
+    * ``checkpoint_hf`` (default: True where every master is in this process, i.e. but with
+      ``ShardedState``): each checkpoint ``output_dir/checkpoint-N`` also holds the trained
+      model as transformers' Trainer writes it (``config.json`` and ``model.safetensors`` in
+      fp32, or a peft model's adapter), so ``from_pretrained("output_dir/checkpoint-N")`` (or
+      ``PeftModel.from_pretrained(base, ...)``) loads it. It costs 4 bytes per trained
+      parameter of disk per checkpoint, written by the checkpoint writer while training goes
+      on (the next step waits until it is written). False leaves it out.
     * ``spill_dir``: a directory on a fast local disk for the masters and Adam's state
       (``roundpipe.MastersOnDisk`` and ``roundpipe.optim.AdamW(state_dir=...)``, built from the
       Trainer's ``optim`` and its arguments): the host keeps about 6 bytes per parameter
@@ -302,7 +318,7 @@ class RoundPipeTrainerMixin:
         num_microbatch: int | None = None,
         devices: Any = None,
         wrap_kwargs: dict[str, Any] | None = None,
-        checkpoint_hf: bool = False,
+        checkpoint_hf: bool | None = None,
         spill_dir: str | os.PathLike[str] | None = None,
         **kwargs: Any,
     ) -> None:
@@ -343,9 +359,10 @@ class RoundPipeTrainerMixin:
             )
         self.async_step = bool(async_step)
         self.num_microbatch = num_microbatch
-        self.checkpoint_hf = bool(checkpoint_hf)
+        self.checkpoint_hf = checkpoint_hf
         self.spill_dir = None if spill_dir is None else os.fspath(spill_dir)
-        super().__init__(*args, **kwargs)
+        with compat.quiet_checkpointing_names():  # TRL's get_peft_model (peft_config=)
+            super().__init__(*args, **kwargs)
         trainer: Any = self
         _refuse(trainer.args)
         hf_model = trainer.model
@@ -357,6 +374,7 @@ class RoundPipeTrainerMixin:
                 "the Trainer wraps it itself (wrap_kwargs= for wrap's options)"
             )
         low = self._compute_dtype()
+        _check_half_dtype(hf_model, low)
         if low is not None:
             # roundpipe's layout: low-precision parameters that compute, fp32 masters.
             for p in hf_model.parameters():
@@ -386,6 +404,9 @@ class RoundPipeTrainerMixin:
         self.hf_model = hf_model
         self._rp = wrap(hf_model, **options)
         self.data_parallel = _data_parallel(trainer.args, self._rp)
+        if self.checkpoint_hf is None:  # the HF export needs every master in this process
+            self.checkpoint_hf = self._rp.state_placement.world_size == 1
+        self.checkpoint_hf = bool(self.checkpoint_hf)
         # The Trainer's evaluation hands the model to accelerate, which would move it to the
         # device and wrap its forward; the model stays where roundpipe keeps it.
         setattr(self._rp, "_is_accelerate_prepared", True)  # noqa: B010 (an nn.Module attribute)
@@ -503,6 +524,29 @@ def _spilled_adam(
     return counterparts[cls], {**kwargs, "state_dir": spill_dir}
 
 
+def _check_half_dtype(model: nn.Module, low: torch.dtype | None) -> None:
+    """``ValueError`` if ``model`` has parameters in the other 16-bit dtype than the one the
+    TrainingArguments ask for (an fp16 model with ``bf16=True``, a bf16 model with
+    ``fp16=True``): roundpipe computes in the parameters' own dtype, and converting one 16-bit
+    dtype into the other rounds the weights (bf16 into fp16 may also overflow)."""
+    if low is None:
+        return
+    other = torch.bfloat16 if low == torch.float16 else torch.float16
+    if not any(p.dtype == other for p in model.parameters()):
+        return
+    flag, other_flag = ("fp16", "bf16") if low == torch.float16 else ("bf16", "fp16")
+    name = str(other).replace("torch.", "")
+    raise ValueError(
+        f"the model is in {name} and TrainingArguments({flag}=True) asks for "
+        f"{str(low).replace('torch.', '')}: roundpipe.hf.Trainer computes in the parameters' "
+        f"dtype, and converting {name} weights to the other 16-bit dtype would round them"
+        + (" and overflow values beyond float16's 65504" if low == torch.float16 else "")
+        + f". Load the model in float32 (dtype=torch.float32; roundpipe converts it with fp32 "
+        f"masters) or in {str(low).replace('torch.', '')}, or train in {name}: "
+        f"TrainingArguments({other_flag}=True, {flag}=False)"
+    )
+
+
 def _refuse(args: Any) -> None:
     problems = unsupported_arguments(args)
     if problems:
@@ -593,12 +637,25 @@ class _TrainLoop:
         return max_steps, per_epoch, epochs, len_dl
 
     def _resume(self, resume: str | bool | None, scaler: GradScaler | None) -> None:
+        """Resume ``resume`` (a checkpoint directory, or True: the newest ``checkpoint-N`` of
+        ``output_dir``): roundpipe's exactly, transformers' Trainer's from its weights (see
+        [Note: resuming a transformers checkpoint])."""
         t = self.t
         if resume is None or resume is False:
             return
-        path = checkpoint.latest(t.args.output_dir) if resume is True else resume
-        if path is None:
-            raise ValueError(f"No valid checkpoint found in output directory ({t.args.output_dir})")
+        if resume is True:
+            path = newest_checkpoint(t.args.output_dir)
+            if path is None:
+                raise ValueError(
+                    f"No valid checkpoint found in output directory ({t.args.output_dir}): "
+                    f"resume_from_checkpoint=True takes the newest checkpoint-N there that "
+                    f"roundpipe.hf.Trainer or transformers' Trainer saved"
+                )
+        else:
+            path = Path(resume)
+        if not (path / MANIFEST).is_file():
+            self._resume_transformers(path, scaler)
+            return
         extra = checkpoint.load(
             path, self.model, t.optimizer, scaler=scaler, scheduler=t.lr_scheduler, progress=False
         )
@@ -610,6 +667,65 @@ class _TrainLoop:
         state = json.loads(extra["trainer_state"])
         t.state = transformers.TrainerState(**state)
         t._load_callback_state()
+
+    def _resume_transformers(self, path: Path, scaler: GradScaler | None) -> None:
+        """A checkpoint that transformers' Trainer saved (no roundpipe manifest): its weights,
+        TrainerState (the schedule stepped to its step), scaler and RNG state; the optimizer's
+        state fresh, with a warning (see [Note: resuming a transformers checkpoint])."""
+        t, model = self.t, self.model
+        if not path.is_dir():
+            raise FileNotFoundError(f"resume_from_checkpoint: no checkpoint directory at {path}")
+        model.synchronize()  # nothing in flight while the weights change under the masters
+        try:
+            t._load_from_checkpoint(str(path), model=t.hf_model)
+        except ValueError as exc:
+            raise ValueError(
+                f"{path} is not a checkpoint: it has neither roundpipe's {MANIFEST} nor the "
+                f"model weights of a transformers checkpoint ({exc}); resume_from_checkpoint "
+                f"takes the checkpoint-N directories that roundpipe.hf.Trainer or transformers' "
+                f"Trainer saved"
+            ) from None
+        # The model's parameters hold the checkpoint's weights now: the masters start from
+        # them (a load of the model's own state refreshes the masters).
+        model.load_state_dict(model.state_dict())
+        fresh = [
+            "the optimizer's state (e.g. Adam's moments: optimizer.pt is over the model's "
+            "parameters, not roundpipe's fp32 masters)"
+        ]
+        state_file = path / transformers.trainer.TRAINER_STATE_NAME
+        if state_file.is_file():
+            t.state = transformers.TrainerState.load_from_json(str(state_file))
+            t._load_callback_state()
+        else:
+            fresh.append("the step count (no trainer_state.json: training starts at step 0)")
+        step = t.state.global_step if state_file.is_file() else 0
+        if isinstance(t.lr_scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+            fresh.append("ReduceLROnPlateau's state (it follows the evaluations to come)")
+        else:
+            # transformers' schedules are functions of the step: stepped to it, the rate is the
+            # schedule's at the step (scheduler.pt may hold other param groups than these).
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler")
+                for _ in range(step):
+                    t.lr_scheduler.step()
+        scaler_file = path / transformers.trainer.SCALER_NAME
+        if scaler is not None:
+            if scaler_file.is_file():
+                scaler.load_state_dict(torch.load(scaler_file, weights_only=True))
+            else:
+                fresh.append("the fp16 loss scale (no scaler.pt)")
+        load_rng = getattr(t, "_load_rng_state", None)
+        if callable(load_rng):
+            load_rng(str(path))
+        warnings.warn(
+            f"resume_from_checkpoint: {path} is a checkpoint of transformers' Trainer (it has "
+            f"no roundpipe {MANIFEST}): training goes on from its model weights at step "
+            f"{step}, with its data position, logs and learning-rate schedule; these start "
+            f"fresh: {'; '.join(fresh)}, so the first steps differ from an uninterrupted run. "
+            f"The checkpoints this run saves resume exactly",
+            UserWarning,
+            stacklevel=user_stacklevel(),
+        )
 
     # -- the loop ---------------------------------------------------------------------------------
     def run(self, resume: str | bool | None, ignore_keys_for_eval: Any) -> Any:
@@ -903,7 +1019,10 @@ class _TrainLoop:
 
     def _save(self) -> None:
         """A checkpoint ``output_dir/checkpoint-<step>`` through roundpipe.checkpoint, written
-        while training goes on; it holds the Trainer's state for resume_from_checkpoint."""
+        while training goes on; it holds the Trainer's state for resume_from_checkpoint and,
+        with ``checkpoint_hf``, the model as ``from_pretrained`` loads it (in the directory
+        itself, as transformers' Trainer writes it). A ``checkpoint-<step>`` of an earlier run
+        is replaced, as transformers' Trainer overwrites it."""
         t = self.t
         self._flush_logs(wait=True)
         if not t.args.should_save and self.data_parallel is None:
@@ -920,6 +1039,7 @@ class _TrainLoop:
                 t.state.stateful_callbacks[key] = value[0]
         trainer_state = json.dumps(dataclasses.asdict(t.state), sort_keys=True)
         limit = t.args.save_total_limit
+        _replace_earlier(Path(t.args.output_dir) / name)
         checkpoint.save(
             t.args.output_dir,
             self.model,
@@ -930,7 +1050,58 @@ class _TrainLoop:
             name=name,
             keep_last=limit if limit and limit > 0 else None,
             hf=t.checkpoint_hf,
+            hf_dir=".",
         )
+
+
+# [Note: resuming a transformers checkpoint]
+# A checkpoint that transformers' Trainer saved (a run started with the plain Trainer, then
+# moved to roundpipe) has the model's weights, its TrainerState, the scaler's state in torch's
+# format (which roundpipe's GradScaler reads), the scheduler's, and the optimizer's state as a
+# state dict over the model's parameters, by their positions in the plain optimizer's groups
+# (which keep an empty group that roundpipe's leave out). roundpipe's optimizer steps its fp32
+# masters, so that state starts fresh, with a warning that says so. The weights are loaded into
+# the model's parameters as transformers loads them (Trainer._load_from_checkpoint, peft
+# adapters included) and the masters start from those parameters, in the model's dtype, as at a
+# fresh start from the same weights; the TrainerState gives the step, so the data position and
+# the logs go on where the plain run stopped, and the learning-rate schedule (a function of the
+# step in transformers) is stepped to it. resume_from_checkpoint=True takes the newest
+# checkpoint-N of either kind (newest_checkpoint).
+
+
+def newest_checkpoint(output_dir: str | os.PathLike[str]) -> Path | None:
+    """The ``checkpoint-N`` directory of ``output_dir`` with the highest N that is complete:
+    roundpipe's (a readable manifest) or transformers' Trainer's (a ``trainer_state.json``, and
+    no roundpipe manifest); None if there is none. Any thread; reads the manifests."""
+    root = Path(output_dir)
+    if not root.is_dir():
+        return None
+    ours = {c.path.name for c in checkpoint_manifest.list_checkpoints(root)}
+    found = []
+    for child in root.iterdir():
+        match = _CHECKPOINT_NAME.fullmatch(child.name)
+        if match is None or not child.is_dir():
+            continue
+        theirs = (
+            not (child / MANIFEST).exists()
+            and (child / transformers.trainer.TRAINER_STATE_NAME).is_file()
+        )
+        if child.name in ours or theirs:
+            found.append((int(match.group(1)), child))
+    return max(found)[1] if found else None
+
+
+_CHECKPOINT_NAME = re.compile(r"checkpoint-(\d+)")
+
+
+def _replace_earlier(path: Path) -> None:
+    """Remove ``path``, a checkpoint of an earlier run under the name the next save takes
+    (every rank may try: the first removes it)."""
+    if not path.is_dir():
+        return
+    logger.warning(f"{path} exists (an earlier run's checkpoint): replacing it")
+    with contextlib.suppress(FileNotFoundError):
+        checkpoint_files.remove_dir(path)
 
 
 class Trainer(RoundPipeTrainerMixin, transformers.Trainer):

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import os
+import types
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, cast
 
@@ -30,6 +32,7 @@ from roundpipe.memory.report import MemoryPlan
 from roundpipe.memory.search import longest_fitting
 from roundpipe.runtime import RoundPipe, RoundPipeRunConfig
 from roundpipe.runtime.compiled import compile_options
+from roundpipe.runtime.host_model import move_to_host
 from roundpipe.runtime.optimizer_ctx import in_optimizer_ctx
 from roundpipe.threads import optimizer_thread
 
@@ -38,6 +41,73 @@ __all__ = ["wrap", "HFRoundPipe", "default_loss_chunk_tokens"]
 
 def _identity_loss(loss: Any, label: Any) -> torch.Tensor:
     return loss[0] if isinstance(loss, tuple) else loss  # (loss, token stats): the Head's
+
+
+# [Note: the HF model's face]
+# Libraries handed the wrapped model treat it as the HF model it wraps, and it answers as one:
+# * its forward's signature, as ``inspect.signature(model.forward)`` reads it, is the causal
+#   LM's own (the base model's, for a peft model, as transformers' Trainer reads it) with
+#   ``run_config`` added: transformers' Trainer keeps the dataset columns that forward takes
+#   (``remove_unused_columns``), and ``model(input_ids, attention_mask)`` binds positions by it.
+#   The signature is the instance's: ``forward`` is a descriptor (``_HFForward``) that binds the
+#   method with a copy of the function carrying the model's ``__signature__``.
+# * what the HF model offers to read (``config``, ``generation_config``, ``device``, ``dtype``,
+#   ``name_or_path``, ``peft_config``, its submodules, ...) and its methods that change nothing
+#   (``_READ_ONLY_METHODS``) are found on the HF model when HFRoundPipe has no attribute of the
+#   name; :meth:`HFRoundPipe.generate` synchronizes first. Its other methods (those that change
+#   the model: ``resize_token_embeddings``, ``add_adapter``, ...) raise AttributeError naming
+#   why: the stages hold the modules of the wrap, and such a change would not reach them.
+# nn.Module's own attributes (parameters(), state_dict(), train()/eval(), to(), ...) are
+# HFRoundPipe's, as before.
+
+# The HF model's methods that change nothing, given on the wrapped model (see
+# [Note: the HF model's face]).
+_READ_ONLY_METHODS = frozenset(
+    {
+        "can_generate",
+        "get_input_embeddings",
+        "get_output_embeddings",
+        "get_decoder",
+        "get_base_model",
+        "num_parameters",
+        "get_memory_footprint",
+        "floating_point_ops",
+        "estimate_tokens",
+        "get_nb_trainable_parameters",
+        "print_trainable_parameters",
+    }
+)
+
+
+def _forward_signature(base: nn.Module) -> inspect.Signature:
+    """The signature the wrapped model's ``forward`` shows: ``base.forward``'s (the causal LM's)
+    with ``run_config`` added as a keyword-only parameter, ``self`` first (see
+    [Note: the HF model's face])."""
+    own = inspect.signature(base.forward)
+    kinds = inspect.Parameter
+    params = [p for p in own.parameters.values() if p.name not in ("self", "run_config")]
+    rest = [p for p in params if p.kind is not kinds.VAR_KEYWORD]
+    var_kw = [p for p in params if p.kind is kinds.VAR_KEYWORD]
+    run_config = kinds("run_config", kinds.KEYWORD_ONLY, default=None)
+    return own.replace(
+        parameters=[kinds("self", kinds.POSITIONAL_ONLY), *rest, run_config, *var_kw]
+    )
+
+
+class _HFForward:
+    """``HFRoundPipe.forward``: on the class, the function; on an instance, the method bound
+    with the function that carries the HF model's signature (see [Note: the HF model's
+    face])."""
+
+    def __init__(self, function: Callable[..., Any]) -> None:
+        self.function = function
+        self.__doc__ = function.__doc__
+
+    def __get__(self, obj: Any, objtype: Any = None) -> Any:
+        if obj is None:
+            return self.function
+        signed = obj.__dict__.get("_signed_forward")
+        return types.MethodType(signed if signed is not None else self.function, obj)
 
 
 class HFRoundPipe(RoundPipe):
@@ -57,6 +127,12 @@ class HFRoundPipe(RoundPipe):
       HF model's names (``model.layers.0.self_attn.q_proj.weight``), as ``hf_model.state_dict()``.
     * :meth:`save_pretrained` writes the trained weights as a directory that transformers'
       ``from_pretrained`` loads.
+    * It answers as the HF model (see [Note: the HF model's face]): ``forward``'s signature is
+      the HF model's (so transformers' Trainer keeps the dataset's columns); ``config``,
+      ``generation_config``, ``device``, ``dtype``, ``get_input_embeddings()``,
+      ``num_parameters()``, ``can_generate()`` and the HF model's other attributes and
+      read-only methods are the HF model's; :meth:`generate` generates with the newest
+      weights, so ``pipeline("text-generation", model=model, tokenizer=tok)`` works.
 
     ``hf_model`` is the model that was wrapped: after :meth:`synchronize` its parameters hold the
     trained weights. Every public method is for the main thread, as RoundPipe's, except where
@@ -74,6 +150,15 @@ class HFRoundPipe(RoundPipe):
         # The stages' parameter names ("1.layer.self_attn.q_proj.weight") <-> the HF model's.
         self._names = HFNames(hf_model, stages)
         self._hf_names = self._names.hf_name
+        # forward with the HF model's signature (see [Note: the HF model's face]).
+        function = type(self).forward
+
+        def signed(self: Any, *args: Any, **kwargs: Any) -> Any:
+            return function(self, *args, **kwargs)
+
+        signed.__doc__ = function.__doc__
+        signed.__signature__ = _forward_signature(_base_model(hf_model))  # type: ignore[attr-defined]
+        self._signed_forward = signed
         self._is_moe = has_experts(self._config)
         # Whether the head adds the load-balancing term (decided when the stages were built).
         self._router_aux = self._is_moe and bool(
@@ -367,7 +452,7 @@ class HFRoundPipe(RoundPipe):
         ``output_router_logits`` raises ``NotImplementedError`` when given labels (the
         load-balancing term is ``forward_backward``'s). Main thread; blocks until the output is
         computed."""
-        batch = parse_batch(positional_batch(self.hf_model.forward, args, kwargs), "model(**batch)")
+        batch = parse_batch(positional_batch(self.forward, args, kwargs), "model(**batch)")
         if batch.labels is not None and self._is_moe:
             router = batch.output_router_logits
             if router is None:
@@ -390,6 +475,54 @@ class HFRoundPipe(RoundPipe):
         if return_dict is None:
             return_dict = bool(getattr(self._config, "return_dict", True))
         return out if return_dict else out.to_tuple()
+
+    forward = _HFForward(forward)  # type: ignore[assignment]
+
+    # -- the HF model's face ------------------------------------------------------------------------
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        """transformers' ``generate`` of the HF model (the same arguments and result), with the
+        newest weights: :meth:`synchronize` first (it waits for the steps launched so far and
+        copies the newest masters into the model's parameters; the next iteration then computes
+        with them too, as after an evaluation), then ``hf_model.generate(*args, **kwargs)``.
+
+        Where it runs: where the HF model is, in host memory, so on the CPU, in the model's
+        dtype (the stages stream through the devices for :meth:`forward` and
+        :meth:`forward_backward` only). Cost: the wait for the step in flight, one copy of the
+        trained weights into the model, then a CPU generation, which for a large model is slow:
+        sample a few short texts (``max_new_tokens``), not an evaluation set. Inputs on a device
+        are moved to the host. Main thread (it synchronizes)."""
+        check_main_thread("generate", "HFRoundPipe")
+        self.synchronize()
+        hf_model: Any = self.hf_model
+        args = tuple(_to_host(a) for a in args)
+        kwargs = {k: _to_host(v) for k, v in kwargs.items()}
+        return hf_model.generate(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        # The HF model's attributes and read-only methods where HFRoundPipe has none of the
+        # name (see [Note: the HF model's face]).
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            hf_model = self.__dict__.get("_modules", {}).get("hf_model")
+            if hf_model is None or name.startswith("_"):
+                raise
+        value = getattr(hf_model, name)  # AttributeError when the HF model has none either
+        if callable(value) and not isinstance(value, nn.Module):
+            if name not in _READ_ONLY_METHODS:
+                raise AttributeError(
+                    f"{type(self).__name__} does not give the HF model's {name}(): the stages "
+                    f"hold the model's modules as they were at roundpipe.hf.wrap, and a method "
+                    f"that changes the model would not reach them. Call "
+                    f"hf_model.{name}(...) before wrapping (the wrapped model's hf_model is the "
+                    f"HF model); its read-only methods ({', '.join(sorted(_READ_ONLY_METHODS))}) "
+                    f"and generate() are given"
+                )
+        return value
+
+
+def _to_host(value: Any) -> Any:
+    return value.to("cpu") if isinstance(value, torch.Tensor) else value
 
 
 def _is_peft(model: nn.Module) -> bool:
@@ -450,6 +583,7 @@ def wrap(
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"roundpipe.hf.wrap takes a transformers model, got {type(model)!r}")
+    move_to_host(model, "roundpipe.hf.wrap")  # before the check runs the model's own forward
     base: Any = _base_model(model)
     family = family or family_of(base)
     parts = family.parts(base)
@@ -508,6 +642,7 @@ def wrap(
     )
     kwargs.setdefault("name", type(base).__name__)
     wrapped = HFRoundPipe(model, stages, **kwargs)
+    compat.accept_in_pipelines(HFRoundPipe)  # pipeline("text-generation", model=wrapped)
     decoders: list[Any] = list(stages)[1:-1]
     options = compile_options(compile, wrapped._pool.device_type)
     if options is not None:

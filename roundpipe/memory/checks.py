@@ -60,8 +60,9 @@ def check_host_memory(terms: HostTerms, what: str, offload_activations: bool = F
     options = [
         "train LoRA adapters on a frozen base (requires_grad_(False) on the base parameters "
         "before wrapping): frozen parameters get no master, gradient or optimizer state",
-        "keep the masters in bf16: RoundPipe(..., optim_dtype=torch.bfloat16) halves the "
-        "masters, their gradients and the optimizer state (less precise updates)",
+        "for a model in bf16, keep the masters in bf16: RoundPipe(..., optim_dtype="
+        "torch.bfloat16) halves the masters, their gradients and the optimizer state (less "
+        "precise updates)",
     ]
     options.extend(_state_options(terms))
     if terms.pinned_overhead > terms.weights // 20:

@@ -39,7 +39,9 @@ from roundpipe.runtime.call_memory import (
 from roundpipe.runtime.compiled import compile_options, compiled_layer
 from roundpipe.runtime.config import ResolvedRunConfig, RoundPipeRunConfig, resolve_config
 from roundpipe.runtime.executor import execute
+from roundpipe.runtime.finished_loss import finished
 from roundpipe.runtime.grad_router import TOUCHES_GRADS, GradHooks, GradReducer, clear_grads
+from roundpipe.runtime.host_model import move_to_host
 from roundpipe.runtime.optimizer_ctx import in_optimizer_ctx, wrap_step
 from roundpipe.runtime.params import Params, StateAccess, check_state_dict
 from roundpipe.runtime.placement import MasterPlacement
@@ -141,13 +143,19 @@ class RoundPipe(nn.Module):
             )
         if model_run_config is not None and not isinstance(model_run_config, RoundPipeRunConfig):
             raise TypeError("model_run_config must be a RoundPipeRunConfig")
-        if optim_dtype is not None and not isinstance(optim_dtype, torch.dtype):
-            raise ValueError(f"optim_dtype must be None or a torch.dtype, got {optim_dtype!r}")
+        if optim_dtype is not None and not (
+            isinstance(optim_dtype, torch.dtype) and optim_dtype.is_floating_point
+        ):
+            raise ValueError(
+                f"optim_dtype must be None or a floating torch.dtype, got {optim_dtype!r}"
+            )
+        _check_masters_hold(model, optim_dtype)
         if state_placement is not None and not isinstance(state_placement, MasterPlacement):
             raise TypeError(
                 f"state_placement must be None (host RAM) or a MasterPlacement such as "
                 f"roundpipe.distributed.ShardedState(), got {type(state_placement).__name__}"
             )
+        move_to_host(model, f"RoundPipe{_tag(name)}")  # its home; before anything reads it
         self.module = model
         self.name = name
         self.model_run_config = model_run_config or RoundPipeRunConfig()
@@ -443,8 +451,9 @@ class RoundPipe(nn.Module):
             run_config: overrides the model-level :class:`RoundPipeRunConfig` for this call.
 
         Returns:
-            The sum of the microbatch losses (detached), or ``(loss, merged_outputs)`` with
-            ``return_outputs``.
+            The sum of the microbatch losses (detached: its backward has run; calling
+            ``backward()`` on it raises ``RuntimeError`` naming :meth:`step`), or ``(loss,
+            merged_outputs)`` with ``return_outputs``.
         """
         check_main_thread("forward_backward")
         self._check_fork()
@@ -504,7 +513,8 @@ class RoundPipe(nn.Module):
             total = losses[0] if same else losses[0].to(out_device)
             for loss in losses[1:]:
                 total = total + (loss if same else loss.to(out_device))
-            total = total.to(out_device)
+            # Its backward has run: loss.backward() says so and names model.step.
+            total = finished(total.to(out_device))
             if return_outputs:
                 merged = _to_device(
                     merge_outputs(state.outputs, spec.sizes, cfg.merge_output), out_device
@@ -709,6 +719,29 @@ class RoundPipe(nn.Module):
 
     def _name_tag(self) -> str:
         return _tag(self.name)
+
+
+def _check_masters_hold(model: nn.Module, optim_dtype: torch.dtype | None) -> None:
+    """``ValueError`` if masters in ``optim_dtype`` could not hold every value of a trainable
+    parameter's dtype (fewer mantissa bits or less range: fp16 or bf16 masters of fp32
+    parameters, bf16 masters of fp16 ones), naming the fix."""
+    if optim_dtype is None:
+        return
+    masters = torch.finfo(optim_dtype)
+    for name, p in model.named_parameters():
+        if not (p.requires_grad and p.is_floating_point()) or p.dtype == optim_dtype:
+            continue
+        own = torch.finfo(p.dtype)
+        if masters.eps > own.eps or masters.max < own.max:
+            raise ValueError(
+                f"optim_dtype={optim_dtype} would keep the masters in lower precision than the "
+                f"model's {p.dtype} parameters ({name}, ...): every step would round the "
+                f"trained weights to {optim_dtype} and small updates would be lost. Leave "
+                f"optim_dtype=None (fp32 masters for fp16/bf16 parameters, else the parameters' "
+                f"own dtype) or pass one at least as precise as {p.dtype}; to keep "
+                f"{optim_dtype} masters to save memory, convert the model to {optim_dtype} "
+                f"before wrapping (model.to({optim_dtype}))"
+            )
 
 
 def _tag(name: str | None) -> str:
