@@ -31,6 +31,7 @@ _BOTH_POOLS = {
     "test_autocast_rng",
     "test_concurrency",
     "test_devices",
+    "test_optim_one_pass",
 }
 
 
