@@ -331,3 +331,55 @@ def test_a_model_with_lean_moments_trains_the_same_with_or_without_the_kernels(
     assert compiled[0] == reference[0]
     for a, b in zip(compiled[1], reference[1]):
         assert torch.equal(a, b)
+
+
+def _ckpt_model(state_dtype, seed=0):
+    torch.manual_seed(seed)
+    seq = nn.Sequential(nn.Linear(64, 96), nn.Tanh(), nn.Linear(96, 4)).to(torch.float16)
+    model = RoundPipe(seq, optim_dtype=torch.float32, devices="cpu")
+    opt = roundpipe.optim.AdamW(model.optim_parameters(), lr=1e-2, state_dtype=state_dtype)
+    return model, opt, roundpipe.GradScaler("cpu", init_scale=2.0**8)
+
+
+def _ckpt_iteration(model, opt, scaler, i):
+    g = torch.Generator().manual_seed(100 + i)
+    x = torch.randn(8, 64, generator=g).to(torch.float16)
+    model.forward_backward(
+        input_args=(x,), loss_fn=lambda out, _: scaler.scale(out.float().pow(2).mean())
+    )
+    model.step(lambda: (scaler.step(opt), opt.zero_grad()))
+    scaler.update()
+
+
+def _ckpt_state(model, opt):
+    model.synchronize()
+    tensors = [p.detach().clone() for p in model.optim_parameters()]
+    for p in model.optim_parameters():
+        tensors += [t.clone() for _, t in sorted(opt.state[p].items())]
+    return tensors
+
+
+@pytest.mark.filterwarnings("ignore:.*fewer than 4096")
+@pytest.mark.parametrize("state_dtype", ["bf16", "8bit"])
+def test_a_checkpoint_of_lean_moments_resumes_bit_for_bit(tmp_path, state_dtype):
+    import roundpipe.checkpoint as ckpt
+
+    model, opt, scaler = _ckpt_model(state_dtype)
+    for i in range(2):
+        _ckpt_iteration(model, opt, scaler, i)
+    path = ckpt.save(tmp_path, model, opt, scaler=scaler).wait()
+    other, opt2, scaler2 = _ckpt_model(state_dtype, seed=7)
+    ckpt.load(path, other, opt2, scaler=scaler2, progress=False)
+    for i in range(2, 4):
+        _ckpt_iteration(model, opt, scaler, i)
+        _ckpt_iteration(other, opt2, scaler2, i)
+    for a, b in zip(_ckpt_state(model, opt), _ckpt_state(other, opt2)):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    # Loaded into an optimizer of another kind: refused by name, nothing changed.
+    exact, opt3, scaler3 = _ckpt_model(None, seed=7)
+    before = [p.detach().clone() for p in exact.optim_parameters()]
+    with pytest.raises(ckpt.CheckpointFormatError, match=f"keeps {state_dtype} moments"):
+        ckpt.load(path, exact, opt3, scaler=scaler3, progress=False)
+    for a, p in zip(before, exact.optim_parameters()):
+        assert torch.equal(a, p)
+    assert not opt3.state

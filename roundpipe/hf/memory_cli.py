@@ -15,7 +15,9 @@ GPU needs beside the tensors (see [Note: the device reserve] in
 :mod:`roundpipe.devices.accelerator`), and ``--host-memory`` against that much RAM.
 ``--spill-dir DIR`` plans Adam's state in files there (``roundpipe.optim.AdamW(state_dir=DIR)``):
 only its streaming buffer counts against the host; ``--spill-masters`` plans the masters there too
-(``state_placement=roundpipe.MastersOnDisk(DIR)``): only its copy buffer counts. Planned from a
+(``state_placement=roundpipe.MastersOnDisk(DIR)``): only its copy buffer counts.
+``--optim-states bf16|8bit`` plans Adam's moments in 4 or about 2 bytes per parameter
+(``roundpipe.optim.AdamW(state_dtype=torch.bfloat16 | "8bit")``). Planned from a
 config, the weights do not
 exist yet, so they count against the host like every other term. When it does not fit, the
 report ends with what to change.
@@ -38,7 +40,7 @@ from roundpipe.hf.defaults import (
     kept_input_bytes,
     offload_needed,
 )
-from roundpipe.memory.host import format_bytes, host_terms
+from roundpipe.memory.host import OPTIM_STATES, format_bytes, host_terms
 from roundpipe.memory.probe import host_memory_available
 from roundpipe.memory.search import longest_fitting
 from roundpipe.optim.master_file import DEFAULT_COPY_BUFFER_BYTES
@@ -122,7 +124,8 @@ class ConfigPlanner:
     share; ``spill_dir``: Adam's state in files there (``roundpipe.optim.AdamW(state_dir=spill_dir)``),
     so only its streaming buffer counts against the host; ``spill_masters`` (with ``spill_dir``):
     the masters in files there too (:class:`roundpipe.MastersOnDisk`), so only its copy buffer
-    counts. Main thread."""
+    counts; ``optim_states``: how Adam keeps its moments ("exact", "bf16", "8bit":
+    ``roundpipe.optim.AdamW(state_dtype=...)``). Main thread."""
 
     def __init__(
         self,
@@ -142,6 +145,7 @@ class ConfigPlanner:
         spill_dir: str | None = None,
         mlp_tile_tokens: int | None = None,
         spill_masters: bool = False,
+        optim_states: str = "exact",
     ) -> None:
         from transformers import AutoModelForCausalLM
 
@@ -183,9 +187,22 @@ class ConfigPlanner:
         available = host_memory if host_memory is not None else host_memory_available()
         layers = [layer.module for layer in model_layers(self.model.module)]
         self.host = dataclasses.replace(
-            host_terms(whole, optim_dtype, None, available, ranks=ranks, layers=layers),
+            host_terms(
+                whole,
+                optim_dtype,
+                None,
+                available,
+                ranks=ranks,
+                layers=layers,
+                optim_states=optim_states,
+            ),
             weights_allocated=False,
         )
+        if spill_dir is not None and optim_states != "exact":
+            raise ValueError(
+                f"optim_states={optim_states!r} keeps lean moments in RAM; spill_dir streams "
+                f"exact ones through files: give one of them"
+            )
         if spill_masters and spill_dir is None:
             raise ValueError("spill_masters plans the masters in files under spill_dir: give it")
         if spill_dir is not None:
@@ -276,6 +293,11 @@ def what_to_change(plan: Any, *, lora: int, offload_activations: bool, seq_len: 
             lines.append(
                 "    --spill-dir DIR: the optimizer state in files on a fast disk "
                 "(roundpipe.optim.AdamW(..., state_dir=DIR))"
+            )
+        if host.optimizer_dir is None and host.optim_states != "8bit":
+            lines.append(
+                "    --optim-states 8bit: Adam's moments in about 2 bytes per parameter "
+                "instead of 8 (roundpipe.optim.AdamW(..., state_dtype='8bit'))"
             )
         if host.masters_dir is None:
             lines.append(
@@ -398,7 +420,19 @@ def main(argv: list[str] | None = None) -> int:
         help="with --spill-dir: keep the masters in files there too (RoundPipe(..., "
         "state_placement=roundpipe.MastersOnDisk(DIR))): only its copy buffer counts",
     )
+    parser.add_argument(
+        "--optim-states",
+        choices=OPTIM_STATES,
+        default="exact",
+        help="how Adam keeps its moments: exact (8 B/param), bf16 (4) or 8bit (about 2): "
+        "roundpipe.optim.AdamW(state_dtype=None | torch.bfloat16 | '8bit')",
+    )
     args = parser.parse_args(argv)
+    if args.optim_states != "exact" and args.spill_dir is not None:
+        parser.error(
+            f"--optim-states {args.optim_states} keeps lean moments in RAM; --spill-dir streams "
+            "exact ones through files: give one of them"
+        )
     if args.ranks < 1:
         parser.error("--ranks must be >= 1")
     if args.spill_masters and args.spill_dir is None:
@@ -433,6 +467,7 @@ def main(argv: list[str] | None = None) -> int:
         spill_dir=args.spill_dir,
         mlp_tile_tokens=args.mlp_tile_tokens,
         spill_masters=args.spill_masters,
+        optim_states=args.optim_states,
     )
     seq_len = args.seq_len
     if args.max_seq_len is not None:
