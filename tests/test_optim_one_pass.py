@@ -205,6 +205,19 @@ def test_a_model_trains_bitwise_as_with_the_separate_copy(ops, monkeypatch, dtyp
         _same(one_pass[i], two_passes[i])
 
 
+def test_write_copy_false_leaves_the_copy_to_the_model(ops):
+    model = RoundPipe(_model(torch.bfloat16), optim_dtype=torch.float32, devices="cpu")
+    opt = roundpipe.optim.AdamW(model.optim_parameters(), lr=1e-2, write_copy=False)
+    x = torch.randn(4, 37).to(torch.bfloat16)
+    for _ in range(2):
+        model.forward_backward(input_args=(x,), loss_fn=lambda out, _: out.float().pow(2).mean())
+        model.step(lambda: (opt.step(), opt.zero_grad()))
+    model.synchronize()
+    assert model._params.step_copies.next_weights_bytes == 0
+    for p, m in zip(model.module.parameters(), model.optim_parameters()):
+        assert torch.equal(p.view(torch.int16), m.to(torch.bfloat16).view(torch.int16))
+
+
 def test_the_async_step_swaps_the_next_weights_in_and_computes_one_step_behind(ops):
     model = RoundPipe(_model(torch.bfloat16), optim_dtype=torch.float32, devices="cpu")
     opt = roundpipe.optim.AdamW(model.optim_parameters(), lr=1e-2)

@@ -154,12 +154,11 @@ struct Hyper {
 };
 
 struct Map {  // one 8-bit map (see [Note: lean moments] in lean.py)
-  float offset[8];  // O[k]
+  float offset[8];  // O[k]: value(2^k + f) = O[k] + S[k] * (f + 1)
   float step[8];    // S[k]
-  float inv_step[8];
-  const float* mids;  // sorted midpoints between consecutive codes' values
-  int64_t num_mids;
-  int groups;  // k runs over 0 .. groups-1
+  float scale[8];   // A[k], B[k]: t = z * A[k] + B[k] is f at z = y * 16^(G-1-k)
+  float shift[8];
+  int groups;  // G: k runs over 0 .. G-1, the depth e = G-1-k
   bool is_signed;
 };
 
@@ -194,18 +193,36 @@ inline float dequant(const Map& map, uint8_t code, float absmax) {
 }
 
 inline uint8_t quant(const Map& map, float x, float inv) {
-  uint32_t bits;
-  std::memcpy(&bits, &x, 4);
-  float y = (map.is_signed ? std::fabs(x) : x) * inv;
+  uint32_t xbits;
+  std::memcpy(&xbits, &x, 4);
+  float y = std::fabs(x) * inv;  // unsigned: x >= 0 (a -0.0 is 0)
   if (std::isnan(y)) y = 0.0f;
-  // The nearest code: how many midpoints lie strictly below y (ties go to the lower code).
-  auto code = static_cast<uint8_t>(std::lower_bound(map.mids, map.mids + map.num_mids, y) - map.mids);
-  if (map.is_signed && (bits >> 31)) code |= 0x80;
-  return code;
+  uint32_t bits;
+  std::memcpy(&bits, &y, 4);
+  // depth e: y in [16^-(e+1), 16^-e); deeper than the last group: code 0
+  const int exponent = static_cast<int>(bits >> 23) - 127;
+  const int e = std::max((-exponent - 1) >> 2, 0);
+  uint32_t code = 0;
+  if (e < map.groups) {
+    const int k = map.groups - 1 - e;
+    uint32_t zbits = bits + (static_cast<uint32_t>(4 * e) << 23);  // z = y * 16^e, exactly
+    float z;
+    std::memcpy(&z, &zbits, 4);
+    float t = z * map.scale[k];
+    t = t + map.shift[k];
+    t = std::min(std::max(t, -1.0f), 255.0f);
+    int f = static_cast<int>(std::nearbyint(t));  // to nearest, ties to even
+    f = std::min(f, (1 << k) - 1);
+    code = static_cast<uint32_t>((1 << k) + f);  // f = -1: the top value of the group below
+  }
+  if (map.is_signed && (xbits >> 31)) code |= 0x80;
+  return static_cast<uint8_t>(code);
 }
 
+// step_neg = f32(-lr / bc1 * sqrt(bc2)), eps = f32(eps * sqrt(bc2)): the bias corrections
+// folded into two per-tensor constants, so one division per element (see lean.py's note).
 inline void adam_scalar(
-    const Hyper& h, float step_neg, float bc2_sqrt, float& p, float g, float& m, float& v) {
+    const Hyper& h, float step_neg, float eps, float& p, float g, float& m, float& v) {
   if (h.has_scale) g = g / h.scale;
   if (h.maximize) g = g * -1.0f;
   if (h.weight_decay != 0.0f) {
@@ -224,8 +241,7 @@ inline void adam_scalar(
   float t5 = t4 * h.one_minus_beta2;
   v = t3 + t5;
   float d = std::sqrt(v);
-  d = d / bc2_sqrt;
-  d = d + h.eps;
+  d = d + eps;
   float u = step_neg * m;
   u = u / d;
   p = p + u;
@@ -251,7 +267,7 @@ struct HyperV {
 };
 
 inline __m256 adam_v(
-    const Hyper& h, const HyperV& hv, __m256 step_neg, __m256 bc2_sqrt, __m256& p, __m256 g,
+    const Hyper& h, const HyperV& hv, __m256 step_neg, __m256 eps, __m256& p, __m256 g,
     __m256& m, __m256& v) {
   if (h.has_scale) g = _mm256_div_ps(g, hv.scale);
   if (h.maximize) g = _mm256_mul_ps(g, hv.minus_one);
@@ -265,7 +281,7 @@ inline __m256 adam_v(
   m = _mm256_add_ps(_mm256_mul_ps(m, hv.beta1), _mm256_mul_ps(g, hv.one_minus_beta1));
   v = _mm256_add_ps(
       _mm256_mul_ps(v, hv.beta2), _mm256_mul_ps(_mm256_mul_ps(g, g), hv.one_minus_beta2));
-  __m256 d = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(v), bc2_sqrt), hv.eps);
+  __m256 d = _mm256_add_ps(_mm256_sqrt_ps(v), eps);
   p = _mm256_add_ps(p, _mm256_div_ps(_mm256_mul_ps(step_neg, m), d));
   return p;
 }
@@ -312,26 +328,18 @@ void cast_to_low(const float* src, void* dst, at::ScalarType dtype, int64_t n) {
 
 #if RP_AVX2
 struct MapV {
-  __m256 offset, step, inv_step;
-  __m256 bounds[8];  // the midpoints between groups: code 2^j - 1 and 2^j
-  int groups;
-  bool is_signed;
+  __m256 offset, step, scale, shift;
 };
 
 MapV make_map_v(const Map& map) {
-  MapV mv;
-  mv.offset = _mm256_loadu_ps(map.offset);
-  mv.step = _mm256_loadu_ps(map.step);
-  mv.inv_step = _mm256_loadu_ps(map.inv_step);
-  mv.groups = map.groups;
-  mv.is_signed = map.is_signed;
-  for (int j = 0; j < map.groups; ++j) mv.bounds[j] = _mm256_set1_ps(map.mids[(1 << j) - 1]);
-  return mv;
+  return {_mm256_loadu_ps(map.offset), _mm256_loadu_ps(map.step), _mm256_loadu_ps(map.scale),
+          _mm256_loadu_ps(map.shift)};
 }
 
 // 8 codes (int32 lanes, 0..255) -> values times absmax
+template <bool Signed>
 inline __m256 dequant_v(const MapV& mv, __m256i code, __m256 absmax) {
-  __m256i mag = mv.is_signed ? _mm256_and_si256(code, _mm256_set1_epi32(0x7F)) : code;
+  __m256i mag = Signed ? _mm256_and_si256(code, _mm256_set1_epi32(0x7F)) : code;
   __m256 fm = _mm256_cvtepi32_ps(mag);
   __m256i k = _mm256_sub_epi32(_mm256_srli_epi32(_mm256_castps_si256(fm), 23), _mm256_set1_epi32(127));
   __m256i pow2k = _mm256_sllv_epi32(_mm256_set1_epi32(1), k);
@@ -342,46 +350,38 @@ inline __m256 dequant_v(const MapV& mv, __m256i code, __m256 absmax) {
   __m256 zero = _mm256_castsi256_ps(_mm256_cmpeq_epi32(mag, _mm256_setzero_si256()));
   val = _mm256_andnot_ps(zero, val);
   val = _mm256_mul_ps(val, absmax);
-  if (mv.is_signed) {
+  if (Signed) {
     __m256i sign = _mm256_slli_epi32(_mm256_and_si256(code, _mm256_set1_epi32(0x80)), 24);
     val = _mm256_xor_ps(val, _mm256_castsi256_ps(sign));
   }
   return val;
 }
 
-// 8 values -> codes (int32 lanes), the nearest code as the scalar quant() finds it
+// 8 values -> codes (int32 lanes), as the scalar quant() finds them; G groups
+template <bool Signed, int G>
 inline __m256i quant_v(const MapV& mv, __m256 x, __m256 inv) {
-  __m256i sign = _mm256_and_si256(_mm256_castps_si256(x), _mm256_set1_epi32(0x80000000));
-  __m256 ax = mv.is_signed ? _mm256_andnot_ps(_mm256_castsi256_ps(_mm256_set1_epi32(0x80000000)), x) : x;
-  __m256 y = _mm256_mul_ps(ax, inv);
-  // groups passed: how many group boundaries lie below y (NaN passes none: code 0)
-  __m256i g = _mm256_setzero_si256();
-  for (int j = 0; j < mv.groups; ++j) {
-    g = _mm256_sub_epi32(g, _mm256_castps_si256(_mm256_cmp_ps(mv.bounds[j], y, _CMP_LT_OQ)));
-  }
-  __m256i k = _mm256_sub_epi32(g, _mm256_set1_epi32(1));
+  __m256 y = _mm256_andnot_ps(_mm256_castsi256_ps(_mm256_set1_epi32(0x80000000)), x);
+  y = _mm256_mul_ps(y, inv);
+  y = _mm256_andnot_ps(_mm256_cmp_ps(y, y, _CMP_UNORD_Q), y);  // NaN -> 0
+  __m256i bits = _mm256_castps_si256(y);
+  __m256i exponent = _mm256_sub_epi32(_mm256_srli_epi32(bits, 23), _mm256_set1_epi32(127));
+  __m256i e = _mm256_srai_epi32(_mm256_sub_epi32(_mm256_set1_epi32(-1), exponent), 2);
+  e = _mm256_max_epi32(e, _mm256_setzero_si256());
+  __m256i deep = _mm256_cmpgt_epi32(e, _mm256_set1_epi32(G - 1));
+  __m256i k = _mm256_sub_epi32(_mm256_set1_epi32(G - 1), e);
+  __m256 z = _mm256_castsi256_ps(_mm256_add_epi32(bits, _mm256_slli_epi32(e, 25)));
+  __m256 t = _mm256_mul_ps(z, _mm256_permutevar8x32_ps(mv.scale, k));
+  t = _mm256_add_ps(t, _mm256_permutevar8x32_ps(mv.shift, k));
+  // t >= -1 (up to rounding, and below -1 it rounds to -1 anyway): only the top needs a clamp
+  t = _mm256_min_ps(t, _mm256_set1_ps(255.0f));
+  __m256i f = _mm256_cvtps_epi32(t);  // to nearest, ties to even (MXCSR's default)
   __m256i pow2k = _mm256_sllv_epi32(_mm256_set1_epi32(1), k);
-  __m256i top = _mm256_sub_epi32(pow2k, _mm256_set1_epi32(1));  // the group's last f
-  __m256 off = _mm256_permutevar8x32_ps(mv.offset, k);
-  __m256 stp = _mm256_permutevar8x32_ps(mv.step, k);
-  __m256 istp = _mm256_permutevar8x32_ps(mv.inv_step, k);
-  // estimate of f + 1, then f0 = floor(estimate) - 1 clamped into the group
-  __m256 t = _mm256_mul_ps(_mm256_sub_ps(y, off), istp);
-  t = _mm256_max_ps(t, _mm256_setzero_ps());
-  t = _mm256_min_ps(t, _mm256_set1_ps(256.0f));
-  __m256i f0 = _mm256_sub_epi32(_mm256_cvttps_epi32(t), _mm256_set1_epi32(1));
-  f0 = _mm256_max_epi32(f0, _mm256_setzero_si256());
-  f0 = _mm256_min_epi32(f0, top);
-  __m256 f1 = _mm256_cvtepi32_ps(_mm256_add_epi32(f0, _mm256_set1_epi32(1)));
-  __m256 f2 = _mm256_add_ps(f1, _mm256_set1_ps(1.0f));
-  __m256 v0 = _mm256_add_ps(off, _mm256_mul_ps(stp, f1));
-  __m256 v1 = _mm256_add_ps(off, _mm256_mul_ps(stp, f2));
-  __m256 mid = _mm256_mul_ps(_mm256_add_ps(v0, v1), _mm256_set1_ps(0.5f));
-  __m256i up = _mm256_castps_si256(_mm256_cmp_ps(mid, y, _CMP_LT_OQ));
-  up = _mm256_and_si256(up, _mm256_cmpgt_epi32(top, f0));
-  __m256i code = _mm256_sub_epi32(_mm256_add_epi32(pow2k, f0), up);
-  code = _mm256_andnot_si256(_mm256_cmpeq_epi32(g, _mm256_setzero_si256()), code);
-  if (mv.is_signed) code = _mm256_or_si256(code, _mm256_srli_epi32(sign, 24));
+  f = _mm256_min_epi32(f, _mm256_sub_epi32(pow2k, _mm256_set1_epi32(1)));
+  __m256i code = _mm256_andnot_si256(deep, _mm256_add_epi32(pow2k, f));
+  if (Signed) {
+    __m256i sign = _mm256_srli_epi32(_mm256_castps_si256(x), 31);
+    code = _mm256_or_si256(code, _mm256_slli_epi32(sign, 7));
+  }
   return code;
 }
 
@@ -415,8 +415,8 @@ struct LeanTensors {
   float* v_absmax;
   void* low;  // nullptr: no copy
   at::ScalarType low_dtype;
-  float step_neg;
-  float bc2_sqrt;
+  float step_neg;  // f32(-lr / bc1 * sqrt(bc2))
+  float eps;       // f32(eps * sqrt(bc2))
 };
 
 float nan_aware_absmax(const float* x, int64_t n, bool is_signed) {
@@ -445,7 +445,7 @@ void block8_scalar(
   for (int64_t i = 0; i < n; ++i) {
     float p = t.p[start + i];
     float m = dequant(mm, mq[i], ma), v = dequant(vm, vq[i], va);
-    adam_scalar(h, t.step_neg, t.bc2_sqrt, p, t.g[start + i], m, v);
+    adam_scalar(h, t.step_neg, t.eps, p, t.g[start + i], m, v);
     t.p[start + i] = p;
     if (t.low) store_low(t.low_dtype, t.low, start + i, p);
     mbuf[i] = m;
@@ -470,23 +470,22 @@ void block8_avx2(
   auto* vq = static_cast<uint8_t*>(t.v) + start;
   const int64_t blk = start / kBlock;
   const __m256 ma = _mm256_set1_ps(t.m_absmax[blk]), va = _mm256_set1_ps(t.v_absmax[blk]);
-  const __m256 sn = _mm256_set1_ps(t.step_neg), bc = _mm256_set1_ps(t.bc2_sqrt);
+  const __m256 sn = _mm256_set1_ps(t.step_neg), ep = _mm256_set1_ps(t.eps);
   const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
   __m256 mmax = _mm256_setzero_ps(), vmax = _mm256_setzero_ps();
   __m256 nan = _mm256_setzero_ps();
   for (int64_t i = 0; i < kBlock; i += 8) {
     __m256 p = _mm256_loadu_ps(t.p + start + i);
     __m256 g = _mm256_loadu_ps(t.g + start + i);
-    __m256 m = dequant_v(mm, load_codes(mq + i), ma);
-    __m256 v = dequant_v(vm, load_codes(vq + i), va);
-    adam_v(h, hv, sn, bc, p, g, m, v);
+    __m256 m = dequant_v<true>(mm, load_codes(mq + i), ma);
+    __m256 v = dequant_v<false>(vm, load_codes(vq + i), va);
+    adam_v(h, hv, sn, ep, p, g, m, v);
     _mm256_storeu_ps(t.p + start + i, p);
     if (t.low) store_low_v(t.low_dtype, t.low, start + i, p);
     _mm256_store_ps(mbuf + i, m);
     _mm256_store_ps(vbuf + i, v);
     __m256 am = _mm256_and_ps(m, abs_mask);
-    nan = _mm256_or_ps(nan, _mm256_cmp_ps(am, am, _CMP_UNORD_Q));
-    nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    nan = _mm256_or_ps(nan, _mm256_cmp_ps(m, v, _CMP_UNORD_Q));  // either is NaN
     mmax = _mm256_max_ps(mmax, am);
     vmax = _mm256_max_ps(vmax, v);
   }
@@ -500,15 +499,15 @@ void block8_avx2(
   const __m256 mi = _mm256_set1_ps(inverse(nma)), vi = _mm256_set1_ps(inverse(nva));
   for (int64_t i = 0; i < kBlock; i += 32) {
     store_codes32(
-        mq + i, quant_v(mm, _mm256_load_ps(mbuf + i), mi),
-        quant_v(mm, _mm256_load_ps(mbuf + i + 8), mi),
-        quant_v(mm, _mm256_load_ps(mbuf + i + 16), mi),
-        quant_v(mm, _mm256_load_ps(mbuf + i + 24), mi));
+        mq + i, quant_v<true, 7>(mm, _mm256_load_ps(mbuf + i), mi),
+        quant_v<true, 7>(mm, _mm256_load_ps(mbuf + i + 8), mi),
+        quant_v<true, 7>(mm, _mm256_load_ps(mbuf + i + 16), mi),
+        quant_v<true, 7>(mm, _mm256_load_ps(mbuf + i + 24), mi));
     store_codes32(
-        vq + i, quant_v(vm, _mm256_load_ps(vbuf + i), vi),
-        quant_v(vm, _mm256_load_ps(vbuf + i + 8), vi),
-        quant_v(vm, _mm256_load_ps(vbuf + i + 16), vi),
-        quant_v(vm, _mm256_load_ps(vbuf + i + 24), vi));
+        vq + i, quant_v<false, 8>(vm, _mm256_load_ps(vbuf + i), vi),
+        quant_v<false, 8>(vm, _mm256_load_ps(vbuf + i + 8), vi),
+        quant_v<false, 8>(vm, _mm256_load_ps(vbuf + i + 16), vi),
+        quant_v<false, 8>(vm, _mm256_load_ps(vbuf + i + 24), vi));
   }
 }
 #endif
@@ -523,12 +522,12 @@ void range_bf16(const Hyper& h, const LeanTensors& t, int64_t start, int64_t n) 
       _mm256_set1_ps(h.beta1), _mm256_set1_ps(h.one_minus_beta1), _mm256_set1_ps(h.beta2),
       _mm256_set1_ps(h.one_minus_beta2), _mm256_set1_ps(h.eps), _mm256_set1_ps(h.decay),
       _mm256_set1_ps(h.weight_decay), _mm256_set1_ps(h.scale), _mm256_set1_ps(-1.0f)};
-  const __m256 sn = _mm256_set1_ps(t.step_neg), bc = _mm256_set1_ps(t.bc2_sqrt);
+  const __m256 sn = _mm256_set1_ps(t.step_neg), ep = _mm256_set1_ps(t.eps);
   for (; i + 8 <= end; i += 8) {
     __m256 p = _mm256_loadu_ps(t.p + i);
     __m256 g = _mm256_loadu_ps(t.g + i);
     __m256 m = from_bf16_v(mb + i), v = from_bf16_v(vb + i);
-    adam_v(h, hv, sn, bc, p, g, m, v);
+    adam_v(h, hv, sn, ep, p, g, m, v);
     _mm256_storeu_ps(t.p + i, p);
     if (t.low) store_low_v(t.low_dtype, t.low, i, p);
     _mm_storeu_si128(reinterpret_cast<__m128i*>(mb + i), bf16_v(m));
@@ -537,7 +536,7 @@ void range_bf16(const Hyper& h, const LeanTensors& t, int64_t start, int64_t n) 
 #endif
   for (; i < end; ++i) {
     float p = t.p[i], m = from_bf16_bits(mb[i]), v = from_bf16_bits(vb[i]);
-    adam_scalar(h, t.step_neg, t.bc2_sqrt, p, t.g[i], m, v);
+    adam_scalar(h, t.step_neg, t.eps, p, t.g[i], m, v);
     t.p[i] = p;
     if (t.low) store_low(t.low_dtype, t.low, i, p);
     mb[i] = bf16_bits(m);
@@ -545,22 +544,20 @@ void range_bf16(const Hyper& h, const LeanTensors& t, int64_t start, int64_t n) 
   }
 }
 
-Map make_map(const at::Tensor& table, const at::Tensor& mids, bool is_signed) {
-  // table: [offset(8), step(8), inv_step(8)] as fp32; mids: the sorted midpoints
-  TORCH_CHECK(table.dtype() == at::kFloat && table.numel() == 24 && table.is_contiguous());
-  TORCH_CHECK(mids.dtype() == at::kFloat && mids.is_contiguous());
+Map make_map(const at::Tensor& table, bool is_signed) {
+  // table: [offset(8), step(8), scale(8), shift(8)] as fp32 (lean.py's Maps)
+  TORCH_CHECK(table.dtype() == at::kFloat && table.numel() == 32 && table.is_contiguous(),
+              "lean_step: a map table is 32 float32");
   Map map;
   const float* tb = table.data_ptr<float>();
   for (int k = 0; k < 8; ++k) {
     map.offset[k] = tb[k];
     map.step[k] = tb[8 + k];
-    map.inv_step[k] = tb[16 + k];
+    map.scale[k] = tb[16 + k];
+    map.shift[k] = tb[24 + k];
   }
-  map.mids = mids.data_ptr<float>();
-  map.num_mids = mids.numel();
   map.is_signed = is_signed;
   map.groups = is_signed ? 7 : 8;
-  TORCH_CHECK(map.num_mids == (int64_t(1) << map.groups) - 1, "lean_step: wrong map size");
   return map;
 }
 
@@ -584,9 +581,7 @@ void lean_step(
     bool adamw,
     std::optional<double> grad_scale,
     const at::Tensor& signed_table,
-    const at::Tensor& signed_mids,
     const at::Tensor& unsigned_table,
-    const at::Tensor& unsigned_mids,
     int64_t piece) {
   TORCH_CHECK(kind == 1 || kind == 2, "lean_step: kind is 1 (bf16) or 2 (8-bit)");
   const auto n = static_cast<int64_t>(params.size());
@@ -630,8 +625,8 @@ void lean_step(
       TORCH_CHECK(t.low_dtype == at::kBFloat16 || t.low_dtype == at::kHalf ||
                   t.low_dtype == at::kFloat, "lean_step: the copy is bf16, fp16 or fp32");
     }
-    t.step_neg = static_cast<float>(-step_sizes[i]);
-    t.bc2_sqrt = static_cast<float>(bias_correction2_sqrts[i]);
+    t.step_neg = static_cast<float>(-step_sizes[i] * bias_correction2_sqrts[i]);
+    t.eps = static_cast<float>(eps * bias_correction2_sqrts[i]);
     ts.push_back(t);
     numels.push_back(numel);
   }
@@ -649,8 +644,8 @@ void lean_step(
   h.scale = h.has_scale ? static_cast<float>(*grad_scale) : 1.0f;
   Map mm{}, vm{};
   if (kind == 2) {
-    mm = make_map(signed_table, signed_mids, true);
-    vm = make_map(unsigned_table, unsigned_mids, false);
+    mm = make_map(signed_table, true);
+    vm = make_map(unsigned_table, false);
   }
   const auto pieces = cut(numels, piece);
   at::parallel_for(0, static_cast<int64_t>(pieces.size()), 1, [&](int64_t b, int64_t e) {
@@ -688,10 +683,10 @@ void lean_step(
 
 // Quantize x (fp32) with one map, scalar or AVX2 path: the test's and the reference's view
 // of the quantizer alone.
-at::Tensor quantize(const at::Tensor& x, double inv, const at::Tensor& table,
-                    const at::Tensor& mids, bool is_signed, bool vectorized) {
+at::Tensor quantize(const at::Tensor& x, double inv, const at::Tensor& table, bool is_signed,
+                    bool vectorized) {
   TORCH_CHECK(x.dtype() == at::kFloat && x.is_contiguous());
-  Map map = make_map(table, mids, is_signed);
+  Map map = make_map(table, is_signed);
   auto out = at::empty({x.numel()}, x.options().dtype(at::kByte));
   const float* src = x.data_ptr<float>();
   uint8_t* dst = out.data_ptr<uint8_t>();
@@ -702,10 +697,17 @@ at::Tensor quantize(const at::Tensor& x, double inv, const at::Tensor& table,
     MapV mv = make_map_v(map);
     const __m256 iv = _mm256_set1_ps(fi);
     for (; i + 32 <= x.numel(); i += 32) {
-      store_codes32(dst + i, quant_v(mv, _mm256_loadu_ps(src + i), iv),
-                    quant_v(mv, _mm256_loadu_ps(src + i + 8), iv),
-                    quant_v(mv, _mm256_loadu_ps(src + i + 16), iv),
-                    quant_v(mv, _mm256_loadu_ps(src + i + 24), iv));
+      if (is_signed) {
+        store_codes32(dst + i, quant_v<true, 7>(mv, _mm256_loadu_ps(src + i), iv),
+                      quant_v<true, 7>(mv, _mm256_loadu_ps(src + i + 8), iv),
+                      quant_v<true, 7>(mv, _mm256_loadu_ps(src + i + 16), iv),
+                      quant_v<true, 7>(mv, _mm256_loadu_ps(src + i + 24), iv));
+      } else {
+        store_codes32(dst + i, quant_v<false, 8>(mv, _mm256_loadu_ps(src + i), iv),
+                      quant_v<false, 8>(mv, _mm256_loadu_ps(src + i + 8), iv),
+                      quant_v<false, 8>(mv, _mm256_loadu_ps(src + i + 16), iv),
+                      quant_v<false, 8>(mv, _mm256_loadu_ps(src + i + 24), iv));
+      }
     }
   }
 #endif
@@ -728,11 +730,8 @@ TORCH_LIBRARY(roundpipe_optim, m) {
       "Tensor(d!)[] exp_avg_sqs, Tensor(e!)[] exp_avg_absmax, Tensor(f!)[] exp_avg_sq_absmax, "
       "Tensor(g!)[] lows, float[] step_sizes, float[] bias_correction2_sqrts, float lr, "
       "float beta1, float beta2, float weight_decay, float eps, bool maximize, bool adamw, "
-      "float? grad_scale, Tensor signed_table, Tensor signed_mids, Tensor unsigned_table, "
-      "Tensor unsigned_mids, int piece) -> ()");
-  m.def(
-      "quantize(Tensor x, float inv, Tensor table, Tensor mids, bool is_signed, "
-      "bool vectorized) -> Tensor");
+      "float? grad_scale, Tensor signed_table, Tensor unsigned_table, int piece) -> ()");
+  m.def("quantize(Tensor x, float inv, Tensor table, bool is_signed, bool vectorized) -> Tensor");
   m.def("has_avx2", &has_avx2);
 }
 

@@ -41,25 +41,35 @@ __all__ = [
 #     moment is cut into blocks of BLOCK (256) elements; a block stores one fp32 absmax (its
 #     largest magnitude) and one byte per element, the index of the nearest value of a fixed
 #     map of 256 values in [-1, 1] (exp_avg) or [0, 1] (exp_avg_sq) after dividing by the
-#     absmax: 2 bytes per parameter plus 8/256. The map is a "dynamic tree": for a magnitude
-#     code c (7 bits signed, the 8th is the sign; 8 bits unsigned), k = floor(log2(c)) is its
-#     group and decade (10^-(G-1-k), G groups), and the bits below the leading one are a
-#     linear fraction in that decade: value = 10^-(G-1-k) * (0.1 + 0.9 * (f + 1) / 2^k). So the
-#     largest values (the ones that drive the update) get the finest steps, 64 (signed) or 128
-#     (unsigned) across [0.1, 1], and the range reaches 10^-6 (signed) or 10^-7 (unsigned) of
-#     the block's absmax; code 0 is 0 and the top code is 1.0, so the absmax is kept exactly.
-#     Quantization takes the nearest value (ties to the lower), absmax 0 gives all zeros, a
-#     NaN anywhere in a block makes its absmax NaN (the moments stay poisoned, as fp32 ones do).
+#     absmax: 2 bytes per parameter plus 8/256. The map is a "dynamic tree", as bitsandbytes'
+#     maps are: for a magnitude code c (7 bits signed, the 8th is the sign; 8 bits unsigned,
+#     G = 7 or 8 groups), the position k = floor(log2(c)) of its leading one gives its group
+#     (depth e = G-1-k) and the bits below it a linear fraction f in that group:
+#     value = 16^-e * (1/16 + 15/16 * (f + 1) / 2^k). So the largest values (the ones that
+#     drive the update) get the finest steps, 64 (signed) or 128 (unsigned) across [1/16, 1],
+#     and the range reaches 16^-6 (signed) or 16^-7 (unsigned) of the block's absmax; code 0 is
+#     0 and the top code is 1.0, so the absmax is kept exactly. Groups are 16x wide (four
+#     octaves) where bitsandbytes' are 10x: a value's group is then its float exponent divided
+#     by four, and its code is found by a few integer and float operations on its bits instead
+#     of a search among the 256 values (a step of memory-bound speed cannot afford a search):
+#     y = |x| / absmax, e = floor((-exponent(y) - 1) / 4) (deeper than the last group: code
+#     0), z = y * 16^e (exact), f = round-half-even(z * A[k] + B[k]), code = 2^k + f, where
+#     f = -1 is the top value of the group below (code 0 below the deepest group's value); the
+#     nearest value but for the last bits of that fp32 arithmetic. Absmax 0 gives all zeros;
+#     a NaN anywhere in a block makes its absmax NaN (the moments stay poisoned, as fp32 ones
+#     do).
 #     Parameters of fewer than MIN_8BIT_NUMEL elements keep exact fp32 moments (their blocks
 #     would cost more than they save; said once per optimizer).
 # The arithmetic, per element, in fp32, each operation rounded once (no FMA), in this order:
 #     g = grad [/ grad_scale] [* -1 if maximize]; AdamW: p = p * f32(1 - lr*wd);
 #     Adam with weight decay: g = g + p * f32(wd)
 #     m = m * f32(beta1) + g * f32(1 - beta1);  v = v * f32(beta2) + (g * g) * f32(1 - beta2)
-#     p = p + (f32(-lr / bc1) * m) / (sqrt(v) / f32(sqrt(bc2)) + f32(eps))
+#     p = p + (f32(-lr / bc1 * sqrt(bc2)) * m) / (sqrt(v) + f32(eps * sqrt(bc2)))
 # with m and v the stored moments widened (8-bit: value * absmax) and the new m and v (before
 # they are narrowed) in the update, and bc1 = 1 - beta1^step, bc2 = 1 - beta2^step in double as
-# torch computes them. The compiled kernels (roundpipe/optim/_step_kernels.cpp; AVX2 and
+# torch computes them: Adam's update, with the bias corrections folded into two constants per
+# tensor so that each element takes one division and one square root (the costliest
+# operations of the step once it moves this few bytes). The compiled kernels (roundpipe/optim/_step_kernels.cpp; AVX2 and
 # scalar) and lean_reference_step below give the same bits; the tests check it. They differ
 # from exact Adam in the last bits even before narrowing (torch's kernel updates exp_avg with
 # a fused multiply-add lerp), which the narrowing dwarfs. Unlike torch's fused step, the lean
@@ -111,9 +121,10 @@ def state_kind_of_group(group: dict) -> StateKind:
 
 @dataclasses.dataclass(frozen=True)
 class Maps:
-    """The two 8-bit maps (see [Note: lean moments]): per map its 8-entry tables (offset,
-    step, inverse step: one tensor of 24 fp32), the sorted values of all 256 codes by code
-    and the 255 midpoints between consecutive magnitudes' values."""
+    """The two 8-bit maps (see [Note: lean moments]): per map its table (32 fp32: per group k
+    the offset O[k] and step S[k] of its values, the scale A[k] and shift B[k] that find a
+    fraction), the values of all 256 codes by code, and the midpoints between consecutive
+    magnitudes' values (for tests)."""
 
     signed_table: Tensor
     signed_values: Tensor  # by code: magnitude codes 0..127, then their negatives
@@ -124,20 +135,27 @@ class Maps:
 
 
 def _map(groups: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Table, values by magnitude code, and midpoints of the map of ``groups`` groups."""
     offset = [0.0] * 8
     step = [0.0] * 8
-    inverse = [1.0] * 8
+    scale = [0.0] * 8
+    shift = [0.0] * 8
     for k in range(groups):
-        decade = 10.0 ** -(groups - 1 - k)
-        offset[k] = 0.1 * decade
-        step[k] = 0.9 * decade / 2**k
-        inverse[k] = 1.0 / step[k]
-    table = torch.tensor(offset + step + inverse, dtype=torch.float32)
+        depth = groups - 1 - k
+        offset[k] = 16.0**-depth / 16  # exact powers of two
+        step[k] = 16.0**-depth * 15 / 16 / 2**k  # 15 times a power of two: exact
+        scale[k] = 16 * 2**k / 15  # t = z * scale + shift: f at z = y * 16^depth
+        shift[k] = -(2**k) / 15 - 1
+    # The deepest group's one value has 0 below it, not a group's top value: f = -1 (code 0)
+    # below half of it, f = 0 from there.
+    scale[0], shift[0] = 2.0, -1.5
+    table = torch.tensor(offset + step + scale + shift, dtype=torch.float32)
     codes = torch.arange(1, 2**groups)
     group = torch.floor(torch.log2(codes.double())).long()
     group = torch.where(2 ** (group + 1) <= codes, group + 1, group)  # exact floor(log2)
     f1 = (codes - 2**group + 1).to(torch.float32)
-    # The kernels' own order: step * (f + 1), then + offset, each rounded to fp32.
+    # The kernels' own order: step * (f + 1), then + offset (exact here: the values are short
+    # binary fractions).
     magnitudes = table[:8][group] + table[8:16][group] * f1
     values = torch.cat([torch.zeros(1), magnitudes])
     mids = (values[:-1] + values[1:]) * 0.5
@@ -153,13 +171,24 @@ def maps() -> Maps:
 
 
 def quantize(x: Tensor, inverse: Tensor, signed: bool) -> Tensor:
-    """Codes (uint8) of ``x`` (fp32) times ``inverse`` (broadcast), the nearest value of the
-    map, as the kernels find it."""
-    m = maps()
-    y = (x.abs() if signed else x) * inverse
-    y = torch.where(torch.isnan(y), torch.zeros((), dtype=y.dtype), y)
-    mids = m.signed_mids if signed else m.unsigned_mids
-    codes = torch.searchsorted(mids, y.contiguous(), right=False)
+    """Codes (uint8) of ``x`` (fp32) times ``inverse`` (broadcast), as the kernels find them
+    (see [Note: lean moments])."""
+    table = maps().signed_table if signed else maps().unsigned_table
+    groups = 7 if signed else 8
+    y = x.abs() * inverse  # unsigned: x >= 0 (a -0.0 is 0)
+    y = torch.where(torch.isnan(y), torch.zeros((), dtype=y.dtype), y).contiguous()
+    bits = y.view(torch.int32).to(torch.int64)
+    exponent = (bits >> 23) - 127
+    depth = torch.div(-exponent - 1, 4, rounding_mode="floor").clamp(min=0)
+    deep = depth >= groups
+    depth = torch.where(deep, torch.zeros_like(depth), depth)
+    k = groups - 1 - depth
+    z = (bits + (4 * depth << 23)).to(torch.int32).view(torch.float32)  # y * 16^depth
+    t = z * table[16:24][k]
+    t = t + table[24:32][k]
+    f = torch.round(t.clamp(-1.0, 255.0)).long()
+    f = torch.minimum(f, 2**k - 1)
+    codes = torch.where(deep, torch.zeros_like(f), 2**k + f)
     if signed:
         codes = codes + torch.signbit(x).long() * 128
     return codes.to(torch.uint8)
@@ -260,8 +289,8 @@ def lean_reference_step(
             v = dequantize(state["exp_avg_sq"].view(-1), state["exp_avg_sq_absmax"][rows], False)
         m = m * _f32(beta1) + g * _f32(1.0 - beta1)
         v = v * _f32(beta2) + (g * g) * _f32(1.0 - beta2)
-        denom = _sqrt(v) / _f32(bias_correction2_sqrt) + _f32(eps)
-        x = x + (_f32(-step_size) * m) / denom
+        denom = _sqrt(v) + _f32(eps * bias_correction2_sqrt)
+        x = x + (_f32(-step_size * bias_correction2_sqrt) * m) / denom
         pf.copy_(x)
         if low is not None:
             low.detach().view(-1).copy_(x)

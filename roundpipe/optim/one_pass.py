@@ -136,9 +136,7 @@ def lean_step(
                 adamw,
                 scale,
                 m.signed_table,
-                m.signed_mids,
                 m.unsigned_table,
-                m.unsigned_mids,
                 PIECE,
             )
     written = [it.param for it in items] + [it.low for it in items if it.low is not None]

@@ -94,7 +94,7 @@ class StateInRAM:
         ops = native.kernels()
         # The copy targets only with the compiled kernels: without them the model's own copy
         # runs, as before, and no second buffer is made ([Note: the copy in the step]).
-        copies = step_copies() if ops is not None else None
+        copies = step_copies() if ops is not None and getattr(opt, "write_copy", True) else None
         skipped: bool | None = None
         for group in opt.param_groups:
             split = self._split_group(opt, group, copies)
