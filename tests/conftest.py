@@ -2,7 +2,8 @@
 
 * The emulated device (:mod:`roundpipe.testing.emu`) is installed before any test runs: the
   autograd engine starts its device threads on the process's first backward, and only for the
-  devices it knows then.
+  devices it knows then. The optimizer's compiled step (:mod:`roundpipe.optim.native`) is built
+  or loaded then too.
 * Every test in the modules of ``_BOTH_POOLS`` runs twice: on the CPU pool it asks for, and on
   the emulated pool of the same size (``pool_kind`` ``emu``: a pool of N CPU workers becomes
   emu:0 .. emu:N-1). So each runtime behaviour is checked with backward on autograd's device
@@ -20,9 +21,14 @@ import pytest
 import torch
 
 import roundpipe.devices
+from roundpipe.optim import native
 from roundpipe.testing import emu
 
 emu.install()
+# The optimizer's compiled step, built (or found built) before any test steps, so that every
+# test runs the path users get once it is built; a failed build warns here and the tests of the
+# compiled path fail, naming it (tests/test_optim_one_pass.py).
+native.kernels(wait=True)
 
 _BOTH_POOLS = {
     "test_runtime",
@@ -31,6 +37,7 @@ _BOTH_POOLS = {
     "test_autocast_rng",
     "test_concurrency",
     "test_devices",
+    "test_optim_one_pass",
 }
 
 

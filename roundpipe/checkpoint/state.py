@@ -38,6 +38,7 @@ __all__ = [
     "check_components",
     "check_model",
     "check_optimizer",
+    "check_state_kind",
     "refuse",
     "GROUPS",
     "TOUCHES",
@@ -409,7 +410,16 @@ def check_optimizer(
         problems.append(
             f"the optimizer state in {where} is for parameters {stray[:5]} it does not list"
         )
-    return problems
+    return problems + check_state_kind(saved, optimizer, where)
+
+
+def check_state_kind(saved: dict[str, Any], optimizer: Any, where: str) -> list[str]:
+    """Adam's moments saved of one kind (exact, bf16, 8-bit: ``roundpipe.optim.AdamW
+    (state_dtype=...)``) and an optimizer of another: the problem, named."""
+    from roundpipe.optim.adam import state_kind_mismatch
+
+    problem = state_kind_mismatch(saved, optimizer)
+    return [] if problem is None else [f"the optimizer state in {where}: {problem}"]
 
 
 def _names(names: list[str]) -> str:

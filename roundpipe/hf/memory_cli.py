@@ -16,7 +16,9 @@ GPU needs beside the tensors (see [Note: the device reserve] in
 :mod:`roundpipe.devices.accelerator`), and ``--host-memory`` against that much RAM.
 ``--spill-dir DIR`` plans Adam's state in files there (``roundpipe.optim.AdamW(state_dir=DIR)``):
 only its streaming buffer counts against the host; ``--spill-masters`` plans the masters there too
-(``state_placement=roundpipe.MastersOnDisk(DIR)``): only its copy buffer counts. Planned from a
+(``state_placement=roundpipe.MastersOnDisk(DIR)``): only its copy buffer counts.
+``--optim-states bf16|8bit`` plans Adam's moments in 4 or about 2 bytes per parameter
+(``roundpipe.optim.AdamW(state_dtype=torch.bfloat16 | "8bit")``). Planned from a
 config, the weights do not
 exist yet, so they count against the host like every other term. When it does not fit, the
 report ends with what to change, each change with what it saves.
@@ -42,7 +44,13 @@ from roundpipe.hf.defaults import (
     kept_input_bytes,
     offload_needed,
 )
-from roundpipe.memory.host import HostTerms, format_bytes, host_terms
+from roundpipe.memory.host import (
+    OPTIM_STATES,
+    HostTerms,
+    adam_state_bytes,
+    format_bytes,
+    host_terms,
+)
 from roundpipe.memory.probe import host_memory_available
 from roundpipe.memory.report import (
     HOST_FREE_HERE,
@@ -249,7 +257,9 @@ class ConfigPlanner:
     largest share; ``spill_dir``: Adam's state in files there
     (``roundpipe.optim.AdamW(state_dir=spill_dir)``), so only its streaming buffer counts
     against the host; ``spill_masters`` (with ``spill_dir``): the masters in files there too
-    (:class:`roundpipe.MastersOnDisk`), so only its copy buffer counts. Main thread."""
+    (:class:`roundpipe.MastersOnDisk`), so only its copy buffer counts; ``optim_states``:
+    how Adam keeps its moments ("exact", "bf16", "8bit":
+    ``roundpipe.optim.AdamW(state_dtype=...)``). Main thread."""
 
     def __init__(
         self,
@@ -270,6 +280,7 @@ class ConfigPlanner:
         mlp_tile_tokens: int | None = None,
         spill_masters: bool = False,
         gpu: str | None = None,
+        optim_states: str = "exact",
     ) -> None:
         from transformers import AutoModelForCausalLM
 
@@ -320,9 +331,24 @@ class ConfigPlanner:
         self.host_source = "host RAM given (--host-memory)" if host_memory is not None else None
         layers = [layer.module for layer in model_layers(self.model.module)]
         self.host = dataclasses.replace(
-            host_terms(whole, optim_dtype, None, available, ranks=ranks, layers=layers),
+            host_terms(
+                whole,
+                optim_dtype,
+                None,
+                available,
+                ranks=ranks,
+                layers=layers,
+                optim_states=optim_states,
+            ),
             weights_allocated=False,
         )
+        if spill_dir is not None and optim_states != "exact":
+            raise ValueError(
+                f"optim_states={optim_states!r} keeps lean moments in RAM; spill_dir streams "
+                f"exact ones through files: give one of them"
+            )
+        if spill_masters and spill_dir is None:
+            raise ValueError("spill_masters plans the masters in files under spill_dir: give it")
         if spill_dir is not None:
             self.host = dataclasses.replace(
                 self.host, optimizer=DEFAULT_BUFFER_BYTES, optimizer_dir=spill_dir
@@ -741,6 +767,21 @@ def _host_changes(planner: ConfigPlanner, lp: LengthPlans) -> list[_Change]:
                     "roundpipe.MastersOnDisk(DIR)))",
                 )
             )
+    if host.optimizer_dir is None and host.optim_states != "8bit" and host.master_dtype:
+        itemsize = host.master_dtype.itemsize
+        lean = adam_state_bytes(host.optimizer // (2 * itemsize), itemsize, "8bit")
+        saves = host.optimizer - lean
+        if saves > 0:
+            changes.append(
+                _Change(
+                    "--optim-states 8bit",
+                    saves,
+                    alone(saves),
+                    "Adam's moments in 8 bits, blockwise (roundpipe.optim.AdamW(..., "
+                    "state_dtype='8bit'))",
+                    about=True,
+                )
+            )
     if host.master_dtype is not None and host.master_dtype.itemsize == 4:
         in_ram = host.grads + (0 if host.masters_dir else host.masters)
         in_ram += 0 if host.optimizer_dir else host.optimizer
@@ -1042,7 +1083,19 @@ def main(argv: list[str] | None = None) -> int:
         help="with --spill-dir: keep the masters in files there too (RoundPipe(..., "
         "state_placement=roundpipe.MastersOnDisk(DIR))): only its copy buffer counts",
     )
+    parser.add_argument(
+        "--optim-states",
+        choices=OPTIM_STATES,
+        default="exact",
+        help="how Adam keeps its moments: exact (8 B/param), bf16 (4) or 8bit (about 2): "
+        "roundpipe.optim.AdamW(state_dtype=None | torch.bfloat16 | '8bit')",
+    )
     args = parser.parse_args(argv)
+    if args.optim_states != "exact" and args.spill_dir is not None:
+        parser.error(
+            f"--optim-states {args.optim_states} keeps lean moments in RAM; --spill-dir streams "
+            "exact ones through files: give one of them"
+        )
     if args.ranks < 1:
         parser.error("--ranks must be >= 1")
     if args.spill_masters and args.spill_dir is None:
@@ -1079,6 +1132,7 @@ def main(argv: list[str] | None = None) -> int:
         mlp_tile_tokens=args.mlp_tile_tokens,
         spill_masters=args.spill_masters,
         gpu=args.gpu,
+        optim_states=args.optim_states,
     )
     if args.lora:
         print(
