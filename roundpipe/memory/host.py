@@ -11,7 +11,13 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from roundpipe.devices.pinned import PinnedAllocator, pinned_layout, storage_bytes
+from roundpipe.devices.packed import logical_numel
+from roundpipe.devices.pinned import (
+    PinnedAllocator,
+    module_tensors,
+    pinned_layout,
+    storage_bytes,
+)
 
 __all__ = [
     "HostTerms",
@@ -46,7 +52,8 @@ def format_bytes(nbytes: float) -> str:
 class HostTerms:
     """The host RAM of a wrapped model, term by term (bytes).
 
-    ``weights``: the model's own parameters and buffers (allocated already, by the caller);
+    ``weights``: the model's own parameters and buffers (allocated already, by the caller),
+    a packed (quantized) weight as its packed bytes plus its quantization state;
     ``masters``: the master copies of the trainable parameters (``optim_dtype``) this process
     holds: all of them, or with ``ranks`` > 1 (sharded state) the largest rank's share; with
     ``masters_dir`` (:class:`roundpipe.MastersOnDisk`) they are in files there and this is the
@@ -186,10 +193,7 @@ def host_terms(
     Reads shapes only. Main thread."""
     from roundpipe.runtime.placement import shard_by_bytes  # runtime imports this module
 
-    tensors: dict[int, torch.Tensor] = {}
-    for t in list(module.parameters()) + list(module.buffers()):
-        tensors[id(t)] = t
-    weights = storage_bytes(t for t in tensors.values() if t.numel() > 0)
+    weights = storage_bytes(t for t in module_tensors(module) if t.numel() > 0)
     trainable = frozen = 0
     sizes = []
     dtypes = set()
@@ -200,7 +204,7 @@ def host_terms(
             sizes.append(p.numel() * dtype.itemsize)
             trainable += p.numel()
         else:
-            frozen += p.numel()
+            frozen += logical_numel(p)
     masters = held = sum(sizes)
     if ranks > 1:
         share = [0] * ranks
