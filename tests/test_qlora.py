@@ -385,3 +385,50 @@ def test_a_bitsandbytes_without_the_kernels_the_pool_needs_is_refused(saved, mon
     with pytest.raises(RuntimeError, match=r"cannot run its nf4 kernels on emu.*qlora"):
         roundpipe.hf.wrap(model, devices="emu")
     assert _untouched(model) == before
+
+
+@pytest.mark.parametrize("quant", [NF4_DQ_BF16, FP4_FP32])
+def test_packed_weight_bytes_are_what_a_loaded_weight_holds(saved, quant):
+    from roundpipe.hf.quantized import packed_weight_bytes
+
+    model = load(saved, quant)
+    weights = [p for p in model.parameters() if is_packed(p)]
+    assert len(weights) == 7 * TINY["num_hidden_layers"]
+    for p in weights:
+        held = sum(t.numel() * t.element_size() for t in (p, *carried(p)))
+        assert held == packed_weight_bytes(p.quant_state.shape.numel(), quant[0], quant[1])
+
+
+def test_the_plan_from_a_config_is_the_loaded_qlora_models_plan(saved):
+    """``python -m roundpipe plan CONFIG --lora 4 --quantize nf4``'s model, built on the meta
+    device, holds what the model transformers loads in 4 bits holds, and plans the same peak."""
+    from roundpipe.hf.memory_cli import ConfigPlanner
+    from roundpipe.memory.host import host_terms
+
+    planner = ConfigPlanner(str(saved / "config.json"), lora=4, quantize="nf4", devices="emu")
+    base = load(saved, NF4_DQ_BF16)
+    torch.manual_seed(1)
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj"]  # the planner's
+    real = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets))
+    assert planner.host.weights == host_terms(real, torch.float32, None).weights
+    assert planner.host.masters == host_terms(real, torch.float32, None).masters
+    model = roundpipe.hf.wrap(real, devices="emu", optim_dtype=torch.float32)
+    ids = torch.zeros((1, 48), dtype=torch.long)
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+    ours, theirs = planner.plan(48), model.memory_plan(input_kwargs=batch)
+    assert [s.weights for s in ours.stages] == [s.weights for s in theirs.stages]
+    assert ours.devices[0].peak == theirs.devices[0].peak
+
+
+def test_the_plan_command_refuses_8_bits_and_a_quantized_base_without_lora(saved, capsys):
+    from roundpipe.hf import memory_cli
+
+    path = str(saved / "config.json")
+    for args, message in (
+        (["--lora", "4", "--quantize", "int8"], "load_in_8bit"),
+        (["--quantize", "nf4"], "give --lora"),
+    ):
+        with pytest.raises(SystemExit) as exit_info:
+            memory_cli.main([path, "--seq-len", "16", "--devices", "emu", *args])
+        assert exit_info.value.code == 2
+        assert message in capsys.readouterr().err

@@ -38,6 +38,7 @@ from roundpipe.hf.defaults import (
     kept_input_bytes,
     offload_needed,
 )
+from roundpipe.hf.quantized import EIGHT_BIT, QUANTIZATIONS, quantize_on_meta
 from roundpipe.memory.host import format_bytes, host_terms
 from roundpipe.memory.probe import host_memory_available
 from roundpipe.memory.search import longest_fitting
@@ -122,7 +123,10 @@ class ConfigPlanner:
     share; ``spill_dir``: Adam's state in files there (``roundpipe.optim.AdamW(state_dir=spill_dir)``),
     so only its streaming buffer counts against the host; ``spill_masters`` (with ``spill_dir``):
     the masters in files there too (:class:`roundpipe.MastersOnDisk`), so only its copy buffer
-    counts. Main thread."""
+    counts. ``quantize`` (``"nf4"``/``"fp4"``, with ``lora``): the base quantized as
+    transformers loads it with bitsandbytes in 4 bits, ``double_quant`` its
+    ``bnb_4bit_use_double_quant``, computing in ``dtype`` (:func:`roundpipe.hf.quantized.
+    quantize_on_meta`): QLoRA. Main thread."""
 
     def __init__(
         self,
@@ -142,6 +146,8 @@ class ConfigPlanner:
         spill_dir: str | None = None,
         mlp_tile_tokens: int | None = None,
         spill_masters: bool = False,
+        quantize: str | None = None,
+        double_quant: bool = True,
     ) -> None:
         from transformers import AutoModelForCausalLM
 
@@ -155,8 +161,16 @@ class ConfigPlanner:
         self.device_memory = device_memory
         self.compute_capability = compute_capability
         self.itemsize = dtype.itemsize
+        if quantize is not None and not lora:
+            raise ValueError(
+                f"quantize={quantize!r} plans QLoRA: a quantized base cannot train, give the "
+                f"LoRA rank (lora=16, --lora 16)"
+            )
         with torch.device("meta"):
-            whole = _with_lora(AutoModelForCausalLM.from_config(config, dtype=dtype), lora)
+            base = AutoModelForCausalLM.from_config(config, dtype=dtype)
+            if quantize is not None:
+                quantize_on_meta(base, quantize, double_quant, compute_dtype=dtype)
+            whole = _with_lora(base, lora)
         if devices is None:
             devices = "cuda:0" if torch.cuda.is_available() else "emu"
         chunk = None
@@ -265,13 +279,20 @@ def plan_config(path: str, *, seq_len: int, **kwargs: Any) -> Any:
     return ConfigPlanner(path, **kwargs).plan(seq_len)
 
 
-def what_to_change(plan: Any, *, lora: int, offload_activations: bool, seq_len: int) -> list[str]:
+def what_to_change(
+    plan: Any, *, lora: int, offload_activations: bool, seq_len: int, quantize: str | None = None
+) -> list[str]:
     """Lines naming what would make a plan that does not fit fit."""
     lines = []
     host = plan.host
     if host.available is not None and host.new_bytes > host.available:
         short = host.new_bytes - host.available
         lines.append(f"  host RAM: {format_bytes(short)} more (or any of these):")
+        if quantize is None:
+            lines.append(
+                "    --lora 16 --quantize nf4: QLoRA, the frozen weights in 4 bits (about 0.52 "
+                "bytes a parameter) with LoRA adapters"
+            )
         if host.optimizer_dir is None:
             lines.append(
                 "    --spill-dir DIR: the optimizer state in files on a fast disk "
@@ -346,6 +367,20 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--lora", type=int, default=0, help="LoRA rank (0: full fine-tuning)")
     parser.add_argument(
+        "--quantize",
+        choices=[*QUANTIZATIONS, "int8"],
+        default=None,
+        help="QLoRA (with --lora): the base loaded in 4 bits by bitsandbytes, as "
+        "BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=nf4|fp4) loads it "
+        "(needs the qlora extra); int8 (load_in_8bit) is refused, as roundpipe.hf.wrap refuses it",
+    )
+    parser.add_argument(
+        "--double-quant",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="with --quantize: bnb_4bit_use_double_quant (default: on, as QLoRA recipes load)",
+    )
+    parser.add_argument(
         "--devices", default=None, help="device pool (default cuda:0, else the emulated device)"
     )
     parser.add_argument(
@@ -405,6 +440,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--spill-masters keeps the masters in files under --spill-dir: give it")
     if args.mlp_tile_tokens is not None and args.mlp_tile_tokens < 0:
         parser.error("--mlp-tile-tokens must be >= 0 (0: untiled)")
+    if args.quantize == "int8":
+        parser.error(f"--quantize int8: {EIGHT_BIT}")
+    if args.quantize is not None and not args.lora:
+        parser.error("--quantize plans QLoRA: a quantized base cannot train; give --lora RANK")
     try:
         device_memory = parse_size(args.device_memory) if args.device_memory else None
         host_memory = parse_size(args.host_memory) if args.host_memory else None
@@ -433,6 +472,8 @@ def main(argv: list[str] | None = None) -> int:
         spill_dir=args.spill_dir,
         mlp_tile_tokens=args.mlp_tile_tokens,
         spill_masters=args.spill_masters,
+        quantize=args.quantize,
+        double_quant=args.double_quant,
     )
     seq_len = args.seq_len
     if args.max_seq_len is not None:
@@ -451,7 +492,11 @@ def main(argv: list[str] | None = None) -> int:
     if not plan.fits:
         print("DOES NOT FIT. What would make it fit:")
         for line in what_to_change(
-            plan, lora=args.lora, offload_activations=planner.offloads(seq_len), seq_len=seq_len
+            plan,
+            lora=args.lora,
+            offload_activations=planner.offloads(seq_len),
+            seq_len=seq_len,
+            quantize=args.quantize,
         ):
             print(line)
         return 1

@@ -10,8 +10,10 @@ changes anything, and the packed sizes the memory plan gives a quantized weight.
   quantized model.
 * :func:`prepare_quantized`: what wrap sets on the quantized layers (see
   [Note: the packed layout stays]).
-* :func:`packed_weight_bytes`: the host bytes of one quantized weight, packed data and
-  quantization state, as bitsandbytes lays it out (the plan from a config reads it).
+* :func:`packed_layout` / :func:`packed_weight_bytes`: the tensors and host bytes of one
+  quantized weight, packed data and quantization state, as bitsandbytes lays it out;
+  :func:`quantize_on_meta`: a model on the meta device quantized as transformers loads it in 4
+  bits (the plan from a config, ``python -m roundpipe plan --quantize``).
 
 The weights travel packed: see [Note: packed parameters] in :mod:`roundpipe.devices.packed`.
 Main thread (wrap time), except the pure :func:`packed_weight_bytes`.
@@ -28,13 +30,16 @@ from torch import nn
 from roundpipe.devices.packed import is_packed, quant_state_of
 
 __all__ = [
+    "EIGHT_BIT",
     "BITSANDBYTES_CEILING",
     "BITSANDBYTES_FLOOR",
     "QUANTIZATIONS",
     "check_quantized",
+    "packed_layout",
     "packed_weight_bytes",
     "prepare_quantized",
     "quantization_of",
+    "quantize_on_meta",
 ]
 
 #: The oldest bitsandbytes whose CPU backend runs NF4 and FP4 (0.46 quantizes NF4 only there),
@@ -47,7 +52,8 @@ _EXTRA = 'pip install "bitsandbytes>=0.47,<1" (the qlora extra: pip install -e "
 #: What ``python -m roundpipe plan --quantize`` takes, and what wrap trains.
 QUANTIZATIONS = ("nf4", "fp4")
 
-_EIGHT_BIT = (
+#: Why 8-bit weights are refused, and what to do instead.
+EIGHT_BIT = (
     "8-bit weights (BitsAndBytesConfig(load_in_8bit=True)) are not streamed: bitsandbytes' "
     "Linear8bitLt keeps its int8 weight and scales in the module's MatmulLtState, which its "
     "forward rewrites (and, with llm_int8_threshold, the outlier columns), and computes another "
@@ -160,7 +166,7 @@ def check_quantized(model: nn.Module, base: nn.Module, device_type: str) -> str 
         return None
     name = type(base).__name__
     if kind == "int8":
-        raise NotImplementedError(f"{name}: {_EIGHT_BIT}")
+        raise NotImplementedError(f"{name}: {EIGHT_BIT}")
     if kind not in QUANTIZATIONS:
         raise NotImplementedError(
             f"{name} is quantized with {kind!r}: roundpipe streams bitsandbytes' 4-bit weights "
@@ -217,24 +223,116 @@ def prepare_quantized(model: nn.Module) -> None:
             vars(module)["support_avx512bf16_for_cpu"] = False
 
 
-def packed_weight_bytes(
+def packed_layout(
     numel: int,
     quant: str,
-    blocksize: int = 64,
     double_quant: bool = True,
+    blocksize: int = 64,
     nested_blocksize: int = 256,
-) -> int:
-    """Host bytes of one weight of ``numel`` values quantized by bitsandbytes as ``quant``
-    (``"nf4"``/``"fp4"``: two values a byte, one absmax per block of ``blocksize``, fp32, or
-    with ``double_quant`` 8-bit with one fp32 scale per ``nested_blocksize`` blocks, the
-    256-entry fp32 code of those and an fp32 offset; the 16-entry fp32 code of the 4-bit
-    values), as transformers loads it. Pure; any thread."""
+) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """The tensors of one weight of ``numel`` values as bitsandbytes quantizes it to ``quant``
+    (``"nf4"``/``"fp4"``), name -> (shape, dtype): the packed ``data`` (two values a byte), one
+    ``absmax`` per block of ``blocksize`` (fp32, or with ``double_quant`` 8-bit, with one fp32
+    ``nested_absmax`` per ``nested_blocksize`` blocks, their 256-entry ``nested_code`` and an
+    ``offset``), and the 16-entry ``code`` of the 4-bit values. Pure; any thread."""
     if quant not in QUANTIZATIONS:
         raise ValueError(f"quantization {quant!r}: one of {', '.join(QUANTIZATIONS)}")
     blocks = -(-numel // blocksize)
-    data = (numel + 1) // 2
-    code = 16 * 4
-    if not double_quant:
-        return data + blocks * 4 + code
-    nested = -(-blocks // nested_blocksize)
-    return data + blocks + nested * 4 + 256 * 4 + 4 + code
+    f32 = torch.float32
+    layout: dict[str, tuple[tuple[int, ...], torch.dtype]] = {
+        "data": (((numel + 1) // 2, 1), torch.uint8),
+        "absmax": ((blocks,), torch.uint8 if double_quant else f32),
+        "code": ((16,), f32),
+    }
+    if double_quant:
+        layout["nested_absmax"] = ((-(-blocks // nested_blocksize),), f32)
+        layout["nested_code"] = ((256,), f32)
+        layout["offset"] = ((), f32)
+    return layout
+
+
+def packed_weight_bytes(numel: int, quant: str, double_quant: bool = True) -> int:
+    """Host bytes of one weight of ``numel`` values quantized to ``quant`` by bitsandbytes, its
+    packed data and quantization state (:func:`packed_layout`), as transformers loads it: 0.5
+    bytes a value and about 1/64 more (double quantization) or 1/16 (without), plus 1,092 or
+    64 bytes of codes. Pure; any thread."""
+    return sum(
+        math.prod(shape) * dtype.itemsize
+        for shape, dtype in packed_layout(numel, quant, double_quant).values()
+    )
+
+
+def quantize_on_meta(
+    model: nn.Module,
+    quant: str,
+    double_quant: bool = True,
+    compute_dtype: torch.dtype = torch.bfloat16,
+) -> int:
+    """Quantize a model built on the meta device as transformers' ``BitsAndBytesConfig(
+    load_in_4bit=True, bnb_4bit_quant_type=quant, bnb_4bit_use_double_quant=double_quant,
+    bnb_4bit_compute_dtype=compute_dtype)`` loads it: every ``nn.Linear`` but the output
+    embedding becomes bitsandbytes' ``Linear4bit`` whose weight is packed, with a quantization
+    state of meta tensors of :func:`packed_layout`'s shapes, so a memory plan of it counts what
+    a loaded model holds and traces bitsandbytes' own layers. Returns how many layers it
+    quantized. Main thread; imports bitsandbytes (``ImportError`` naming the extra)."""
+    bnb = _bitsandbytes()
+    QuantState = bnb.functional.QuantState
+    output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    count = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is not nn.Linear or child is output:
+                continue
+            layer = bnb.nn.Linear4bit(
+                child.in_features,
+                child.out_features,
+                bias=child.bias is not None,
+                compute_dtype=compute_dtype,
+                compress_statistics=double_quant,
+                quant_type=quant,
+                device="meta",
+            )
+            numel = child.in_features * child.out_features
+            shapes = packed_layout(numel, quant, double_quant)
+
+            def meta(key: str, shapes: Any = shapes) -> torch.Tensor:
+                shape, dtype = shapes[key]
+                return torch.empty(shape, dtype=dtype, device="meta")
+
+            nested = None
+            if double_quant:
+                nested = QuantState(
+                    absmax=meta("nested_absmax"),
+                    code=meta("nested_code"),
+                    blocksize=256,
+                    dtype=torch.float32,
+                )
+            state = QuantState(
+                absmax=meta("absmax"),
+                shape=torch.Size((child.out_features, child.in_features)),
+                code=meta("code"),
+                blocksize=64,
+                quant_type=quant,
+                dtype=compute_dtype,
+                offset=meta("offset") if double_quant else None,
+                state2=nested,
+            )
+            layer.weight = bnb.nn.Params4bit(
+                meta("data"),
+                requires_grad=False,
+                quant_state=state,
+                blocksize=64,
+                compress_statistics=double_quant,
+                quant_type=quant,
+                quant_storage=torch.uint8,
+                module=layer,
+                bnb_quantized=True,
+            )
+            layer.quant_state = state
+            if child.bias is not None:
+                layer.bias = nn.Parameter(
+                    torch.empty_like(child.bias, device="meta"), requires_grad=False
+                )
+            setattr(parent, name, layer)
+            count += 1
+    return count
