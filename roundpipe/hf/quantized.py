@@ -277,7 +277,8 @@ def quantize_on_meta(
     quantized. Main thread; imports bitsandbytes (``ImportError`` naming the extra)."""
     bnb = _bitsandbytes()
     QuantState = bnb.functional.QuantState
-    output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    get_output = getattr(model, "get_output_embeddings", None)
+    output = get_output() if callable(get_output) else None
     count = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
