@@ -304,6 +304,7 @@ def test_the_device_plan_counts_the_packed_weights(counted):
     )
 
 
+@pytest.mark.slow
 def test_bitsandbytes_is_imported_only_for_a_quantized_model():
     code = (
         "import sys, torch, transformers, roundpipe.hf\n"
@@ -340,12 +341,11 @@ def test_a_peft_model_with_nothing_trainable_is_refused(saved):
 
 
 def test_eight_bit_weights_are_refused_by_name(saved):
-    base = transformers.AutoModelForCausalLM.from_pretrained(
+    model = transformers.AutoModelForCausalLM.from_pretrained(
         saved,
         device_map="cpu",
         quantization_config=transformers.BitsAndBytesConfig(load_in_8bit=True),
     )
-    model = peft.get_peft_model(base, peft.LoraConfig(r=4, target_modules=TARGETS))
     before = _untouched(model)
     with pytest.raises(NotImplementedError, match=r"load_in_8bit.*load_in_4bit=True"):
         roundpipe.hf.wrap(model, devices="emu")
@@ -432,3 +432,68 @@ def test_the_plan_command_refuses_8_bits_and_a_quantized_base_without_lora(saved
             memory_cli.main([path, "--seq-len", "16", "--devices", "emu", *args])
         assert exit_info.value.code == 2
         assert message in capsys.readouterr().err
+
+
+@pytest.mark.timeout(300)
+def test_a_qlora_sft_script_runs_by_swapping_the_class(tmp_path):
+    """The script users write for QLoRA (a model from_pretrained in 4 bits, TRL's SFTTrainer
+    with peft_config) with roundpipe.hf.SFTTrainer in place of trl.SFTTrainer: the same
+    losses, within bf16 (TRL keeps QLoRA adapters in bf16; roundpipe steps fp32 masters of
+    them), and the adapters train."""
+    trl = pytest.importorskip("trl")
+    datasets = pytest.importorskip("datasets")
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from trainer_common import sentences, step_losses, tiny_llama, word_tokenizer
+
+    tokenizer, words = word_tokenizer()
+    source = tmp_path / "base"
+    base = tiny_llama()
+    base.config.pad_token_id = tokenizer.pad_token_id
+    base.config.eos_token_id = tokenizer.eos_token_id
+    base.save_pretrained(source)
+    data = datasets.Dataset.from_dict({"text": sentences(words)})
+
+    def script(trainer_class, out):
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            source,
+            device_map="cpu",
+            quantization_config=transformers.BitsAndBytesConfig(
+                load_in_4bit=True,
+                bnb_4bit_quant_type="nf4",
+                bnb_4bit_use_double_quant=True,
+                bnb_4bit_compute_dtype=torch.bfloat16,
+            ),
+        )
+        torch.manual_seed(7)  # the adapters' initialisation
+        trainer = trainer_class(
+            model=model,
+            args=trl.SFTConfig(
+                output_dir=str(out),
+                max_length=16,
+                per_device_train_batch_size=4,
+                max_steps=6,
+                learning_rate=1e-2,
+                logging_steps=1,
+                save_strategy="no",
+                report_to=[],
+                seed=0,
+                disable_tqdm=True,
+                bf16=False,
+            ),
+            train_dataset=data,
+            processing_class=tokenizer,
+            peft_config=peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
+        )
+        trainer.train()
+        return trainer
+
+    theirs = script(trl.SFTTrainer, tmp_path / "trl")
+    ours = script(roundpipe.hf.SFTTrainer, tmp_path / "rp")
+    got, want = step_losses(ours.state.log_history), step_losses(theirs.state.log_history)
+    assert len(got) == len(want) == 6
+    close(torch.tensor(got), torch.tensor(want), TOLERANCE[torch.bfloat16], "losses")
+    assert got[-1] < got[0]
+    trained = {n: p for n, p in ours.hf_model.named_parameters() if p.requires_grad}
+    assert trained and all("lora_" in n for n in trained)
