@@ -44,6 +44,7 @@ from roundpipe.hf.defaults import (
     kept_input_bytes,
     offload_needed,
 )
+from roundpipe.hf.quantized import EIGHT_BIT, QUANTIZATIONS, quantize_on_meta
 from roundpipe.memory.host import (
     OPTIM_STATES,
     HostTerms,
@@ -147,6 +148,17 @@ def _lora_numel(model: torch.nn.Module, rank: int) -> int:
         if name.rsplit(".", 1)[-1] in LORA_TARGETS and isinstance(module, torch.nn.Linear):
             total += rank * (module.in_features + module.out_features)
     return total
+
+
+def _decoder_linear_numel(model: torch.nn.Module) -> int:
+    """Elements of the linear layers' weights but the output embedding: what QLoRA quantizes."""
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
+    return sum(
+        m.weight.numel()
+        for m in model.modules()
+        if isinstance(m, torch.nn.Linear) and m is not head
+    )
 
 
 def _host_fits(plan: MemoryPlan) -> bool:
@@ -259,7 +271,10 @@ class ConfigPlanner:
     against the host; ``spill_masters`` (with ``spill_dir``): the masters in files there too
     (:class:`roundpipe.MastersOnDisk`), so only its copy buffer counts; ``optim_states``:
     how Adam keeps its moments ("exact", "bf16", "8bit":
-    ``roundpipe.optim.AdamW(state_dtype=...)``). Main thread."""
+    ``roundpipe.optim.AdamW(state_dtype=...)``); ``quantize`` (``"nf4"``/``"fp4"``, with
+    ``lora``): the base quantized as transformers loads it with bitsandbytes in 4 bits,
+    ``double_quant`` its ``bnb_4bit_use_double_quant``, computing in ``dtype``
+    (:func:`roundpipe.hf.quantized.quantize_on_meta`): QLoRA. Main thread."""
 
     def __init__(
         self,
@@ -281,6 +296,8 @@ class ConfigPlanner:
         spill_masters: bool = False,
         gpu: str | None = None,
         optim_states: str = "exact",
+        quantize: str | None = None,
+        double_quant: bool = True,
     ) -> None:
         from transformers import AutoModelForCausalLM
 
@@ -298,11 +315,20 @@ class ConfigPlanner:
         self.optim_dtype = optim_dtype
         self.lora = lora
         self.gpu = gpu
+        self.quantize = quantize
         if spill_masters and spill_dir is None:
             raise ValueError("spill_masters plans the masters in files under spill_dir: give it")
+        if quantize is not None and not lora:
+            raise ValueError(
+                f"quantize={quantize!r} plans QLoRA: a quantized base cannot train, give the "
+                f"LoRA rank (lora=16, --lora 16)"
+            )
         with torch.device("meta"):
             plain = AutoModelForCausalLM.from_config(config, dtype=dtype)
             self._lora_numel = _lora_numel(plain, lora or 16)
+            self._decoder_linear_numel = _decoder_linear_numel(plain)
+            if quantize is not None:
+                quantize_on_meta(plain, quantize, double_quant, compute_dtype=dtype)
             whole = _with_lora(plain, lora)
         if devices is None:
             devices = "cuda:0" if torch.cuda.is_available() else "emu"
@@ -725,10 +751,7 @@ def _host_changes(planner: ConfigPlanner, lp: LengthPlans) -> list[_Change]:
         changes.append(_Change("--no-offload-activations", host.activations, kept.fits, note))
     state = host.masters + host.grads + host.optimizer
     if not planner.lora:
-        n = planner._lora_numel
-        opt = planner.optim_dtype.itemsize
-        adapters = n * (opt * 4 + planner.itemsize)  # master, gradient, two moments; weights
-        saves = state - adapters
+        saves = state - _adapter_bytes(planner)
         targets = ", ".join(LORA_TARGETS)
         changes.append(
             _Change(
@@ -737,6 +760,19 @@ def _host_changes(planner: ConfigPlanner, lp: LengthPlans) -> list[_Change]:
                 alone(saves),
                 f"adapters of rank 16 on {targets}: only they get masters, gradients and "
                 f"optimizer state",
+                about=True,
+            )
+        )
+    if planner.quantize is None:
+        packed = planner._decoder_linear_numel * (planner.itemsize - _NF4_BYTES)
+        saves = int(packed) + (0 if planner.lora else state - _adapter_bytes(planner))
+        changes.append(
+            _Change(
+                "--lora 16 --quantize nf4",
+                saves,
+                alone(saves),
+                "QLoRA: the frozen linear weights in 4 bits (about 0.52 bytes a parameter), "
+                "LoRA adapters trained (the qlora extra)",
                 about=True,
             )
         )
@@ -813,6 +849,16 @@ def _host_changes(planner: ConfigPlanner, lp: LengthPlans) -> list[_Change]:
                 )
             )
     return changes
+
+
+# Host bytes per frozen parameter of NF4 with double quantization (the packed data, the 8-bit
+# absmax of each block of 64 and its scales); roundpipe/hf/quantized.py counts it exactly.
+_NF4_BYTES = 0.52
+
+
+def _adapter_bytes(planner: ConfigPlanner) -> int:
+    """LoRA 16's adapters: master, gradient and two moments in the masters' dtype, weights."""
+    return planner._lora_numel * (planner.optim_dtype.itemsize * 4 + planner.itemsize)
 
 
 def _device_changes(
@@ -1030,6 +1076,20 @@ def main(argv: list[str] | None = None) -> int:
         f"{', '.join(LORA_TARGETS)} (peft, alpha = 2 x rank), the rest frozen",
     )
     parser.add_argument(
+        "--quantize",
+        choices=[*QUANTIZATIONS, "int8"],
+        default=None,
+        help="QLoRA (with --lora): the base loaded in 4 bits by bitsandbytes, as "
+        "BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=nf4|fp4) loads it "
+        "(needs the qlora extra); int8 (load_in_8bit) is refused, as roundpipe.hf.wrap refuses it",
+    )
+    parser.add_argument(
+        "--double-quant",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="with --quantize: bnb_4bit_use_double_quant (default: on, as QLoRA recipes load)",
+    )
+    parser.add_argument(
         "--devices", default=None, help="device pool (default cuda:0, else the emulated device)"
     )
     parser.add_argument(
@@ -1102,6 +1162,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--spill-masters keeps the masters in files under --spill-dir: give it")
     if args.mlp_tile_tokens is not None and args.mlp_tile_tokens < 0:
         parser.error("--mlp-tile-tokens must be >= 0 (0: untiled)")
+    if args.quantize == "int8":
+        parser.error(f"--quantize int8: {EIGHT_BIT}")
+    if args.quantize is not None and not args.lora:
+        parser.error("--quantize plans QLoRA: a quantized base cannot train; give --lora RANK")
     try:
         device_memory = parse_size(args.device_memory) if args.device_memory else None
         host_memory = parse_size(args.host_memory) if args.host_memory else None
@@ -1133,6 +1197,8 @@ def main(argv: list[str] | None = None) -> int:
         spill_masters=args.spill_masters,
         gpu=args.gpu,
         optim_states=args.optim_states,
+        quantize=args.quantize,
+        double_quant=args.double_quant,
     )
     if args.lora:
         print(

@@ -11,7 +11,13 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from roundpipe.devices.pinned import PinnedAllocator, pinned_layout, storage_bytes
+from roundpipe.devices.packed import logical_numel
+from roundpipe.devices.pinned import (
+    PinnedAllocator,
+    module_tensors,
+    pinned_layout,
+    storage_bytes,
+)
 
 __all__ = [
     "HostTerms",
@@ -48,7 +54,8 @@ def format_bytes(nbytes: float) -> str:
 class HostTerms:
     """The host RAM of a wrapped model, term by term (bytes).
 
-    ``weights``: the model's own parameters and buffers (allocated already, by the caller);
+    ``weights``: the model's own parameters and buffers (allocated already, by the caller),
+    a packed (quantized) weight as its packed bytes plus its quantization state;
     ``masters``: the master copies of the trainable parameters (``optim_dtype``) this process
     holds: all of them, or with ``ranks`` > 1 (sharded state) the largest rank's share; with
     ``masters_dir`` (:class:`roundpipe.MastersOnDisk`) they are in files there and this is the
@@ -240,10 +247,7 @@ def host_terms(
     thread."""
     from roundpipe.runtime.placement import shard_by_bytes  # runtime imports this module
 
-    tensors: dict[int, torch.Tensor] = {}
-    for t in list(module.parameters()) + list(module.buffers()):
-        tensors[id(t)] = t
-    weights = storage_bytes(t for t in tensors.values() if t.numel() > 0)
+    weights = storage_bytes(t for t in module_tensors(module) if t.numel() > 0)
     if optim_states not in OPTIM_STATES:
         raise ValueError(f"optim_states={optim_states!r}: one of {OPTIM_STATES}")
     trainable = frozen = 0
@@ -260,7 +264,7 @@ def host_terms(
             lows.append(p.numel() * p.element_size())
             trainable += p.numel()
         else:
-            frozen += p.numel()
+            frozen += logical_numel(p)
     masters = held = sum(sizes)
     held_states, held_lows = sum(states), sum(lows)
     if ranks > 1:
