@@ -112,13 +112,13 @@ def kill_in_broadcast(rank, at):
     calls = [0]
     copy_layer = rpd.ShardedState.copy_layer
 
-    def killing_copy_layer(self, pairs):
+    def killing_copy_layer(self, pairs, *args):
         if pairs:
             calls[0] += 1
             if calls[0] == at:
                 print(f"rank {rank}: killed in weight broadcast {at}", flush=True)
                 os.kill(os.getpid(), signal.SIGKILL)
-        return copy_layer(self, pairs)
+        return copy_layer(self, pairs, *args)
 
     rpd.ShardedState.copy_layer = killing_copy_layer  # type: ignore[method-assign]
 

@@ -326,3 +326,49 @@ def test_a_save_while_a_step_is_in_flight_holds_the_state_after_that_step(tmp_pa
     loaded, opt2, scaler2 = build(seed=3)
     ckpt.load(handle.path, loaded, opt2, scaler=scaler2, progress=False)
     assert_unchanged(expected, state_of(loaded, opt2, scaler2))
+
+
+def test_a_save_before_the_copy_of_the_last_step_holds_the_weights_the_next_forward_reads(
+    tmp_path,
+):
+    # The optimizer thread is held up while iteration 1 launches the copy that swaps step 0's
+    # next weights in (see [Note: the copy in the step]), then step 1, and then the save is
+    # called: at save() the parameters still hold the old weights, in the storage step 1 then
+    # writes. The checkpoint holds the parameters as the forward after it reads them (step
+    # 0's), and step 1's masters.
+    twin, opt_twin, scaler_twin = build()
+    iteration(twin, opt_twin, scaler_twin, 0)
+    masters0 = state_of(twin, opt_twin, scaler_twin)["masters"]
+    iteration(twin, opt_twin, scaler_twin, 1)
+    masters1 = state_of(twin, opt_twin, scaler_twin)["masters"]
+
+    model, opt, scaler = build()
+    iteration(model, opt, scaler, 0)
+    release, held = threading.Event(), threading.Event()
+
+    def hold_up():
+        held.set()
+        release.wait()
+
+    optim_thread.wait_all()
+    g = torch.Generator().manual_seed(101)
+    x, y = torch.randn(8, 8, generator=g), torch.randint(0, 4, (8,), generator=g)
+    model.forward_backward(
+        input_args=(x,),
+        label=y,
+        loss_fn=lambda out, lbl: scaler.scale(F.cross_entropy(out.float(), lbl)) / 2,
+    )
+    optim_thread.launch(hold_up)
+    held.wait()
+    model.step(lambda: (scaler.step(opt), opt.zero_grad()))
+    scaler.update()
+    handle = ckpt.save(tmp_path, model, opt, scaler=scaler)
+    release.set()
+    handle.wait()
+    loaded, opt2, scaler2 = build(seed=3)
+    ckpt.load(handle.path, loaded, opt2, scaler=scaler2, progress=False)
+    got = state_of(loaded, opt2, scaler2)
+    for k, master in masters1.items():
+        assert torch.equal(got["masters"][k], master), k
+        assert torch.equal(got["params"][k], masters0[k].half()), k  # not step 1's
+        assert not torch.equal(got["params"][k], master.half()), k

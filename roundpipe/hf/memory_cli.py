@@ -749,9 +749,12 @@ def _host_changes(planner: ConfigPlanner, lp: LengthPlans) -> list[_Change]:
             over = dev.peak + dev.reserve - (dev.available or 0)
             note += f", {format_bytes(over)} more than it has"
         changes.append(_Change("--no-offload-activations", host.activations, kept.fits, note))
-    state = host.masters + host.grads + host.optimizer
+    # what LoRA drops: the full weights' masters, gradients, optimizer state and next weights,
+    # the adapters' own left
+    state = host.masters + host.grads + host.optimizer + host.next_weights
+    adapters = _adapter_bytes(planner, next_weights=host.next_weights > 0)
     if not planner.lora:
-        saves = state - _adapter_bytes(planner)
+        saves = state - adapters
         targets = ", ".join(LORA_TARGETS)
         changes.append(
             _Change(
@@ -765,7 +768,7 @@ def _host_changes(planner: ConfigPlanner, lp: LengthPlans) -> list[_Change]:
         )
     if planner.quantize is None:
         packed = planner._decoder_linear_numel * (planner.itemsize - _NF4_BYTES)
-        saves = int(packed) + (0 if planner.lora else state - _adapter_bytes(planner))
+        saves = int(packed) + (0 if planner.lora else state - adapters)
         changes.append(
             _Change(
                 "--lora 16 --quantize nf4",
@@ -856,9 +859,11 @@ def _host_changes(planner: ConfigPlanner, lp: LengthPlans) -> list[_Change]:
 _NF4_BYTES = 0.52
 
 
-def _adapter_bytes(planner: ConfigPlanner) -> int:
-    """LoRA 16's adapters: master, gradient and two moments in the masters' dtype, weights."""
-    return planner._lora_numel * (planner.optim_dtype.itemsize * 4 + planner.itemsize)
+def _adapter_bytes(planner: ConfigPlanner, *, next_weights: bool) -> int:
+    """LoRA 16's adapters: master, gradient and two moments in the masters' dtype, weights
+    (twice with ``next_weights``: the copy the step writes while compute reads the other)."""
+    weights = planner.itemsize * (2 if next_weights else 1)
+    return planner._lora_numel * (planner.optim_dtype.itemsize * 4 + weights)
 
 
 def _device_changes(
