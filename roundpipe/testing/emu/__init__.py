@@ -89,6 +89,7 @@ import contextlib
 import dataclasses
 import hashlib
 import os
+import shutil
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -225,16 +226,45 @@ def _extension_name(name: str) -> str:
 # the kernel releases when its holder dies: holding that, no other install of this extension is
 # building, so a baton found there is a dead process's and is removed before torch looks.
 def _build_lock(ext: str) -> contextlib.AbstractContextManager[None]:
-    from torch.utils import cpp_extension
-
-    directory = getattr(cpp_extension, "_get_build_directory", None)
+    directory = _build_directory(ext)
     try:
         import fcntl
     except ImportError:  # not POSIX: torch's baton alone
         return contextlib.nullcontext()
     if directory is None:
         return contextlib.nullcontext()
-    return _flocked(directory(ext, False), fcntl)
+    return _flocked(directory, fcntl)
+
+
+def _build_directory(ext: str) -> str | None:
+    """Where torch builds ``ext`` (None where this torch does not say)."""
+    from torch.utils import cpp_extension
+
+    directory = getattr(cpp_extension, "_get_build_directory", None)
+    return None if directory is None else directory(ext, False)
+
+
+# [Note: the build's source path]
+# ninja rebuilds a library whose build command changed, and torch's command names the source
+# file by its path. Checkouts at different paths (worktrees, CI's copy, an installed package)
+# share torch's cache under one name per source (_extension_name), so compiling each its own
+# file made every install from another checkout rebuild the library, about a minute of a core
+# each time, in every test subprocess. The build compiles a copy of the source kept in the
+# build directory instead: one path for every checkout, so the cache holds.
+def _build_source(name: str) -> str:
+    """The path to compile ``_{name}.cpp`` from: its copy in the build directory (written once,
+    atomically), the same for every checkout. The caller holds the build lock."""
+    source = os.path.join(_HERE, f"_{name}.cpp")
+    directory = _build_directory(_extension_name(name))
+    if directory is None:
+        return source
+    copy = os.path.join(directory, f"_{name}.cpp")
+    if not os.path.exists(copy):  # the name is the source's hash: an existing copy is the same
+        os.makedirs(directory, exist_ok=True)
+        partial = f"{copy}.{os.getpid()}.partial"
+        shutil.copyfile(source, partial)
+        os.replace(partial, copy)
+    return copy
 
 
 @contextlib.contextmanager
@@ -273,7 +303,7 @@ def install() -> None:
             with _build_lock(ext):
                 return cpp_extension.load(
                     name=ext,
-                    sources=[os.path.join(_HERE, f"_{name}.cpp")],
+                    sources=[_build_source(name)],  # [Note: the build's source path]
                     is_python_module=False,
                     verbose=False,
                 )
