@@ -100,7 +100,7 @@ def build(cfg, shard=False, rank=0):
 def hand_last_stage_late():
     """Make this process hand each call's last stage to the gradient reducer from another
     thread, only once the stage before it is being handed over (which then waits for it): the
-    order two workers' timing could give."""
+    order two workers' timing could give. Returns the method it replaced."""
     from roundpipe.runtime.grad_router import CallGrads
 
     move = CallGrads.move
@@ -128,13 +128,24 @@ def hand_last_stage_late():
         move(self, stages)
 
     CallGrads.move = late_move
+    return move
 
 
 def train(cfg, rank=0, world=1, dp=None):
     """The loop; ``dp`` None: one process on the whole global batch."""
     cfg = {**DEFAULTS, **cfg}
-    if cfg["hand_late"]:
-        hand_last_stage_late()
+    if not cfg["hand_late"]:
+        return _train(cfg, rank, world, dp)
+    from roundpipe.runtime.grad_router import CallGrads
+
+    move = hand_last_stage_late()
+    try:
+        return _train(cfg, rank, world, dp)
+    finally:  # this process may run more (tests/rank_pool_worker.py)
+        CallGrads.move = move
+
+
+def _train(cfg, rank, world, dp):
     model, opt, scaler = build(cfg, shard=dp is not None and cfg["shard"], rank=rank)
     if dp is not None:
         dp = rpd.DataParallel(model, bucket_cap_mb=dp.get("bucket_cap_mb", 25.0))
