@@ -24,6 +24,7 @@ WORKER = Path(__file__).resolve().parent / "trainer_dp_worker.py"
 
 pytestmark = [
     pytest.mark.slow,
+    pytest.mark.xdist_group("trainer_dp"),  # one worker builds the module's two_ranks
     pytest.mark.skipif(
         not dist.is_available() or not dist.is_gloo_available(),
         reason="torch.distributed with gloo is needed",
