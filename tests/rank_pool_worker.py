@@ -45,6 +45,45 @@ BASE_ENV = {
 }
 
 
+# -- fresh rank processes, started together ------------------------------------------------------
+
+GO_ENV = "ROUNDPIPE_TEST_RANKS_GO"
+
+
+def wait_for_go():
+    """In a rank process that :func:`start_together` started: say ready once imported, then wait
+    for every rank to be, so that no rank's rendezvous timeout (a test's small process-group
+    timeout) runs while another rank is still importing torch. Elsewhere: nothing."""
+    if os.environ.get(GO_ENV):
+        print("ready", flush=True)
+        sys.stdin.readline()
+
+
+def start_together(argv, envs):
+    """One new process per environment in ``envs`` running ``argv`` (from the repository root,
+    text output piped), released once each has imported (see :func:`wait_for_go`)."""
+    procs = []
+    for env in envs:
+        procs.append(
+            subprocess.Popen(
+                argv,
+                cwd=ROOT,
+                env={**env, GO_ENV: "1"},
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
+    for p in procs:
+        p.stdout.readline()  # "ready", or nothing from a process that ended before
+    for p in procs:
+        with contextlib.suppress(OSError):
+            p.stdin.write("go\n")
+            p.stdin.flush()
+    return procs
+
+
 # -- the rank process --------------------------------------------------------------------------
 
 

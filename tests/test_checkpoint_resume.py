@@ -17,6 +17,7 @@ from pathlib import Path
 
 import ckpt_worker
 import pytest
+from rank_pool_worker import start_together
 
 # Every test here runs a subprocess (see the slow marker in pyproject.toml).
 pytestmark = pytest.mark.slow
@@ -71,11 +72,11 @@ def _free_port():
 
 
 def start_ranks(cfg, world):
-    """``world`` new processes of the worker with torchrun's variables (their output piped)."""
+    """``world`` new processes of the worker with torchrun's variables (their output piped),
+    released together once each has imported."""
     port = _free_port()
-    procs = []
-    for rank in range(world):
-        env = {
+    envs = [
+        {
             **os.environ,
             "RANK": str(rank),
             "WORLD_SIZE": str(world),
@@ -86,17 +87,9 @@ def start_ranks(cfg, world):
             "OMP_NUM_THREADS": "1",
             "PYTHONPATH": str(ROOT),
         }
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, str(WORKER), json.dumps({**cfg, "dp": True})],
-                cwd=ROOT,
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-        )
-    return procs
+        for rank in range(world)
+    ]
+    return start_together([sys.executable, str(WORKER), json.dumps({**cfg, "dp": True})], envs)
 
 
 def run_ranks(cfg, tmp_path, tag, world=2, timeout=240, pool=None):

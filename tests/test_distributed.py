@@ -30,6 +30,7 @@ from roundpipe.distributed.group import active_group
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import dp_worker  # noqa: E402
+from rank_pool_worker import start_together  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).resolve().parent / "dp_worker.py"
@@ -91,17 +92,10 @@ def _run_fresh_ranks(world, cfg, deadline, expect_exit):
     port = free_port()
     procs = []
     try:
-        for rank in range(world):
-            procs.append(
-                subprocess.Popen(
-                    [sys.executable, str(WORKER), json.dumps(cfg)],
-                    cwd=ROOT,
-                    env=rank_env(rank, world, port),
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.PIPE,
-                    text=True,
-                )
-            )
+        procs = start_together(
+            [sys.executable, str(WORKER), json.dumps(cfg)],
+            [rank_env(rank, world, port) for rank in range(world)],
+        )
         end = time.monotonic() + deadline
         outcome = {}
         for rank, p in enumerate(procs):
@@ -117,7 +111,7 @@ def _run_fresh_ranks(world, cfg, deadline, expect_exit):
             if p.poll() is None:
                 p.kill()
             p.wait(timeout=30)
-            for stream in (p.stdout, p.stderr):
+            for stream in (p.stdin, p.stdout, p.stderr):
                 stream.close()
     return outcome
 

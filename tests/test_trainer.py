@@ -315,6 +315,7 @@ def _worker(mode, out, result, new_process=True):
     return json.loads(Path(str(result) + ".json").read_text()), torch.load(str(result) + ".pt")
 
 
+@pytest.mark.slow  # a new process
 @pytest.mark.timeout(600)
 def test_resume_from_checkpoint_in_a_new_process_equals_the_uninterrupted_run(
     tmp_path, monkeypatch
