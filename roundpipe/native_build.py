@@ -9,10 +9,11 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import shutil
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-__all__ = ["build_lock", "extension_name", "load_library"]
+__all__ = ["build_lock", "build_source", "extension_name", "load_library"]
 
 
 def extension_name(prefix: str, source: str, flags: Sequence[str] = ()) -> str:
@@ -36,16 +37,45 @@ def extension_name(prefix: str, source: str, flags: Sequence[str] = ()) -> str:
 # building, so a baton found there is a dead process's and is removed before torch looks.
 def build_lock(ext: str) -> contextlib.AbstractContextManager[None]:
     """Hold the flock of extension ``ext``'s build directory (see [Note: the build lock])."""
-    from torch.utils import cpp_extension
-
-    directory = getattr(cpp_extension, "_get_build_directory", None)
+    directory = _build_directory(ext)
     try:
         import fcntl
     except ImportError:  # not POSIX: torch's baton alone
         return contextlib.nullcontext()
     if directory is None:
         return contextlib.nullcontext()
-    return _flocked(directory(ext, False), fcntl)
+    return _flocked(directory, fcntl)
+
+
+def _build_directory(ext: str) -> str | None:
+    """Where torch builds ``ext`` (None where this torch does not say)."""
+    from torch.utils import cpp_extension
+
+    directory = getattr(cpp_extension, "_get_build_directory", None)
+    return None if directory is None else directory(ext, False)
+
+
+# [Note: the build's source path]
+# ninja rebuilds a library whose build command changed, and torch's command names the source
+# file by its path. Checkouts at different paths (worktrees, CI's copy, an installed package)
+# share torch's cache under one name per source (extension_name), so compiling each its own
+# file made every load from another checkout rebuild the library, up to a minute of a core
+# each time, in every process. The build compiles a copy of the source kept in the build
+# directory instead: one path for every checkout, so the cache holds.
+def build_source(ext: str, source: str) -> str:
+    """The path to compile ``source`` from as extension ``ext`` (named by the source's hash):
+    its copy in the build directory (written once, atomically), the same for every checkout.
+    The caller holds the build lock."""
+    directory = _build_directory(ext)
+    if directory is None:
+        return source
+    copy = os.path.join(directory, os.path.basename(source))
+    if not os.path.exists(copy):  # the name is the source's hash: an existing copy is the same
+        os.makedirs(directory, exist_ok=True)
+        partial = f"{copy}.{os.getpid()}.partial"
+        shutil.copyfile(source, partial)
+        os.replace(partial, copy)
+    return copy
 
 
 @contextlib.contextmanager
@@ -72,7 +102,7 @@ def load_library(
     with build_lock(name):
         return cpp_extension.load(
             name=name,
-            sources=[source],
+            sources=[build_source(name, source)],  # [Note: the build's source path]
             extra_cflags=list(cflags),
             extra_ldflags=list(ldflags),
             is_python_module=False,

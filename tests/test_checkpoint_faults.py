@@ -26,10 +26,21 @@ from roundpipe import GradScaler, OptimizerCtx, RoundPipe, RoundPipeRunConfig, o
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).resolve().parent / "ckpt_worker.py"
-ENV = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+# One thread, as the session's rank processes (conftest's rank_pool) that run the runs whose
+# process is not the point, so that every run computes the same bits.
+ENV = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
 
 
-def run_worker(cfg, out):
+def run_worker(cfg, out, pool=None):
+    """A run of the worker: in a new process, or with ``pool`` in a rank process of the
+    session."""
+    if pool is not None:
+        log_dir = Path(out).with_suffix(".log")
+        log_dir.mkdir(exist_ok=True)
+        cfg = {**cfg, "out": str(out)}
+        ((code, output),) = pool.run("ckpt_worker", [json.dumps(cfg)], 1, log_dir, 300).values()
+        assert code == 0, output
+        return json.loads(Path(out).read_text())
     proc = subprocess.run(
         [sys.executable, str(WORKER), json.dumps({**cfg, "out": str(out)})],
         cwd=ROOT,
@@ -72,7 +83,7 @@ def kill_when(cfg, prefix, count=1, delay=0.0):
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_a_process_killed_at_random_moments_while_saving_resumes_from_its_newest_checkpoint(
-    tmp_path,
+    tmp_path, rank_pool
 ):
     # Every iteration saves (keep_last=2, so old checkpoints are removed as new ones land); the
     # process is SIGKILLed a random few milliseconds after a random save was called, mostly
@@ -80,7 +91,8 @@ def test_a_process_killed_at_random_moments_while_saving_resumes_from_its_newest
     # complete checkpoint loads, and the run resumed from it continues bit for bit.
     steps = 8
     base = {"model": "seq", "width": 1536, "steps": steps}
-    reference = run_worker({**base, "root": str(tmp_path / "unused")}, tmp_path / "full.json")
+    unused = str(tmp_path / "unused")
+    reference = run_worker({**base, "root": unused}, tmp_path / "full.json", rank_pool)
     rng = random.Random(1234)
     interrupted_writes = 0
     for trial in range(5):
@@ -94,7 +106,8 @@ def test_a_process_killed_at_random_moments_while_saving_resumes_from_its_newest
         interrupted_writes += any(".tmp-" in name for name in leftovers)
         newest = ckpt.latest(root)
         assert newest is not None, f"trial {trial}: no checkpoint survived: {list(root.iterdir())}"
-        resumed = run_worker({**base, "root": str(root), "resume": True}, tmp_path / "r.json")
+        resume = {**base, "root": str(root), "resume": True}
+        resumed = run_worker(resume, tmp_path / f"r{trial}.json", rank_pool)
         start = resumed["loaded"]["iteration"]
         assert start >= kill_after - 2, (trial, start, kill_after)  # at most one save lost
         assert resumed["losses"] == {
@@ -109,7 +122,7 @@ def test_a_process_killed_at_random_moments_while_saving_resumes_from_its_newest
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("masters", [False, True], ids=["state", "state_and_masters"])
 def test_a_process_killed_while_writing_adams_state_to_disk_resumes_from_its_checkpoint(
-    tmp_path, masters
+    tmp_path, rank_pool, masters
 ):
     # Adam's state in files (state_dir), streamed through a small buffer so a step is many
     # writes, and with ``masters`` the masters in files there too (MastersOnDisk, written by
@@ -119,7 +132,8 @@ def test_a_process_killed_while_writing_adams_state_to_disk_resumes_from_its_che
     # in-RAM run.
     steps = 6
     base = {"model": "seq", "width": 1536, "steps": steps}
-    reference = run_worker({**base, "root": str(tmp_path / "unused")}, tmp_path / "full.json")
+    unused = str(tmp_path / "unused")
+    reference = run_worker({**base, "root": unused}, tmp_path / "full.json", rank_pool)
     state_dir = tmp_path / "nvme"
     spill = {"state_dir": str(state_dir), "state_buffer_bytes": 1 << 20}
     if masters:

@@ -339,11 +339,20 @@ def test_sft_trainer_equals_trls_with_the_synchronous_step(tmp_path, lora):
         assert got_eval[key] == pytest.approx(want_eval[key], rel=1e-5), key
 
 
-def _worker(mode, out, result):
+def _worker(mode, out, result, new_process=True):
+    """trainer_worker's run: in a new process, or in this one where the process is not the
+    point (the uninterrupted run, the run that saves)."""
+    if not new_process:
+        import trainer_worker
+
+        trainer_worker.main(mode, str(out), str(result))
+        return json.loads(Path(str(result) + ".json").read_text()), torch.load(str(result) + ".pt")
     env = dict(
         os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
     )
     env.pop("ROUNDPIPE_DEVICES", None)
+    # This process's thread count, so that it computes what the runs in this process did.
+    env["OMP_NUM_THREADS"] = str(torch.get_num_threads())
     proc = subprocess.run(
         [sys.executable, str(ROOT / "tests" / "trainer_worker.py"), mode, str(out), str(result)],
         env=env,
@@ -355,10 +364,14 @@ def _worker(mode, out, result):
     return json.loads(Path(str(result) + ".json").read_text()), torch.load(str(result) + ".pt")
 
 
+@pytest.mark.slow  # a new process
 @pytest.mark.timeout(600)
-def test_resume_from_checkpoint_in_a_new_process_equals_the_uninterrupted_run(tmp_path):
-    full, full_masters = _worker("full", tmp_path / "full", tmp_path / "full-result")
-    stopped, _ = _worker("stop", tmp_path / "run", tmp_path / "stop-result")
+def test_resume_from_checkpoint_in_a_new_process_equals_the_uninterrupted_run(
+    tmp_path, monkeypatch
+):
+    monkeypatch.delenv("ROUNDPIPE_DEVICES", raising=False)  # as the new process has it
+    full, full_masters = _worker("full", tmp_path / "full", tmp_path / "full-result", False)
+    stopped, _ = _worker("stop", tmp_path / "run", tmp_path / "stop-result", False)
     assert stopped["step"] == 10 and (tmp_path / "run" / "checkpoint-10").is_dir()
     resumed, masters = _worker("resume", tmp_path / "run", tmp_path / "resume-result")
     assert resumed["step"] == 20

@@ -94,7 +94,7 @@ from collections.abc import Iterator
 
 import torch
 
-from roundpipe.native_build import build_lock
+from roundpipe.native_build import build_source, load_library
 from roundpipe.testing.emu.dispatch import (
     RESIZING_FACTORIES,
     Copy,
@@ -216,8 +216,10 @@ def _extension_name(name: str) -> str:
         return f"roundpipe_{name}_{hashlib.sha256(f.read()).hexdigest()[:16]}"
 
 
-# The build lock: see [Note: the build lock] in roundpipe.native_build.
-_build_lock = build_lock
+def _build_source(name: str) -> str:
+    """The path ``_{name}.cpp`` is compiled from (see [Note: the build's source path] in
+    roundpipe.native_build). The caller holds the build lock."""
+    return build_source(_extension_name(name), os.path.join(_HERE, f"_{name}.cpp"))
 
 
 def install() -> None:
@@ -236,17 +238,9 @@ def install() -> None:
                 f"cannot install the emulated device: the PrivateUse1 backend is already "
                 f"{torch._C._get_privateuse1_backend_name()!r} in this process"
             )
-        from torch.utils import cpp_extension
 
         def build(name: str) -> str:
-            ext = _extension_name(name)
-            with _build_lock(ext):
-                return cpp_extension.load(
-                    name=ext,
-                    sources=[os.path.join(_HERE, f"_{name}.cpp")],
-                    is_python_module=False,
-                    verbose=False,
-                )
+            return load_library(_extension_name(name), os.path.join(_HERE, f"_{name}.cpp"))
 
         bind_native(build("emu_guard"), build("emu_autocast"))
         lenient = os.environ.get("ROUNDPIPE_EMU_LENIENT", "")
