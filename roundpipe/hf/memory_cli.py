@@ -626,8 +626,9 @@ class ConfigPlanner:
         """The first length the search traces: several MLP tiles and loss chunks, past the
         lengths that run untiled and the kinks of the first few tiles, short enough to trace
         in a few seconds."""
-        tile = self.model.module[1].mlp_tile_tokens if len(self.model.module) > 2 else None
-        chunk = getattr(self.model.module[-1], "chunk_tokens", None)
+        stages = list(self.model.module.children())
+        tile = getattr(stages[1], "mlp_tile_tokens", None) if len(stages) > 2 else None
+        chunk = getattr(stages[-1], "chunk_tokens", None)
         return max(8 * max(tile or 0, 1024), 4 * (chunk or 0))
 
     def _estimated_edge(self, exact: dict[int, LengthPlans], lo: int, hi: int, step: int) -> int:
