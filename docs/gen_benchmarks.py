@@ -32,8 +32,11 @@ SECTIONS = [
         "roundpipe.optim",
         "optim",
         "benchmarks/bench_optim.py",
-        "`roundpipe.optim.Adam` against `torch.optim.Adam` (fused and foreach) on 100M fp32 "
-        "parameters, with the share of memory bandwidth reached (Adam moves 28 bytes per parameter).",
+        "one synchronous `model.step` taken apart in bytes per parameter; torch's fused AdamW "
+        "alone and followed by the master->model copy against roundpipe's one-pass step (exact, "
+        "bf16 and 8-bit moments) and bitsandbytes' 8-bit AdamW on 100M fp32 parameters, each "
+        "with the bytes it must move and the share of an `add_`'s bandwidth it reaches; the "
+        "convergence of the lean moments on a small LM.",
     ),
     (
         "Optimizer state on disk",

@@ -3,6 +3,10 @@ tests/test_checkpoint_faults.py run it as a new process, as a user's run would b
 
     python tests/ckpt_worker.py CONFIG_JSON    # under torchrun's variables for data parallel
 
+or ``main()`` in a rank process of the test session (tests/rank_pool_worker.py), for the runs
+that patch nothing (``kill_in_broadcast``, ``kill_in_write`` and ``announce_write_at`` patch
+this process for good: those run in new processes).
+
 Config: ``model`` ("seq": a Sequential of fp16 stages with dropout, Adam masters, a StepLR
 scheduler and a GradScaler; "lora": a tiny Llama with peft LoRA adapters through
 roundpipe.hf.wrap, same optimizer, scheduler and scaler), ``devices``, ``steps`` (train until
@@ -44,6 +48,9 @@ import roundpipe.checkpoint as ckpt
 from roundpipe import GradScaler, OptimizerCtx, RoundPipe, RoundPipeRunConfig
 from roundpipe import distributed as rpd
 from roundpipe.checkpoint import named
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from rank_pool_worker import wait_for_go  # noqa: E402
 
 DEFAULTS = {
     "model": "seq",
@@ -112,13 +119,13 @@ def kill_in_broadcast(rank, at):
     calls = [0]
     copy_layer = rpd.ShardedState.copy_layer
 
-    def killing_copy_layer(self, pairs):
+    def killing_copy_layer(self, pairs, *args):
         if pairs:
             calls[0] += 1
             if calls[0] == at:
                 print(f"rank {rank}: killed in weight broadcast {at}", flush=True)
                 os.kill(os.getpid(), signal.SIGKILL)
-        return copy_layer(self, pairs)
+        return copy_layer(self, pairs, *args)
 
     rpd.ShardedState.copy_layer = killing_copy_layer  # type: ignore[method-assign]
 
@@ -221,6 +228,7 @@ def main():
     cfg = {**DEFAULTS, **json.loads(sys.argv[1])}
     rank = 0
     if cfg["dp"]:
+        wait_for_go()
         rpd.init_process_group("gloo", timeout=cfg["timeout"])
         rank = torch.distributed.get_rank()
         if cfg["kill_in_broadcast"]:

@@ -2,7 +2,8 @@
 
 * The emulated device (:mod:`roundpipe.testing.emu`) is installed before any test runs: the
   autograd engine starts its device threads on the process's first backward, and only for the
-  devices it knows then.
+  devices it knows then. The optimizer's compiled step (:mod:`roundpipe.optim.native`) is built
+  or loaded then too.
 * Every test in the modules of ``_BOTH_POOLS`` runs twice: on the CPU pool it asks for, and on
   the emulated pool of the same size (``pool_kind`` ``emu``: a pool of N CPU workers becomes
   emu:0 .. emu:N-1). So each runtime behaviour is checked with backward on autograd's device
@@ -13,16 +14,28 @@
   (tests of races leave some on purpose) is not charged to the next test: a tensor the test
   dropped while another stream still used it would otherwise fail the next test's allocation.
 * Fixtures for the tests that ask: ``fresh_dynamo`` (torch.compile reset, its counters zeroed),
-  ``group_of_one`` (a one-rank gloo process group).
+  ``group_of_one`` (a one-rank gloo process group), ``rank_pool`` (rank processes kept for
+  the session that run data-parallel runs; tests/rank_pool_worker.py).
+* The suite runs on pytest-xdist's workers (``-n auto`` in pyproject.toml): each worker's
+  torch takes its share of the cores, so the workers' intra-op threads do not outnumber them.
+  Tests that share something across a module (a module-scoped fixture) or a session's rank
+  processes are one ``xdist_group``, run by one worker.
 """
+
+import os
 
 import pytest
 import torch
 
 import roundpipe.devices
+from roundpipe.optim import native
 from roundpipe.testing import emu
 
 emu.install()
+# The optimizer's compiled step, built (or found built) before any test steps, so that every
+# test runs the path users get once it is built; a failed build warns here and the tests of the
+# compiled path fail, naming it (tests/test_optim_one_pass.py).
+native.kernels(wait=True)
 
 _BOTH_POOLS = {
     "test_runtime",
@@ -31,6 +44,7 @@ _BOTH_POOLS = {
     "test_autocast_rng",
     "test_concurrency",
     "test_devices",
+    "test_optim_one_pass",
 }
 
 
@@ -39,6 +53,9 @@ def pytest_configure(config):
         "markers",
         "cpu_pool_only: a test about the CPU pool itself; not repeated on the emulated accelerator",
     )
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        torch.set_num_threads(max(1, torch.get_num_threads() // workers))
 
 
 def pytest_generate_tests(metafunc):
@@ -49,6 +66,14 @@ def pytest_generate_tests(metafunc):
         and metafunc.definition.get_closest_marker("cpu_pool_only") is None
     ):
         metafunc.parametrize("pool_kind", ["cpu", "emu"], indirect=True)
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
+def pytest_collection_modifyitems(config, items):
+    # One worker runs every test of the session's rank processes: they are started once.
+    for item in items:
+        if "rank_pool" in item.fixturenames:
+            item.add_marker(pytest.mark.xdist_group("rank_pool"))
 
 
 def _on_emu(devices):
@@ -91,8 +116,9 @@ def fresh_dynamo():
 
 
 @pytest.fixture
-def group_of_one(tmp_path):
-    """A gloo process group of this process alone (a one-rank data-parallel run)."""
+def group_of_one(request, tmp_path):
+    """A gloo process group of this process alone (a one-rank data-parallel run), with a
+    timeout of 10 s, or of ``request.param`` seconds (parametrized with ``indirect=True``)."""
     import torch.distributed as dist
 
     from roundpipe.distributed import group as rpd_group
@@ -103,7 +129,7 @@ def group_of_one(tmp_path):
         store=dist.FileStore(str(tmp_path / "store"), 1),
         rank=0,
         world_size=1,
-        timeout=rpd_group._as_timedelta(10),
+        timeout=rpd_group._as_timedelta(getattr(request, "param", 10)),
     )
     try:
         yield
@@ -111,3 +137,16 @@ def group_of_one(tmp_path):
         dist.destroy_process_group()
         if rpd_group.active_group() is not None:  # a failed test left a DataParallel attached
             rpd_group._ACTIVE, rpd_group._ACTIVE_USERS = None, 0
+
+
+@pytest.fixture(scope="session")
+def rank_pool(tmp_path_factory):
+    """Rank processes kept for the session that run data-parallel runs (tests/dp_worker.py's,
+    tests/ckpt_worker.py's), each with its own process group: see tests/rank_pool_worker.py."""
+    from rank_pool_worker import RankPool
+
+    pool = RankPool(tmp_path_factory.mktemp("rank-pool"))
+    try:
+        yield pool
+    finally:
+        pool.close()

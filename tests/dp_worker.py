@@ -3,6 +3,10 @@ parallelism for the one-process reference.
 
     python tests/dp_worker.py CONFIG_JSON     # with RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set
 
+or ``main()`` in a rank process of the test session (tests/rank_pool_worker.py), with the same
+arguments and environment: each run leaves the process as it found it (its process group
+destroyed, what it patched put back).
+
 A rank writes what it saw to ``{out}/rank{R}.pt``: the masters, the model's parameters, the
 scale in use per iteration, which steps were skipped, the scaler state, and the error a call
 raised (its type, message, which call, seconds since the failing iteration started).
@@ -25,6 +29,9 @@ import roundpipe
 from roundpipe import GradScaler, OptimizerCtx, RoundPipe, RoundPipeRunConfig
 from roundpipe import distributed as rpd
 from roundpipe.optim import master_file
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from rank_pool_worker import wait_for_go  # noqa: E402
 
 DEFAULTS = {
     "steps": 6,
@@ -100,7 +107,7 @@ def build(cfg, shard=False, rank=0):
 def hand_last_stage_late():
     """Make this process hand each call's last stage to the gradient reducer from another
     thread, only once the stage before it is being handed over (which then waits for it): the
-    order two workers' timing could give."""
+    order two workers' timing could give. Returns the method it replaced."""
     from roundpipe.runtime.grad_router import CallGrads
 
     move = CallGrads.move
@@ -128,13 +135,24 @@ def hand_last_stage_late():
         move(self, stages)
 
     CallGrads.move = late_move
+    return move
 
 
 def train(cfg, rank=0, world=1, dp=None):
     """The loop; ``dp`` None: one process on the whole global batch."""
     cfg = {**DEFAULTS, **cfg}
-    if cfg["hand_late"]:
-        hand_last_stage_late()
+    if not cfg["hand_late"]:
+        return _train(cfg, rank, world, dp)
+    from roundpipe.runtime.grad_router import CallGrads
+
+    move = hand_last_stage_late()
+    try:
+        return _train(cfg, rank, world, dp)
+    finally:  # this process may run more (tests/rank_pool_worker.py)
+        CallGrads.move = move
+
+
+def _train(cfg, rank, world, dp):
     model, opt, scaler = build(cfg, shard=dp is not None and cfg["shard"], rank=rank)
     if dp is not None:
         dp = rpd.DataParallel(model, bucket_cap_mb=dp.get("bucket_cap_mb", 25.0))
@@ -303,6 +321,7 @@ def main():
     cfg = {**DEFAULTS, **json.loads(sys.argv[1])}
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     cfg.update(cfg.get("by_rank", {}).get(str(rank), {}))
+    wait_for_go()
     rpd.init_process_group("gloo", timeout=cfg["pg_timeout"])
     record = train(cfg, rank, world, dp=cfg.get("dp", {}))
     torch.save(record, os.path.join(cfg["out"], f"rank{rank}.pt"))

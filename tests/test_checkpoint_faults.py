@@ -26,10 +26,21 @@ from roundpipe import GradScaler, OptimizerCtx, RoundPipe, RoundPipeRunConfig, o
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).resolve().parent / "ckpt_worker.py"
-ENV = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+# One thread, as the session's rank processes (conftest's rank_pool) that run the runs whose
+# process is not the point, so that every run computes the same bits.
+ENV = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
 
 
-def run_worker(cfg, out):
+def run_worker(cfg, out, pool=None):
+    """A run of the worker: in a new process, or with ``pool`` in a rank process of the
+    session."""
+    if pool is not None:
+        log_dir = Path(out).with_suffix(".log")
+        log_dir.mkdir(exist_ok=True)
+        cfg = {**cfg, "out": str(out)}
+        ((code, output),) = pool.run("ckpt_worker", [json.dumps(cfg)], 1, log_dir, 300).values()
+        assert code == 0, output
+        return json.loads(Path(out).read_text())
     proc = subprocess.run(
         [sys.executable, str(WORKER), json.dumps({**cfg, "out": str(out)})],
         cwd=ROOT,
@@ -72,7 +83,7 @@ def kill_when(cfg, prefix, count=1, delay=0.0):
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_a_process_killed_at_random_moments_while_saving_resumes_from_its_newest_checkpoint(
-    tmp_path,
+    tmp_path, rank_pool
 ):
     # Every iteration saves (keep_last=2, so old checkpoints are removed as new ones land); the
     # process is SIGKILLed a random few milliseconds after a random save was called, mostly
@@ -80,7 +91,8 @@ def test_a_process_killed_at_random_moments_while_saving_resumes_from_its_newest
     # complete checkpoint loads, and the run resumed from it continues bit for bit.
     steps = 8
     base = {"model": "seq", "width": 1536, "steps": steps}
-    reference = run_worker({**base, "root": str(tmp_path / "unused")}, tmp_path / "full.json")
+    unused = str(tmp_path / "unused")
+    reference = run_worker({**base, "root": unused}, tmp_path / "full.json", rank_pool)
     rng = random.Random(1234)
     interrupted_writes = 0
     for trial in range(5):
@@ -94,7 +106,8 @@ def test_a_process_killed_at_random_moments_while_saving_resumes_from_its_newest
         interrupted_writes += any(".tmp-" in name for name in leftovers)
         newest = ckpt.latest(root)
         assert newest is not None, f"trial {trial}: no checkpoint survived: {list(root.iterdir())}"
-        resumed = run_worker({**base, "root": str(root), "resume": True}, tmp_path / "r.json")
+        resume = {**base, "root": str(root), "resume": True}
+        resumed = run_worker(resume, tmp_path / f"r{trial}.json", rank_pool)
         start = resumed["loaded"]["iteration"]
         assert start >= kill_after - 2, (trial, start, kill_after)  # at most one save lost
         assert resumed["losses"] == {
@@ -109,7 +122,7 @@ def test_a_process_killed_at_random_moments_while_saving_resumes_from_its_newest
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("masters", [False, True], ids=["state", "state_and_masters"])
 def test_a_process_killed_while_writing_adams_state_to_disk_resumes_from_its_checkpoint(
-    tmp_path, masters
+    tmp_path, rank_pool, masters
 ):
     # Adam's state in files (state_dir), streamed through a small buffer so a step is many
     # writes, and with ``masters`` the masters in files there too (MastersOnDisk, written by
@@ -119,7 +132,8 @@ def test_a_process_killed_while_writing_adams_state_to_disk_resumes_from_its_che
     # in-RAM run.
     steps = 6
     base = {"model": "seq", "width": 1536, "steps": steps}
-    reference = run_worker({**base, "root": str(tmp_path / "unused")}, tmp_path / "full.json")
+    unused = str(tmp_path / "unused")
+    reference = run_worker({**base, "root": unused}, tmp_path / "full.json", rank_pool)
     state_dir = tmp_path / "nvme"
     spill = {"state_dir": str(state_dir), "state_buffer_bytes": 1 << 20}
     if masters:
@@ -326,3 +340,49 @@ def test_a_save_while_a_step_is_in_flight_holds_the_state_after_that_step(tmp_pa
     loaded, opt2, scaler2 = build(seed=3)
     ckpt.load(handle.path, loaded, opt2, scaler=scaler2, progress=False)
     assert_unchanged(expected, state_of(loaded, opt2, scaler2))
+
+
+def test_a_save_before_the_copy_of_the_last_step_holds_the_weights_the_next_forward_reads(
+    tmp_path,
+):
+    # The optimizer thread is held up while iteration 1 launches the copy that swaps step 0's
+    # next weights in (see [Note: the copy in the step]), then step 1, and then the save is
+    # called: at save() the parameters still hold the old weights, in the storage step 1 then
+    # writes. The checkpoint holds the parameters as the forward after it reads them (step
+    # 0's), and step 1's masters.
+    twin, opt_twin, scaler_twin = build()
+    iteration(twin, opt_twin, scaler_twin, 0)
+    masters0 = state_of(twin, opt_twin, scaler_twin)["masters"]
+    iteration(twin, opt_twin, scaler_twin, 1)
+    masters1 = state_of(twin, opt_twin, scaler_twin)["masters"]
+
+    model, opt, scaler = build()
+    iteration(model, opt, scaler, 0)
+    release, held = threading.Event(), threading.Event()
+
+    def hold_up():
+        held.set()
+        release.wait()
+
+    optim_thread.wait_all()
+    g = torch.Generator().manual_seed(101)
+    x, y = torch.randn(8, 8, generator=g), torch.randint(0, 4, (8,), generator=g)
+    model.forward_backward(
+        input_args=(x,),
+        label=y,
+        loss_fn=lambda out, lbl: scaler.scale(F.cross_entropy(out.float(), lbl)) / 2,
+    )
+    optim_thread.launch(hold_up)
+    held.wait()
+    model.step(lambda: (scaler.step(opt), opt.zero_grad()))
+    scaler.update()
+    handle = ckpt.save(tmp_path, model, opt, scaler=scaler)
+    release.set()
+    handle.wait()
+    loaded, opt2, scaler2 = build(seed=3)
+    ckpt.load(handle.path, loaded, opt2, scaler=scaler2, progress=False)
+    got = state_of(loaded, opt2, scaler2)
+    for k, master in masters1.items():
+        assert torch.equal(got["masters"][k], master), k
+        assert torch.equal(got["params"][k], masters0[k].half()), k  # not step 1's
+        assert not torch.equal(got["params"][k], master.half()), k

@@ -1,8 +1,10 @@
 """Data parallelism on torch.distributed (gloo, processes on this machine, 127.0.0.1 only).
 
-Each multi-process test starts its ranks as ``python tests/dp_worker.py`` subprocesses with the
-environment torchrun would give them, bounds them with a small process-group timeout and its own
-deadline, and kills what is left in a ``finally``.
+Each multi-process test runs tests/dp_worker.py's ``main()`` on its ranks with the environment
+torchrun would give them: in the session's rank processes (conftest's ``rank_pool``, see
+tests/rank_pool_worker.py), each run with its own process group, or, where a rank's crash, kill
+or hang or a process's exit is the point, in fresh ``python tests/dp_worker.py`` processes. Each
+run is bounded by a small process-group timeout and its own deadline; what is left is killed.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from roundpipe.distributed.group import active_group
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import dp_worker  # noqa: E402
+from rank_pool_worker import start_together  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).resolve().parent / "dp_worker.py"
@@ -59,23 +62,40 @@ def rank_env(rank, world, port):
     )
 
 
-def run_ranks(world, cfg, tmp_path, deadline=90.0, expect_exit=None):
-    """Run ``world`` ranks of dp_worker with ``cfg``; returns ({rank: record}, {rank: (code, stderr)})."""
+def run_ranks(world, cfg, tmp_path, deadline=90.0, expect_exit=None, pool=None):
+    """Run ``world`` ranks of dp_worker with ``cfg``; returns ({rank: record}, {rank: (code,
+    output)}). With ``pool`` (conftest's ``rank_pool``) in the session's rank processes, else
+    in fresh ones (where a rank's crash, kill or hang is the point)."""
     cfg = {**cfg, "out": str(tmp_path)}
+    if pool is not None:
+        assert expect_exit is None, "a run whose rank fails or hangs runs in fresh processes"
+        try:
+            outcome = pool.run(
+                "dp_worker", [json.dumps(cfg)], world, tmp_path, deadline, free_port()
+            )
+        except TimeoutError as exc:
+            pytest.fail(str(exc))
+    else:
+        outcome = _run_fresh_ranks(world, cfg, deadline, expect_exit)
+    records = {}
+    for rank in range(world):
+        path = tmp_path / f"rank{rank}.pt"
+        if path.exists():
+            records[rank] = torch.load(path, weights_only=False)
+    for rank, (code, err) in outcome.items():
+        if expect_exit is None or rank not in expect_exit:
+            assert code == 0, f"rank {rank} exited with {code}:\n{err}"
+    return records, outcome
+
+
+def _run_fresh_ranks(world, cfg, deadline, expect_exit):
     port = free_port()
     procs = []
     try:
-        for rank in range(world):
-            procs.append(
-                subprocess.Popen(
-                    [sys.executable, str(WORKER), json.dumps(cfg)],
-                    cwd=ROOT,
-                    env=rank_env(rank, world, port),
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.PIPE,
-                    text=True,
-                )
-            )
+        procs = start_together(
+            [sys.executable, str(WORKER), json.dumps(cfg)],
+            [rank_env(rank, world, port) for rank in range(world)],
+        )
         end = time.monotonic() + deadline
         outcome = {}
         for rank, p in enumerate(procs):
@@ -91,17 +111,9 @@ def run_ranks(world, cfg, tmp_path, deadline=90.0, expect_exit=None):
             if p.poll() is None:
                 p.kill()
             p.wait(timeout=30)
-            for stream in (p.stdout, p.stderr):
+            for stream in (p.stdin, p.stdout, p.stderr):
                 stream.close()
-    records = {}
-    for rank in range(world):
-        path = tmp_path / f"rank{rank}.pt"
-        if path.exists():
-            records[rank] = torch.load(path, weights_only=False)
-    for rank, (code, err) in outcome.items():
-        if expect_exit is None or rank not in expect_exit:
-            assert code == 0, f"rank {rank} exited with {code}:\n{err}"
-    return records, outcome
+    return outcome
 
 
 def assert_bitwise_equal_across_ranks(records, key="masters"):
@@ -122,9 +134,11 @@ def assert_close_to(reference, record, rtol=1e-5, atol=1e-6):
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("world,mode,optimizer", [(2, "async", "adam"), (3, "sync", "sgd")])
-def test_ranks_on_shards_match_one_process_on_the_whole_batch(tmp_path, world, mode, optimizer):
+def test_ranks_on_shards_match_one_process_on_the_whole_batch(
+    tmp_path, rank_pool, world, mode, optimizer
+):
     cfg = {"steps": 6, "global_batch": 12, "mode": mode, "optimizer": optimizer}
-    records, _ = run_ranks(world, cfg, tmp_path)
+    records, _ = run_ranks(world, cfg, tmp_path, pool=rank_pool)
     assert sorted(records) == list(range(world))
     reference = dp_worker.train(cfg)
     assert_bitwise_equal_across_ranks(records, "masters")
@@ -147,14 +161,15 @@ def test_ranks_on_shards_match_one_process_on_the_whole_batch(tmp_path, world, m
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-def test_ranks_with_their_masters_and_state_in_files_match_ranks_in_ram(tmp_path):
+def test_ranks_with_their_masters_and_state_in_files_match_ranks_in_ram(tmp_path, rank_pool):
     # MastersOnDisk and Adam(state_dir=...) on each rank: DataParallel's start broadcasts into
     # masters that are a file's memory map, and the spilled steps stay bitwise the in-RAM ones.
     cfg = {"steps": 4, "global_batch": 8, "mode": "async", "optimizer": "adam", "dtype": "fp16"}
     (tmp_path / "ram").mkdir()
     (tmp_path / "disk").mkdir()
-    in_ram, _ = run_ranks(2, cfg, tmp_path / "ram")
-    spilled, _ = run_ranks(2, {**cfg, "spill": str(tmp_path / "nvme")}, tmp_path / "disk")
+    in_ram, _ = run_ranks(2, cfg, tmp_path / "ram", pool=rank_pool)
+    spill = {**cfg, "spill": str(tmp_path / "nvme")}
+    spilled, _ = run_ranks(2, spill, tmp_path / "disk", pool=rank_pool)
     for rank in (0, 1):
         assert spilled[rank]["error"] is None and spilled[rank]["replicas_identical"] is True
         assert all(spilled[rank]["masters_in_files"]) and not any(in_ram[rank]["masters_in_files"])
@@ -167,9 +182,9 @@ def test_ranks_with_their_masters_and_state_in_files_match_ranks_in_ram(tmp_path
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("optimizer", ["adam", "sgd"])
-def test_an_overflow_on_one_rank_skips_the_step_on_every_rank(tmp_path, optimizer):
+def test_an_overflow_on_one_rank_skips_the_step_on_every_rank(tmp_path, rank_pool, optimizer):
     cfg = {"steps": 5, "mode": "async", "optimizer": optimizer, "inf_step": 2, "inf_rank": 1}
-    records, _ = run_ranks(2, cfg, tmp_path)
+    records, _ = run_ranks(2, cfg, tmp_path, pool=rank_pool)
     reference = dp_worker.train({**cfg, "inf_rank": None})  # one process, the same overflow
     assert reference["skipped"][2] is True
     for rec in records.values():
@@ -185,17 +200,20 @@ def test_an_overflow_on_one_rank_skips_the_step_on_every_rank(tmp_path, optimize
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_a_checkpoint_of_two_ranks_resumes_on_three(tmp_path):
+def test_a_checkpoint_of_two_ranks_resumes_on_three(tmp_path, rank_pool):
     n = 4
     cfg = {"steps": n, "global_batch": 12, "mode": "async", "save_after": n - 1}
     first_dir, second_dir = tmp_path / "two", tmp_path / "three"
     first_dir.mkdir()
     second_dir.mkdir()
-    run_ranks(2, cfg, first_dir)
+    run_ranks(2, cfg, first_dir, pool=rank_pool)
     ckpt = first_dir / "ckpt.pt"
     assert ckpt.exists()
     records, _ = run_ranks(
-        3, {**cfg, "steps": 2 * n, "save_after": None, "resume": str(ckpt)}, second_dir
+        3,
+        {**cfg, "steps": 2 * n, "save_after": None, "resume": str(ckpt)},
+        second_dir,
+        pool=rank_pool,
     )
     reference = dp_worker.train({**cfg, "steps": 2 * n, "save_after": None})
     assert_bitwise_equal_across_ranks(records)

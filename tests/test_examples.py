@@ -246,6 +246,7 @@ def test_finetune_hf_trains_saves_and_reloads(tmp_path, extra):
     assert "tok_s" in err  # the progress bar shows tokens/s
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("extra", [[], ["--sft", "--lora", "4"]], ids=["trainer", "sft-lora"])
 def test_trainer_hf_trains_through_the_trainer_and_saves(tmp_path, extra):

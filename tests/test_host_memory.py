@@ -322,6 +322,31 @@ def test_frozen_parameters_cost_no_master_gradient_or_optimizer_state(monkeypatc
         RoundPipe(_big_model(), devices="emu")
 
 
+def test_the_terms_of_lean_moments_and_of_the_next_weights():
+    from roundpipe.memory import host
+    from roundpipe.optim import lean
+
+    # The memory module's copy of the block rules is the optimizer's.
+    assert (host._BLOCK, host._MIN_8BIT_NUMEL) == (lean.BLOCK, lean.MIN_8BIT_NUMEL)
+    model = nn.Sequential(nn.Linear(300, 100), nn.LayerNorm(100)).to(torch.bfloat16)
+    big, bias, norm = 300 * 100, 100, 2 * 100
+    exact = host_terms(model, torch.float32, None)
+    assert exact.optimizer == 8 * (big + bias + norm)
+    assert exact.next_weights == 2 * (big + bias + norm)  # the one-pass step's second copy
+    bf16 = host_terms(model, torch.float32, None, optim_states="bf16")
+    assert bf16.optimizer == 4 * (big + bias + norm)
+    eight = host_terms(model, torch.float32, None, optim_states="8bit")
+    blocks = -(-big // 256)
+    assert eight.optimizer == 2 * big + 8 * blocks + 8 * (bias + norm)  # small ones exact
+    assert eight.optimizer == sum(
+        host.adam_state_bytes(p.numel(), 4, "8bit") for p in model.parameters()
+    )
+    assert host_terms(model, torch.float32, None, one_pass=False).next_weights == 0
+    assert dict(exact.rows())["next weights (the one-pass step's second copy, async)"] > 0
+    with pytest.raises(ValueError, match="optim_states='4bit'"):
+        host_terms(model, torch.float32, None, optim_states="4bit")
+
+
 def test_the_check_can_be_skipped(monkeypatch):
     monkeypatch.setattr(roundpipe.runtime.model, "host_memory_available", lambda: 1000)
     RoundPipe(_big_model(), devices="emu", memory_check=False)

@@ -94,7 +94,7 @@ def test_an_expensive_layer_costs_more_and_gets_a_stage_of_its_own(device):
     seq = nn.Sequential(
         nn.Linear(width, width),
         nn.Linear(width, width),
-        Repeated(width, times=200),
+        Repeated(width, times=50),
         nn.Linear(width, width),
         nn.Linear(width, width),
         nn.Linear(width, width),

@@ -289,6 +289,7 @@ _ROOT_MODULES = {
     "roundpipe.main_thread": "check_main_thread (below the runtime, above threads and devices)",
     "roundpipe.step_check": "what a step function shares: above the scaler, below the runtime",
     "roundpipe.user_frame": "the stacklevel of a warning raised inside the library",
+    "roundpipe.native_build": "building the C++ libraries: the emulated device's, the step's",
 }
 
 

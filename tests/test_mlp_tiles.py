@@ -157,14 +157,14 @@ def _measured_peak(model, batch):
 
 
 def test_tiles_lower_the_measured_peak_by_what_the_plan_predicts():
-    """Llama, hidden 128, MLP 384, 2 layers, one sequence of 2,048 tokens on the emulated
-    device, untiled and in tiles of 256: the measured peak falls by more than half, and the
+    """Llama, hidden 128, MLP 384, 2 layers, one sequence of 1,024 tokens on the emulated
+    device, untiled and in tiles of 128: the measured peak falls by more than half, and the
     plan says each peak to the byte but for the loss's few (the microbatch's context on the
     device, rotary tables, positions and labels, counted)."""
     cfg = _config("llama", hidden=128, intermediate=384)
-    batch = _batch(1, 2048)
+    batch = _batch(1, 1024)
     planned, measured = [], []
-    for tile in (0, 256):
+    for tile in (0, 128):
         model = roundpipe.hf.wrap(_model(cfg), devices="emu", check=False, mlp_tile_tokens=tile)
         planned.append(model.memory_plan(input_kwargs=batch).devices[0].peak)
         measured.append(_measured_peak(model, batch))
@@ -178,8 +178,8 @@ def test_tiles_lower_the_measured_peak_by_what_the_plan_predicts():
 def test_the_plan_of_a_qwen3_1_7b_shaped_cut_is_the_measured_peak():
     """Two decoder layers of Qwen3-1.7B's shape (hidden 2048, MLP 6144, 16 heads of 128, 8
     key/value heads; a vocabulary of 8192 instead of 151,936, so the CPU runs it), fp32, one
-    sequence of 1,024 tokens at wrap's default tile for a 2 GiB device (256 tokens): the
-    plan's device peak within 2% of the emulated device's measured one."""
+    sequence of 512 tokens at wrap's default tile for a 2 GiB device (256 tokens): the plan's
+    device peak within 2% of the emulated device's measured one."""
     cfg = _config(
         "qwen3",
         hidden=2048,
@@ -189,7 +189,7 @@ def test_the_plan_of_a_qwen3_1_7b_shaped_cut_is_the_measured_peak():
         kv=8,
         head_dim=128,
     )
-    batch = _batch(1, 1024, vocab=8192)
+    batch = _batch(1, 512, vocab=8192)
     previous = emu.set_memory_capacity(2 << 30)
     try:
         model = roundpipe.hf.wrap(_model(cfg), devices="emu", check=False)
@@ -245,7 +245,7 @@ def test_the_plan_command_plans_the_tiled_layer(tmp_path, capsys):
 
 def test_the_final_norm_runs_in_tiles_in_training_and_lowers_the_heads_peak():
     """The head's final norm in tiles (the decoders' tile), bf16 Llama of one layer whose head
-    is the peak untiled (hidden 256, one sequence of 4,096 tokens): in training the norm sees
+    is the peak untiled (hidden 256, one sequence of 2,048 tokens): in training the norm sees
     tiles and the peak falls from the head's action to a decoder's backward, to the byte as
     the plan says; without labels (inference) the norm runs whole."""
     cfg = _config("llama", layers=1, hidden=256, intermediate=256)
@@ -256,14 +256,14 @@ def test_the_final_norm_runs_in_tiles_in_training_and_lowers_the_heads_peak():
     assert head.tiled == ["norm"] and "norm_tile_tokens=256" in repr(head)
     seen = []
     head.norm.register_forward_pre_hook(lambda _, args: seen.append(args[0].shape[:-1].numel()))
-    batch = _batch(1, 4096)
+    batch = _batch(1, 2048)
     peaks = {}
     for tile in (256, None):
         head.norm_tile_tokens = tile
         plan = model.memory_plan(input_kwargs=batch).devices[0]
         seen.clear()
         peaks[tile] = (plan.peak, plan.at, _measured_peak(model, batch))
-        assert max(seen) == 4096 and (min(seen) == 256) == (tile == 256), (tile, set(seen))
+        assert max(seen) == 2048 and (min(seen) == 256) == (tile == 256), (tile, set(seen))
     print(peaks)
     (tiled, tiled_at, tiled_measured), (whole, whole_at, whole_measured) = peaks.values()
     assert tiled_at.startswith("B") and whole_at.startswith("L"), (tiled_at, whole_at)

@@ -162,26 +162,36 @@ def _applied(path, options, kwargs, seq_len, tmp_path):
     """The plans after one change the advice names, as the command's options."""
     kwargs = dict(kwargs)
     words = options.split()
-    if options == "--no-offload-activations":
-        kwargs["offload_activations"] = False
-    elif options == "--offload-activations":
-        kwargs["offload_activations"] = True
-    elif words[0] == "--seq-len":
-        seq_len = int(words[1])
-    elif words[0] == "--lora":
-        pytest.importorskip("peft")
-        kwargs["lora"] = int(words[1])
-    elif words[0] == "--optim-dtype":
-        kwargs["optim_dtype"] = torch.bfloat16
-    elif words[0] == "--ranks":
-        kwargs["ranks"] = int(words[1])
-    elif words[0] == "--num-microbatch":
-        kwargs["num_microbatch"] = int(words[1])
-    elif "--spill-dir" in words or "--spill-masters" in words:
-        kwargs["spill_dir"] = kwargs.get("spill_dir") or str(tmp_path)
-        kwargs["spill_masters"] = "--spill-masters" in words
-    else:
-        raise AssertionError(f"the advice names an option the test does not know: {options}")
+    while words:
+        option, value = words.pop(0), None
+        if words and not words[0].startswith("--"):
+            value = words.pop(0)
+        if option == "--no-offload-activations":
+            kwargs["offload_activations"] = False
+        elif option == "--offload-activations":
+            kwargs["offload_activations"] = True
+        elif option == "--seq-len":
+            seq_len = int(value)
+        elif option == "--lora":
+            pytest.importorskip("peft")
+            kwargs["lora"] = int(value)
+        elif option == "--quantize":
+            pytest.importorskip("bitsandbytes")
+            kwargs["quantize"] = value
+        elif option == "--optim-states":
+            kwargs["optim_states"] = value
+        elif option == "--optim-dtype":
+            kwargs["optim_dtype"] = torch.bfloat16
+        elif option == "--ranks":
+            kwargs["ranks"] = int(value)
+        elif option == "--num-microbatch":
+            kwargs["num_microbatch"] = int(value)
+        elif option == "--spill-dir":
+            kwargs["spill_dir"] = kwargs.get("spill_dir") or str(tmp_path)
+        elif option == "--spill-masters":
+            kwargs["spill_masters"] = True
+        else:
+            raise AssertionError(f"the advice names an option the test does not know: {options}")
     return _planner(path, **kwargs).plans(seq_len)
 
 

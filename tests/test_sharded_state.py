@@ -1,6 +1,7 @@
 """Model state sharded over data-parallel ranks (roundpipe.distributed.ShardedState): the owners,
 what a rank allocates, the sharded run against the replicated one (gloo, processes on this
-machine, through tests/dp_worker.py), the global gradient norm, the memory plan's ``ranks``, and
+machine, through tests/dp_worker.py: in the session's rank processes, in fresh ones where a
+rank's exit is the point), the global gradient norm, the memory plan's ``ranks``, and
 what is refused."""
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ def test_four_equal_layers_and_a_small_head_split_evenly_over_two_ranks():
     # (72% of the masters); the worst rank is what must fit.
     seq = nn.Sequential(*[nn.Linear(256, 256, bias=False) for _ in range(4)], nn.Linear(256, 8))
     sizes = [p.numel() * 4 for p in seq.parameters()]
-    layer, head = sizes[0], sizes[4] + sizes[5]
+    head = sizes[4] + sizes[5]
     owners = shard_by_bytes(sizes, 2)
     shares = [sum(s for s, o in zip(sizes, owners) if o == r) for r in (0, 1)]
     assert [owners[:4].count(r) for r in (0, 1)] == [2, 2]  # two layers each
@@ -276,11 +277,13 @@ def merged(records, key="masters"):
     return out
 
 
-def assert_sharded_equals_replicated(world, cfg, tmp_path):
+def assert_sharded_equals_replicated(world, cfg, tmp_path, pool):
     (tmp_path / "sharded").mkdir()
     (tmp_path / "replicated").mkdir()
-    sharded, _ = run_ranks(world, {**cfg, "shard": True}, tmp_path / "sharded", deadline=150)
-    replicated, _ = run_ranks(world, cfg, tmp_path / "replicated", deadline=150)
+    sharded, _ = run_ranks(
+        world, {**cfg, "shard": True}, tmp_path / "sharded", deadline=150, pool=pool
+    )
+    replicated, _ = run_ranks(world, cfg, tmp_path / "replicated", deadline=150, pool=pool)
     assert sorted(sharded) == list(range(world))
     whole = replicated[0]["masters"]
     masters = merged(sharded)
@@ -306,7 +309,7 @@ def assert_sharded_equals_replicated(world, cfg, tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("mode", ["async", "sync"])
-def test_two_sharded_ranks_equal_the_replicated_run_bitwise(tmp_path, mode):
+def test_two_sharded_ranks_equal_the_replicated_run_bitwise(tmp_path, rank_pool, mode):
     """fp16 weights, fp32 masters, Adam, GradScaler with a step skipped on one rank's overflow."""
     cfg = {
         "steps": 20,
@@ -316,7 +319,7 @@ def test_two_sharded_ranks_equal_the_replicated_run_bitwise(tmp_path, mode):
         "inf_rank": 1,
         "global_batch": 8,
     }
-    sharded, replicated = assert_sharded_equals_replicated(2, cfg, tmp_path)
+    sharded, replicated = assert_sharded_equals_replicated(2, cfg, tmp_path, rank_pool)
     assert sharded[0]["skipped"][3] is True  # rank 1's overflow skipped it on rank 0 too
     assert sharded[0]["scaler"]["roundpipe"]["skipped_steps"] >= 1
     # What a rank allocates: its masters and the one-element stand-ins of the others'; an
@@ -334,7 +337,7 @@ def test_two_sharded_ranks_equal_the_replicated_run_bitwise(tmp_path, mode):
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_sharded_masters_in_files_equal_the_replicated_run_bitwise(tmp_path):
+def test_sharded_masters_in_files_equal_the_replicated_run_bitwise(tmp_path, rank_pool):
     """ShardedState(masters_dir=...) with Adam(state_dir=...): each rank's share of the
     masters and of Adam's state in files (the replicated ranks keep theirs in files too, shown
     bitwise the in-RAM ranks by tests/test_distributed.py)."""
@@ -347,7 +350,7 @@ def test_sharded_masters_in_files_equal_the_replicated_run_bitwise(tmp_path):
         "global_batch": 8,
         "spill": str(tmp_path / "nvme"),
     }
-    sharded, replicated = assert_sharded_equals_replicated(2, cfg, tmp_path)
+    sharded, replicated = assert_sharded_equals_replicated(2, cfg, tmp_path, rank_pool)
     assert sharded[0]["skipped"][3] is True
     for rec in list(sharded.values()) + list(replicated.values()):
         assert rec["masters_in_files"] and all(rec["masters_in_files"])
@@ -357,25 +360,25 @@ def test_sharded_masters_in_files_equal_the_replicated_run_bitwise(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_a_global_grad_norm_clips_the_sharded_run_as_the_replicated_one(tmp_path):
+def test_a_global_grad_norm_clips_the_sharded_run_as_the_replicated_one(tmp_path, rank_pool):
     cfg = {"steps": 20, "mode": "sync", "dtype": "fp16", "optimizer": "sgd", "clip": 0.5}
-    sharded, replicated = assert_sharded_equals_replicated(2, cfg, tmp_path)
+    sharded, replicated = assert_sharded_equals_replicated(2, cfg, tmp_path, rank_pool)
     norms = sharded[0]["norms"]
     assert len(norms) >= 19 and sum(n > 0.5 for n in norms.values()) >= 5  # it did clip
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-def test_four_sharded_ranks_equal_the_replicated_run_bitwise(tmp_path):
+def test_four_sharded_ranks_equal_the_replicated_run_bitwise(tmp_path, rank_pool):
     cfg = {"steps": 20, "mode": "async", "dtype": "fp16", "inf_step": 3, "inf_rank": 2}
     cfg["global_batch"] = 16
-    assert_sharded_equals_replicated(4, cfg, tmp_path)
+    assert_sharded_equals_replicated(4, cfg, tmp_path, rank_pool)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("devices,late", [("cpu:2", False), ("cpu:2", True), ("emu", False)])
-def test_stage_sums_reach_their_owners_on_every_pool(tmp_path, devices, late):
+def test_stage_sums_reach_their_owners_on_every_pool(tmp_path, rank_pool, devices, late):
     """Two CPU workers (a move per stage, from two threads) and the emulated accelerator (the
     plan's downloads, the reducer waiting for their events): bitwise the replicated run; also
     when rank 1 starts handing a call's stage over before the one above it (from another
@@ -392,20 +395,22 @@ def test_stage_sums_reach_their_owners_on_every_pool(tmp_path, devices, late):
     }
     if late:
         cfg["by_rank"] = {"1": {"hand_late": True}}
-    assert_sharded_equals_replicated(2, cfg, tmp_path)
+    assert_sharded_equals_replicated(2, cfg, tmp_path, rank_pool)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_accumulated_calls_and_a_plain_backward_sum_as_the_replicated_run(tmp_path):
+def test_accumulated_calls_and_a_plain_backward_sum_as_the_replicated_run(tmp_path, rank_pool):
     """Two forward_backward calls per step (each summed over the ranks as it runs) plus a
     differentiable forward() and backward() (summed at the step, with the owners' sums so far):
     the same total as the replicated run, up to the order of the additions."""
     cfg = {"steps": 6, "mode": "async", "dtype": "fp32", "accumulate": 2, "extra_backward": True}
     (tmp_path / "sharded").mkdir()
     (tmp_path / "replicated").mkdir()
-    sharded, _ = run_ranks(2, {**cfg, "shard": True}, tmp_path / "sharded", deadline=150)
-    replicated, _ = run_ranks(2, cfg, tmp_path / "replicated", deadline=150)
+    sharded, _ = run_ranks(
+        2, {**cfg, "shard": True}, tmp_path / "sharded", deadline=150, pool=rank_pool
+    )
+    replicated, _ = run_ranks(2, cfg, tmp_path / "replicated", deadline=150, pool=rank_pool)
     whole = replicated[0]["masters"]
     masters = merged(sharded)
     assert sorted(masters) == sorted(whole)
@@ -454,7 +459,7 @@ def test_a_rank_that_fails_inside_its_call_still_pairs_its_reduces(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-def test_a_rank_that_survives_a_failed_call_stays_in_step(tmp_path):
+def test_a_rank_that_survives_a_failed_call_stays_in_step(tmp_path, rank_pool):
     """Rank 1's call fails in iteration 3 and it goes on to the step, as rank 0 does after its
     whole call: rank 1 handed the reducer every stage of the failed call, so the ranks' reduces
     still pair up, and both finish, in step, without a data-parallel error (a rank whose failed
@@ -466,7 +471,7 @@ def test_a_rank_that_survives_a_failed_call_stays_in_step(tmp_path):
         "pg_timeout": 4.0,
         "fail_in_backward": {"rank": 1, "step": 3, "survive": True},
     }
-    records, _ = run_ranks(2, cfg, tmp_path, deadline=90.0)
+    records, _ = run_ranks(2, cfg, tmp_path, deadline=90.0, pool=rank_pool)
     assert sorted(records) == [0, 1]
     assert "fails in loss_fn on purpose at 3" in records[1]["survived"]
     for rec in records.values():

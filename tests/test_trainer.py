@@ -161,6 +161,50 @@ def test_spill_dir_trains_bitwise_as_the_state_in_ram(tmp_path):
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.filterwarnings("ignore:.*fewer than 4096")
+def test_an_8bit_optim_name_trains_with_roundpipes_8bit_adamw(tmp_path):
+    # transformers' names of 8-bit AdamW build roundpipe's AdamW(state_dtype="8bit") with the
+    # Trainer's arguments, without bitsandbytes: the same run as naming that optimizer.
+    from transformers import AutoModelForCausalLM
+
+    data = token_dataset()
+    runs = {}
+    config = tiny_llama().config
+    config.intermediate_size = 128  # MLP weights of 4096 elements: 8-bit blocks
+    for name in ("adamw_8bit", "adamw_bnb_8bit", "explicit"):
+        args = training_args(
+            tmp_path / name, max_steps=4, optim="adamw_torch" if name == "explicit" else name
+        )
+        explicit = (
+            roundpipe.optim.AdamW,
+            dict(lr=args.learning_rate, betas=(0.9, 0.999), eps=1e-8, state_dtype="8bit"),
+        )
+        torch.manual_seed(0)
+        trainer = roundpipe.hf.Trainer(
+            model=AutoModelForCausalLM.from_config(config),
+            args=args,
+            train_dataset=data,
+            data_collator=collate,
+            optimizer_cls_and_kwargs=explicit if name == "explicit" else None,
+        )
+        trainer.train()
+        runs[name] = trainer
+    opt = runs["adamw_8bit"].optimizer
+    assert type(opt) is roundpipe.optim.AdamW
+    assert all(g["state_dtype"] == "8bit" for g in opt.param_groups)
+    assert opt.param_groups[0]["weight_decay"] == 0.1  # the Trainer's arguments
+    assert any(s["exp_avg"].dtype == torch.uint8 for s in opt.state.values())
+    losses = step_losses(runs["explicit"].state.log_history)
+    for name in ("adamw_8bit", "adamw_bnb_8bit"):
+        assert step_losses(runs[name].state.log_history) == losses
+        for (n, a), (_, b) in zip(
+            runs[name].model.optim_named_parameters(),
+            runs["explicit"].model.optim_named_parameters(),
+        ):
+            assert torch.equal(a, b), n
+
+
+@pytest.mark.timeout(300)
 def test_the_async_step_equals_the_lag_one_reference(tmp_path):
     args = training_args(tmp_path / "rp")
     ours = roundpipe.hf.Trainer(
@@ -295,11 +339,20 @@ def test_sft_trainer_equals_trls_with_the_synchronous_step(tmp_path, lora):
         assert got_eval[key] == pytest.approx(want_eval[key], rel=1e-5), key
 
 
-def _worker(mode, out, result):
+def _worker(mode, out, result, new_process=True):
+    """trainer_worker's run: in a new process, or in this one where the process is not the
+    point (the uninterrupted run, the run that saves)."""
+    if not new_process:
+        import trainer_worker
+
+        trainer_worker.main(mode, str(out), str(result))
+        return json.loads(Path(str(result) + ".json").read_text()), torch.load(str(result) + ".pt")
     env = dict(
         os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
     )
     env.pop("ROUNDPIPE_DEVICES", None)
+    # This process's thread count, so that it computes what the runs in this process did.
+    env["OMP_NUM_THREADS"] = str(torch.get_num_threads())
     proc = subprocess.run(
         [sys.executable, str(ROOT / "tests" / "trainer_worker.py"), mode, str(out), str(result)],
         env=env,
@@ -311,10 +364,14 @@ def _worker(mode, out, result):
     return json.loads(Path(str(result) + ".json").read_text()), torch.load(str(result) + ".pt")
 
 
+@pytest.mark.slow  # a new process
 @pytest.mark.timeout(600)
-def test_resume_from_checkpoint_in_a_new_process_equals_the_uninterrupted_run(tmp_path):
-    full, full_masters = _worker("full", tmp_path / "full", tmp_path / "full-result")
-    stopped, _ = _worker("stop", tmp_path / "run", tmp_path / "stop-result")
+def test_resume_from_checkpoint_in_a_new_process_equals_the_uninterrupted_run(
+    tmp_path, monkeypatch
+):
+    monkeypatch.delenv("ROUNDPIPE_DEVICES", raising=False)  # as the new process has it
+    full, full_masters = _worker("full", tmp_path / "full", tmp_path / "full-result", False)
+    stopped, _ = _worker("stop", tmp_path / "run", tmp_path / "stop-result", False)
     assert stopped["step"] == 10 and (tmp_path / "run" / "checkpoint-10").is_dir()
     resumed, masters = _worker("resume", tmp_path / "run", tmp_path / "resume-result")
     assert resumed["step"] == 20

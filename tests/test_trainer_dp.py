@@ -5,6 +5,7 @@ losses, gradient norms, learning rates and final weights; the resume of a two-ra
 processes; the evaluation loss as transformers computes it over ranks. The runs are
 tests/trainer_dp_worker.py's."""
 
+import shutil
 import sys
 from pathlib import Path
 
@@ -24,6 +25,7 @@ WORKER = Path(__file__).resolve().parent / "trainer_dp_worker.py"
 
 pytestmark = [
     pytest.mark.slow,
+    pytest.mark.xdist_group("trainer_dp"),  # one worker builds the module's two_ranks
     pytest.mark.skipif(
         not dist.is_available() or not dist.is_gloo_available(),
         reason="torch.distributed with gloo is needed",
@@ -47,14 +49,15 @@ def _logged(record, key):
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
-    """The uninterrupted two-rank run (12 steps), once for the module."""
+    """The uninterrupted two-rank run (12 steps, a checkpoint at step 7), once for the module:
+    its records, its stdout, its output directory."""
     tmp = tmp_path_factory.mktemp("two-ranks")
-    return _torchrun("full", tmp / "out", tmp / "result")
+    return (*_torchrun("full", tmp / "out", tmp / "result"), tmp / "out")
 
 
 @pytest.mark.timeout(400)
 def test_two_ranks_equal_one_process_at_the_same_global_batch(two_ranks, tmp_path):
-    records, stdout = two_ranks
+    records, stdout, _ = two_ranks
     trainer_dp_worker.run("full", str(tmp_path / "out"), str(tmp_path / "result"))
     one = torch.load(f"{tmp_path / 'result'}-rank0.pt", weights_only=False)
     assert one["world"] == 1 and one["data_parallel"] is None
@@ -142,13 +145,15 @@ def test_fp16_over_two_ranks_skips_the_same_steps_as_one_process(tmp_path):
 
 @pytest.mark.timeout(400)
 def test_a_two_rank_run_resumes_in_new_processes_as_if_uninterrupted(two_ranks, tmp_path):
-    full, _ = two_ranks
+    # The uninterrupted run's checkpoint of step 7, alone in a new output directory: a run cut
+    # short there leaves the same (a run that stops right after its save, so that only the
+    # wait for the write keeps it complete, is test_trainer's resume test).
+    full, _, full_out = two_ranks
     out = tmp_path / "out"
-    stopped, _ = _torchrun("stop", out, tmp_path / "stop")
-    assert [r["step"] for r in stopped] == [trainer_dp_worker.STOP] * 2
-    ckpt = out / f"checkpoint-{trainer_dp_worker.STOP}"
+    name = f"checkpoint-{trainer_dp_worker.STOP}"
+    shutil.copytree(full_out / name, out / name)
     # rank 0 wrote it, with both ranks' RNG state and Trainer state
-    assert sorted(p.name for p in ckpt.glob("rank-*")) == [
+    assert sorted(p.name for p in (out / name).glob("rank-*")) == [
         "rank-00000.safetensors",
         "rank-00001.safetensors",
     ]

@@ -4,8 +4,8 @@ one-process run at the same global batch (without torchrun's environment).
     torchrun --nproc-per-node 2 tests/trainer_dp_worker.py MODE OUTPUT_DIR RESULT
     python tests/trainer_dp_worker.py MODE OUTPUT_DIR RESULT
 
-MODE: ``full`` (12 steps), ``stop`` (a checkpoint at step 7, then stop), ``resume`` (from the
-newest checkpoint in OUTPUT_DIR), ``fp16`` (``full`` in fp16, with a first loss scale so large
+MODE: ``full`` (12 steps, a checkpoint at step 7), ``resume`` (from the newest checkpoint in
+OUTPUT_DIR), ``fp16`` (``full`` in fp16, with a first loss scale so large
 that the first steps overflow and are skipped): a global batch of 8 samples, 2 ranks x 2
 samples x 2 accumulated batches or 1 process x 2 samples x 4 batches; or ``sft`` (roundpipe.hf.SFTTrainer
 on sentences, 6 steps of 2 accumulated batches of 8 / 2 / world samples). Each rank writes
@@ -21,7 +21,6 @@ sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from trainer_common import (  # noqa: E402
     collate,
     sentences,
-    stop_at,
     tiny_llama,
     token_dataset,
     training_args,
@@ -86,14 +85,23 @@ def run(mode, output_dir, result):
             f"{result}-rank{trainer.args.process_index}.pt",
         )
         return
-    fp16 = {}
-    if mode == "fp16":
-        import functools
+    if mode != "fp16":
+        return _run(mode, output_dir, result, ga, {})
+    import functools
 
-        from roundpipe.hf import trainer as rp_trainer
+    from roundpipe.hf import trainer as rp_trainer
 
-        rp_trainer.GradScaler = functools.partial(roundpipe.GradScaler, init_scale=2.0**28)
-        fp16 = {"fp16": True}
+    # The first scale so large that the first steps overflow; put back afterwards, since the
+    # one-process run is in the test's own process.
+    scaler = rp_trainer.GradScaler
+    rp_trainer.GradScaler = functools.partial(roundpipe.GradScaler, init_scale=2.0**28)
+    try:
+        return _run(mode, output_dir, result, ga, {"fp16": True})
+    finally:
+        rp_trainer.GradScaler = scaler
+
+
+def _run(mode, output_dir, result, ga, fp16):
     args = training_args(
         output_dir,
         **fp16,
@@ -113,7 +121,6 @@ def run(mode, output_dir, result):
         train_dataset=token_dataset(n=24),
         eval_dataset=token_dataset(n=8, seed=5),
         data_collator=collate,
-        callbacks=[stop_at(STOP)] if mode == "stop" else [],
     )
     trainer.train(resume_from_checkpoint=True if mode == "resume" else None)
     record = {

@@ -43,6 +43,7 @@ from roundpipe.checkpoint.state import (
     check_components,
     check_model,
     check_optimizer,
+    check_state_kind,
     refuse,
     restore_on_main_thread,
     restore_on_optimizer_thread,
@@ -242,7 +243,9 @@ def _named_optimizer_state(
     found = named.problems(saved, optimizer, names, where)
     if found:
         return None, found
-    return named.for_optimizer(named.keep(saved, names), optimizer, names), []
+    state = named.for_optimizer(named.keep(saved, names), optimizer, names)
+    found = check_state_kind(state, optimizer, where)
+    return (None, found) if found else (state, [])
 
 
 def _check_tensors(ckpt: Checkpoint, description: dict[str, Any], access: Any) -> list[str]:

@@ -38,6 +38,7 @@ __all__ = [
     "check_components",
     "check_model",
     "check_optimizer",
+    "check_state_kind",
     "refuse",
     "GROUPS",
     "TOUCHES",
@@ -133,7 +134,11 @@ class Capture:
         # Sharded, rank 0 writes what is replicated; every rank its own masters and state.
         replicated = self.shard_rank in (None, 0)
         groups: dict[str, list[tuple[str, torch.Tensor]]] = {g: [] for g in GROUPS}
-        groups["model"] = list(self.model_tensors) if replicated else []
+        # A parameter's data as it is now, in launch order: the master->model copy launched
+        # before this save may have swapped the step's next weights in since save() ran (see
+        # [Note: the copy in the step] in roundpipe.runtime.step_copy), and the storage
+        # save() saw is then the one the step launched before the save writes.
+        groups["model"] = [(k, t.detach()) for k, t in self.model_tensors] if replicated else []
         groups["masters"] = [(f"masters/{n}", m.detach()) for n, m in masters]
         groups["grads"] = [
             (f"grads/{n}", m.grad.detach()) for n, m in masters if m.grad is not None
@@ -166,8 +171,9 @@ class Capture:
 def model_description(
     access: StateAccess, copy_buffers: bool = True
 ) -> tuple[list[tuple[str, torch.Tensor]], dict[str, Any]]:
-    """The model's tensors to write (``model/NAME``: a parameter itself, a buffer's copy, none
-    without ``copy_buffers``; a tensor under several names once) and its description for the
+    """The model's tensors to write (``model/NAME``: a parameter itself, read when the
+    checkpoint completes; a buffer's copy; none without ``copy_buffers``; a tensor under several
+    names once) and its description for the
     manifest: every name with its dtype and shape, the aliases, the masters. Main thread."""
     tensors: list[tuple[str, torch.Tensor]] = []
     entries: list[list[Any]] = []
@@ -180,7 +186,7 @@ def model_description(
         first[id(t)] = name
         is_param = isinstance(t, nn.Parameter)
         if is_param or copy_buffers:
-            tensors.append((f"model/{name}", t.detach() if is_param else t.detach().clone()))
+            tensors.append((f"model/{name}", t if is_param else t.detach().clone()))
         entries.append([name, _dtype(t), list(t.shape), "param" if is_param else "buffer"])
     # Every master, held here or not (a stand-in has the master's dtype and shape).
     masters = [
@@ -409,7 +415,16 @@ def check_optimizer(
         problems.append(
             f"the optimizer state in {where} is for parameters {stray[:5]} it does not list"
         )
-    return problems
+    return problems + check_state_kind(saved, optimizer, where)
+
+
+def check_state_kind(saved: dict[str, Any], optimizer: Any, where: str) -> list[str]:
+    """Adam's moments saved of one kind (exact, bf16, 8-bit: ``roundpipe.optim.AdamW
+    (state_dtype=...)``) and an optimizer of another: the problem, named."""
+    from roundpipe.optim.adam import state_kind_mismatch
+
+    problem = state_kind_mismatch(saved, optimizer)
+    return [] if problem is None else [f"the optimizer state in {where}: {problem}"]
 
 
 def _names(names: list[str]) -> str:

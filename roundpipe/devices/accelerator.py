@@ -22,6 +22,7 @@ from torch.utils import _pytree as pytree
 
 from roundpipe.devices import kind
 from roundpipe.devices.backend import WorkerDevice
+from roundpipe.devices.packed import packed_copy
 from roundpipe.devices.pinned import TORCH_PINNED, PinnedAllocator, pin_module, pinned_empty
 
 __all__ = ["AcceleratorBackend", "Resident", "cublas_workspace_bytes", "device_reserve"]
@@ -142,15 +143,19 @@ class Resident:
     ``upload``, that gradients are taken with respect to (None for a differentiable upload,
     whose gradients flow back to the host parameters).
     ``ready``: a prefetch's copies done (an event on the copy stream), until adopted.
-    ``buffers``: (host buffer, device copy, whether its module is in training mode)."""
+    ``buffers``: (host buffer, device copy, whether its module is in training mode).
+    ``carried``: the device copies of the tensors packed parameters carry (their quantization
+    state, see [Note: packed parameters] in :mod:`roundpipe.devices.packed`), which no swap
+    names."""
 
-    __slots__ = ("swaps", "leaves", "buffers", "ready")
+    __slots__ = ("swaps", "leaves", "buffers", "ready", "carried")
 
     def __init__(self) -> None:
         self.swaps: dict[int, list[Swap]] = {}
         self.leaves: list[torch.Tensor] | None = None
         self.ready: torch.Event | None = None
         self.buffers: list[tuple[torch.Tensor, torch.Tensor, bool]] = []
+        self.carried: list[torch.Tensor] = []
 
 
 class AcceleratorBackend:
@@ -254,7 +259,9 @@ class AcceleratorBackend:
         leaves: bool,
         prefetch: bool = False,
     ) -> Resident:
-        """Copy ``modules``' parameters and buffers to the device, each tensor once.
+        """Copy ``modules``' parameters and buffers to the device, each tensor once; a packed
+        parameter as its packed data with its quantization state (see [Note: packed
+        parameters] in :mod:`roundpipe.devices.packed`), never dequantized on the host.
         ``leaves``: the ``trainable`` parameters become device leaves that require grad
         (``Resident.leaves``, aligned with ``trainable``); else a differentiable copy.
         ``prefetch``: the copies run on :attr:`copy_stream`, beside the compute; the upload is
@@ -268,12 +275,20 @@ class AcceleratorBackend:
         device, resident = self.torch_device, Resident()
         copies: dict[int, torch.Tensor] = {}
 
+        def carry(t: torch.Tensor) -> torch.Tensor:
+            copy = copies.get(id(t))
+            if copy is None:
+                copy = copies[id(t)] = t.to(device, non_blocking=True)
+                resident.carried.append(copy)
+            return copy
+
         def up(t: torch.Tensor, leaf: bool) -> torch.Tensor:
             copy = copies.get(id(t))
             if copy is None:
-                if leaf:
+                copy = packed_copy(t, lambda d: d.to(device, non_blocking=True), carry)
+                if copy is None and leaf:
                     copy = t.detach().to(device, non_blocking=True).requires_grad_(True)
-                else:
+                elif copy is None:
                     copy = t.to(device, non_blocking=True)
                 copies[id(t)] = copy
             return copy
@@ -300,6 +315,8 @@ class AcceleratorBackend:
         for swaps in resident.swaps.values():
             for _, _, t in swaps:
                 t.record_stream(self.stream)
+        for t in resident.carried:
+            t.record_stream(self.stream)
 
     def release(self, upload: Any, write_back: bool) -> torch.Event:
         """End of a run: with ``write_back``, buffers of training-mode modules take the values
@@ -313,6 +330,7 @@ class AcceleratorBackend:
         resident.swaps.clear()
         resident.leaves = None
         resident.buffers.clear()
+        resident.carried.clear()
         return self._event()
 
     def call_layer(

@@ -21,6 +21,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 import torch
 from torch import nn
 
+from roundpipe.devices.packed import carried
+
 __all__ = [
     "ALIGNMENT",
     "EXACT_BLOCK",
@@ -29,6 +31,7 @@ __all__ = [
     "TORCH_PINNED",
     "UNLIMITED",
     "cuda_pinned_round_limit",
+    "module_tensors",
     "next_power_of_two",
     "pin_module",
     "pinned_empty",
@@ -229,10 +232,22 @@ class _Group:
     hi: int
 
 
+def module_tensors(module: nn.Module) -> list[torch.Tensor]:
+    """``module``'s parameters and buffers, and the tensors packed parameters carry (their
+    quantization state, see [Note: packed parameters] in :mod:`roundpipe.devices.packed`),
+    each once: what the host holds of the model and an upload copies."""
+    seen: dict[int, torch.Tensor] = {}
+    for t in list(module.parameters()) + list(module.buffers()):
+        seen.setdefault(id(t), t)
+        for c in carried(t):
+            seen.setdefault(id(c), c)
+    return list(seen.values())
+
+
 def _pinnable(module: nn.Module) -> list[torch.Tensor]:
     seen: set[int] = set()
     out = []
-    for t in list(module.parameters()) + list(module.buffers()):
+    for t in module_tensors(module):
         if id(t) in seen:
             continue
         seen.add(id(t))
@@ -283,9 +298,10 @@ def pinned_layout(module: nn.Module, allocator: PinnedAllocator | None = None) -
 
 
 def pin_module(module: nn.Module, allocator: PinnedAllocator | None = None) -> PoolLayout:
-    """Move ``module``'s parameters and buffers (those on the CPU, not pinned yet) into pinned
-    host memory from a pool of a few large allocations (see [Note: the pinned pool]). The
-    tensor objects stay the same; their ``.data`` becomes a view of the pool, with the same
+    """Move ``module``'s parameters and buffers, and the quantization state packed parameters
+    carry (:func:`module_tensors`; those on the CPU, not pinned yet), into pinned host memory
+    from a pool of a few large allocations (see [Note: the pinned pool]). The tensor objects
+    stay the same; their ``.data`` becomes a view of the pool, with the same
     values, shape and strides, and their old storage is freed (unless something else holds
     it). Tensors that shared a storage still do. ``allocator``: how the pinned blocks are made
     (None: :data:`TORCH_PINNED`, the current accelerator's; a RoundPipe passes its device

@@ -10,6 +10,7 @@ import os
 import queue
 import threading
 from collections.abc import Callable, Sequence
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 import torch
@@ -199,15 +200,15 @@ class ShardedState(MasterPlacement):
                 f"first (and {what} on every rank at the same point of the loop)"
             )
 
-    def copy_layer(self, pairs: Any) -> None:
+    def copy_layer(self, pairs: Any, done: AbstractSet[int] = frozenset()) -> None:
         """Optimizer thread, in the master->model copy: cast the held masters into the
         model's parameters, then broadcast each owner's parameters of the layer to the other
         ranks (see [Note: sharded state] (d)). A collective; raises
         :class:`DataParallelError` if it fails."""
         if self._files is not None:
-            self._files.copy_layer(pairs)
+            self._files.copy_layer(pairs, done)
         else:
-            super().copy_layer(pairs)
+            super().copy_layer(pairs, done)
         group = self._group
         if group.world == 1:
             return

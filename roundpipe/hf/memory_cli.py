@@ -16,7 +16,9 @@ GPU needs beside the tensors (see [Note: the device reserve] in
 :mod:`roundpipe.devices.accelerator`), and ``--host-memory`` against that much RAM.
 ``--spill-dir DIR`` plans Adam's state in files there (``roundpipe.optim.AdamW(state_dir=DIR)``):
 only its streaming buffer counts against the host; ``--spill-masters`` plans the masters there too
-(``state_placement=roundpipe.MastersOnDisk(DIR)``): only its copy buffer counts. Planned from a
+(``state_placement=roundpipe.MastersOnDisk(DIR)``): only its copy buffer counts.
+``--optim-states bf16|8bit`` plans Adam's moments in 4 or about 2 bytes per parameter
+(``roundpipe.optim.AdamW(state_dtype=torch.bfloat16 | "8bit")``). Planned from a
 config, the weights do not
 exist yet, so they count against the host like every other term. When it does not fit, the
 report ends with what to change, each change with what it saves.
@@ -42,7 +44,14 @@ from roundpipe.hf.defaults import (
     kept_input_bytes,
     offload_needed,
 )
-from roundpipe.memory.host import HostTerms, format_bytes, host_terms
+from roundpipe.hf.quantized import EIGHT_BIT, QUANTIZATIONS, quantize_on_meta
+from roundpipe.memory.host import (
+    OPTIM_STATES,
+    HostTerms,
+    adam_state_bytes,
+    format_bytes,
+    host_terms,
+)
 from roundpipe.memory.probe import host_memory_available
 from roundpipe.memory.report import (
     HOST_FREE_HERE,
@@ -139,6 +148,17 @@ def _lora_numel(model: torch.nn.Module, rank: int) -> int:
         if name.rsplit(".", 1)[-1] in LORA_TARGETS and isinstance(module, torch.nn.Linear):
             total += rank * (module.in_features + module.out_features)
     return total
+
+
+def _decoder_linear_numel(model: torch.nn.Module) -> int:
+    """Elements of the linear layers' weights but the output embedding: what QLoRA quantizes."""
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
+    return sum(
+        m.weight.numel()
+        for m in model.modules()
+        if isinstance(m, torch.nn.Linear) and m is not head
+    )
 
 
 def _host_fits(plan: MemoryPlan) -> bool:
@@ -249,7 +269,12 @@ class ConfigPlanner:
     largest share; ``spill_dir``: Adam's state in files there
     (``roundpipe.optim.AdamW(state_dir=spill_dir)``), so only its streaming buffer counts
     against the host; ``spill_masters`` (with ``spill_dir``): the masters in files there too
-    (:class:`roundpipe.MastersOnDisk`), so only its copy buffer counts. Main thread."""
+    (:class:`roundpipe.MastersOnDisk`), so only its copy buffer counts; ``optim_states``:
+    how Adam keeps its moments ("exact", "bf16", "8bit":
+    ``roundpipe.optim.AdamW(state_dtype=...)``); ``quantize`` (``"nf4"``/``"fp4"``, with
+    ``lora``): the base quantized as transformers loads it with bitsandbytes in 4 bits,
+    ``double_quant`` its ``bnb_4bit_use_double_quant``, computing in ``dtype``
+    (:func:`roundpipe.hf.quantized.quantize_on_meta`): QLoRA. Main thread."""
 
     def __init__(
         self,
@@ -270,6 +295,9 @@ class ConfigPlanner:
         mlp_tile_tokens: int | None = None,
         spill_masters: bool = False,
         gpu: str | None = None,
+        optim_states: str = "exact",
+        quantize: str | None = None,
+        double_quant: bool = True,
     ) -> None:
         from transformers import AutoModelForCausalLM
 
@@ -287,11 +315,20 @@ class ConfigPlanner:
         self.optim_dtype = optim_dtype
         self.lora = lora
         self.gpu = gpu
+        self.quantize = quantize
         if spill_masters and spill_dir is None:
             raise ValueError("spill_masters plans the masters in files under spill_dir: give it")
+        if quantize is not None and not lora:
+            raise ValueError(
+                f"quantize={quantize!r} plans QLoRA: a quantized base cannot train, give the "
+                f"LoRA rank (lora=16, --lora 16)"
+            )
         with torch.device("meta"):
             plain = AutoModelForCausalLM.from_config(config, dtype=dtype)
             self._lora_numel = _lora_numel(plain, lora or 16)
+            self._decoder_linear_numel = _decoder_linear_numel(plain)
+            if quantize is not None:
+                quantize_on_meta(plain, quantize, double_quant, compute_dtype=dtype)
             whole = _with_lora(plain, lora)
         if devices is None:
             devices = "cuda:0" if torch.cuda.is_available() else "emu"
@@ -320,9 +357,24 @@ class ConfigPlanner:
         self.host_source = "host RAM given (--host-memory)" if host_memory is not None else None
         layers = [layer.module for layer in model_layers(self.model.module)]
         self.host = dataclasses.replace(
-            host_terms(whole, optim_dtype, None, available, ranks=ranks, layers=layers),
+            host_terms(
+                whole,
+                optim_dtype,
+                None,
+                available,
+                ranks=ranks,
+                layers=layers,
+                optim_states=optim_states,
+            ),
             weights_allocated=False,
         )
+        if spill_dir is not None and optim_states != "exact":
+            raise ValueError(
+                f"optim_states={optim_states!r} keeps lean moments in RAM; spill_dir streams "
+                f"exact ones through files: give one of them"
+            )
+        if spill_masters and spill_dir is None:
+            raise ValueError("spill_masters plans the masters in files under spill_dir: give it")
         if spill_dir is not None:
             self.host = dataclasses.replace(
                 self.host, optimizer=DEFAULT_BUFFER_BYTES, optimizer_dir=spill_dir
@@ -697,11 +749,11 @@ def _host_changes(planner: ConfigPlanner, lp: LengthPlans) -> list[_Change]:
             over = dev.peak + dev.reserve - (dev.available or 0)
             note += f", {format_bytes(over)} more than it has"
         changes.append(_Change("--no-offload-activations", host.activations, kept.fits, note))
-    state = host.masters + host.grads + host.optimizer
+    # what LoRA drops: the full weights' masters, gradients, optimizer state and next weights,
+    # the adapters' own left
+    state = host.masters + host.grads + host.optimizer + host.next_weights
+    adapters = _adapter_bytes(planner, next_weights=host.next_weights > 0)
     if not planner.lora:
-        n = planner._lora_numel
-        opt = planner.optim_dtype.itemsize
-        adapters = n * (opt * 4 + planner.itemsize)  # master, gradient, two moments; weights
         saves = state - adapters
         targets = ", ".join(LORA_TARGETS)
         changes.append(
@@ -711,6 +763,19 @@ def _host_changes(planner: ConfigPlanner, lp: LengthPlans) -> list[_Change]:
                 alone(saves),
                 f"adapters of rank 16 on {targets}: only they get masters, gradients and "
                 f"optimizer state",
+                about=True,
+            )
+        )
+    if planner.quantize is None:
+        packed = planner._decoder_linear_numel * (planner.itemsize - _NF4_BYTES)
+        saves = int(packed) + (0 if planner.lora else state - adapters)
+        changes.append(
+            _Change(
+                "--lora 16 --quantize nf4",
+                saves,
+                alone(saves),
+                "QLoRA: the frozen linear weights in 4 bits (about 0.52 bytes a parameter), "
+                "LoRA adapters trained (the qlora extra)",
                 about=True,
             )
         )
@@ -739,6 +804,21 @@ def _host_changes(planner: ConfigPlanner, lp: LengthPlans) -> list[_Change]:
                     alone(saves),
                     "the masters in files too (RoundPipe(..., state_placement="
                     "roundpipe.MastersOnDisk(DIR)))",
+                )
+            )
+    if host.optimizer_dir is None and host.optim_states != "8bit" and host.master_dtype:
+        itemsize = host.master_dtype.itemsize
+        lean = adam_state_bytes(host.optimizer // (2 * itemsize), itemsize, "8bit")
+        saves = host.optimizer - lean
+        if saves > 0:
+            changes.append(
+                _Change(
+                    "--optim-states 8bit",
+                    saves,
+                    alone(saves),
+                    "Adam's moments in 8 bits, blockwise (roundpipe.optim.AdamW(..., "
+                    "state_dtype='8bit'))",
+                    about=True,
                 )
             )
     if host.master_dtype is not None and host.master_dtype.itemsize == 4:
@@ -772,6 +852,18 @@ def _host_changes(planner: ConfigPlanner, lp: LengthPlans) -> list[_Change]:
                 )
             )
     return changes
+
+
+# Host bytes per frozen parameter of NF4 with double quantization (the packed data, the 8-bit
+# absmax of each block of 64 and its scales); roundpipe/hf/quantized.py counts it exactly.
+_NF4_BYTES = 0.52
+
+
+def _adapter_bytes(planner: ConfigPlanner, *, next_weights: bool) -> int:
+    """LoRA 16's adapters: master, gradient and two moments in the masters' dtype, weights
+    (twice with ``next_weights``: the copy the step writes while compute reads the other)."""
+    weights = planner.itemsize * (2 if next_weights else 1)
+    return planner._lora_numel * (planner.optim_dtype.itemsize * 4 + weights)
 
 
 def _device_changes(
@@ -989,6 +1081,20 @@ def main(argv: list[str] | None = None) -> int:
         f"{', '.join(LORA_TARGETS)} (peft, alpha = 2 x rank), the rest frozen",
     )
     parser.add_argument(
+        "--quantize",
+        choices=[*QUANTIZATIONS, "int8"],
+        default=None,
+        help="QLoRA (with --lora): the base loaded in 4 bits by bitsandbytes, as "
+        "BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=nf4|fp4) loads it "
+        "(needs the qlora extra); int8 (load_in_8bit) is refused, as roundpipe.hf.wrap refuses it",
+    )
+    parser.add_argument(
+        "--double-quant",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="with --quantize: bnb_4bit_use_double_quant (default: on, as QLoRA recipes load)",
+    )
+    parser.add_argument(
         "--devices", default=None, help="device pool (default cuda:0, else the emulated device)"
     )
     parser.add_argument(
@@ -1042,13 +1148,29 @@ def main(argv: list[str] | None = None) -> int:
         help="with --spill-dir: keep the masters in files there too (RoundPipe(..., "
         "state_placement=roundpipe.MastersOnDisk(DIR))): only its copy buffer counts",
     )
+    parser.add_argument(
+        "--optim-states",
+        choices=OPTIM_STATES,
+        default="exact",
+        help="how Adam keeps its moments: exact (8 B/param), bf16 (4) or 8bit (about 2): "
+        "roundpipe.optim.AdamW(state_dtype=None | torch.bfloat16 | '8bit')",
+    )
     args = parser.parse_args(argv)
+    if args.optim_states != "exact" and args.spill_dir is not None:
+        parser.error(
+            f"--optim-states {args.optim_states} keeps lean moments in RAM; --spill-dir streams "
+            "exact ones through files: give one of them"
+        )
     if args.ranks < 1:
         parser.error("--ranks must be >= 1")
     if args.spill_masters and args.spill_dir is None:
         parser.error("--spill-masters keeps the masters in files under --spill-dir: give it")
     if args.mlp_tile_tokens is not None and args.mlp_tile_tokens < 0:
         parser.error("--mlp-tile-tokens must be >= 0 (0: untiled)")
+    if args.quantize == "int8":
+        parser.error(f"--quantize int8: {EIGHT_BIT}")
+    if args.quantize is not None and not args.lora:
+        parser.error("--quantize plans QLoRA: a quantized base cannot train; give --lora RANK")
     try:
         device_memory = parse_size(args.device_memory) if args.device_memory else None
         host_memory = parse_size(args.host_memory) if args.host_memory else None
@@ -1079,6 +1201,9 @@ def main(argv: list[str] | None = None) -> int:
         mlp_tile_tokens=args.mlp_tile_tokens,
         spill_masters=args.spill_masters,
         gpu=args.gpu,
+        optim_states=args.optim_states,
+        quantize=args.quantize,
+        double_quant=args.double_quant,
     )
     if args.lora:
         print(

@@ -300,6 +300,11 @@ class RoundPipeTrainerMixin:
       Trainer's ``optim`` and its arguments): the host keeps about 6 bytes per parameter
       instead of 18 (docs/memory.md, "Masters on disk"). Default None: everything in RAM.
 
+    ``TrainingArguments(optim=...)`` naming an 8-bit AdamW (``adamw_8bit``, ``adamw_bnb_8bit``,
+    ``adamw_torch_8bit``, ``paged_adamw_8bit``) builds ``roundpipe.optim.AdamW(state_dtype=
+    "8bit")`` over the masters: 8-bit blockwise moments in host memory, no bitsandbytes needed
+    (docs/memory.md, "Lean optimizer states").
+
     ``self.model`` is the :class:`roundpipe.hf.HFRoundPipe` (``self.hf_model`` the model given,
     whose parameters hold the trained weights after training). Under torchrun
     (``args.world_size > 1``) ``self.data_parallel`` is the
@@ -451,6 +456,8 @@ class RoundPipeTrainerMixin:
             {"params": [p for n, p in masters if n not in decay], "weight_decay": 0.0},
         ]
         cls_and_kwargs = getattr(trainer, "optimizer_cls_and_kwargs", None)
+        if cls_and_kwargs is None:
+            cls_and_kwargs = _eight_bit_adam(trainer.args)
         if cls_and_kwargs is not None:
             cls, opt_kwargs = cls_and_kwargs
         else:
@@ -499,6 +506,27 @@ class RoundPipeTrainerMixin:
         if trainer.processing_class is not None:
             trainer.processing_class.save_pretrained(output_dir)
         torch.save(trainer.args, os.path.join(output_dir, "training_args.bin"))
+
+
+# transformers' names of 8-bit AdamW (bitsandbytes', torchao's): roundpipe's AdamW with 8-bit
+# moments steps the masters in host memory (roundpipe.optim.lean, [Note: lean moments]).
+EIGHT_BIT_OPTIM = ("adamw_8bit", "adamw_bnb_8bit", "adamw_torch_8bit", "paged_adamw_8bit")
+
+
+def _eight_bit_adam(args: Any) -> tuple[type, dict[str, Any]] | None:
+    """``optim`` naming an 8-bit AdamW: roundpipe's AdamW with 8-bit moments and the Trainer's
+    Adam arguments; else None (transformers' own choice)."""
+    name = getattr(args.optim, "value", args.optim)
+    if name not in EIGHT_BIT_OPTIM:
+        return None
+    from roundpipe import optim as rp_optim
+
+    return rp_optim.AdamW, {
+        "lr": args.learning_rate,
+        "betas": (args.adam_beta1, args.adam_beta2),
+        "eps": args.adam_epsilon,
+        "state_dtype": "8bit",
+    }
 
 
 def _spilled_adam(

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from roundpipe.devices import pool as device_pool
 from roundpipe.hf import compat
 from roundpipe.hf.calls import causal_lm_loss, count_predicted, parse_batch, positional_batch
 from roundpipe.hf.check import check_stages
@@ -24,6 +25,7 @@ from roundpipe.hf.defaults import (
 )
 from roundpipe.hf.families import Family, family_of, layer_attention_types
 from roundpipe.hf.names import HFNames, export_state_dict
+from roundpipe.hf.quantized import check_quantized, prepare_quantized
 from roundpipe.hf.stages import Decoder, Embed, Head, has_experts
 from roundpipe.main_thread import check_main_thread
 from roundpipe.memory.checks import DeviceMemoryError
@@ -585,6 +587,9 @@ def wrap(
         raise TypeError(f"roundpipe.hf.wrap takes a transformers model, got {type(model)!r}")
     move_to_host(model, "roundpipe.hf.wrap")  # before the check runs the model's own forward
     base: Any = _base_model(model)
+    # A QLoRA model is checked before anything changes (docs/hf.md, "QLoRA").
+    device_type = device_pool.resolve_devices(kwargs.get("devices"))[0].type
+    quantized = check_quantized(model, base, device_type)
     family = family or family_of(base)
     parts = family.parts(base)
     config = base.config
@@ -618,6 +623,12 @@ def wrap(
             f"mlp_tile_tokens must be an int >= 0 (0: no tiling; None: chosen from the "
             f"device), got {mlp_tile_tokens!r}"
         )
+    if quantized is not None:
+        prepare_quantized(model)
+        if compile is None:
+            # The layers read each weight's quantization state from a Python attribute of its
+            # device copy, a new object every upload: eager, unless asked.
+            compile = False
     compat.disable_checkpointing(base)
     config.use_cache = False
     layers = list(parts["layers"])[: config.num_hidden_layers]

@@ -16,12 +16,20 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from roundpipe.devices.pinned import PinnedAllocator, pinned_layout, storage_bytes
+from roundpipe.devices.packed import logical_numel
+from roundpipe.devices.pinned import (
+    PinnedAllocator,
+    module_tensors,
+    pinned_layout,
+    storage_bytes,
+)
 
 __all__ = [
     "DATA_PARALLEL_BUCKET_BYTES",
     "DATA_PARALLEL_IN_FLIGHT",
     "HostTerms",
+    "OPTIM_STATES",
+    "adam_state_bytes",
     "MASTERS_COPY_BUFFER_BYTES",
     "RUNTIME_BYTES",
     "SPILL_BUFFER_BYTES",
@@ -86,7 +94,8 @@ def format_bytes(nbytes: float) -> str:
 class HostTerms:
     """The host RAM of a wrapped model, term by term (bytes).
 
-    ``weights``: the model's own parameters and buffers (allocated already, by the caller);
+    ``weights``: the model's own parameters and buffers (allocated already, by the caller),
+    a packed (quantized) weight as its packed bytes plus its quantization state;
     ``masters``: the master copies of the trainable parameters (``optim_dtype``) this process
     holds: all of them, or with ``ranks`` > 1 (sharded state) the largest rank's share; with
     ``masters_dir`` (:class:`roundpipe.MastersOnDisk`) they are in files there and this is the
@@ -96,8 +105,15 @@ class HostTerms:
     a pool of accelerators or of several CPU devices, see [Note: sharded state] in
     :mod:`roundpipe.distributed.sharded`), this rank's share plus two layers' sums on their way to
     their owners; one CPU device's fused call hands every sum at its end, so all of them;
-    ``optimizer``: the optimizer's state, estimated as Adam's (two moments per held master),
-    or, with ``optimizer_dir`` (``Adam(state_dir=...)``), the host buffer it streams through;
+    ``optimizer``: the optimizer's state, estimated as Adam's: two moments per held master in
+    its dtype (``optim_states`` "exact"), in bf16 ("bf16"), or 8-bit with an fp32 absmax per
+    block of 256 ("8bit"; parameters under 4096 elements exact), as
+    ``roundpipe.optim.AdamW(state_dtype=...)`` keeps them; or, with ``optimizer_dir``
+    (``Adam(state_dir=...)``), the host buffer it streams through;
+    ``next_weights``: the second low-precision copy of the held parameters that roundpipe's
+    one-pass asynchronous step writes while the next iteration computes with the first (see
+    [Note: the copy in the step] in :mod:`roundpipe.runtime.step_copy`; 0 with the masters in
+    files, whose step does not write it);
     ``pinned_overhead``: what the pinned pool takes beyond the weights' bytes (padding and
     block slack, see [Note: the pinned pool]; 0 on a CPU pool, which pins nothing);
     ``activations``: host bytes of stage inputs offloaded to the host (or, on a CPU pool, the
@@ -128,6 +144,8 @@ class HostTerms:
     optimizer_dir: str | None = None
     grads_by_stage: bool = False
     masters_dir: str | None = None
+    next_weights: int = 0
+    optim_states: str = "exact"
     data_parallel: int = 0
     runtime: int = 0
     emulated_device: int = 0
@@ -141,6 +159,7 @@ class HostTerms:
             self.masters
             + self.grads
             + self.optimizer
+            + self.next_weights
             + self.pinned_overhead
             + self.activations
             + self.data_parallel
@@ -175,11 +194,15 @@ class HostTerms:
             (
                 f"optimizer state: in files under {self.optimizer_dir} (streaming buffer)"
                 if self.optimizer_dir
-                else "optimizer state (estimated as Adam: 2 x masters)",
+                else f"optimizer state (estimated as Adam: {_MOMENTS[self.optim_states]})",
                 self.optimizer,
             ),
-            ("pinned pool padding and block slack", self.pinned_overhead),
         ]
+        if self.next_weights:
+            rows.append(
+                ("next weights (the one-pass step's second copy, async)", self.next_weights)
+            )
+        rows.append(("pinned pool padding and block slack", self.pinned_overhead))
         if self.activations:
             rows.append(("activations held in host memory", self.activations))
         if self.data_parallel:
@@ -227,6 +250,34 @@ def stage_grad_bytes(layers: Sequence[nn.Module], optim_dtype: torch.dtype | Non
     )
 
 
+_MOMENTS = {
+    "exact": "2 x masters",
+    "bf16": "bf16 moments, 4 B/param",
+    "8bit": "8-bit moments, about 2 B/param",
+}
+#: ``host_terms``' ``optim_states``: how Adam's moments are kept
+OPTIM_STATES = tuple(_MOMENTS)
+
+
+def adam_state_bytes(numel: int, master_itemsize: int, optim_states: str) -> int:
+    """Host bytes of Adam's two moments of one parameter of ``numel`` elements (exact: in the
+    master's dtype), as ``roundpipe.optim.AdamW(state_dtype=...)`` keeps them (see [Note: lean
+    moments] in :mod:`roundpipe.optim.lean`). Pure."""
+    if optim_states == "exact" or (optim_states == "8bit" and numel < _MIN_8BIT_NUMEL):
+        return 2 * numel * master_itemsize
+    if optim_states == "bf16":
+        return 4 * numel
+    if optim_states == "8bit":
+        return 2 * numel + 2 * 4 * -(-numel // _BLOCK)
+    raise ValueError(f"optim_states={optim_states!r}: one of {OPTIM_STATES}")
+
+
+# roundpipe.optim.lean's BLOCK and MIN_8BIT_NUMEL (that module imports torch's optimizers; this
+# one stays light): checked equal by tests/test_host_memory.py.
+_BLOCK = 256
+_MIN_8BIT_NUMEL = 4096
+
+
 def _count(n: int) -> str:
     for unit, scale in (("G", 1e9), ("M", 1e6), ("K", 1e3)):
         if n >= scale:
@@ -251,6 +302,8 @@ def host_terms(
     layers: Sequence[nn.Module] | None = None,
     masters_dir: str | None = None,
     masters_buffer: int | None = None,
+    optim_states: str = "exact",
+    one_pass: bool = True,
     data_parallel: bool | None = None,
 ) -> HostTerms:
     """What wrapping ``module`` takes from the host, term by term (see :class:`HostTerms`);
@@ -264,44 +317,58 @@ def host_terms(
     host holds only ``masters_buffer`` bytes of them (default: its default copy buffer), and
     Adam's state is taken to be in files there too (``Adam(state_dir=...)``, which such
     masters call for: an Adam in RAM warns), so only its default streaming buffer counts;
-    ``data_parallel``: a :class:`roundpipe.distributed.DataParallel` reduces the gradients
-    (None: when ``ranks`` > 1, which needs one). Reads shapes only. Main thread."""
+    ``optim_states``: how Adam keeps its moments ("exact", "bf16", "8bit"); ``one_pass``:
+    count the next weights of roundpipe's one-pass asynchronous step; ``data_parallel``: a
+    :class:`roundpipe.distributed.DataParallel` reduces the gradients (None: when ``ranks`` >
+    1, which needs one). Reads shapes only. Main thread."""
     from roundpipe.runtime.placement import shard_by_bytes  # runtime imports this module
 
-    tensors: dict[int, torch.Tensor] = {}
-    for t in list(module.parameters()) + list(module.buffers()):
-        tensors[id(t)] = t
-    weights = storage_bytes(t for t in tensors.values() if t.numel() > 0)
+    weights = storage_bytes(t for t in module_tensors(module) if t.numel() > 0)
+    if optim_states not in OPTIM_STATES:
+        raise ValueError(f"optim_states={optim_states!r}: one of {OPTIM_STATES}")
     trainable = frozen = 0
     sizes = []
+    states = []
+    lows = []
     dtypes = set()
     for p in module.parameters():
         if p.requires_grad:
             dtype = master_dtype_of(p, optim_dtype)
             dtypes.add(dtype)
             sizes.append(p.numel() * dtype.itemsize)
+            states.append(adam_state_bytes(p.numel(), dtype.itemsize, optim_states))
+            lows.append(p.numel() * p.element_size())
             trainable += p.numel()
         else:
-            frozen += p.numel()
+            frozen += logical_numel(p)
     masters = held = sum(sizes)
+    held_states, held_lows = sum(states), sum(lows)
     owners = None
     share = None
     if ranks > 1:
         owners = shard_by_bytes(sizes, ranks)
         shares = [0] * ranks
-        for owner, size in zip(owners, sizes):
+        share_states = [0] * ranks
+        share_lows = [0] * ranks
+        for owner, size, st, low in zip(owners, sizes, states, lows):
             shares[owner] += size
-        held = max(shares)
+            share_states[owner] += st
+            share_lows[owner] += low
+        largest = max(range(ranks), key=lambda r: shares[r])
+        held = shares[largest]
+        held_states, held_lows = share_states[largest], share_lows[largest]
         share = held / masters if masters else None
     grads = masters
     if ranks > 1 and layers is not None:
         grads = min(masters, held + 2 * stage_grad_bytes(layers, optim_dtype))
     overhead = _pinned_overhead(module, pinned) if pinned is not None else 0
-    in_ram, optimizer = held, 2 * held
+    in_ram, optimizer = held, held_states
+    next_weights = held_lows if one_pass else 0
     if masters_dir is not None:
         buffer = MASTERS_COPY_BUFFER_BYTES if masters_buffer is None else masters_buffer
         in_ram = min(held, buffer)
         optimizer = min(optimizer, SPILL_BUFFER_BYTES)
+        next_weights = 0
     reduces = ranks > 1 if data_parallel is None else data_parallel
     buffers = 0
     if reduces:
@@ -330,6 +397,8 @@ def host_terms(
         data_parallel=buffers,
         runtime=RUNTIME_BYTES,
         share=share,
+        next_weights=next_weights,
+        optim_states=optim_states,
     )
 
 
@@ -345,7 +414,7 @@ def _pinned_overhead(module: nn.Module, pinned: PinnedAllocator) -> int:
     """What pinning ``module`` takes beyond its bytes: the pool :func:`pin_module` would make
     for what is not pinned yet, and for what is (a wrapped model's), the blocks it sits in."""
     done: dict[int, tuple[int, list[torch.Tensor]]] = {}
-    for t in list(module.parameters()) + list(module.buffers()):
+    for t in module_tensors(module):
         if t.device.type == "cpu" and t.numel() > 0 and t.is_pinned():
             st = t.untyped_storage()
             done.setdefault(st.data_ptr(), (st.nbytes(), []))[1].append(t)

@@ -30,6 +30,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from roundpipe.autocast import AutocastState, autocast_context
+from roundpipe.devices.packed import carried, packed_copy
 from roundpipe.memory.live import LiveBytes
 from roundpipe.microbatch import MicrobatchInfo
 from roundpipe.microbatch_context import WithContext
@@ -235,15 +236,23 @@ def _stage_tensors(
     stage: Stage, make: Callable[[torch.Tensor, bool], torch.Tensor]
 ) -> tuple[dict[int, dict[str, torch.Tensor]], list[torch.Tensor]]:
     """Per layer module, ``make(t, trainable)`` of each parameter and buffer (each tensor once,
-    as an upload makes them), and the copies of the trainable parameters, in the stage's order
-    of its trainable params."""
+    as an upload makes them; a packed weight as its data carrying its quantization state, see
+    [Note: packed parameters] in :mod:`roundpipe.devices.packed`), and the copies of the
+    trainable parameters, in the stage's order of its trainable params."""
     trainable = {id(rec.param) for rec in stage.params if rec.param.requires_grad}
     copies: dict[int, torch.Tensor] = {}
+
+    def carry(t: torch.Tensor) -> torch.Tensor:
+        c = copies.get(id(t))
+        if c is None:
+            c = copies[id(t)] = make(t, False)
+        return c
 
     def copy(t: torch.Tensor, leaf: bool) -> torch.Tensor:
         c = copies.get(id(t))
         if c is None:
-            c = copies[id(t)] = make(t, leaf)
+            c = packed_copy(t, lambda d: make(d, False), carry)
+            c = copies[id(t)] = make(t, leaf) if c is None else c
         return c
 
     tensors: dict[int, dict[str, torch.Tensor]] = {}
@@ -284,7 +293,8 @@ def _trace_one(
     """One stage for one microbatch, fake or real (``make`` makes its weights); returns its
     bytes, its no-grad output and the context (for the next stage)."""
     tensors, params = _stage_tensors(stage, make)
-    live.know((inp, context, list(tensors.values())))
+    carried_copies = [c for named in tensors.values() for t in named.values() for c in carried(t)]
+    live.know((inp, context, list(tensors.values()), carried_copies))
     # The forward a streamed FORWARD runs: no grad, only the output is kept.
     with live:
         return _traced(stage, last, inp, context, m, call, live, device, tensors, params, label)

@@ -16,17 +16,31 @@ from __future__ import annotations
 
 import inspect
 import os
+import warnings
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from roundpipe.optim import native
 from roundpipe.optim.kernel import FUSED_DEVICE_TYPES, group_allows_fused, param_fits_fused
-from roundpipe.optim.placement import OptimizerStatePlacement, StateInRAM, make_placement
+from roundpipe.optim.lean import (
+    MIN_8BIT_NUMEL,
+    StateKind,
+    kind_of_state_dtype,
+    state_kind_of_group,
+)
+from roundpipe.optim.placement import (
+    OptimizerStatePlacement,
+    StateInRAM,
+    lean_numel,
+    make_placement,
+)
 from roundpipe.threads import optimizer_thread
+from roundpipe.user_frame import user_stacklevel
 
-__all__ = ["Adam", "AdamW"]
+__all__ = ["Adam", "AdamW", "state_kind_mismatch"]
 
 
 # [Note: fused by default]
@@ -62,7 +76,22 @@ __all__ = ["Adam", "AdamW"]
 # memory order (strides of size-1 dimensions do not matter); otherwise that parameter takes
 # torch's path for this step.
 
+# [Note: one pass and lean moments]
+# Two things this Adam does beyond torch's, both with the compiled kernels of
+# roundpipe.optim.native (built in the background on first use; until then, or without a
+# compiler, torch's kernels give the same bits):
+#   * inside a RoundPipe step, the master->model copy is written in the same pass as the update
+#     (see [Note: the copy in the step] in roundpipe/runtime/step_copy.py): bitwise torch's fused
+#     step followed by the copy, with each master read once;
+#   * ``state_dtype=torch.bfloat16`` or ``"8bit"`` keeps the moments in 4 or about 2 bytes per
+#     parameter instead of 8 (see [Note: lean moments] in roundpipe/optim/lean.py). The kind is
+#     a param group key, "state_dtype" (absent: exact, torch's), saved in the state dict, and a
+#     state dict of one kind is refused by another (load_state_dict names both). Lean groups
+#     take fp32 host parameters and no amsgrad, capturable, differentiable, foreach=True or
+#     fused=False (ValueError at construction or add_param_group, which then changes nothing).
+
 _IMPL_KEYS = ("foreach", "fused", "capturable", "differentiable")
+_LEAN_KEYS = ("exp_avg", "exp_avg_sq", "exp_avg_absmax", "exp_avg_sq_absmax")
 _TORCH_HAS_DECOUPLED = (
     "decoupled_weight_decay" in inspect.signature(torch.optim.Adam.__init__).parameters
 )
@@ -90,6 +119,25 @@ class Adam(torch.optim.Adam):
     parameter must then take the fused kernel on the host (a contiguous float or complex
     tensor in host memory, no fused=False/foreach/differentiable/capturable), and the result is
     bitwise the in-RAM optimizer's. I/O failures raise :class:`roundpipe.optim.SpillError`.
+
+    ``state_dtype`` chooses how the moments are kept (see [Note: lean moments] in
+    :mod:`roundpipe.optim.lean`): None (the default) exactly as torch keeps them, in the
+    parameters' dtype (8 bytes per fp32 parameter); ``torch.bfloat16`` (or ``"bf16"``) in
+    bf16, 4 bytes; ``"8bit"``, blockwise-quantized 8-bit moments as bitsandbytes' 8-bit Adam
+    keeps them, about 2 bytes (parameters of fewer than 4096 elements keep exact moments, said
+    once). The update is computed in fp32 either way. Lean moments need fp32 parameters in host
+    memory and refuse ``amsgrad``, ``capturable``, ``differentiable``, ``foreach=True``,
+    ``fused=False`` and ``state_dir``.
+
+    Inside a RoundPipe step (``model.step(...)``) the step also writes the model's
+    low-precision copy of each master in the same pass over memory, instead of the model's
+    separate master->model copy (see [Note: the copy in the step] in
+    :mod:`roundpipe.runtime.step_copy`; the same bits): 30 bytes of memory traffic per fp32
+    parameter instead of 34. An asynchronous step writes it into a second copy (2 bytes per
+    fp16/bf16 parameter of host RAM); ``write_copy=False`` leaves the copy to the model, as
+    before, without it. It needs the compiled kernels, built in the background at the first
+    construction (``g++`` and ``ninja``; until they are built, or if the build fails, with one
+    warning, torch's kernels give the same results).
 
     Implementation options (``foreach``, ``fused``, ``capturable``, ``differentiable``) belong
     to this optimizer, not to a checkpoint: :meth:`load_state_dict` keeps them, so a checkpoint
@@ -122,8 +170,13 @@ class Adam(torch.optim.Adam):
         decoupled_weight_decay: bool = False,
         state_dir: str | os.PathLike[str] | None = None,
         state_buffer_bytes: int | None = None,
+        state_dtype: torch.dtype | str | None = None,
+        write_copy: bool = True,
     ) -> None:
         """Any thread; does not wait for the optimizer thread (no launched work can use it yet)."""
+        self._state_kind = kind_of_state_dtype(state_dtype)
+        self.write_copy = bool(write_copy)
+        self._said_small = False
         self._placement: OptimizerStatePlacement = make_placement(state_dir, state_buffer_bytes)
         if fused and differentiable:
             raise RuntimeError(
@@ -159,12 +212,18 @@ class Adam(torch.optim.Adam):
             fused=fused,
             **extra,
         )
+        if self._state_kind is not StateKind.EXACT:
+            self.defaults["state_dtype"] = self._state_kind.value
         self._constructed = True
+        native.start_build()
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         self._constructed = True  # unpickled or deep-copied: past construction
         self.__dict__.setdefault("_placement", StateInRAM())
+        self.__dict__.setdefault("_state_kind", StateKind.EXACT)
+        self.__dict__.setdefault("_said_small", True)
+        self.__dict__.setdefault("write_copy", True)
 
     # -- GradScaler protocol (see [Note: fused by default]) -------------------------------------
     @property
@@ -187,13 +246,22 @@ class Adam(torch.optim.Adam):
         cannot be fused and leaves the optimizer unchanged."""
         if getattr(self, "_constructed", False):
             _wait_for_launched_work()
+        kind = getattr(self, "_state_kind", StateKind.EXACT)
+        if kind is not StateKind.EXACT and isinstance(param_group, dict):
+            param_group = {"state_dtype": kind.value, **param_group}
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         try:
+            if "state_dtype" in group:
+                group["state_dtype"] = kind_of_state_dtype(group["state_dtype"]).value
+                if group["state_dtype"] == StateKind.EXACT.value:
+                    del group["state_dtype"]
+            _check_lean_group(group, len(self.param_groups) - 1)
             self._placement.check_group(self, group)
         except BaseException:
             self.param_groups.pop()
             raise
+        self._say_small(group)
         if group["fused"]:
             if group["differentiable"] or group["foreach"]:
                 self.param_groups.pop()
@@ -228,11 +296,23 @@ class Adam(torch.optim.Adam):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a roundpipe or torch Adam state dict, keeping this optimizer's implementation
-        options (foreach, fused, capturable, differentiable). Any thread; off the optimizer
-        thread it first waits for launched work."""
+        options (foreach, fused, capturable, differentiable). A state dict whose moments are of
+        another kind than this optimizer's (exact, bf16, 8-bit: ``state_dtype``) is refused
+        with a ``ValueError`` that names both, before anything changes. Any thread; off the
+        optimizer thread it first waits for launched work."""
         _wait_for_launched_work()
+        problem = state_kind_mismatch(state_dict, self)
+        if problem is not None:
+            raise ValueError(f"{type(self).__name__}.load_state_dict: {problem}")
         impl = [{key: group[key] for key in _IMPL_KEYS} for group in self.param_groups]
-        super().load_state_dict(state_dict)
+        # torch casts every floating state tensor to its parameter's dtype on load: keep the
+        # lean moments (bf16 values, 8-bit codes) as they are.
+        stripped, lean = _strip_lean(state_dict)
+        super().load_state_dict(stripped)
+        params = [p for group in self.param_groups for p in group["params"]]
+        for index, tensors in lean.items():
+            p = params[index]
+            self.state[p].update({k: t.to(device=p.device) for k, t in tensors.items()})
         for group, options in zip(self.param_groups, impl):
             group.update(options)
         self._placement.after_load(self)
@@ -265,6 +345,121 @@ class Adam(torch.optim.Adam):
         return loss
 
     # -- private ----------------------------------------------------------------------------------
+    def _say_small(self, group: dict) -> None:
+        """8-bit moments: say once which parameters keep exact ones (too small for blocks)."""
+        if self._said_small or state_kind_of_group(group) is not StateKind.EIGHT_BIT:
+            return
+        small = [p for p in group["params"] if not lean_numel(StateKind.EIGHT_BIT, p)]
+        if small:
+            self._said_small = True
+            warnings.warn(
+                f"{type(self).__name__}(state_dtype='8bit'): {len(small)} parameter(s) of fewer "
+                f"than {MIN_8BIT_NUMEL} elements (biases, norms: "
+                f"{sum(p.numel() for p in small):,} elements in all) keep exact fp32 moments; "
+                f"8-bit blocks would save nothing there",
+                UserWarning,
+                stacklevel=user_stacklevel(),
+            )
+
+
+def _check_lean_group(group: dict, index: int) -> None:
+    """Raise ``ValueError`` if a group with lean moments asks what their kernels do not do."""
+    kind = state_kind_of_group(group)
+    if kind is StateKind.EXACT:
+        return
+    what = f"param_groups[{index}] with state_dtype={kind.value!r}"
+    for key, bad, fix in (
+        ("amsgrad", True, "amsgrad=False"),
+        ("capturable", True, "capturable=False"),
+        ("differentiable", True, "differentiable=False"),
+        ("foreach", True, "foreach=None"),
+        ("fused", False, "fused=None"),
+    ):
+        if group.get(key) is bad:
+            raise ValueError(
+                f"Adam: {what} cannot take {key}={bad}: lean moments are stepped by their own "
+                f"kernel, which has no {key} variant. Pass {fix}, or state_dtype=None for "
+                f"exact moments"
+            )
+    for i, p in enumerate(group["params"]):
+        if p.dtype != torch.float32 or p.device.type != "cpu" or not p.is_contiguous():
+            raise ValueError(
+                f"Adam: {what}: params[{i}] is a {p.dtype} tensor on {p.device}"
+                f"{'' if p.is_contiguous() else ' (not contiguous)'}; lean moments step fp32 "
+                f"masters in host memory (model.optim_parameters() of a RoundPipe with "
+                f"fp32 masters). Keep it in a group with state_dtype=None"
+            )
+
+
+def state_kind_mismatch(state_dict: dict[str, Any], optimizer: torch.optim.Optimizer) -> str | None:
+    """Why ``state_dict`` (an Adam state dict) cannot load into ``optimizer`` because its
+    moments are of another kind (exact, bf16, 8-bit), or None. Reads only the param groups'
+    ``state_dtype`` and the moments' dtypes; never blocks."""
+    saved = state_dict.get("param_groups", [])
+    state = state_dict.get("state", {})
+    for i, (old, new) in enumerate(zip(saved, optimizer.param_groups)):
+        try:
+            old_kind = state_kind_of_group(old)
+        except ValueError:
+            return f"param group {i} of the state dict has an unknown state_dtype {old.get('state_dtype')!r}"
+        new_kind = state_kind_of_group(new)
+        if old_kind is not new_kind:
+            return (
+                f"param group {i} of the state dict keeps {old_kind.value} moments "
+                f"(state_dtype={old_kind.value!r}) and this optimizer's keeps "
+                f"{new_kind.value} moments; moments are not converted from one kind to "
+                f"another: build the optimizer with state_dtype={_arg(old_kind)} to load it"
+            )
+        for index in old.get("params", []):
+            entry = state.get(index) or {}
+            moment = entry.get("exp_avg")
+            if not isinstance(moment, Tensor):
+                continue
+            eight_bit = moment.dtype == torch.uint8 or "exp_avg_absmax" in entry
+            if old_kind is StateKind.EXACT and eight_bit:
+                return (
+                    f"parameter {index} of the state dict has 8-bit moments but its group names "
+                    f"none (no state_dtype): it was not saved by roundpipe's Adam"
+                )
+            allowed = {
+                StateKind.EXACT: None,
+                StateKind.BF16: (torch.bfloat16,),
+                # a small parameter of an 8-bit group keeps exact (fp32) moments
+                StateKind.EIGHT_BIT: (torch.uint8, torch.float32),
+            }[old_kind]
+            if allowed is not None and moment.dtype not in allowed:
+                return (
+                    f"parameter {index} of the state dict has {moment.dtype} moments, not "
+                    f"those of state_dtype={old_kind.value!r}"
+                )
+    return None
+
+
+def _arg(kind: StateKind) -> str:
+    return {
+        StateKind.EXACT: "None",
+        StateKind.BF16: "torch.bfloat16",
+        StateKind.EIGHT_BIT: "'8bit'",
+    }[kind]
+
+
+def _strip_lean(state_dict: dict[str, Any]) -> tuple[dict[str, Any], dict[int, dict[str, Tensor]]]:
+    """``state_dict`` without the lean moments of its lean groups' parameters (a shallow copy),
+    and those moments by parameter index."""
+    lean: dict[int, dict[str, Tensor]] = {}
+    state = dict(state_dict.get("state", {}))
+    for group in state_dict.get("param_groups", []):
+        if state_kind_of_group(group) is StateKind.EXACT:
+            continue
+        for index in group["params"]:
+            entry = state.get(index)
+            if not entry or not isinstance(entry.get("exp_avg"), Tensor):
+                continue
+            if entry["exp_avg"].dtype not in (torch.bfloat16, torch.uint8):
+                continue  # a small parameter of an 8-bit group: exact moments
+            lean[index] = {k: v for k, v in entry.items() if k in _LEAN_KEYS}
+            state[index] = {k: v for k, v in entry.items() if k not in _LEAN_KEYS}
+    return {**state_dict, "state": state}, lean
 
 
 def _wait_for_launched_work() -> None:
@@ -296,6 +491,8 @@ class AdamW(Adam):
         fused: bool | None = None,
         state_dir: str | os.PathLike[str] | None = None,
         state_buffer_bytes: int | None = None,
+        state_dtype: torch.dtype | str | None = None,
+        write_copy: bool = True,
     ) -> None:
         """Any thread; does not wait for the optimizer thread."""
         super().__init__(
@@ -313,6 +510,8 @@ class AdamW(Adam):
             decoupled_weight_decay=True,
             state_dir=state_dir,
             state_buffer_bytes=state_buffer_bytes,
+            state_dtype=state_dtype,
+            write_copy=write_copy,
         )
 
     def __setstate__(self, state: dict[str, Any]) -> None:

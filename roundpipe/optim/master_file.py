@@ -9,6 +9,7 @@ from __future__ import annotations
 import mmap
 import os
 from collections.abc import Sequence
+from collections.abc import Set as AbstractSet
 
 import torch
 from torch import Tensor, nn
@@ -140,11 +141,15 @@ class MastersOnDisk(MasterPlacement):
                 masters.append(master)
         return masters
 
-    def copy_layer(self, pairs: Sequence[tuple[nn.Parameter, nn.Parameter, bool]]) -> None:
+    def copy_layer(
+        self,
+        pairs: Sequence[tuple[nn.Parameter, nn.Parameter, bool]],
+        done: AbstractSet[int] = frozenset(),
+    ) -> None:
         with torch.no_grad():
             for p, master, held in pairs:
                 where = file_of_master(master)
-                if not held:
+                if not held or id(p) in done:
                     continue
                 if where is None or p.is_complex() or not p.is_contiguous():
                     p.copy_(master)  # through the map (never the case for a HF model)

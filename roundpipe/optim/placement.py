@@ -17,6 +17,7 @@ launched work is pending).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import warnings
 from collections.abc import Callable
@@ -28,14 +29,23 @@ from torch.optim.adam import adam as _torch_adam
 
 from roundpipe.memory.host import format_bytes
 from roundpipe.memory.probe import host_memory_available
+from roundpipe.optim import native
 from roundpipe.optim.kernel import (
     COMPLEX_FUSABLE,
     fused_step,
     group_allows_fused,
     param_fits_fused,
 )
+from roundpipe.optim.lean import (
+    MIN_8BIT_NUMEL,
+    StateKind,
+    init_lean_state,
+    state_kind_of_group,
+)
 from roundpipe.optim.master_file import file_of_master
+from roundpipe.optim.one_pass import Item, exact_one_pass, lean_step
 from roundpipe.optim.spill import StateOnDisk
+from roundpipe.threads.step_context import step_copies
 from roundpipe.user_frame import user_stacklevel
 
 __all__ = ["OptimizerStatePlacement", "StateInRAM", "make_placement"]
@@ -81,12 +91,27 @@ class StateInRAM:
     def step(
         self, opt: torch.optim.Optimizer, grad_scale: Tensor | None, found_inf: Tensor | None
     ) -> None:
+        ops = native.kernels()
+        # The copy targets only with the compiled kernels: without them the model's own copy
+        # runs, as before, and no second buffer is made ([Note: the copy in the step]).
+        copies = step_copies() if ops is not None and getattr(opt, "write_copy", True) else None
+        skipped: bool | None = None
         for group in opt.param_groups:
-            fused, other = self._split_group(opt, group)
-            if fused:
-                fused_step(group, fused, grad_scale, found_inf)
-            if other:
-                self._torch_step(opt, group, other, grad_scale, found_inf)
+            split = self._split_group(opt, group, copies)
+            if split.fused:
+                fused_step(group, split.fused, grad_scale, found_inf)
+            if split.one_pass or split.lean:
+                if skipped is None:  # a GradScaler's overflow: everything stays untouched
+                    skipped = found_inf is not None and bool(found_inf)
+                if not skipped:
+                    if split.one_pass:
+                        exact_one_pass(ops, group, split.one_pass, grad_scale)
+                        _tell_written(copies, split.one_pass)
+                    if split.lean:
+                        lean_step(ops, group, state_kind_of_group(group), split.lean, grad_scale)
+                        _tell_written(copies, split.lean)
+            if split.other:
+                self._torch_step(opt, group, split.other, grad_scale, found_inf)
 
     def state_dict(
         self, opt: torch.optim.Optimizer, base: Callable[[], dict[str, Any]]
@@ -99,17 +124,16 @@ class StateInRAM:
     def close(self) -> None:
         pass
 
-    def _split_group(self, opt: torch.optim.Optimizer, group: dict) -> tuple[dict, list[Tensor]]:
-        """Init lazy state and send each parameter with a grad to the fused or to torch's path.
-
-        Returns ``(buckets, other)``: ``buckets`` maps ``(device, dtype)`` to the six tensor
-        lists of one fused kernel call (real views of complex tensors); ``other`` lists the
-        parameters for torch's path.
-        """
-        buckets: dict[tuple, list[list[Tensor]]] = {}
-        other: list[Tensor] = []
+    def _split_group(self, opt: torch.optim.Optimizer, group: dict, copies: Any) -> _Split:
+        """Init lazy state and send each parameter with a grad to its path: the lean kernels
+        (a group with lean moments), the one-pass exact step (``copies`` gives it a place for
+        its low-precision copy), torch's fused kernel, or torch's own path."""
+        split = _Split({}, [], [], [])
+        buckets = split.fused
+        other = split.other
         group_fusable = group_allows_fused(group)
         amsgrad = group["amsgrad"]
+        kind = state_kind_of_group(group)
         for p in group["params"]:
             grad = p.grad
             if grad is None:
@@ -121,6 +145,12 @@ class StateInRAM:
                 )
             takes_fused = group_fusable and param_fits_fused(p)
             state = opt.state[p]
+            if kind is not StateKind.EXACT and lean_numel(kind, p):
+                if not state:
+                    state.update(init_lean_state(kind, p))
+                low = copies.target(p) if copies is not None else None
+                split.lean.append(Item(p, grad, state, low))
+                continue
             if not state:
                 _init_state(state, p, group, fused=takes_fused)
             elif amsgrad and "max_exp_avg_sq" not in state:
@@ -141,6 +171,11 @@ class StateInRAM:
                 # e.g. loaded from a foreach checkpoint: the kernel reads a float32 step on the
                 # parameter's device.
                 state["step"] = step = step.to(device=device, dtype=torch.float32)
+            if copies is not None and _one_pass_fits(p, grad, states):
+                low = copies.target(p)
+                if low is not None:
+                    split.one_pass.append(Item(p, grad, state, low))
+                    continue
             if dtype in COMPLEX_FUSABLE:
                 # Adam on a complex tensor is Adam on its real view ([Note: fused by default]).
                 p, grad = torch.view_as_real(p), torch.view_as_real(grad)
@@ -156,7 +191,7 @@ class StateInRAM:
             if amsgrad:
                 lists[4].append(states[2])
             lists[5].append(step)
-        return buckets, other
+        return split
 
     def _torch_step(
         self,
@@ -204,11 +239,51 @@ class StateInRAM:
         )
 
 
+@dataclasses.dataclass
+class _Split:
+    """A param group's parameters with a gradient, by path (see StateInRAM._split_group)."""
+
+    #: torch's fused kernel: (device, dtype) -> the six tensor lists of one call
+    fused: dict[tuple, list[list[Tensor]]]
+    other: list[Tensor]  # torch's own foreach/for-loop path
+    one_pass: list[Item]  # exact moments, the low-precision copy written in the same pass
+    lean: list[Item]  # lean moments (bf16 or 8-bit)
+
+
+def lean_numel(kind: StateKind, p: Tensor) -> bool:
+    """Whether ``p`` keeps lean moments of ``kind`` (8-bit needs MIN_8BIT_NUMEL elements: the
+    smaller keep exact moments, see [Note: lean moments])."""
+    return kind is StateKind.BF16 or p.numel() >= MIN_8BIT_NUMEL
+
+
+def _one_pass_fits(p: Tensor, grad: Tensor, states: list[Tensor]) -> bool:
+    """A real float parameter whose gradient and moments are contiguous host tensors of its
+    dtype: what the compiled exact step takes (the layout rule already checked the rest)."""
+    return (
+        p.is_cpu
+        and p.dtype in (torch.float32, torch.float64)
+        and p.is_contiguous()
+        and grad.is_contiguous()
+        and all(t.is_contiguous() for t in states)
+    )
+
+
+def _tell_written(copies: Any, items: list[Item]) -> None:
+    for it in items:
+        if it.low is not None:
+            copies.wrote(it.param)
+
+
 def _check_fits_in_ram(group: dict) -> None:
     """Refuse a group whose moments cannot fit the RAM that is free, naming ``state_dir``."""
     rows = 3 if group.get("amsgrad") else 2
+    kind = state_kind_of_group(group)
     need = sum(
-        rows * p.numel() * p.element_size() for p in group["params"] if p.device.type == "cpu"
+        int(kind.moment_bytes * p.numel())
+        if kind is not StateKind.EXACT and lean_numel(kind, p)
+        else rows * p.numel() * p.element_size()
+        for p in group["params"]
+        if p.device.type == "cpu"
     )
     if need == 0:
         return

@@ -166,6 +166,12 @@ class StateOnDisk:
 
     # -- OptimizerStatePlacement ---------------------------------------------------------------------
     def check_group(self, opt: torch.optim.Optimizer, group: dict) -> None:
+        if group.get("state_dtype", "exact") != "exact":
+            raise ValueError(
+                f"Adam(state_dir=...) streams exact moments through files; "
+                f"state_dtype={group['state_dtype']!r} keeps lean moments in RAM (4 or about 2 "
+                f"bytes per parameter instead of 8): pass one of state_dir and state_dtype"
+            )
         for index, p in enumerate(group["params"]):
             why = fused_only_reason(group, p)
             if why is not None:

@@ -190,6 +190,7 @@ class RoundPipe(nn.Module):
             optim_dtype,
             owner=self,
             placement=state_placement,
+            pinned=pinned_allocator(self._pool),
         )
         self._stages = ModelStages(layers, self._params)
         self._hooks = GradHooks(self._params.records, owner=self)
@@ -634,7 +635,11 @@ class RoundPipe(nn.Module):
             )
         self._has_grads = False
         run = wrap_step(
-            self._params, self._name_tag(), step_fn, list(self._step_pre_hooks.values())
+            self._params,
+            self._name_tag(),
+            step_fn,
+            list(self._step_pre_hooks.values()),
+            in_place_copy=not is_async,
         )
         if is_async:
             self._params.launch_copy()

@@ -70,17 +70,28 @@ def check_optimizer_step_hook(optimizer: torch.optim.Optimizer, args: Any, kwarg
 
 
 def wrap_step(
-    params: Params, tag: str, step_fn: Callable[[], Any], pre_step: Sequence[Callable[[], None]]
+    params: Params,
+    tag: str,
+    step_fn: Callable[[], Any],
+    pre_step: Sequence[Callable[[], None]],
+    in_place_copy: bool = False,
 ) -> Callable[[], None]:
     """The work item of ``model.step(step_fn)``: on the optimizer thread, inside
     :class:`OptimizerCtx`, the model's pre-step hooks (``pre_step``, taken at launch on the
-    main thread: e.g. the data-parallel gradient average), then ``step_fn``."""
+    main thread: e.g. the data-parallel gradient average), then ``step_fn``, during which a
+    one-pass optimizer may write the master->model copy (see [Note: the copy in the step] in
+    roundpipe.runtime.step_copy): into the parameters themselves with ``in_place_copy`` (a
+    synchronous step), else into the next weights."""
 
     hooks = tuple(pre_step)
 
     def run() -> None:
         try:
-            with OptimizerCtx(), running_step(params):
+            with (
+                OptimizerCtx(),
+                running_step(params),
+                params.step_copies.armed(in_place_copy),
+            ):
                 for hook in hooks:
                     hook()
                 # Only steps run on the optimizer thread, one at a time: the hook is there for

@@ -21,9 +21,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from roundpipe.devices.pinned import PinnedAllocator
 from roundpipe.memory.host import master_dtype_of
 from roundpipe.runtime.grad_access import MasterParameter, guard_wrapped_params
 from roundpipe.runtime.placement import MasterPlacement
+from roundpipe.runtime.step_copy import StepCopies
 from roundpipe.threads import optimizer_thread
 
 __all__ = [
@@ -116,6 +118,7 @@ class Params:
         optim_dtype: torch.dtype | None,
         owner: Any = None,
         placement: MasterPlacement | None = None,
+        pinned: PinnedAllocator | None = None,
     ) -> None:
         # The model whose work this launches (see [Note: error reporting] in roundpipe.threads.optimizer_thread).
         self.owner = owner
@@ -161,6 +164,11 @@ class Params:
                     pairs.append((rec.param, rec.master, rec.held))
             self.layer_copies.append(pairs)
         self.ready = ParamsReady(len(self.layer_copies), done=True)
+        #: what a one-pass step writes instead of the copy (see [Note: the copy in the step])
+        self.step_copies = StepCopies(
+            [(r.param, r.master) for r in self.records if r.master is not None and r.held],
+            pinned,
+        )
         guard_wrapped_params(self, [r.param for r in self.records if r.master is not None])
 
     def record_of(self, param: Any) -> ParamRecord | None:
@@ -191,11 +199,12 @@ class Params:
         optimizer_thread.raise_failures(self.owner)
 
     def copy_masters_to_model(self, ready: ParamsReady) -> None:
-        """Optimizer thread: masters -> low-precision params, layer by layer."""
+        """Optimizer thread: masters -> low-precision params, layer by layer; what the last
+        step wrote already is swapped in or kept (see [Note: the copy in the step])."""
         layer = 0
         try:
             for layer, pairs in enumerate(self.layer_copies):
-                self.placement.copy_layer(pairs)
+                self.placement.copy_layer(pairs, self.step_copies.install(pairs))
                 ready.set(layer)
         except BaseException as exc:  # noqa: B036 -- published to the workers, then re-raised
             ready.fail(layer, exc)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Sequence
+from collections.abc import Set as AbstractSet
 
 import torch
 from torch import nn
@@ -86,13 +87,19 @@ class MasterPlacement:
             masters.append(MasterParameter(value))
         return masters
 
-    def copy_layer(self, pairs: Sequence[tuple[nn.Parameter, nn.Parameter, bool]]) -> None:
+    def copy_layer(
+        self,
+        pairs: Sequence[tuple[nn.Parameter, nn.Parameter, bool]],
+        done: AbstractSet[int] = frozenset(),
+    ) -> None:
         """Optimizer thread, inside the master->model copy: the new values of one layer's
         parameters, from ``(param, master, held)`` triples (``held``: this process holds the
-        master; else ``master`` is a stand-in)."""
+        master; else ``master`` is a stand-in). ``done``: ids of the parameters that hold
+        their masters' values already (the step wrote them, see [Note: the copy in the step]
+        in roundpipe.runtime.step_copy): not cast again."""
         with torch.no_grad():
             for p, master, held in pairs:
-                if held:
+                if held and id(p) not in done:
                     p.copy_(master)
 
     def release(self) -> None:

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from roundpipe.devices.pinned import module_tensors
 from roundpipe.microbatch_context import WithContext
 from roundpipe.plan import Plan, PlanSizes, build_plan
 from roundpipe.runtime.grad_access import internal_grad_reads
@@ -96,8 +97,9 @@ class Stage:
                     seen.add(rec)
                     self.params.append(rec)
         # What the stage holds on an accelerator while it runs: its upload (parameters and
-        # buffers, each once) and its gradient sums (see device_bytes).
-        tensors = {id(t): t for m in self.modules for t in list(m.parameters()) + list(m.buffers())}
+        # buffers, each once, a packed weight with its quantization state) and its gradient
+        # sums (see device_bytes).
+        tensors = {id(t): t for m in self.modules for t in module_tensors(m)}
         self.upload_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
         masters = [rec.master for rec in self.params if rec.master is not None]
         self._grad_numel = sum(m.numel() for m in masters)

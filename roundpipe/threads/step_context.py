@@ -15,7 +15,13 @@ from typing import Any, Protocol
 
 import torch
 
-__all__ = ["ParamLookup", "running_step", "in_step", "check_optimizer_params"]
+__all__ = [
+    "ParamLookup",
+    "running_step",
+    "in_step",
+    "check_optimizer_params",
+    "step_copies",
+]
 
 
 class ParamLookup(Protocol):
@@ -41,6 +47,14 @@ def running_step(params: ParamLookup) -> Iterator[None]:
 def in_step() -> bool:
     """Whether a RoundPipe step runs on this thread. Never blocks."""
     return getattr(_STEP_TLS, "params", None) is not None
+
+
+def step_copies() -> Any:
+    """The :class:`roundpipe.runtime.step_copy.StepCopies` of the model whose step runs on
+    this thread (where an optimizer may write the master->model copy, see [Note: the copy in
+    the step]), or None outside a RoundPipe step. Never blocks."""
+    params = getattr(_STEP_TLS, "params", None)
+    return None if params is None else getattr(params, "step_copies", None)
 
 
 def check_optimizer_params(

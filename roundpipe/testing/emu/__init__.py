@@ -91,10 +91,10 @@ import hashlib
 import os
 import threading
 from collections.abc import Iterator
-from typing import Any
 
 import torch
 
+from roundpipe.native_build import build_source, load_library
 from roundpipe.testing.emu.dispatch import (
     RESIZING_FACTORIES,
     Copy,
@@ -216,38 +216,10 @@ def _extension_name(name: str) -> str:
         return f"roundpipe_{name}_{hashlib.sha256(f.read()).hexdigest()[:16]}"
 
 
-# [Note: the build lock]
-# torch's cpp_extension.load serializes builds of one extension across processes with a "lock"
-# file in its build directory (a FileBaton), which every load takes, even of an extension
-# already built, and which only the process that made it removes: a process killed while it
-# held it (killed mid-build, say) leaves it, and every later load waits for it forever. The
-# emulated device's builds therefore also take an flock on a file of their own beside it, which
-# the kernel releases when its holder dies: holding that, no other install of this extension is
-# building, so a baton found there is a dead process's and is removed before torch looks.
-def _build_lock(ext: str) -> contextlib.AbstractContextManager[None]:
-    from torch.utils import cpp_extension
-
-    directory = getattr(cpp_extension, "_get_build_directory", None)
-    try:
-        import fcntl
-    except ImportError:  # not POSIX: torch's baton alone
-        return contextlib.nullcontext()
-    if directory is None:
-        return contextlib.nullcontext()
-    return _flocked(directory(ext, False), fcntl)
-
-
-@contextlib.contextmanager
-def _flocked(build_dir: str, fcntl: Any) -> Iterator[None]:
-    os.makedirs(build_dir, exist_ok=True)
-    with open(os.path.join(build_dir, "roundpipe-build.flock"), "a") as held:
-        fcntl.flock(held.fileno(), fcntl.LOCK_EX)  # a live build elsewhere: wait for it
-        try:
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(os.path.join(build_dir, "lock"))  # a killed build's baton
-            yield
-        finally:
-            fcntl.flock(held.fileno(), fcntl.LOCK_UN)
+def _build_source(name: str) -> str:
+    """The path ``_{name}.cpp`` is compiled from (see [Note: the build's source path] in
+    roundpipe.native_build). The caller holds the build lock."""
+    return build_source(_extension_name(name), os.path.join(_HERE, f"_{name}.cpp"))
 
 
 def install() -> None:
@@ -266,17 +238,9 @@ def install() -> None:
                 f"cannot install the emulated device: the PrivateUse1 backend is already "
                 f"{torch._C._get_privateuse1_backend_name()!r} in this process"
             )
-        from torch.utils import cpp_extension
 
         def build(name: str) -> str:
-            ext = _extension_name(name)
-            with _build_lock(ext):
-                return cpp_extension.load(
-                    name=ext,
-                    sources=[os.path.join(_HERE, f"_{name}.cpp")],
-                    is_python_module=False,
-                    verbose=False,
-                )
+            return load_library(_extension_name(name), os.path.join(_HERE, f"_{name}.cpp"))
 
         bind_native(build("emu_guard"), build("emu_autocast"))
         lenient = os.environ.get("ROUNDPIPE_EMU_LENIENT", "")
