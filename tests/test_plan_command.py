@@ -6,6 +6,7 @@ search costs is measured by benchmarks/bench_plan.py, not here."""
 
 import json
 import re
+import warnings
 
 import pytest
 import torch
@@ -270,3 +271,14 @@ def test_a_tied_embedding_is_named_where_the_stage_holds_it(tmp_path):
     plan = _planner(path, host_memory=1 << 40).plan(64)
     assert plan.stage_names[0].startswith("layer 0 (model.embed_tokens")
     assert plan.stage_names[-1] == "layer 5 (model.norm + lm_head + loss)"
+
+
+def test_a_lora_plan_shows_no_deprecation_warning_of_the_libraries(tmp_path):
+    # peft reads transformers' old checkpointing name when it wraps the model on the meta
+    # device, which warns from transformers 5.24: the plan says nothing of it.
+    pytest.importorskip("peft")
+    path = _config(tmp_path, SMALL)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _planner(path, lora=16).plans(64)
+    assert not [w for w in caught if "is_gradient_checkpointing" in str(w.message)]

@@ -25,7 +25,7 @@ WORKER = Path(__file__).resolve().parent / "trainer_dp_worker.py"
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.xdist_group("trainer_dp"),  # one worker builds the module's two_ranks
+    pytest.mark.xdist_group("trainer_dp"),  # one worker builds two_ranks, once
     pytest.mark.skipif(
         not dist.is_available() or not dist.is_gloo_available(),
         reason="torch.distributed with gloo is needed",
@@ -47,9 +47,9 @@ def _logged(record, key):
     ]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # xdist may run other modules' tests between this one's
 def two_ranks(tmp_path_factory):
-    """The uninterrupted two-rank run (12 steps, a checkpoint at step 7), once for the module:
+    """The uninterrupted two-rank run (12 steps, a checkpoint at step 7), once per worker:
     its records, its stdout, its output directory."""
     tmp = tmp_path_factory.mktemp("two-ranks")
     return (*_torchrun("full", tmp / "out", tmp / "result"), tmp / "out")

@@ -136,8 +136,11 @@ def _with_lora(model: Any, rank: int) -> Any:
         return model
     from peft import LoraConfig, get_peft_model
 
+    from roundpipe.hf import compat
+
     config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=list(LORA_TARGETS))
-    return get_peft_model(model, config)
+    with compat.quiet_checkpointing_names():  # peft reads the old name
+        return get_peft_model(model, config)
 
 
 def _lora_numel(model: torch.nn.Module, rank: int) -> int:
