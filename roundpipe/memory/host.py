@@ -21,6 +21,7 @@ from roundpipe.devices.pinned import (
     PinnedAllocator,
     module_tensors,
     pinned_layout,
+    pool_layout,
     storage_bytes,
 )
 
@@ -343,7 +344,8 @@ def host_terms(
             frozen += logical_numel(p)
     masters = held = sum(sizes)
     held_states, held_lows = sum(states), sum(lows)
-    owners = None
+    owners: list[int] | None = None
+    largest = 0
     share = None
     if ranks > 1:
         owners = shard_by_bytes(sizes, ranks)
@@ -364,6 +366,11 @@ def host_terms(
     overhead = _pinned_overhead(module, pinned) if pinned is not None else 0
     in_ram, optimizer = held, held_states
     next_weights = held_lows if one_pass else 0
+    if one_pass and pinned is not None:
+        # On an accelerator pool the next weights are one pinned pool of the held parameters'
+        # copies (StepCopies), rounded as the allocator rounds.
+        mine = [low for i, low in enumerate(lows) if owners is None or owners[i] == largest]
+        next_weights = pool_layout(mine, pinned).taken
     if masters_dir is not None:
         buffer = MASTERS_COPY_BUFFER_BYTES if masters_buffer is None else masters_buffer
         in_ram = min(held, buffer)
