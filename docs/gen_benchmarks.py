@@ -39,6 +39,14 @@ SECTIONS = [
         "convergence of the lean moments on a small LM.",
     ),
     (
+        "Host RAM against the plan",
+        "host_memory",
+        "benchmarks/bench_host_memory.py",
+        "the memory plan's host terms against the RSS growth of a wrap and two iterations of a "
+        "transformers model on the emulated device, in one process and on two data-parallel "
+        "ranks (replicated and sharded), with every storage roundpipe holds walked.",
+    ),
+    (
         "Optimizer state on disk",
         "spill",
         "benchmarks/bench_spill.py",

@@ -304,6 +304,14 @@ def _train(cfg, rank, world, dp):
     record["scaler"] = scaler.state_dict()
     if dp is not None and record["error"] is None:
         record["replicas_identical"] = dp.replicas_identical()
+        # The reduction buffers the DataParallel allocated, and what the plan counts for them.
+        record["dp_buffer_bytes"] = sum(
+            t.untyped_storage().nbytes() for ring in dp._rings.values() for t in ring
+        ) + sum(
+            t.untyped_storage().nbytes()
+            for t in (dp._reducer._flats.values() if dp._reducer is not None else ())
+        )
+        record["planned_dp_buffer_bytes"] = model.memory_plan().host.data_parallel
     if dp is not None:
         dp.close()
     return record

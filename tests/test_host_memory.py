@@ -16,7 +16,7 @@ import roundpipe
 from roundpipe import HostMemoryError, RoundPipe, host_memory_available, pin_module
 from roundpipe.devices import pinned as hm
 from roundpipe.memory import probe
-from roundpipe.memory.host import format_bytes, host_terms
+from roundpipe.memory.host import RUNTIME_BYTES, data_parallel_bytes, format_bytes, host_terms
 from roundpipe.testing import EMU_PINNED, emu
 
 
@@ -377,3 +377,110 @@ def test_freed_pinned_blocks_are_kept_for_reuse_as_cudas_host_allocator_keeps_th
         third = torch.empty(1000).pin_memory()
         del third
         assert emu.pinned_memory_stats().cached_bytes == 0  # given back at once
+
+
+# -- the plan's host terms against what a trained model holds ------------------------------------
+
+
+def _decoder():
+    # Embedding, two blocks of several parameters, a head: sizes a power of two rounds badly,
+    # so the pinned pool has slack, and more parameters than a bucket of the tests' cap holds.
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Embedding(1000, 96),
+        nn.Sequential(nn.LayerNorm(96), nn.Linear(96, 300), nn.GELU(), nn.Linear(300, 96)),
+        nn.Sequential(nn.LayerNorm(96), nn.Linear(96, 300), nn.GELU(), nn.Linear(300, 96)),
+        nn.Sequential(nn.LayerNorm(96), nn.Linear(96, 1000)),
+    ).to(torch.bfloat16)
+
+
+def _train_two_iterations(model, check_grads=None):
+    """The documented loop, two iterations; ``check_grads()`` runs once the first call's
+    gradients reached the masters (before its step)."""
+    from roundpipe import OptimizerCtx
+
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(0, 1000, (4, 16), generator=g)
+    y = torch.randint(0, 1000, (4, 16), generator=g)
+
+    def loss_fn(out, lbl):
+        return torch.nn.functional.cross_entropy(out.float().flatten(0, 1), lbl.flatten())
+
+    batch = dict(input_args=(x,), label=y, loss_fn=loss_fn)
+    plan = model.memory_plan(**batch)
+    with OptimizerCtx():
+        opt = roundpipe.optim.AdamW(model.parameters(), lr=1e-3)
+    for i in range(2):
+        model.forward_backward(**batch)
+        if i == 0 and check_grads is not None:
+            roundpipe.optim_thread.synchronize()  # the call's gradient moves ran
+            check_grads()
+        model.step(lambda: (opt.step(), opt.zero_grad()))
+    model.synchronize()
+    return plan, opt
+
+
+def _storages(tensors):
+    return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+
+
+def test_the_plan_counts_the_storages_a_trained_model_holds():
+    pinned_before = emu.pinned_memory_stats().allocated_bytes
+    model = RoundPipe(_decoder(), optim_dtype=torch.float32, devices="emu")
+    masters = list(model.optim_parameters())
+    grads = {}
+
+    def check_grads():
+        # On an accelerator each stage's gradients land in a pinned pool of their own, which
+        # becomes the masters' .grad: the term is those pools, rounding included.
+        grads.update(_storages(m.grad for m in masters))
+
+    plan, opt = _train_two_iterations(model, check_grads)
+    host = plan.host
+    assert host.masters == sum(_storages(masters).values())
+    moments = [s[k] for s in opt.state.values() for k in ("exp_avg", "exp_avg_sq")]
+    assert host.optimizer == sum(_storages(moments).values())
+    assert host.grads == sum(EMU_PINNED.allocation_bytes(n) for n in grads.values())
+    # The pinned pool the model sits in: its weights and the blocks' slack (the plan is made
+    # after the wrap pinned it, so it counts the blocks it is in).
+    # And the next weights the one-pass asynchronous step writes: one pool of their own.
+    pinned = emu.pinned_memory_stats().allocated_bytes - pinned_before
+    assert host.pinned_overhead > 0 and host.next_weights > 0
+    assert host.weights + host.pinned_overhead + host.next_weights == pinned
+    # The emulated device's memory is the host's: the plan counts the devices' peaks, and the
+    # runtime's own, each a named term of the total.
+    assert host.emulated_device == sum(d.peak for d in plan.devices) > 0
+    assert host.runtime == RUNTIME_BYTES
+    labels = [label for label, _ in host.rows()]
+    assert any("emulated devices' memory" in label for label in labels)
+    assert any("roundpipe's runtime" in label for label in labels)
+    assert host.new_bytes == sum(n for _, n in host.rows()[1:])
+
+
+def test_a_cpu_pool_counts_no_emulated_device():
+    model = RoundPipe(_decoder(), optim_dtype=torch.float32, devices="cpu")
+    host = model.memory_plan().host
+    assert host.emulated_device == 0 and host.pinned_overhead == 0
+    assert host.runtime == RUNTIME_BYTES
+
+
+def test_the_plan_counts_a_data_parallel_runs_reduction_buffers(group_of_one):
+    from roundpipe import distributed as rpd
+
+    seq = _decoder().float()
+    model = RoundPipe(seq, devices="emu")
+    alone = model.memory_plan().host
+    assert alone.data_parallel == 0
+    # Every parameter in one bucket of the default cap: two in-flight buffers of all of them.
+    dp = rpd.DataParallel(model)
+    plan, _ = _train_two_iterations(model)
+    rings = sum(t.untyped_storage().nbytes() for ring in dp._rings.values() for t in ring)
+    assert plan.host.data_parallel == rings > 0
+    sizes = [[(p.numel(), torch.float32) for p in layer.parameters()] for layer in seq]
+    assert rings == 2 * 4 * sum(p.numel() for p in seq.parameters())
+    # A cap below the largest parameter: it gets a bucket of its own, and every in-flight
+    # buffer is as large as it.
+    largest = max(p.numel() for p in seq.parameters()) * 4
+    assert data_parallel_bytes(sizes, None, cap_bytes=1 << 10) == 2 * largest
+    assert any("data-parallel reduction buffers" in label for label, _ in plan.host.rows())
+    dp.close()

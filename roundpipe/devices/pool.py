@@ -59,13 +59,16 @@ class DeviceKind:
     accepted forms; ``activate()`` makes the kind usable (installs its torch backend) and is
     called once, when a spec first names it; ``forms`` describes the specs it accepts;
     ``pinned``: how the kind gets pinned host memory, and what an allocation of it takes
-    (default: torch's, which CUDA's caching host allocator rounds up to a power of two)."""
+    (default: torch's, which CUDA's caching host allocator rounds up to a power of two);
+    ``memory_in_host``: the device's memory is host RAM (an emulator's), so a memory plan
+    counts the devices' peaks against the host too."""
 
     name: str
     indices: Callable[[str], Sequence[int]]
     activate: Callable[[], None]
     forms: str
     pinned: PinnedAllocator = TORCH_PINNED
+    memory_in_host: bool = False
 
 
 def _cuda_indices(rest: str) -> Sequence[int]:
@@ -281,7 +284,8 @@ class DevicePool:
     """The devices of one model, their workers and their backends. Built on the main thread;
     read-only afterwards. ``caller_device``: the device whose actions the calling thread runs
     (CPU pools: 0, see [Note: the calling thread runs CPU device 0]), or None. ``streaming``:
-    whether the stages stream through accelerators (see [Note: streaming])."""
+    whether the stages stream through accelerators (see [Note: streaming]).
+    ``memory_in_host``: the devices' memory is host RAM (see :class:`DeviceKind`)."""
 
     def __init__(self, devices: DeviceSpec | None = None) -> None:
         self.devices = resolve_devices(devices)
@@ -289,9 +293,11 @@ class DevicePool:
         self.streaming = self.device_type != "cpu"
         self.backends: list[Backend]
         self.accelerators: list[AcceleratorBackend] = []
+        self.memory_in_host = False
         if self.streaming:
             kind = _kind(self.device_type)
             pinned = kind.pinned if kind is not None else TORCH_PINNED
+            self.memory_in_host = kind is not None and kind.memory_in_host
             self.accelerators = [AcceleratorBackend(d, pinned) for d in self.devices]
             self.backends = list(self.accelerators)
         else:

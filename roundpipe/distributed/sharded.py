@@ -81,10 +81,10 @@ class ShardedState(MasterPlacement):
     ``RoundPipe(..., state_placement=ShardedState())`` on every rank, then attach a
     :class:`DataParallel` as usual (see [Note: sharded state]).
 
-    Each rank holds the masters of a contiguous run of the trainable parameters (whole
-    parameters, balanced by bytes: :func:`roundpipe.runtime.placement.shard_by_bytes`), and
+    Each rank holds the masters of a share of the trainable parameters (whole parameters,
+    balanced by bytes: :func:`roundpipe.runtime.placement.shard_by_bytes`), and
     ``model.optim_parameters()`` yields those only, so the optimizer built on them holds the
-    state of that run only. Each ``forward_backward`` sums each stage's gradients onto their
+    state of that share only. Each ``forward_backward`` sums each stage's gradients onto their
     owners as the backward produces them. Host bytes per trainable parameter on a rank,
     fp16/bf16 weights with fp32 masters and Adam: 2 (weights) + 16/N (its gradients, masters
     and Adam's moments), plus the stages' sums on their way, against 18 replicated.

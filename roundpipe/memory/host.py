@@ -1,7 +1,12 @@
 """The host RAM a wrapped model takes, term by term: :func:`host_terms` and :class:`HostTerms`
 (weights, masters, their gradients, an Adam-sized optimizer state, the pinned pool's slack, the
-activations held on the host), the masters' dtype rule (:func:`master_dtype_of`) and how bytes
-are written (:func:`format_bytes`). Main thread (wrap time), except the pure helpers."""
+activations held on the host, a data-parallel run's reduction buffers
+(:func:`data_parallel_bytes`), the runtime's own memory, and on the emulated device its
+memory), the masters' dtype rule (:func:`master_dtype_of`) and how bytes are written
+(:func:`format_bytes`). Main thread (wrap time), except the pure helpers.
+
+What the terms leave out, and how close they come to a process's RSS: see
+[Note: what the host plan counts]."""
 
 from __future__ import annotations
 
@@ -16,15 +21,20 @@ from roundpipe.devices.pinned import (
     PinnedAllocator,
     module_tensors,
     pinned_layout,
+    pool_layout,
     storage_bytes,
 )
 
 __all__ = [
+    "DATA_PARALLEL_BUCKET_BYTES",
+    "DATA_PARALLEL_IN_FLIGHT",
     "HostTerms",
     "OPTIM_STATES",
     "adam_state_bytes",
     "MASTERS_COPY_BUFFER_BYTES",
+    "RUNTIME_BYTES",
     "SPILL_BUFFER_BYTES",
+    "data_parallel_bytes",
     "format_bytes",
     "host_terms",
     "master_dtype_of",
@@ -36,6 +46,37 @@ SPILL_BUFFER_BYTES = 256 << 20
 #: the default buffer the master->model copy streams masters in files through
 #: (``MastersOnDisk(copy_buffer_bytes=)``)
 MASTERS_COPY_BUFFER_BYTES = 64 << 20
+#: what roundpipe itself adds to a process's host memory besides the model's state, whatever
+#: the model's size: its threads (their stacks and heaps), the code and libraries a wrap and
+#: the first iterations load, the stages' and plans' Python objects; measured 17 to 22 MiB on
+#: the CPU and the emulated device (benchmarks/bench_host_memory.py), rounded up. It leaves
+#: out an accelerator's own libraries (CUDA's context, cuBLAS), loaded before the wrap
+#: measures what is available or by the first call, per process.
+RUNTIME_BYTES = 32 << 20
+#: DataParallel's defaults (``bucket_cap_mb=25``, ``buckets_in_flight=2``), which the plan
+#: assumes for a data-parallel run's buffers
+DATA_PARALLEL_BUCKET_BYTES = 25 << 20
+DATA_PARALLEL_IN_FLIGHT = 2
+
+
+# [Note: what the host plan counts]
+# The host terms are what the wrap and training allocate and keep: the masters, their
+# gradients (on an accelerator the pinned pools the downloads land in, which CUDA's caching
+# host allocator, and the emulated one, keep for reuse once a step frees them), Adam's two
+# moments, the pinned pool's slack, the activations a call keeps on the host, a
+# data-parallel run's reduction buffers, and a constant for the runtime itself
+# (RUNTIME_BYTES). Held to a process's RSS growth over the wrap and two iterations (after
+# malloc_trim) on the emulated device (benchmarks/bench_host_memory.py), the storages
+# roundpipe holds equal these terms; the rest of the growth is the runtime's constant, and
+# on the emulator its device's memory: an emulated device's tensors are host tensors, computed
+# on the threads that run its work, and glibc keeps what those threads freed in their own
+# arenas (malloc_trim does not shrink a thread's heap below its top), up to the device's
+# peak. So on an emulated pool the plan counts its devices' planned peaks as host memory
+# too (``emulated_device``); on a GPU that memory is the device's. Not counted: transients
+# that are freed before a call returns (the optimizer step's temporaries, the wrap check's
+# fp32 copy of a cut of the model), which a peak (VmHWM) shows and RSS after it does not; the
+# emulator's copies of data in flight (it snapshots every asynchronous copy); and an
+# accelerator's libraries (see RUNTIME_BYTES).
 
 
 def format_bytes(nbytes: float) -> str:
@@ -77,7 +118,13 @@ class HostTerms:
     ``pinned_overhead``: what the pinned pool takes beyond the weights' bytes (padding and
     block slack, see [Note: the pinned pool]; 0 on a CPU pool, which pins nothing);
     ``activations``: host bytes of stage inputs offloaded to the host (or, on a CPU pool, the
-    activations), when known (``memory_plan`` with inputs), else 0.
+    activations), when known (``memory_plan`` with inputs), else 0;
+    ``data_parallel``: a :class:`roundpipe.distributed.DataParallel`'s reduction buffers, with
+    its default bucket cap and buckets in flight (:func:`data_parallel_bytes`; 0 without one);
+    ``runtime``: roundpipe's own memory besides the state (:data:`RUNTIME_BYTES`);
+    ``emulated_device``: on the emulated accelerator, whose memory is host memory, its
+    devices' planned peaks (0 elsewhere; see [Note: what the host plan counts]);
+    ``share``: with ``ranks`` > 1, the part of all the masters the largest share holds.
     ``available``: :func:`host_memory_available` when measured (None: unknown);
     ``weights_allocated``: whether the weights exist already (a model being wrapped) or are
     still to be allocated (a plan from a config), in which case they count against
@@ -100,6 +147,10 @@ class HostTerms:
     masters_dir: str | None = None
     next_weights: int = 0
     optim_states: str = "exact"
+    data_parallel: int = 0
+    runtime: int = 0
+    emulated_device: int = 0
+    share: float | None = None
 
     @property
     def new_bytes(self) -> int:
@@ -112,6 +163,9 @@ class HostTerms:
             + self.next_weights
             + self.pinned_overhead
             + self.activations
+            + self.data_parallel
+            + self.runtime
+            + self.emulated_device
         )
         return added if self.weights_allocated else added + self.weights
 
@@ -131,6 +185,7 @@ class HostTerms:
             (
                 f"master copies ({_count(self.trainable_numel)} trainable params, {dtype})"
                 + (f", this rank's share of {self.ranks}" if self.ranks > 1 else "")
+                + (f" (the largest: {self.share:.1%} of them)" if self.share is not None else "")
                 + (
                     f": in files under {self.masters_dir} (copy buffer)" if self.masters_dir else ""
                 ),
@@ -151,6 +206,25 @@ class HostTerms:
         rows.append(("pinned pool padding and block slack", self.pinned_overhead))
         if self.activations:
             rows.append(("activations held in host memory", self.activations))
+        if self.data_parallel:
+            rows.append(
+                (
+                    f"data-parallel reduction buffers ({DATA_PARALLEL_IN_FLIGHT} in flight, "
+                    f"{format_bytes(DATA_PARALLEL_BUCKET_BYTES)} buckets)",
+                    self.data_parallel,
+                )
+            )
+        if self.runtime:
+            rows.append(
+                ("roundpipe's runtime (threads, code loaded, Python objects)", self.runtime)
+            )
+        if self.emulated_device:
+            rows.append(
+                (
+                    "emulated devices' memory (host RAM here: their planned peaks)",
+                    self.emulated_device,
+                )
+            )
         return rows
 
     def _grads_note(self) -> str:
@@ -231,20 +305,23 @@ def host_terms(
     masters_buffer: int | None = None,
     optim_states: str = "exact",
     one_pass: bool = True,
+    data_parallel: bool | None = None,
 ) -> HostTerms:
     """What wrapping ``module`` takes from the host, term by term (see :class:`HostTerms`);
-    ``pinned``: the pool's allocator on an accelerator pool (None: nothing pinned); ``ranks``:
-    data-parallel ranks the state is sharded over (1: not sharded; else the masters and the
-    optimizer state of the largest share, see :func:`roundpipe.runtime.placement.shard_by_bytes`);
-    ``layers``: with ``ranks`` > 1, the model's layers when its pool hands the gradients over
-    stage by stage (None: one CPU device, whose call hands all of them at its end);
+    ``pinned``: the pool's allocator on an accelerator pool (None: nothing pinned; a module
+    pinned already counts the blocks it sits in); ``ranks``: data-parallel ranks the state is
+    sharded over (1: not sharded; else the masters and the optimizer state of the largest
+    share, see :func:`roundpipe.runtime.placement.shard_by_bytes`); ``layers``: the model's
+    layers (its stages), which, with ``ranks`` > 1, says that its pool hands the gradients
+    over stage by stage (None: one CPU device, whose call hands all of them at its end);
     ``masters_dir``: the masters are in files there (:class:`roundpipe.MastersOnDisk`), so the
     host holds only ``masters_buffer`` bytes of them (default: its default copy buffer), and
     Adam's state is taken to be in files there too (``Adam(state_dir=...)``, which such
     masters call for: an Adam in RAM warns), so only its default streaming buffer counts;
     ``optim_states``: how Adam keeps its moments ("exact", "bf16", "8bit"); ``one_pass``:
-    count the next weights of roundpipe's one-pass asynchronous step. Reads shapes only. Main
-    thread."""
+    count the next weights of roundpipe's one-pass asynchronous step; ``data_parallel``: a
+    :class:`roundpipe.distributed.DataParallel` reduces the gradients (None: when ``ranks`` >
+    1, which needs one). Reads shapes only. Main thread."""
     from roundpipe.runtime.placement import shard_by_bytes  # runtime imports this module
 
     weights = storage_bytes(t for t in module_tensors(module) if t.numel() > 0)
@@ -267,28 +344,49 @@ def host_terms(
             frozen += logical_numel(p)
     masters = held = sum(sizes)
     held_states, held_lows = sum(states), sum(lows)
+    owners: list[int] | None = None
+    largest = 0
+    share = None
     if ranks > 1:
-        share = [0] * ranks
+        owners = shard_by_bytes(sizes, ranks)
+        shares = [0] * ranks
         share_states = [0] * ranks
         share_lows = [0] * ranks
-        for owner, size, st, low in zip(shard_by_bytes(sizes, ranks), sizes, states, lows):
-            share[owner] += size
+        for owner, size, st, low in zip(owners, sizes, states, lows):
+            shares[owner] += size
             share_states[owner] += st
             share_lows[owner] += low
-        largest = max(range(ranks), key=lambda r: share[r])
-        held = share[largest]
+        largest = max(range(ranks), key=lambda r: shares[r])
+        held = shares[largest]
         held_states, held_lows = share_states[largest], share_lows[largest]
+        share = held / masters if masters else None
     grads = masters
     if ranks > 1 and layers is not None:
         grads = min(masters, held + 2 * stage_grad_bytes(layers, optim_dtype))
-    overhead = pinned_layout(module, pinned).overhead if pinned is not None else 0
+    overhead = _pinned_overhead(module, pinned) if pinned is not None else 0
     in_ram, optimizer = held, held_states
     next_weights = held_lows if one_pass else 0
+    if one_pass and pinned is not None:
+        # On an accelerator pool the next weights are one pinned pool of the held parameters'
+        # copies (StepCopies), rounded as the allocator rounds.
+        mine = [low for i, low in enumerate(lows) if owners is None or owners[i] == largest]
+        next_weights = pool_layout(mine, pinned).taken
     if masters_dir is not None:
         buffer = MASTERS_COPY_BUFFER_BYTES if masters_buffer is None else masters_buffer
         in_ram = min(held, buffer)
         optimizer = min(optimizer, SPILL_BUFFER_BYTES)
         next_weights = 0
+    reduces = ranks > 1 if data_parallel is None else data_parallel
+    buffers = 0
+    if reduces:
+        stages = layers if layers is not None else _layers_of(module)
+        buffers = data_parallel_bytes(
+            [
+                [(p.numel(), master_dtype_of(p, optim_dtype)) for p in _trainable(stage)]
+                for stage in stages
+            ],
+            owners,
+        )
     return HostTerms(
         weights=weights,
         masters=in_ram,
@@ -303,6 +401,74 @@ def host_terms(
         grads_by_stage=ranks > 1 and layers is not None,
         masters_dir=masters_dir,
         optimizer_dir=masters_dir,
+        data_parallel=buffers,
+        runtime=RUNTIME_BYTES,
+        share=share,
         next_weights=next_weights,
         optim_states=optim_states,
     )
+
+
+def _layers_of(module: nn.Module) -> list[nn.Module]:
+    return list(module.children()) if isinstance(module, nn.Sequential) else [module]
+
+
+def _trainable(module: nn.Module) -> list[nn.Parameter]:
+    return [p for p in module.parameters() if p.requires_grad]
+
+
+def _pinned_overhead(module: nn.Module, pinned: PinnedAllocator) -> int:
+    """What pinning ``module`` takes beyond its bytes: the pool :func:`pin_module` would make
+    for what is not pinned yet, and for what is (a wrapped model's), the blocks it sits in."""
+    done: dict[int, tuple[int, list[torch.Tensor]]] = {}
+    for t in module_tensors(module):
+        if t.device.type == "cpu" and t.numel() > 0 and t.is_pinned():
+            st = t.untyped_storage()
+            done.setdefault(st.data_ptr(), (st.nbytes(), []))[1].append(t)
+    blocks = sum(pinned.allocation_bytes(n) for n, _ in done.values())
+    inside = storage_bytes(t for _, ts in done.values() for t in ts)
+    return blocks - inside + pinned_layout(module, pinned).overhead
+
+
+def data_parallel_bytes(
+    stages: Sequence[Sequence[tuple[int, torch.dtype]]],
+    owners: Sequence[int] | None,
+    cap_bytes: int = DATA_PARALLEL_BUCKET_BYTES,
+    in_flight: int = DATA_PARALLEL_IN_FLIGHT,
+) -> int:
+    """The host bytes of a :class:`roundpipe.distributed.DataParallel`'s reduction buffers,
+    once all are allocated: ``stages``, per stage, each trainable parameter's (numel, master
+    dtype), in the model's order; ``owners``: each parameter's owner rank with sharded state
+    (None: replicated). Replicated, the step all-reduces buckets of at most ``cap_bytes`` (a
+    larger parameter alone) through ``in_flight`` flat buffers per dtype, each of the largest
+    bucket; sharded, the reducer sums each stage's buckets of one owner's parameters onto it
+    through ``in_flight`` flat buffers per dtype, each of the largest bucket of several
+    parameters that slot packed (with one count per parameter after the data; a bucket of one
+    parameter is summed in place). Pure (the buckets are
+    :func:`roundpipe.distributed.plan_buckets`'s); any thread."""
+    from roundpipe.distributed.buckets import plan_buckets  # the package imports the runtime
+
+    def named(params: Sequence[tuple[int, torch.dtype]]) -> list[tuple[str, torch.Tensor]]:
+        return [(str(i), torch.empty(n, dtype=d, device="meta")) for i, (n, d) in enumerate(params)]
+
+    flats: dict[tuple[torch.dtype, int], int] = {}  # (dtype, slot) -> elements
+    if owners is None:
+        for bucket in plan_buckets(named([p for stage in stages for p in stage]), cap_bytes):
+            for slot in range(in_flight):
+                key = (bucket.dtype, slot)
+                flats[key] = max(flats.get(key, 0), bucket.numel)
+    else:
+        position = 0
+        for stage in stages:
+            mine = owners[position : position + len(stage)]
+            position += len(stage)
+            slot = 0
+            for owner in dict.fromkeys(mine):
+                params = [p for p, o in zip(stage, mine) if o == owner]
+                for bucket in plan_buckets(named(params), cap_bytes):
+                    if len(bucket.names) > 1:
+                        key = (bucket.dtype, slot % in_flight)
+                        numel = bucket.numel + len(bucket.names)
+                        flats[key] = max(flats.get(key, 0), numel)
+                    slot += 1
+    return sum(n * dtype.itemsize for (dtype, _), n in flats.items())

@@ -144,11 +144,27 @@ def memory_plan_of(
         layers,
         masters_dir,
         masters_buffer,
+        data_parallel=ranks > 1 or _data_parallel_open(),
     )
     planned = _planned_call(parts, cfg, call)
     # Sharded, a rank keeps its share of the sums, not the pinned downloads of all of them.
     grads_pinned = _pinned_grad_bytes(planned, pinned) if ranks == 1 else None
-    return make_memory_plan(parts.tag, terms, planned, grads_pinned)
+    plan = make_memory_plan(parts.tag, terms, planned, grads_pinned)
+    if parts.pool.memory_in_host:
+        # The emulated device's memory is the host's (see [Note: what the host plan counts]).
+        host = dataclasses.replace(plan.host, emulated_device=sum(d.peak for d in plan.devices))
+        plan = dataclasses.replace(plan, host=host)
+    return plan
+
+
+def _data_parallel_open() -> bool:
+    """Whether a :class:`roundpipe.distributed.DataParallel` is open in this process (one
+    data-parallel group per process: the model planned is the one it reduces for)."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return False
+    from roundpipe.distributed.group import data_parallel_rank  # the package imports the runtime
+
+    return data_parallel_rank() is not None
 
 
 def check_call_memory(spec: CallSpec, what: str, cfg: ResolvedRunConfig) -> None:

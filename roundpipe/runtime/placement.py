@@ -18,6 +18,7 @@ Threads: a placement is configured on the main thread at construction (:meth:`as
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Sequence
 from collections.abc import Set as AbstractSet
 
@@ -114,10 +115,14 @@ class MasterPlacement:
 
 
 def shard_by_bytes(sizes: Sequence[int], world_size: int) -> list[int]:
-    """The owner rank of each item (a parameter's master bytes, in order): contiguous runs, one
-    per rank, whole items, each run ending at the item that takes it past its fair share of the
-    total (``(r + 1) * total / world_size``), so a rank's share exceeds the fair share by less
-    than one item. Every rank gets at least one item. Pure function: any thread.
+    """The owner rank of each item (a parameter's master bytes, in order), whole items,
+    balanced by bytes: largest first, each to the rank that holds the fewest bytes so far (then
+    the fewest items, then the lowest rank), so the largest share exceeds the fair one
+    (``total / world_size``) by at most the last item it took, and every rank gets an item.
+    A rank's items need not be adjacent: a model of four equal large layers and a small head
+    over 2 ranks splits two layers against two layers and the head, where contiguous runs
+    would give one rank three layers. Deterministic (the same on every rank). Pure function:
+    any thread.
 
     Raises ``ValueError`` when there are fewer items than ranks."""
     if not isinstance(world_size, int) or world_size < 1:
@@ -128,15 +133,12 @@ def shard_by_bytes(sizes: Sequence[int], world_size: int) -> list[int]:
             f"must own at least one): use fewer ranks, or keep the state on every rank "
             f"(state_placement=None)"
         )
-    total = sum(sizes)
-    owners: list[int] = []
-    rank, done = 0, 0
-    for i, size in enumerate(sizes):
-        left = len(sizes) - i  # items still to place, this one included
-        # Move on when this rank has its share, or when every later rank needs an item.
-        if rank < world_size - 1 and owners and owners[-1] == rank:
-            if done >= (rank + 1) * total / world_size or left == world_size - 1 - rank:
-                rank += 1
-        owners.append(rank)
-        done += size
+    owners = [0] * len(sizes)
+    # (bytes held, items held, rank): the least loaded rank first.
+    ranks = [(0, 0, r) for r in range(world_size)]
+    heapq.heapify(ranks)
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        held, count, rank = heapq.heappop(ranks)
+        owners[i] = rank
+        heapq.heappush(ranks, (held + sizes[i], count + 1, rank))
     return owners

@@ -40,5 +40,6 @@ register_device_kind(
         install,
         "'emu' / 'emu:N' (N emulated accelerators, for tests)",
         pinned=EMU_PINNED,
+        memory_in_host=True,  # an emulated tensor is a host tensor
     )
 )
