@@ -76,6 +76,16 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.xdist_group("rank_pool"))
 
 
+@pytest.fixture(scope="session")
+def ops():
+    """The optimizer's compiled step kernels (torch.ops.roundpipe_optim); the test fails,
+    naming why, where they did not build."""
+    ops = native.kernels(wait=True)
+    if ops is None:
+        pytest.fail(f"the compiled step did not build here: {native.status()}")
+    return ops
+
+
 def _on_emu(devices):
     return tuple(
         roundpipe.devices.WorkerDevice("emu", d.index) if d.type == "cpu" else d for d in devices

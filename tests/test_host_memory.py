@@ -360,9 +360,11 @@ def test_the_check_can_be_skipped(monkeypatch):
 def test_freed_pinned_blocks_are_kept_for_reuse_as_cudas_host_allocator_keeps_them():
     # (see [Note: emulated pinned memory]) A gradient pool freed after its step is kept, and the
     # next iteration's pool of the same size class gets the very block back.
+    roundpipe.optim_thread.synchronize()  # an earlier test's work frees nothing meanwhile
     gc.collect()
     emu.empty_pinned_cache()
     before = emu.pinned_memory_stats()
+    assert before.cached_bytes == 0
     first = torch.empty(1000).pin_memory()  # 4000 bytes: a 4 KiB block
     address = first.data_ptr()
     del first
@@ -425,7 +427,6 @@ def _storages(tensors):
 
 
 def test_the_plan_counts_the_storages_a_trained_model_holds():
-    pinned_before = emu.pinned_memory_stats().allocated_bytes
     model = RoundPipe(_decoder(), optim_dtype=torch.float32, devices="emu")
     masters = list(model.optim_parameters())
     grads = {}
@@ -442,11 +443,19 @@ def test_the_plan_counts_the_storages_a_trained_model_holds():
     assert host.optimizer == sum(_storages(moments).values())
     assert host.grads == sum(EMU_PINNED.allocation_bytes(n) for n in grads.values())
     # The pinned pool the model sits in: its weights and the blocks' slack (the plan is made
-    # after the wrap pinned it, so it counts the blocks it is in).
-    # And the next weights the one-pass asynchronous step writes: one pool of their own.
-    pinned = emu.pinned_memory_stats().allocated_bytes - pinned_before
-    assert host.pinned_overhead > 0 and host.next_weights > 0
-    assert host.weights + host.pinned_overhead + host.next_weights == pinned
+    # after the wrap pinned it, so it counts the blocks it is in); and the next weights the
+    # one-pass asynchronous step writes, one pool of their own. Counted by the blocks these
+    # tensors sit in (each a storage of its own), not by the allocator's total, which an
+    # earlier test's buffers let go meanwhile would change.
+    module = model.state_access().module
+    held = [*module.parameters(), *module.buffers()]
+    nexts = [e.back for e in model.state_access().params.step_copies._entries.values()]
+    assert all(t.is_pinned() for t in held + nexts)
+    pool = sum(EMU_PINNED.allocation_bytes(n) for n in _storages(held).values())
+    assert host.pinned_overhead > 0 and host.weights + host.pinned_overhead == pool
+    assert host.next_weights == sum(
+        EMU_PINNED.allocation_bytes(n) for n in _storages(nexts).values()
+    )
     # The emulated device's memory is the host's: the plan counts the devices' peaks, and the
     # runtime's own, each a named term of the total.
     assert host.emulated_device == sum(d.peak for d in plan.devices) > 0

@@ -22,14 +22,6 @@ KINDS = [StateKind.BF16, StateKind.EIGHT_BIT]
 SIZES = [(1,), (255,), (256,), (257,), (3, 301), (1100,), (4, 1024)]
 
 
-@pytest.fixture(scope="module")
-def ops():
-    ops = native.kernels(wait=True)
-    if ops is None:
-        pytest.fail(f"the compiled step did not build here: {native.status()}")
-    return ops
-
-
 def _state(kind, p, gen):
     """A non-trivial lean state: a few reference steps from zeros."""
     state = lean.init_lean_state(kind, p)

@@ -19,14 +19,6 @@ KW = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8)
 SIZES = [(), (1,), (7,), (255,), (256,), (257,), (3, 300), (1031,)]
 
 
-@pytest.fixture(scope="module")
-def ops():
-    ops = native.kernels(wait=True)
-    if ops is None:
-        pytest.fail(f"the compiled step did not build here: {native.status()}")
-    return ops
-
-
 def _tensors(seed, sizes, amsgrad):
     gen = torch.Generator().manual_seed(seed)
     params = [torch.randn(s, generator=gen) for s in sizes]

@@ -111,7 +111,6 @@ from roundpipe.testing.emu.memory import (
     HOPPER_CUBLAS_WORKSPACE,
     GpuOverheads,
     PinnedMemoryStats,
-    empty_pinned_cache,
     overheads_held,
     pinned_round_limit,
     set_gpu_overheads,
@@ -126,7 +125,7 @@ from roundpipe.testing.emu.native import (
     StreamOrderError,
     bind_native,
 )
-from roundpipe.testing.emu.streams import pinned_memory_stats
+from roundpipe.testing.emu.streams import empty_pinned_cache, pinned_memory_stats
 
 __all__ = [
     "NAME",

@@ -414,6 +414,14 @@ def pinned_memory_stats(reset_peak: bool = False) -> PinnedMemoryStats:
     return memory.pinned_memory_stats(reset_peak)
 
 
+def empty_pinned_cache() -> None:
+    """Give the freed pinned blocks kept for reuse back to the host
+    (``memory.empty_pinned_cache``), once the buffers of settled copies that only the emulator
+    still held are let go, so that none of them lands in the cache just after. Any thread."""
+    forget_settled()
+    memory.empty_pinned_cache()
+
+
 def land_downloads(func: Any, source: torch.Tensor, stream: tuple[int, int]) -> None:
     """An upload from pinned ``source``: a pending download into it must be ordered before the
     upload (then its bytes land now), else the upload would read what is not there yet."""
