@@ -23,6 +23,7 @@ from roundpipe.distributed.group import (
 )
 from roundpipe.distributed.sharded import ShardedState, StageReducer
 from roundpipe.main_thread import check_main_thread
+from roundpipe.memory.host import DATA_PARALLEL_BUCKET_BYTES, DATA_PARALLEL_IN_FLIGHT
 from roundpipe.runtime.model import RoundPipe
 from roundpipe.scaler.grad_scaler import GradScaler
 from roundpipe.threads import optimizer_thread
@@ -97,8 +98,8 @@ class DataParallel:
         self,
         model: RoundPipe,
         process_group: ProcessGroup | None = None,
-        bucket_cap_mb: float = 25.0,
-        buckets_in_flight: int = 2,
+        bucket_cap_mb: float = DATA_PARALLEL_BUCKET_BYTES / 2**20,
+        buckets_in_flight: int = DATA_PARALLEL_IN_FLIGHT,
         device: torch.device | str | None = None,
     ) -> None:
         check_main_thread("DataParallel", owner="roundpipe.distributed")

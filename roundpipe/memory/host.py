@@ -53,8 +53,8 @@ MASTERS_COPY_BUFFER_BYTES = 64 << 20
 #: out an accelerator's own libraries (CUDA's context, cuBLAS), loaded before the wrap
 #: measures what is available or by the first call, per process.
 RUNTIME_BYTES = 32 << 20
-#: DataParallel's defaults (``bucket_cap_mb=25``, ``buckets_in_flight=2``), which the plan
-#: assumes for a data-parallel run's buffers
+#: DataParallel's defaults (``bucket_cap_mb=25``, ``buckets_in_flight=2``; it takes them from
+#: here), which the plan assumes for a data-parallel run's buffers
 DATA_PARALLEL_BUCKET_BYTES = 25 << 20
 DATA_PARALLEL_IN_FLIGHT = 2
 
@@ -343,7 +343,7 @@ def host_terms(
         else:
             frozen += logical_numel(p)
     masters = held = sum(sizes)
-    held_states, held_lows = sum(states), sum(lows)
+    held_states = sum(states)
     owners: list[int] | None = None
     largest = 0
     share = None
@@ -351,26 +351,25 @@ def host_terms(
         owners = shard_by_bytes(sizes, ranks)
         shares = [0] * ranks
         share_states = [0] * ranks
-        share_lows = [0] * ranks
-        for owner, size, st, low in zip(owners, sizes, states, lows):
+        for owner, size, st in zip(owners, sizes, states):
             shares[owner] += size
             share_states[owner] += st
-            share_lows[owner] += low
         largest = max(range(ranks), key=lambda r: shares[r])
         held = shares[largest]
-        held_states, held_lows = share_states[largest], share_lows[largest]
+        held_states = share_states[largest]
         share = held / masters if masters else None
+    # the low-precision copies of the held masters: what the next weights double
+    mine = [low for i, low in enumerate(lows) if owners is None or owners[i] == largest]
     grads = masters
     if ranks > 1 and layers is not None:
         grads = min(masters, held + 2 * stage_grad_bytes(layers, optim_dtype))
     overhead = _pinned_overhead(module, pinned) if pinned is not None else 0
     in_ram, optimizer = held, held_states
-    next_weights = held_lows if one_pass else 0
-    if one_pass and pinned is not None:
-        # On an accelerator pool the next weights are one pinned pool of the held parameters'
-        # copies (StepCopies), rounded as the allocator rounds.
-        mine = [low for i, low in enumerate(lows) if owners is None or owners[i] == largest]
-        next_weights = pool_layout(mine, pinned).taken
+    # On an accelerator pool the next weights are one pinned pool (StepCopies), rounded as the
+    # allocator rounds.
+    next_weights = 0
+    if one_pass:
+        next_weights = sum(mine) if pinned is None else pool_layout(mine, pinned).taken
     if masters_dir is not None:
         buffer = MASTERS_COPY_BUFFER_BYTES if masters_buffer is None else masters_buffer
         in_ram = min(held, buffer)
