@@ -176,7 +176,7 @@ def build(width=16, seed=0):
     return model, opt, GradScaler("cpu", init_scale=2.0**8)
 
 
-def iteration(model, opt, scaler, i, step_fn=None):
+def forward_backward(model, scaler, i):
     g = torch.Generator().manual_seed(100 + i)
     x, y = torch.randn(8, 8, generator=g), torch.randint(0, 4, (8,), generator=g)
     model.forward_backward(
@@ -184,6 +184,10 @@ def iteration(model, opt, scaler, i, step_fn=None):
         label=y,
         loss_fn=lambda out, lbl: scaler.scale(F.cross_entropy(out.float(), lbl)) / 2,
     )
+
+
+def iteration(model, opt, scaler, i, step_fn=None):
+    forward_backward(model, scaler, i)
     model.step(step_fn or (lambda: (scaler.step(opt), opt.zero_grad())))
     scaler.update()
 
@@ -365,19 +369,15 @@ def test_a_save_before_the_copy_of_the_last_step_holds_the_weights_the_next_forw
         release.wait()
 
     optim_thread.wait_all()
-    g = torch.Generator().manual_seed(101)
-    x, y = torch.randn(8, 8, generator=g), torch.randint(0, 4, (8,), generator=g)
-    model.forward_backward(
-        input_args=(x,),
-        label=y,
-        loss_fn=lambda out, lbl: scaler.scale(F.cross_entropy(out.float(), lbl)) / 2,
-    )
+    forward_backward(model, scaler, 1)
     optim_thread.launch(hold_up)
     held.wait()
-    model.step(lambda: (scaler.step(opt), opt.zero_grad()))
-    scaler.update()
-    handle = ckpt.save(tmp_path, model, opt, scaler=scaler)
-    release.set()
+    try:
+        model.step(lambda: (scaler.step(opt), opt.zero_grad()))
+        scaler.update()
+        handle = ckpt.save(tmp_path, model, opt, scaler=scaler)
+    finally:
+        release.set()  # a failure above must not leave the optimizer thread held
     handle.wait()
     loaded, opt2, scaler2 = build(seed=3)
     ckpt.load(handle.path, loaded, opt2, scaler=scaler2, progress=False)
