@@ -16,6 +16,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from roundpipe.autocast import autocast_context, capture_autocast
+from roundpipe.memory.repeats import eliding, runs
 
 __all__ = ["IGNORE_INDEX", "chunked_causal_lm_loss"]
 
@@ -88,9 +89,16 @@ class _LinearCrossEntropy(torch.autograd.Function):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         ctx.autocast = capture_autocast(hidden.device.type)
         ctx.chunk = chunk
+        # A memory trace runs four chunks (the backward too): see [Note: elided repeats].
+        ctx.elide = eliding()
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        stats = []
-        for start in range(0, hidden.shape[0], chunk):
+        stats: list[torch.Tensor] = []
+        n = -(-hidden.shape[0] // chunk)
+        for k, start in enumerate(range(0, hidden.shape[0], chunk)):
+            if not runs(k, n, ctx.elide):
+                if token_stats:  # what the chunk leaves: its statistics
+                    stats.append(stats[1].new_empty(stats[1].shape))
+                continue
             part = labels[start : start + chunk]
             logits = F.linear(hidden[start : start + chunk], weight, bias).float()
             if token_stats:
@@ -120,7 +128,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
         compute_dtype = state.dtype if state.enabled else weight.dtype
         w = weight.to(compute_dtype) if need_hidden else None
         rows = torch.arange(min(ctx.chunk, hidden.shape[0]), device=hidden.device)
-        for start in range(0, hidden.shape[0], ctx.chunk):
+        n = -(-hidden.shape[0] // ctx.chunk)
+        for k, start in enumerate(range(0, hidden.shape[0], ctx.chunk)):
+            if not runs(k, n, ctx.elide):  # it leaves nothing: its rows are written in place
+                continue
             h = hidden[start : start + ctx.chunk]
             part = labels[start : start + ctx.chunk]
             with autocast_context(state):

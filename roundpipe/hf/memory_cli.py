@@ -247,11 +247,12 @@ class _Traces(TraceMemo):
 #   (short sequences, a kink), the traced lengths bracket the edge tighter and the next estimate
 #   comes from the two traces nearest to it; a bracket that does not halve in two rounds is
 #   bisected, so the search ends in about log2(limit / step) traces at worst, as plain bisection.
-# A trace costs about linearly in the tokens (a tile or chunk is a few ops on fake tensors), so
-# the first two are short ones (eight MLP tiles and twice that), and, before any length has
-# failed, an estimate more than three times the longest traced length (which may miss a kink on
-# the way) is approached by the geometric mean of the two first: the long traces are the ones
-# at the edge.
+# * A trace costs about the same at any length: of the MLP's tiles and the loss's chunks it runs
+#   four ([Note: elided repeats] in roundpipe.memory.repeats), so the search's cost is its
+#   number of traces (four for Llama-3.1-8B with LoRA: two short ones, then the edge).
+# The first two are short (eight MLP tiles and twice that: past the kinks of the first few),
+# and, before any length has failed, an estimate more than three times the longest traced
+# length (which may miss a kink on the way) is approached by the geometric mean of the two.
 
 
 class ConfigPlanner:

@@ -35,6 +35,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from roundpipe.memory.repeats import runs
+
 __all__ = ["install", "tiles", "tiled_modules"]
 
 _local = threading.local()
@@ -102,15 +104,38 @@ def _tiled_forward(self: nn.Module, hidden: Any, *args: Any, **kwargs: Any) -> A
     # stage's upload (or a plan's fake copies), which the module no longer holds
     # when the backward recomputes a tile.
     tensors = {**dict(self.named_parameters()), **dict(self.named_buffers())}
-    outs = []
-    for piece in flat.split(tokens):
-        if grad:
+    outs: list[torch.Tensor] = []
+    pieces = flat.split(tokens)
+    for k, piece in enumerate(pieces):
+        if not runs(k, len(pieces)):  # a memory trace's middle tile: see [Note: elided repeats]
+            outs.append(_StandIn.apply(piece, outs[1].shape, outs[1].dtype, *tensors.values()))
+        elif grad:
             outs.append(checkpoint(_call_with, self, tensors, piece, use_reentrant=False))
         else:  # nothing is kept for a backward: a tile at a time is all it takes
             outs.append(forward(self, piece))
     out = torch.cat(outs)
     del outs  # the tiles' outputs: cat's backward keeps only their sizes
     return out.reshape(*shape[:-1], out.shape[-1])
+
+
+class _StandIn(torch.autograd.Function):
+    """A tile a memory trace does not run (fake tensors only, see [Note: elided repeats] in
+    :mod:`roundpipe.memory.repeats`): what the tile leaves behind, its output in the forward
+    and its input's gradient in the backward, with no values."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, piece: torch.Tensor, shape: torch.Size, dtype: torch.dtype, *tensors: Any
+    ) -> torch.Tensor:
+        ctx.piece = (piece.shape, piece.dtype)
+        ctx.count = len(tensors)
+        return piece.new_empty(shape, dtype=dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        shape, dtype = ctx.piece
+        grad_piece = grad.new_empty(shape, dtype=dtype) if ctx.needs_input_grad[0] else None
+        return (grad_piece, None, None, *[None] * ctx.count)
 
 
 def _call_with(module: nn.Module, tensors: dict[str, torch.Tensor], piece: torch.Tensor) -> Any:

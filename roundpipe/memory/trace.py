@@ -32,6 +32,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from roundpipe.autocast import AutocastState, autocast_context
 from roundpipe.devices.packed import carried, packed_copy
 from roundpipe.memory.live import LiveBytes
+from roundpipe.memory.repeats import elided
 from roundpipe.microbatch import MicrobatchInfo
 from roundpipe.microbatch_context import WithContext
 from roundpipe.plan import ActionBytes
@@ -544,7 +545,7 @@ def _trace_microbatch(
             row.append(bytes_)
             continue
         try:
-            with mode, _attributes_kept(stage.modules):
+            with mode, _attributes_kept(stage.modules), elided():
                 if s == 0:
                     inp = _fake_like(chunk, device, cast_dtype)
                     fake_label = _fake_like(label, torch.device("cpu"), None)

@@ -1,0 +1,136 @@
+"""A memory trace runs four of a loop's equal pieces (roundpipe.memory.repeats): the MLP's
+token tiles and the loss's chunks. Traced with the middle pieces stood in for and with every
+piece run, each stage's bytes are the same, action by action, for full fine-tuning and LoRA,
+with the Trainer's token statistics on, with and without the activation offload; a real run
+never elides; and a trace with many pieces costs fewer ops than one piece more than four."""
+
+import contextlib
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+import roundpipe  # noqa: E402
+from roundpipe import RoundPipeRunConfig  # noqa: E402
+from roundpipe.hf import loss as hf_loss  # noqa: E402
+from roundpipe.memory import repeats, trace  # noqa: E402
+from roundpipe.memory.report import TraceMemo, reused_traces  # noqa: E402
+from roundpipe.testing import emu  # noqa: E402, F401  (installed by conftest)
+
+# peft's own wrap of a transformers 5 model warns of transformers' renamed attribute.
+pytestmark = pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing:FutureWarning")
+
+
+def _llama(layers=2):
+    cfg = transformers.LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+
+
+def _batch(rows, seq_len):
+    ids = torch.randint(256, (rows, seq_len), generator=torch.Generator().manual_seed(0))
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+
+
+class _Recorded(TraceMemo):
+    """Every call traced afresh, its traces kept."""
+
+    def __init__(self):
+        super().__init__()
+        self.traces = []
+
+    def get(self, call, real_runs, trace_fn):
+        self.traces.append(trace_fn())
+        return self.traces[-1]
+
+
+def _traced(model, batch, offload, elide=True):
+    memo = _Recorded()
+    with contextlib.ExitStack() as stack:
+        if not elide:
+            stack.enter_context(pytest.MonkeyPatch.context()).setattr(
+                trace, "elided", contextlib.nullcontext
+            )
+        stack.enter_context(reused_traces(memo))
+        model.memory_plan(
+            input_kwargs=batch, run_config=RoundPipeRunConfig(offload_activations=offload)
+        )
+    (traced,) = memo.traces
+    assert not traced.untraced and not traced.measured
+    return traced.bytes
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+@pytest.mark.parametrize("offload", [False, True], ids=["kept", "offloaded"])
+def test_elided_traces_count_what_every_piece_run_counts(lora, offload):
+    """One sequence of 150 tokens in tiles of 16 (10 tiles, the last of 6) and loss chunks of
+    24 (7 chunks, the last of 5: the head's labels are shifted)."""
+    model = _llama()
+    if lora:
+        model = peft.get_peft_model(
+            model, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj", "gate_proj"])
+        )
+    wrapped = roundpipe.hf.wrap(
+        model, devices="emu", check=False, mlp_tile_tokens=16, loss_chunk_tokens=24
+    )
+    batch = _batch(1, 150)
+    elided = _traced(wrapped, batch, offload)
+    every = _traced(wrapped, batch, offload, elide=False)
+    assert elided == every
+    assert any(b.backward_peak for row in every for b in row if b is not None)
+
+
+def test_elided_traces_count_the_token_statistics_as_every_chunk_does():
+    """The Trainer's token statistics (one row per token, kept from every chunk)."""
+    wrapped = roundpipe.hf.wrap(
+        _llama(layers=1), devices="emu", check=False, mlp_tile_tokens=16, loss_chunk_tokens=8
+    )
+    wrapped.module[-1].token_stats = True
+    batch = _batch(1, 120)
+    assert _traced(wrapped, batch, False) == _traced(wrapped, batch, False, elide=False)
+
+
+class _Ops(torch.utils._python_dispatch.TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_an_elided_loss_runs_four_chunks_on_fake_tensors():
+    """The chunked loss on fake tensors, 40 chunks and 5: elided, the same ops either way; a
+    real run (outside the tracer's elision) computes every chunk, the same loss as one chunk."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    head = torch.nn.Linear(16, 32, bias=False)
+
+    def ops(tokens):
+        with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+            hidden = torch.empty(tokens, 16, requires_grad=True)
+            labels = torch.zeros(tokens, dtype=torch.long)
+            weight = mode.from_tensor(head.weight).requires_grad_()
+            counter = _Ops()
+            with repeats.elided(), counter:
+                total, _ = hf_loss._LinearCrossEntropy.apply(hidden, weight, None, labels, 4, False)
+                total.backward()
+        return counter.count
+
+    assert ops(4 * 40) == ops(4 * 5)
+    hidden = torch.randn(64, 16)
+    labels = torch.randint(32, (64,))
+    chunked = hf_loss.chunked_causal_lm_loss(hidden, head, labels, None, chunk_tokens=4)
+    whole = hf_loss.chunked_causal_lm_loss(hidden, head, labels, None, chunk_tokens=64)
+    torch.testing.assert_close(chunked, whole)
