@@ -16,7 +16,14 @@ import roundpipe
 from roundpipe import HostMemoryError, RoundPipe, host_memory_available, pin_module
 from roundpipe.devices import pinned as hm
 from roundpipe.memory import probe
-from roundpipe.memory.host import RUNTIME_BYTES, data_parallel_bytes, format_bytes, host_terms
+from roundpipe.memory.host import (
+    DATA_PARALLEL_BUCKET_BYTES,
+    DATA_PARALLEL_IN_FLIGHT,
+    RUNTIME_BYTES,
+    data_parallel_bytes,
+    format_bytes,
+    host_terms,
+)
 from roundpipe.testing import EMU_PINNED, emu
 
 
@@ -493,3 +500,24 @@ def test_the_plan_counts_a_data_parallel_runs_reduction_buffers(group_of_one):
     assert data_parallel_bytes(sizes, None, cap_bytes=1 << 10) == 2 * largest
     assert any("data-parallel reduction buffers" in label for label, _ in plan.host.rows())
     dp.close()
+
+
+def test_the_plan_counts_the_buckets_the_data_parallel_was_given(group_of_one):
+    """A DataParallel with a cap below the largest parameter and three buckets in flight: the
+    plan counts the buffers it allocated, not those of the defaults, and says its settings."""
+    from roundpipe import distributed as rpd
+
+    seq = _decoder().float()
+    model = RoundPipe(seq, devices="emu")
+    cap = max(p.numel() for p in seq.parameters()) * 4 // 2
+    dp = rpd.DataParallel(model, bucket_cap_mb=cap / 2**20, buckets_in_flight=3)
+    plan, _ = _train_two_iterations(model)
+    rings = sum(t.untyped_storage().nbytes() for ring in dp._rings.values() for t in ring)
+    assert plan.host.data_parallel == rings > 0
+    assert rings != 2 * 4 * sum(p.numel() for p in seq.parameters())  # not the defaults'
+    assert any(
+        f"reduction buffers (3 in flight, {format_bytes(cap)} buckets)" in label
+        for label, _ in plan.host.rows()
+    )
+    dp.close()
+    assert model.memory_plan().host.buckets == (DATA_PARALLEL_BUCKET_BYTES, DATA_PARALLEL_IN_FLIGHT)

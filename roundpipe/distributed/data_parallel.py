@@ -24,6 +24,7 @@ from roundpipe.distributed.group import (
 from roundpipe.distributed.sharded import ShardedState, StageReducer
 from roundpipe.main_thread import check_main_thread
 from roundpipe.memory.host import DATA_PARALLEL_BUCKET_BYTES, DATA_PARALLEL_IN_FLIGHT
+from roundpipe.runtime.call_memory import attach_data_parallel, data_parallel_buckets
 from roundpipe.runtime.model import RoundPipe
 from roundpipe.scaler.grad_scaler import GradScaler
 from roundpipe.threads import optimizer_thread
@@ -56,10 +57,6 @@ __all__ = ["DataParallel"]
 # passed) raises DataParallelError on the optimizer thread, reported on the main thread at the
 # next dependent call like any step failure; the group is then marked broken and every later
 # collective raises at once instead of waiting for a timeout again.
-
-
-# The models a DataParallel is attached to (main thread).
-_ATTACHED: weakref.WeakSet[RoundPipe] = weakref.WeakSet()
 
 
 class DataParallel:
@@ -107,7 +104,7 @@ class DataParallel:
             raise TypeError(
                 f"DataParallel attaches to a roundpipe.RoundPipe, got {type(model).__name__}"
             )
-        if model in _ATTACHED:
+        if data_parallel_buckets(model) is not None:
             raise RuntimeError("this RoundPipe already has a DataParallel; close() it first")
         if not (isinstance(bucket_cap_mb, (int, float)) and bucket_cap_mb > 0):
             raise ValueError(f"bucket_cap_mb must be a number > 0, got {bucket_cap_mb!r}")
@@ -172,7 +169,7 @@ class DataParallel:
         # seen at once, later ones at the launch that first uses them).
         self._scalers: weakref.WeakSet[GradScaler] = weakref.WeakSet()
         self._scaler_hook = model.register_step_scaler_hook(self._join_scaler)
-        _ATTACHED.add(model)
+        attach_data_parallel(model, (self._cap, self._in_flight))
         if self._shard is not None:
             self._shard.attached = True
 
@@ -207,7 +204,7 @@ class DataParallel:
         for scaler in list(self._scalers):
             if scaler.data_parallel is self:
                 scaler.join_data_parallel(None)
-        _ATTACHED.discard(self._model)
+        attach_data_parallel(self._model, None)
         self._closed = True
         if self._shard is not None:
             self._shard.attached = False

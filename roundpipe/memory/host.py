@@ -120,7 +120,8 @@ class HostTerms:
     ``activations``: host bytes of stage inputs offloaded to the host (or, on a CPU pool, the
     activations), when known (``memory_plan`` with inputs), else 0;
     ``data_parallel``: a :class:`roundpipe.distributed.DataParallel`'s reduction buffers, with
-    its default bucket cap and buckets in flight (:func:`data_parallel_bytes`; 0 without one);
+    its bucket cap and buckets in flight (``buckets``, bytes and count: the attached one's, else
+    its defaults; :func:`data_parallel_bytes`; 0 without one);
     ``runtime``: roundpipe's own memory besides the state (:data:`RUNTIME_BYTES`);
     ``emulated_device``: on the emulated accelerator, whose memory is host memory, its
     devices' planned peaks (0 elsewhere; see [Note: what the host plan counts]);
@@ -148,6 +149,7 @@ class HostTerms:
     next_weights: int = 0
     optim_states: str = "exact"
     data_parallel: int = 0
+    buckets: tuple[int, int] = (DATA_PARALLEL_BUCKET_BYTES, DATA_PARALLEL_IN_FLIGHT)
     runtime: int = 0
     emulated_device: int = 0
     share: float | None = None
@@ -209,8 +211,8 @@ class HostTerms:
         if self.data_parallel:
             rows.append(
                 (
-                    f"data-parallel reduction buffers ({DATA_PARALLEL_IN_FLIGHT} in flight, "
-                    f"{format_bytes(DATA_PARALLEL_BUCKET_BYTES)} buckets)",
+                    f"data-parallel reduction buffers ({self.buckets[1]} in flight, "
+                    f"{format_bytes(self.buckets[0])} buckets)",
                     self.data_parallel,
                 )
             )
@@ -306,6 +308,7 @@ def host_terms(
     optim_states: str = "exact",
     one_pass: bool = True,
     data_parallel: bool | None = None,
+    buckets: tuple[int, int] = (DATA_PARALLEL_BUCKET_BYTES, DATA_PARALLEL_IN_FLIGHT),
 ) -> HostTerms:
     """What wrapping ``module`` takes from the host, term by term (see :class:`HostTerms`);
     ``pinned``: the pool's allocator on an accelerator pool (None: nothing pinned; a module
@@ -321,7 +324,8 @@ def host_terms(
     ``optim_states``: how Adam keeps its moments ("exact", "bf16", "8bit"); ``one_pass``:
     count the next weights of roundpipe's one-pass asynchronous step; ``data_parallel``: a
     :class:`roundpipe.distributed.DataParallel` reduces the gradients (None: when ``ranks`` >
-    1, which needs one). Reads shapes only. Main thread."""
+    1, which needs one), ``buckets``: its bucket cap in bytes and buckets in flight. Reads
+    shapes only. Main thread."""
     from roundpipe.runtime.placement import shard_by_bytes  # runtime imports this module
 
     weights = storage_bytes(t for t in module_tensors(module) if t.numel() > 0)
@@ -385,6 +389,7 @@ def host_terms(
                 for stage in stages
             ],
             owners,
+            *buckets,
         )
     return HostTerms(
         weights=weights,
@@ -401,6 +406,7 @@ def host_terms(
         masters_dir=masters_dir,
         optimizer_dir=masters_dir,
         data_parallel=buffers,
+        buckets=buckets,
         runtime=RUNTIME_BYTES,
         share=share,
         next_weights=next_weights,

@@ -8,6 +8,7 @@ The counting itself is :mod:`roundpipe.memory.report`'s; this module builds its
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -17,7 +18,7 @@ from torch import nn
 from roundpipe.devices import DevicePool
 from roundpipe.devices.pinned import PinnedAllocator, pool_layout
 from roundpipe.memory.checks import check_device_memory
-from roundpipe.memory.host import host_terms
+from roundpipe.memory.host import DATA_PARALLEL_BUCKET_BYTES, DATA_PARALLEL_IN_FLIGHT, host_terms
 from roundpipe.memory.probe import host_memory_available
 from roundpipe.memory.report import (
     MemoryPlan,
@@ -38,7 +39,15 @@ from roundpipe.runtime.config import ResolvedRunConfig
 from roundpipe.runtime.placement import MasterPlacement
 from roundpipe.runtime.stages import Layer
 
-__all__ = ["CallArgs", "check_call_memory", "memory_plan_of", "pinned_allocator", "sharding_terms"]
+__all__ = [
+    "CallArgs",
+    "attach_data_parallel",
+    "check_call_memory",
+    "data_parallel_buckets",
+    "memory_plan_of",
+    "pinned_allocator",
+    "sharding_terms",
+]
 
 
 def pinned_allocator(pool: DevicePool) -> PinnedAllocator | None:
@@ -131,9 +140,12 @@ def memory_plan_of(
     layers: Sequence[nn.Module] | None = None,
     masters_dir: str | None = None,
     masters_buffer: int | None = None,
+    buckets: tuple[int, int] | None = None,
 ) -> MemoryPlan:
     """:meth:`RoundPipe.memory_plan`: the host terms of ``module`` (``ranks``, ``layers``,
-    ``masters_dir``, ``masters_buffer``: see :func:`sharding_terms`) and the planned call."""
+    ``masters_dir``, ``masters_buffer``: see :func:`sharding_terms`; ``buckets``: the bucket
+    cap and buckets in flight of the DataParallel attached to it, see
+    :func:`data_parallel_buckets`) and the planned call."""
     pinned = pinned_allocator(parts.pool)
     terms = host_terms(
         module,
@@ -144,7 +156,8 @@ def memory_plan_of(
         layers,
         masters_dir,
         masters_buffer,
-        data_parallel=ranks > 1 or _data_parallel_open(),
+        data_parallel=ranks > 1 or buckets is not None or _data_parallel_open(),
+        buckets=buckets or (DATA_PARALLEL_BUCKET_BYTES, DATA_PARALLEL_IN_FLIGHT),
     )
     planned = _planned_call(parts, cfg, call)
     # Sharded, a rank keeps its share of the sums, not the pinned downloads of all of them.
@@ -155,6 +168,26 @@ def memory_plan_of(
         host = dataclasses.replace(plan.host, emulated_device=sum(d.peak for d in plan.devices))
         plan = dataclasses.replace(plan, host=host)
     return plan
+
+
+# The bucket cap in bytes and buckets in flight of the DataParallel attached to each RoundPipe:
+# what its memory plan counts (roundpipe.distributed.DataParallel sets and clears them).
+_DATA_PARALLEL: weakref.WeakKeyDictionary[Any, tuple[int, int]] = weakref.WeakKeyDictionary()
+
+
+def attach_data_parallel(model: Any, buckets: tuple[int, int] | None) -> None:
+    """Record that a DataParallel with ``buckets`` (cap in bytes, buckets in flight) is attached
+    to ``model``, a RoundPipe (None: detached). Main thread."""
+    if buckets is None:
+        _DATA_PARALLEL.pop(model, None)
+    else:
+        _DATA_PARALLEL[model] = buckets
+
+
+def data_parallel_buckets(model: Any) -> tuple[int, int] | None:
+    """The bucket cap in bytes and buckets in flight of the DataParallel attached to ``model``
+    (a RoundPipe), None if none is. Main thread."""
+    return _DATA_PARALLEL.get(model)
 
 
 def _data_parallel_open() -> bool:

@@ -32,6 +32,7 @@ from roundpipe.runtime.call import CallSpec, CallState, ModelParts, plan_call, p
 from roundpipe.runtime.call_memory import (
     CallArgs,
     check_call_memory,
+    data_parallel_buckets,
     memory_plan_of,
     pinned_allocator,
     sharding_terms,
@@ -400,6 +401,7 @@ class RoundPipe(nn.Module):
             self._resolve(run_config),
             CallArgs(tuple(input_args), dict(input_kwargs or {}), label, loss_fn, return_outputs),
             **sharding_terms(self._pool, self.state_placement, self._parts().stages.layers),
+            buckets=data_parallel_buckets(self),
         )
 
     def _resolve(self, run_config: RoundPipeRunConfig | None) -> ResolvedRunConfig:
