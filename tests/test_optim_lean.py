@@ -137,8 +137,8 @@ def test_the_vectorized_quantizer_finds_the_nearest_code_as_the_reference(ops, s
     m = lean.maps()
     table = m.signed_table if signed else m.unsigned_table
     x = _special_inputs(signed)
-    vectorized = ops.quantize(x, 1.0, table, signed, True)
-    scalar = ops.quantize(x, 1.0, table, signed, False)
+    vectorized = ops.quantize(x, 1.0, table, signed, 1)
+    scalar = ops.quantize(x, 1.0, table, signed, 0)
     reference = lean.quantize(x, torch.ones(()), signed)
     assert torch.equal(vectorized, scalar)
     assert torch.equal(scalar, reference)
