@@ -868,6 +868,8 @@ at::Tensor dequantize(const at::Tensor& codes, double absmax, const at::Tensor& 
     _mm256_storeu_ps(dst + i, is_signed ? dequant_v<true, 7>(load_codes(src + i), av)
                                         : dequant_v<false, 8>(load_codes(src + i), av));
   }
+#else
+  (void)vectorized;  // the scalar path only
 #endif
   for (; i < codes.numel(); ++i) dst[i] = dequant(map, src[i], a);
   return out;
