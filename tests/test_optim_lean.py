@@ -47,24 +47,16 @@ def _state(kind, p, gen):
     return state
 
 
-@pytest.mark.parametrize("kind", KINDS, ids=lambda k: k.value)
-@pytest.mark.parametrize("low_dtype", [None, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize(
-    "adamw,weight_decay,maximize,scale", [(True, 0.1, False, None), (False, 0.1, True, 512.0)]
-)
-def test_compiled_lean_step_is_the_reference_bit_for_bit(
-    ops, kind, low_dtype, adamw, weight_decay, maximize, scale
+def _step_both_ways(
+    ops, kind, params, grads, states, lows, *, adamw, weight_decay, maximize, scale
 ):
-    gen = torch.Generator().manual_seed(0)
-    params = [torch.randn(s, generator=gen) for s in SIZES]
-    states = [_state(kind, p, gen) for p in params]
-    grads = [torch.randn(s, generator=gen) * (scale or 1.0) for s in SIZES]
+    """One step of the compiled kernels on ``params``, ``states`` and ``lows`` (in place, pieces
+    of 512) and one of torch's reference on copies; returns the copies."""
     ref_params = [p.clone() for p in params]
     ref_states = [{k: t.clone() for k, t in s.items()} for s in states]
-    lows = [torch.empty(s, dtype=low_dtype) if low_dtype else None for s in SIZES]
-    ref_lows = [torch.empty(s, dtype=low_dtype) if low_dtype else None for s in SIZES]
-    sizes = [1e-3 / (1 - 0.9**3) * (1 + i) for i in range(len(SIZES))]
-    bc2 = [math.sqrt(1 - 0.999**3)] * len(SIZES)
+    ref_lows = [torch.empty_like(low) if low is not None else None for low in lows]
+    sizes = [1e-3 / (1 - 0.9**3) * (1 + i) for i in range(len(params))]
+    bc2 = [math.sqrt(1 - 0.999**3)] * len(params)
     hyper = dict(lr=1e-3, beta1=0.9, beta2=0.999, weight_decay=weight_decay, eps=1e-8)
     for p, g, st, low, size, b in zip(ref_params, grads, ref_states, ref_lows, sizes, bc2):
         lean.lean_reference_step(
@@ -105,6 +97,42 @@ def test_compiled_lean_step_is_the_reference_bit_for_bit(
         m.unsigned_table,
         512,
     )
+    return ref_params, ref_states, ref_lows
+
+
+def _bits(t):
+    """``t``'s bits, NaNs made one (the kernels and torch may give NaNs different signs)."""
+    if t.dtype.is_floating_point:
+        t = torch.where(torch.isnan(t), torch.full_like(t, float("nan")), t)
+        return t.view(torch.int16 if t.element_size() == 2 else torch.int32)
+    return t
+
+
+@pytest.mark.parametrize("kind", KINDS, ids=lambda k: k.value)
+@pytest.mark.parametrize("low_dtype", [None, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    "adamw,weight_decay,maximize,scale", [(True, 0.1, False, None), (False, 0.1, True, 512.0)]
+)
+def test_compiled_lean_step_is_the_reference_bit_for_bit(
+    ops, kind, low_dtype, adamw, weight_decay, maximize, scale
+):
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.randn(s, generator=gen) for s in SIZES]
+    states = [_state(kind, p, gen) for p in params]
+    grads = [torch.randn(s, generator=gen) * (scale or 1.0) for s in SIZES]
+    lows = [torch.empty(s, dtype=low_dtype) if low_dtype else None for s in SIZES]
+    ref_params, ref_states, _ = _step_both_ways(
+        ops,
+        kind,
+        params,
+        grads,
+        states,
+        lows,
+        adamw=adamw,
+        weight_decay=weight_decay,
+        maximize=maximize,
+        scale=scale,
+    )
     for a, b in zip(params, ref_params):
         assert torch.equal(a, b)
     for a, b in zip(states, ref_states):
@@ -117,6 +145,47 @@ def test_compiled_lean_step_is_the_reference_bit_for_bit(
     if low_dtype is not None:
         for a, p in zip(lows, ref_params):
             assert torch.equal(a.view(torch.int16), p.to(low_dtype).view(torch.int16))
+
+
+@pytest.mark.parametrize("low_dtype", [torch.bfloat16, torch.float16])
+def test_8bit_blocks_with_nan_inf_zero_and_extreme_absmax_step_as_the_reference(ops, low_dtype):
+    """Each block of 256 below takes another of the compiled step's ways (see [Note: the fast
+    quantizer] in _step_kernels.cpp): ordinary; a NaN gradient; an infinite one; a second
+    moment that overflows; all zeros (absmax 0); a subnormal and a huge stored absmax; a
+    negative stored absmax (a corrupt state); and a partial block."""
+    kind = StateKind.EIGHT_BIT
+    gen = torch.Generator().manual_seed(3)
+    n = 8 * 256 + 100
+    p = torch.randn(n, generator=gen)
+    state = _state(kind, p, gen)
+    g = torch.randn(n, generator=gen)
+    g[256 + 7] = float("nan")
+    g[512 + 3] = float("inf")
+    g[768:1024] *= 1e25
+    g[1024:1280] = 0.0
+    state["exp_avg"][1024:1280] = 0
+    state["exp_avg_sq"][1024:1280] = 0
+    state["exp_avg_absmax"][4] = state["exp_avg_sq_absmax"][4] = 0.0
+    state["exp_avg_absmax"][5], state["exp_avg_sq_absmax"][5] = 1e-45, 3e38
+    state["exp_avg_absmax"][6], state["exp_avg_sq_absmax"][6] = 3e38, 1e-45
+    state["exp_avg_sq_absmax"][7] = -1e-3
+    low = torch.empty(n, dtype=low_dtype)
+    (ref_p,), (ref_state,), (ref_low,) = _step_both_ways(
+        ops,
+        kind,
+        [p],
+        [g],
+        [state],
+        [low],
+        adamw=True,
+        weight_decay=0.1,
+        maximize=False,
+        scale=None,
+    )
+    assert torch.equal(_bits(p), _bits(ref_p))
+    assert torch.equal(_bits(low), _bits(ref_low))
+    for key in state:
+        assert torch.equal(_bits(state[key]), _bits(ref_state[key])), key
 
 
 def _special_inputs(signed):
@@ -137,8 +206,8 @@ def test_the_vectorized_quantizer_finds_the_nearest_code_as_the_reference(ops, s
     m = lean.maps()
     table = m.signed_table if signed else m.unsigned_table
     x = _special_inputs(signed)
-    vectorized = ops.quantize(x, 1.0, table, signed, True)
-    scalar = ops.quantize(x, 1.0, table, signed, False)
+    vectorized = ops.quantize(x, 1.0, table, signed, 1)
+    scalar = ops.quantize(x, 1.0, table, signed, 0)
     reference = lean.quantize(x, torch.ones(()), signed)
     assert torch.equal(vectorized, scalar)
     assert torch.equal(scalar, reference)
@@ -150,6 +219,54 @@ def test_the_vectorized_quantizer_finds_the_nearest_code_as_the_reference(ops, s
     best = (values[None, :] - y[:, None]).abs().amin(dim=1)
     assert bool((got <= best + y.abs() * 2e-4).all())
     assert bool((lean.quantize(torch.tensor([float("nan")]), torch.ones(()), signed) == 0).all())
+
+
+@pytest.mark.parametrize("signed", [True, False])
+def test_the_fast_quantizer_gives_the_general_quantizers_codes(ops, signed):
+    """Path 2 (the 8-bit step's encoder for ordinary blocks, see [Note: the fast quantizer] in
+    _step_kernels.cpp) against the scalar path over its domain, |x| * inv in [0, 1 + 2^-15]:
+    every 251st float there, every float within 64 of the maps' midpoints, of the groups'
+    edges and of 1, and values scaled by absmaxes whose inverses round far (subnormal)."""
+    m = lean.maps()
+    table = m.signed_table if signed else m.unsigned_table
+    top = int(torch.tensor(1 + 2**-15).view(torch.int32))
+    mids = (m.signed_mids if signed else m.unsigned_mids).view(torch.int32)
+    edges = torch.tensor([16.0**-e for e in range(9)]).view(torch.int32)
+    marks = torch.cat([mids, edges, torch.tensor([0], dtype=torch.int32)])
+    near = (marks[:, None] + torch.arange(-64, 65, dtype=torch.int32)[None, :]).reshape(-1)
+    bits = torch.cat([torch.arange(0, top + 1, 251, dtype=torch.int32), near.clamp(0, top)])
+    x = bits.view(torch.float32)
+    x = torch.cat([x, -x]) if signed else x
+    assert torch.equal(
+        ops.quantize(x, 1.0, table, signed, 2), ops.quantize(x, 1.0, table, signed, 0)
+    )
+    gen = torch.Generator().manual_seed(0)
+    for absmax in (3.7e-3, 1e-30, 2.5e37, 2e38, 3.4e38):
+        a = torch.tensor(absmax)
+        inv = float(1.0 / a)
+        y = torch.cat([torch.rand(20000, generator=gen) ** 6 * a, a[None]])
+        y = torch.cat([y, -y]) if signed else y
+        assert torch.equal(
+            ops.quantize(y, inv, table, signed, 2), ops.quantize(y, inv, table, signed, 0)
+        )
+    with pytest.raises(RuntimeError, match="path 2 takes"):
+        ops.quantize(torch.tensor([1.5]), 1.0, table, signed, 2)
+    if not signed:
+        with pytest.raises(RuntimeError, match="path 2 takes"):
+            ops.quantize(torch.tensor([-0.0]), 1.0, table, signed, 2)
+
+
+@pytest.mark.parametrize("signed", [True, False])
+def test_the_vectorized_dequantizer_is_the_scalar_one_bit_for_bit(ops, signed):
+    m = lean.maps()
+    table = m.signed_table if signed else m.unsigned_table
+    codes = torch.arange(256, dtype=torch.uint8).repeat(2)
+    values = m.signed_values if signed else m.unsigned_values
+    assert torch.equal(ops.dequantize(codes[:256], 1.0, table, signed, True), values)
+    for absmax in (1.0, 0.37, 1e-30, 1e-45, 0.0, -2.0, 3e38, float("inf"), float("nan")):
+        vectorized = ops.dequantize(codes, absmax, table, signed, True)
+        scalar = ops.dequantize(codes, absmax, table, signed, False)
+        assert torch.equal(vectorized.view(torch.int32), scalar.view(torch.int32)), absmax
 
 
 def test_the_maps_are_the_dynamic_trees_of_the_note():
