@@ -70,7 +70,9 @@ def pytest_generate_tests(metafunc):
 
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
 def pytest_collection_modifyitems(config, items):
-    # One worker runs every test of the session's rank processes: they are started once.
+    # One worker runs every test of the session's rank processes: they are started once. (A
+    # module with an xdist_group of its own keeps it, joined with rank_pool's name: a group that
+    # may go to another worker, which then starts rank processes of its own.)
     for item in items:
         if "rank_pool" in item.fixturenames:
             item.add_marker(pytest.mark.xdist_group("rank_pool"))
@@ -152,7 +154,8 @@ def group_of_one(request, tmp_path):
 @pytest.fixture(scope="session")
 def rank_pool(tmp_path_factory):
     """Rank processes kept for the session that run data-parallel runs (tests/dp_worker.py's,
-    tests/ckpt_worker.py's), each with its own process group: see tests/rank_pool_worker.py."""
+    tests/ckpt_worker.py's, tests/trainer_dp_worker.py's), each with its own process group: see
+    tests/rank_pool_worker.py."""
     from rank_pool_worker import RankPool
 
     pool = RankPool(tmp_path_factory.mktemp("rank-pool"))
