@@ -56,6 +56,28 @@ def pytest_configure(config):
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if workers > 1:
         torch.set_num_threads(max(1, torch.get_num_threads() // workers))
+    if getattr(config.option, "loadgroup", False):  # an xdist worker under --dist loadgroup
+        config.pluginmanager.register(_GroupIds(), "roundpipe-xdist-group-ids")
+
+
+class _GroupIds:
+    """Gives each test in an ``xdist_group`` the id xdist's loadgroup schedules by:
+    ``nodeid@group``. xdist (3.8) suffixes ``item._nodeid`` as it collects, an attribute pytest
+    9 no longer reads (a node's id is ``item._id``), so without this every test is a group of
+    its own: the tests of a group run on both workers, each building the group's shared fixtures
+    (rank processes, two_ranks), and the groups are no longer handed out first."""
+
+    @pytest.hookimpl(trylast=True)  # after conftest's hook below has marked the groups
+    def pytest_collection_modifyitems(self, config, items):
+        from _pytest.nodeid import coerce_node_id
+
+        for item in items:
+            names = {
+                str(mark.args[0] if mark.args else mark.kwargs.get("name", "default"))
+                for mark in item.iter_markers("xdist_group")
+            }
+            if names and "@" not in item.nodeid:
+                item._id = coerce_node_id(f"{item.nodeid}@{'_'.join(sorted(names))}")
 
 
 def pytest_generate_tests(metafunc):
