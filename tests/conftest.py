@@ -56,6 +56,28 @@ def pytest_configure(config):
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if workers > 1:
         torch.set_num_threads(max(1, torch.get_num_threads() // workers))
+    if getattr(config.option, "loadgroup", False):  # an xdist worker under --dist loadgroup
+        config.pluginmanager.register(_GroupIds(), "roundpipe-xdist-group-ids")
+
+
+class _GroupIds:
+    """Gives each test in an ``xdist_group`` the id xdist's loadgroup schedules by:
+    ``nodeid@group``. xdist (3.8) suffixes ``item._nodeid`` as it collects, an attribute pytest
+    9 no longer reads (a node's id is ``item._id``), so without this every test is a group of
+    its own: the tests of a group run on both workers, each building the group's shared fixtures
+    (rank processes, two_ranks), and the groups are no longer handed out first."""
+
+    @pytest.hookimpl(trylast=True)  # after conftest's hook below has marked the groups
+    def pytest_collection_modifyitems(self, config, items):
+        from _pytest.nodeid import coerce_node_id
+
+        for item in items:
+            names = {
+                str(mark.args[0] if mark.args else mark.kwargs.get("name", "default"))
+                for mark in item.iter_markers("xdist_group")
+            }
+            if names and "@" not in item.nodeid:
+                item._id = coerce_node_id(f"{item.nodeid}@{'_'.join(sorted(names))}")
 
 
 def pytest_generate_tests(metafunc):
@@ -70,7 +92,9 @@ def pytest_generate_tests(metafunc):
 
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
 def pytest_collection_modifyitems(config, items):
-    # One worker runs every test of the session's rank processes: they are started once.
+    # One worker runs every test of the session's rank processes: they are started once. (A
+    # module with an xdist_group of its own keeps it, joined with rank_pool's name: a group that
+    # may go to another worker, which then starts rank processes of its own.)
     for item in items:
         if "rank_pool" in item.fixturenames:
             item.add_marker(pytest.mark.xdist_group("rank_pool"))
@@ -152,7 +176,8 @@ def group_of_one(request, tmp_path):
 @pytest.fixture(scope="session")
 def rank_pool(tmp_path_factory):
     """Rank processes kept for the session that run data-parallel runs (tests/dp_worker.py's,
-    tests/ckpt_worker.py's), each with its own process group: see tests/rank_pool_worker.py."""
+    tests/ckpt_worker.py's, tests/trainer_dp_worker.py's), each with its own process group: see
+    tests/rank_pool_worker.py."""
     from rank_pool_worker import RankPool
 
     pool = RankPool(tmp_path_factory.mktemp("rank-pool"))

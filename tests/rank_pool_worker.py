@@ -3,11 +3,12 @@
 
     python tests/rank_pool_worker.py      # one rank process; the pool starts it
 
-A run is a worker script's ``main()`` (tests/dp_worker.py, tests/ckpt_worker.py) with its
-arguments and torchrun's variables for this rank (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
-``MASTER_ADDR``, ``MASTER_PORT``), so each run makes and destroys its own process group, as
-under torchrun. A rank process imports torch, roundpipe and the emulated device once; each run
-costs its training only.
+A run is a worker script's ``main()`` (tests/dp_worker.py, tests/ckpt_worker.py,
+tests/trainer_dp_worker.py) with its arguments and torchrun's variables for this rank
+(``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``,
+``MASTER_PORT``), so each run makes and destroys its own process group, as under torchrun. A
+rank process imports torch, roundpipe and the emulated device once (transformers, at the first
+Trainer run); each run costs its training only.
 
 Fresh processes stay where a process's end is the point: a rank that crashes, is killed or
 hangs, what happens at exit. A run that raises here ends its rank process (its state is
@@ -245,6 +246,7 @@ class RankPool:
                     "RANK": str(r),
                     "WORLD_SIZE": str(world),
                     "LOCAL_RANK": str(r),
+                    "LOCAL_WORLD_SIZE": str(world),
                     "MASTER_ADDR": "127.0.0.1",
                     "MASTER_PORT": str(port),
                 }

@@ -1,4 +1,6 @@
-"""`python -m roundpipe`: versions, device pool and the self-check, run as a user runs it."""
+"""`python -m roundpipe`: versions, device pool and the self-check, run as a user runs it (a new
+interpreter); `python -m roundpipe plan`, the memory plan of a transformers config, through the
+same entry point in this process."""
 
 import gc
 import json
@@ -24,6 +26,20 @@ def run_cli(*args, env_extra=None, timeout=100):
         env=env,
         timeout=timeout,
     )
+
+
+def plan_cli(capsys, *args):
+    """`python -m roundpipe plan ARGS` in this process (the plan it prints is the point; the
+    tests of the self-check and of --help start the interpreter as a user does): the exit code,
+    stdout and stderr."""
+    import roundpipe.__main__ as cli
+
+    try:
+        code = cli.main(["plan", *map(str, args)])
+    except SystemExit as exc:  # argparse's refusals
+        code = exc.code
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
 
 
 @pytest.mark.slow
@@ -95,9 +111,8 @@ def test_help_is_plain_text():
     assert "self-check training loop" in text and "PASSED (exit code 0)" in text
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("lora", [0, 4])
-def test_plan_of_a_transformers_config_reports_host_and_device(tmp_path, lora):
+def test_plan_of_a_transformers_config_reports_host_and_device(tmp_path, capsys, lora):
     pytest.importorskip("transformers")
     if lora:
         pytest.importorskip("peft")
@@ -113,9 +128,8 @@ def test_plan_of_a_transformers_config_reports_host_and_device(tmp_path, lora):
     }
     path = tmp_path / "config.json"
     path.write_text(json.dumps(config))
-    proc = run_cli("plan", str(path), "--seq-len", "128", "--lora", str(lora), "--devices", "emu")
-    out = proc.stdout
-    assert proc.returncode == 0, out + proc.stderr
+    code, out, err = plan_cli(capsys, path, "--seq-len", 128, "--lora", lora, "--devices", "emu")
+    assert code == 0, out + err
     assert "Host RAM" in out and "Device emu:0: peak" in out and "Largest term" in out
     # The host terms count all six layers (the plan is of the whole model, on the meta device).
     layer = 4 * 64 * 64 // 2 + 2 * 64 * 16 * 2 + 3 * 64 * 128 + 2 * 64  # q,o + k,v + mlp + norms
@@ -236,16 +250,14 @@ def test_a_plan_for_a_named_gpu_uses_its_memory_and_reserve(tmp_path):
     assert dev.fits and plan.fits
 
 
-@pytest.mark.slow
-def test_the_plan_command_says_what_to_change_when_it_does_not_fit(tmp_path):
+def test_the_plan_command_says_what_to_change_when_it_does_not_fit(tmp_path, capsys):
     pytest.importorskip("transformers")
     path = _tiny_config(tmp_path)
-    proc = run_cli(
-        "plan", str(path), "--seq-len", "32", "--devices", "emu",
+    code, out, err = plan_cli(
+        capsys, path, "--seq-len", 32, "--devices", "emu",
         "--device-memory", "520MiB", "--host-memory", "1MiB",
     )  # fmt: skip
-    out = proc.stdout
-    assert proc.returncode == 1, out + proc.stderr
+    assert code == 1, out + err
     for expected in (
         "DOES NOT FIT. What would make it fit:",
         "host RAM:",
@@ -254,11 +266,11 @@ def test_the_plan_command_says_what_to_change_when_it_does_not_fit(tmp_path):
         "short at the peak, during the ",
     ):
         assert expected in out, (expected, out)
-    proc = run_cli("plan", str(path), "--seq-len", "32", "--gpu", "rtx4090", "--devices", "emu")
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "of 23.49 GiB free" in proc.stdout or "GiB free" in proc.stdout
-    bad = run_cli("plan", str(path), "--seq-len", "32", "--device-memory", "24 gigs")
-    assert bad.returncode == 2 and "24GiB" in bad.stderr
+    code, out, err = plan_cli(capsys, path, "--seq-len", 32, "--gpu", "rtx4090", "--devices", "emu")
+    assert code == 0, out + err
+    assert "of 23.49 GiB free" in out or "GiB free" in out
+    code, _, err = plan_cli(capsys, path, "--seq-len", 32, "--device-memory", "24 gigs")
+    assert code == 2 and "24GiB" in err
 
 
 def _big_config(tmp_path):
@@ -396,13 +408,12 @@ def test_identical_decoder_layers_are_traced_once(tmp_path, monkeypatch):
     assert len({(r.input, r.forward, r.backward) for r in rows}) == 1
 
 
-@pytest.mark.slow
-def test_the_plan_command_finds_the_longest_sequence(tmp_path):
+def test_the_plan_command_finds_the_longest_sequence(tmp_path, capsys):
     pytest.importorskip("transformers")
     path = _tiny_config(tmp_path)
-    proc = run_cli(
-        "plan", str(path), "--max-seq-len", "32768", "--seq-step", "128", "--devices", "emu",
+    code, out, err = plan_cli(
+        capsys, path, "--max-seq-len", 32768, "--seq-step", 128, "--devices", "emu",
         "--device-memory", "700MiB", "--host-memory", "1TiB",
     )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "Longest sequence that fits: " in proc.stdout and "Bound at " in proc.stdout
+    assert code == 0, out + err
+    assert "Longest sequence that fits: " in out and "Bound at " in out

@@ -137,26 +137,36 @@ TINY = [
 ]
 
 
+@pytest.fixture(scope="module")
+def tiny_lm_saved(tmp_path_factory):
+    """tiny_lm.py's first 4 iterations, with a checkpoint written in the background every
+    iteration: its output and the checkpoint directory, which the runs resumed from it read
+    and never write (they pass no --save)."""
+    ckpt = tmp_path_factory.mktemp("tiny-lm") / "ckpts"
+    out, _ = run_example("tiny_lm.py", "--steps", 4, "--save", ckpt, "--save-every", 1, *TINY)
+    return out, ckpt
+
+
 @pytest.mark.slow
-def test_tiny_lm_resume_with_steps_not_past_the_checkpoint_says_so(tmp_path):
-    ckpt = tmp_path / "ckpts"
-    run_example("tiny_lm.py", "--steps", 3, "--save", ckpt, *TINY)
-    # --steps counts from the start of the run: 2 < 3 is refused, with the --steps that works.
+@pytest.mark.xdist_group("tiny_lm_saved")  # one worker runs tiny_lm_saved, once
+def test_tiny_lm_resume_with_steps_not_past_the_checkpoint_says_so(tiny_lm_saved):
+    _, ckpt = tiny_lm_saved  # its newest checkpoint is of iteration 4
+    # --steps counts from the start of the run: 2 < 4 is refused, with the --steps that works.
     _, err = run_example("tiny_lm.py", "--steps", 2, "--resume", ckpt, *TINY, expect_rc=2)
-    assert "--steps 2 is below the iteration 3" in err and "--steps 5 trains 2 more" in err
-    out, _ = run_example("tiny_lm.py", "--steps", 3, "--resume", ckpt, *TINY)
-    assert "already at iteration 3 = --steps: nothing to train" in out
+    assert "--steps 2 is below the iteration 4" in err and "--steps 6 trains 2 more" in err
+    out, _ = run_example("tiny_lm.py", "--steps", 4, "--resume", ckpt, *TINY)
+    assert "already at iteration 4 = --steps: nothing to train" in out
     assert not _iteration_losses(out)
 
 
 @pytest.mark.slow
-def test_tiny_lm_resume_continues_exactly_as_the_uninterrupted_run(tmp_path):
+@pytest.mark.xdist_group("tiny_lm_saved")
+def test_tiny_lm_resume_continues_exactly_as_the_uninterrupted_run(tiny_lm_saved):
     small = TINY
     n = 4
     full, _ = run_example("tiny_lm.py", "--steps", 2 * n, *small)
-    ckpt = tmp_path / "ckpts"
     # With a checkpoint written in the background every iteration too: they change nothing.
-    first, _ = run_example("tiny_lm.py", "--steps", n, "--save", ckpt, "--save-every", 1, *small)
+    first, ckpt = tiny_lm_saved
     assert sorted(p.name for p in ckpt.iterdir()) == ["ckpt-000002", "ckpt-000003", "ckpt-000004"]
     second, err = run_example("tiny_lm.py", "--steps", 2 * n, "--resume", ckpt, *small)
 

@@ -3,7 +3,9 @@ this machine's CPU). Two ranks at a global batch of 8 (2 samples x 2 accumulated
 ranks) against one process at the same global batch (2 samples x 4 batches): the same per-step
 losses, gradient norms, learning rates and final weights; the resume of a two-rank run in new
 processes; the evaluation loss as transformers computes it over ranks. The runs are
-tests/trainer_dp_worker.py's."""
+tests/trainer_dp_worker.py's: the two-rank runs whose process is not the point with torchrun's
+environment in the session's rank processes (conftest's ``rank_pool``), the resume and the
+example in new processes under torchrun, the one-process runs in the test's own process."""
 
 import shutil
 import sys
@@ -17,7 +19,7 @@ transformers = pytest.importorskip("transformers")
 
 sys.path.insert(0, str(Path(__file__).parent))
 import trainer_dp_worker  # noqa: E402
-from test_distributed import torchrun  # noqa: E402
+from test_distributed import free_port, torchrun  # noqa: E402
 from trainer_common import collate, step_losses, tiny_llama, token_dataset  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -25,7 +27,10 @@ WORKER = Path(__file__).resolve().parent / "trainer_dp_worker.py"
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.xdist_group("trainer_dp"),  # one worker builds two_ranks, once
+    # One worker builds two_ranks, once; the tests that run ranks in the session's rank
+    # processes are also in conftest's rank_pool group, so this module's are a group of their own
+    # (with its worker's own rank processes) beside the other rank_pool tests.
+    pytest.mark.xdist_group("trainer_dp"),
     pytest.mark.skipif(
         not dist.is_available() or not dist.is_gloo_available(),
         reason="torch.distributed with gloo is needed",
@@ -39,6 +44,23 @@ def _torchrun(mode, output_dir, result, nproc=2):
     return [torch.load(f"{result}-rank{r}.pt", weights_only=False) for r in range(nproc)], out
 
 
+def _ranks(pool, mode, output_dir, result, world=2):
+    """Run the worker on ``world`` of the session's rank processes (``pool``, conftest's
+    rank_pool) with torchrun's variables; returns every rank's record and every rank's
+    output (stdout and stderr)."""
+    log_dir = Path(f"{result}-logs")
+    log_dir.mkdir()
+    args = [mode, str(output_dir), str(result)]
+    try:
+        outcome = pool.run("trainer_dp_worker", args, world, log_dir, 300, free_port())
+    except TimeoutError as exc:
+        pytest.fail(str(exc))
+    for rank, (code, output) in outcome.items():
+        assert code == 0, f"rank {rank}:\n{output}"
+    records = [torch.load(f"{result}-rank{r}.pt", weights_only=False) for r in range(world)]
+    return records, [outcome[r][1] for r in range(world)]
+
+
 def _logged(record, key):
     return [
         e[key]
@@ -48,16 +70,16 @@ def _logged(record, key):
 
 
 @pytest.fixture(scope="session")  # xdist may run other modules' tests between this one's
-def two_ranks(tmp_path_factory):
+def two_ranks(tmp_path_factory, rank_pool):
     """The uninterrupted two-rank run (12 steps, a checkpoint at step 7), once per worker:
-    its records, its stdout, its output directory."""
+    its records, each rank's output, its output directory."""
     tmp = tmp_path_factory.mktemp("two-ranks")
-    return (*_torchrun("full", tmp / "out", tmp / "result"), tmp / "out")
+    return (*_ranks(rank_pool, "full", tmp / "out", tmp / "result"), tmp / "out")
 
 
 @pytest.mark.timeout(400)
 def test_two_ranks_equal_one_process_at_the_same_global_batch(two_ranks, tmp_path):
-    records, stdout, _ = two_ranks
+    records, outputs, _ = two_ranks
     trainer_dp_worker.run("full", str(tmp_path / "out"), str(tmp_path / "result"))
     one = torch.load(f"{tmp_path / 'result'}-rank0.pt", weights_only=False)
     assert one["world"] == 1 and one["data_parallel"] is None
@@ -90,7 +112,7 @@ def test_two_ranks_equal_one_process_at_the_same_global_batch(two_ranks, tmp_pat
 
     # Rank 0 logs (transformers' printer callback prints each log once, not per rank).
     assert [r["is_world_process_zero"] for r in records] == [True, False]
-    assert stdout.count("'grad_norm'") == trainer_dp_worker.STEPS, stdout
+    assert [out.count("'grad_norm'") for out in outputs] == [trainer_dp_worker.STEPS, 0], outputs
     # The Trainer's device placement and accelerate's prepare neither moved nor wrapped it.
     for rank in records:
         assert rank["model_type"] == "HFRoundPipe" and rank["wrapped_is_model"]
@@ -118,11 +140,11 @@ def test_two_ranks_equal_one_process_at_the_same_global_batch(two_ranks, tmp_pat
 
 
 @pytest.mark.timeout(400)
-def test_fp16_over_two_ranks_skips_the_same_steps_as_one_process(tmp_path):
+def test_fp16_over_two_ranks_skips_the_same_steps_as_one_process(tmp_path, rank_pool):
     # fp16 with roundpipe's GradScaler joined to the Trainer's DataParallel: the first steps
     # overflow on some rank, every rank skips them (one decision), and the scale, learning rate
     # and losses follow the one-process run at the same global batch.
-    records, _ = _torchrun("fp16", tmp_path / "out2", tmp_path / "result2")
+    records, _ = _ranks(rank_pool, "fp16", tmp_path / "out2", tmp_path / "result2")
     trainer_dp_worker.run("fp16", str(tmp_path / "out1"), str(tmp_path / "result1"))
     one = torch.load(f"{tmp_path / 'result1'}-rank0.pt", weights_only=False)
     scales = _logged(one, "loss_scale")
@@ -180,12 +202,12 @@ def test_the_trainer_example_under_torchrun(tmp_path):
 
 
 @pytest.mark.timeout(400)
-def test_sft_trainers_token_metrics_over_two_ranks_equal_one_process(tmp_path):
+def test_sft_trainers_token_metrics_over_two_ranks_equal_one_process(tmp_path, rank_pool):
     """TRL averages each batch's entropy and accuracy, pooled over the ranks: two ranks of 2
     samples x 2 batches equal one process of 4 samples x 2 batches (the pooled batches)."""
     pytest.importorskip("trl")
     pytest.importorskip("datasets")
-    records, _ = _torchrun("sft", tmp_path / "two", tmp_path / "two")
+    records, _ = _ranks(rank_pool, "sft", tmp_path / "two", tmp_path / "two")
     trainer_dp_worker.run("sft", str(tmp_path / "one"), str(tmp_path / "one"))
     one = torch.load(f"{tmp_path / 'one'}-rank0.pt", weights_only=False)
     for key in ("loss", "grad_norm", "entropy", "mean_token_accuracy", "num_tokens"):

@@ -4,6 +4,10 @@ one-process run at the same global batch (without torchrun's environment).
     torchrun --nproc-per-node 2 tests/trainer_dp_worker.py MODE OUTPUT_DIR RESULT
     python tests/trainer_dp_worker.py MODE OUTPUT_DIR RESULT
 
+or ``main()`` in a rank process of the test session (tests/rank_pool_worker.py), with the same
+arguments and torchrun's variables: each run leaves the process as it found it (its
+DataParallel closed, its process group destroyed, accelerate's state reset).
+
 MODE: ``full`` (12 steps, a checkpoint at step 7), ``resume`` (from the newest checkpoint in
 OUTPUT_DIR), ``fp16`` (``full`` in fp16, with a first loss scale so large
 that the first steps overflow and are skipped): a global batch of 8 samples, 2 ranks x 2
@@ -38,7 +42,7 @@ def sft_trainer(output_dir, per_device):
     import trl
 
     tokenizer, words = word_tokenizer()
-    base = training_args(output_dir).to_dict()
+    base = training_args(output_dir, use_cpu=True).to_dict()  # the CPU, as the config below
     keep = {"learning_rate", "lr_scheduler_type", "warmup_steps", "weight_decay", "max_grad_norm"}
     config = trl.SFTConfig(
         output_dir=str(output_dir),
@@ -84,6 +88,7 @@ def run(mode, output_dir, result):
             },
             f"{result}-rank{trainer.args.process_index}.pt",
         )
+        _close(trainer)
         return
     if mode != "fp16":
         return _run(mode, output_dir, result, ga, {})
@@ -142,6 +147,28 @@ def _run(mode, output_dir, result, ga, fp16):
         else trainer.data_parallel.replicas_identical(),
     }
     torch.save(record, f"{result}-rank{args.process_index}.pt")
+    _close(trainer)
+
+
+def _close(trainer):
+    """Detach the Trainer's DataParallel once its run is recorded: this process may run more
+    (tests/rank_pool_worker.py), and a DataParallel of the next run's process group refuses to
+    attach beside one of this run's."""
+    if trainer.data_parallel is not None:
+        trainer.data_parallel.close()
+
+
+def main():
+    """One run in a rank process of the test session, with this process's argv and torchrun's
+    variables: the process group and accelerate's state that the run's TrainingArguments set
+    up are let go afterwards, so that the next run sets up its own, as a new process would."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    run(*sys.argv[1:])
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
 
 
 if __name__ == "__main__":
