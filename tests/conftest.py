@@ -69,9 +69,13 @@ class _GroupIds:
 
     @pytest.hookimpl(trylast=True)  # after conftest's hook below has marked the groups
     def pytest_collection_modifyitems(self, config, items):
-        from _pytest.nodeid import coerce_node_id
-
+        try:  # pytest 9's; a pytest that reads item._nodeid needs none of this
+            from _pytest.nodeid import coerce_node_id
+        except ImportError:
+            return
         for item in items:
+            if not hasattr(item, "_id"):
+                return
             names = {
                 str(mark.args[0] if mark.args else mark.kwargs.get("name", "default"))
                 for mark in item.iter_markers("xdist_group")
