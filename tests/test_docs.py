@@ -189,13 +189,14 @@ def test_the_readme_loop_runs_as_written_on_cpu_and_on_the_emulated_accelerator(
 
 
 def test_every_cited_note_is_written_once():
-    # A long invariant is written once under a line "# [Note: name]" (or "[Note: name]" in a
-    # docstring) and cited elsewhere by its name; a citation must not outlive the note (code
-    # moves between files).
+    # A long invariant is written once under a line "# [Note: name]" ("// [Note: name]" in the
+    # C++ sources, "[Note: name]" in a docstring) and cited elsewhere by its name; a citation
+    # must not outlive the note (code moves between files).
     note = re.compile(r"\[Note: ([^\]]+)\]")
-    header = re.compile(r"^\s*(?:# )?\[Note: ([^\]]+)\]\s*$", re.MULTILINE)
+    header = re.compile(r"^\s*(?:# |// )?\[Note: ([^\]]+)\]\s*$", re.MULTILINE)
     files = [
         *sorted((ROOT / "roundpipe").rglob("*.py")),
+        *sorted((ROOT / "roundpipe").rglob("*.cpp")),
         *sorted((ROOT / "docs").glob("*.md")),
         ROOT / "README.md",
         *sorted((ROOT / "tests").glob("*.py")),
