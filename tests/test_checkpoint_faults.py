@@ -334,10 +334,12 @@ def test_a_save_while_a_step_is_in_flight_holds_the_state_after_that_step(tmp_pa
         scaler.step(opt)
         opt.zero_grad()
 
-    iteration(model, opt, scaler, 1, slow_step)
-    running.wait()
-    handle = ckpt.save(tmp_path, model, opt, scaler=scaler)
-    release.set()
+    try:
+        iteration(model, opt, scaler, 1, slow_step)
+        running.wait()
+        handle = ckpt.save(tmp_path, model, opt, scaler=scaler)
+    finally:  # a failure above must not leave the optimizer thread held (a hung teardown)
+        release.set()
     for i in range(2, 4):
         iteration(model, opt, scaler, i)
     handle.wait()
