@@ -23,18 +23,18 @@ from roundpipe.testing import emu  # noqa: E402, F401  (installed by conftest)
 pytestmark = pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing:FutureWarning")
 
 
-def _llama(layers=2):
+def _llama(layers=2, vocab=32000, intermediate=8192):
     cfg = transformers.LlamaConfig(
-        vocab_size=256,
+        vocab_size=vocab,
         hidden_size=64,
-        intermediate_size=160,
+        intermediate_size=intermediate,
         num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
         tie_word_embeddings=False,
     )
     torch.manual_seed(0)
-    return transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    return transformers.AutoModelForCausalLM.from_config(cfg)
 
 
 def _batch(rows, seq_len):
@@ -73,17 +73,17 @@ def _traced(model, batch, offload, elide=True):
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 @pytest.mark.parametrize("offload", [False, True], ids=["kept", "offloaded"])
 def test_elided_traces_count_what_every_piece_run_counts(lora, offload):
-    """One sequence of 150 tokens in tiles of 16 (10 tiles, the last of 6) and loss chunks of
-    24 (7 chunks, the last of 5: the head's labels are shifted)."""
+    """At wrap's defaults on the emulated device: an MLP of 8,192 (tiles of 2,048 tokens) and a
+    vocabulary of 32,000 (loss chunks of 2,048), one sequence of 11,000 tokens: 6 tiles, the
+    last of 744, and 6 chunks, the last of 759 (the head's labels are shifted)."""
     model = _llama()
     if lora:
         model = peft.get_peft_model(
             model, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj", "gate_proj"])
         )
-    wrapped = roundpipe.hf.wrap(
-        model, devices="emu", check=False, mlp_tile_tokens=16, loss_chunk_tokens=24
-    )
-    batch = _batch(1, 150)
+    wrapped = roundpipe.hf.wrap(model, devices="emu")
+    assert wrapped.module[1].mlp_tile_tokens == 2048 and wrapped.module[-1].chunk_tokens == 2048
+    batch = _batch(1, 11000)
     elided = _traced(wrapped, batch, offload)
     every = _traced(wrapped, batch, offload, elide=False)
     assert elided == every
@@ -91,12 +91,11 @@ def test_elided_traces_count_what_every_piece_run_counts(lora, offload):
 
 
 def test_elided_traces_count_the_token_statistics_as_every_chunk_does():
-    """The Trainer's token statistics (one row per token, kept from every chunk)."""
-    wrapped = roundpipe.hf.wrap(
-        _llama(layers=1), devices="emu", check=False, mlp_tile_tokens=16, loss_chunk_tokens=8
-    )
+    """The Trainer's token statistics (one row per token, kept from every chunk), at wrap's
+    defaults: 6 loss chunks of 2,048 tokens."""
+    wrapped = roundpipe.hf.wrap(_llama(layers=1), devices="emu")
     wrapped.module[-1].token_stats = True
-    batch = _batch(1, 120)
+    batch = _batch(1, 11000)
     assert _traced(wrapped, batch, False) == _traced(wrapped, batch, False, elide=False)
 
 
@@ -137,9 +136,10 @@ def test_an_elided_loss_runs_four_chunks_on_fake_tensors():
 
 
 def test_a_trace_computes_the_same_ops_at_twice_the_length(monkeypatch):
-    """160 and 320 tokens (10 and 20 tiles of 16, 7 and 14 loss chunks of 24): the tracer sees
-    the same ops but for the stand-ins' allocations and views (``new_empty``, ``slice`` and
-    the device queries around them), so a plan costs about the same at any length."""
+    """11,000 and 22,000 tokens at wrap's defaults (6 and 11 MLP tiles and loss chunks of 2,048
+    tokens): the tracer sees the same ops but for the stand-ins' allocations and views
+    (``new_empty``, ``slice`` and the device queries around them), so a plan costs about the
+    same at any length."""
     counts = []
     dispatch = trace._LiveBytes.__torch_dispatch__
     bookkeeping = ("aten.new_empty.", "aten.slice.", "prim.")
@@ -150,10 +150,8 @@ def test_a_trace_computes_the_same_ops_at_twice_the_length(monkeypatch):
         return dispatch(self, func, types, args, kwargs)
 
     monkeypatch.setattr(trace._LiveBytes, "__torch_dispatch__", counted)
-    wrapped = roundpipe.hf.wrap(
-        _llama(), devices="emu", check=False, mlp_tile_tokens=16, loss_chunk_tokens=24
-    )
-    for tokens in (160, 320):
+    wrapped = roundpipe.hf.wrap(_llama(), devices="emu")
+    for tokens in (11000, 22000):
         counts.append(0)
         wrapped.memory_plan(input_kwargs=_batch(1, tokens))
     assert counts[0] == counts[1] > 0
