@@ -17,8 +17,7 @@ from roundpipe import HostMemoryError, RoundPipe, host_memory_available, pin_mod
 from roundpipe.devices import pinned as hm
 from roundpipe.memory import probe
 from roundpipe.memory.host import (
-    DATA_PARALLEL_BUCKET_BYTES,
-    DATA_PARALLEL_IN_FLIGHT,
+    DATA_PARALLEL_BUCKETS,
     RUNTIME_BYTES,
     data_parallel_bytes,
     format_bytes,
@@ -520,4 +519,4 @@ def test_the_plan_counts_the_buckets_the_data_parallel_was_given(group_of_one):
         for label, _ in plan.host.rows()
     )
     dp.close()
-    assert model.memory_plan().host.buckets == (DATA_PARALLEL_BUCKET_BYTES, DATA_PARALLEL_IN_FLIGHT)
+    assert model.memory_plan().host.buckets == DATA_PARALLEL_BUCKETS

@@ -35,7 +35,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from roundpipe.memory.repeats import runs
+from roundpipe.memory.repeats import eliding, runs
 
 __all__ = ["install", "tiles", "tiled_modules"]
 
@@ -106,8 +106,9 @@ def _tiled_forward(self: nn.Module, hidden: Any, *args: Any, **kwargs: Any) -> A
     tensors = {**dict(self.named_parameters()), **dict(self.named_buffers())}
     outs: list[torch.Tensor] = []
     pieces = flat.split(tokens)
+    elide = eliding()  # inside a memory trace: see [Note: elided repeats]
     for k, piece in enumerate(pieces):
-        if not runs(k, len(pieces)):  # a memory trace's middle tile: see [Note: elided repeats]
+        if not runs(k, len(pieces), elide):  # a middle tile, stood in for
             outs.append(_StandIn.apply(piece, outs[1].shape, outs[1].dtype, *tensors.values()))
         elif grad:
             outs.append(checkpoint(_call_with, self, tensors, piece, use_reentrant=False))

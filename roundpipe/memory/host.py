@@ -26,6 +26,7 @@ from roundpipe.devices.pinned import (
 )
 
 __all__ = [
+    "DATA_PARALLEL_BUCKETS",
     "DATA_PARALLEL_BUCKET_BYTES",
     "DATA_PARALLEL_IN_FLIGHT",
     "HostTerms",
@@ -57,6 +58,8 @@ RUNTIME_BYTES = 32 << 20
 #: here), which the plan assumes for a data-parallel run's buffers
 DATA_PARALLEL_BUCKET_BYTES = 25 << 20
 DATA_PARALLEL_IN_FLIGHT = 2
+#: both, as ``host_terms``' ``buckets``: (cap in bytes, buckets in flight)
+DATA_PARALLEL_BUCKETS = (DATA_PARALLEL_BUCKET_BYTES, DATA_PARALLEL_IN_FLIGHT)
 
 
 # [Note: what the host plan counts]
@@ -149,7 +152,7 @@ class HostTerms:
     next_weights: int = 0
     optim_states: str = "exact"
     data_parallel: int = 0
-    buckets: tuple[int, int] = (DATA_PARALLEL_BUCKET_BYTES, DATA_PARALLEL_IN_FLIGHT)
+    buckets: tuple[int, int] = DATA_PARALLEL_BUCKETS
     runtime: int = 0
     emulated_device: int = 0
     share: float | None = None
@@ -308,7 +311,7 @@ def host_terms(
     optim_states: str = "exact",
     one_pass: bool = True,
     data_parallel: bool | None = None,
-    buckets: tuple[int, int] = (DATA_PARALLEL_BUCKET_BYTES, DATA_PARALLEL_IN_FLIGHT),
+    buckets: tuple[int, int] = DATA_PARALLEL_BUCKETS,
 ) -> HostTerms:
     """What wrapping ``module`` takes from the host, term by term (see :class:`HostTerms`);
     ``pinned``: the pool's allocator on an accelerator pool (None: nothing pinned; a module

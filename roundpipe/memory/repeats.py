@@ -50,9 +50,8 @@ def eliding() -> bool:
     return getattr(_local, "on", False)
 
 
-def runs(k: int, n: int, elide: bool | None = None) -> bool:
-    """Whether piece ``k`` of ``n`` runs: all of them unless ``elide`` (None: :func:`eliding`),
-    else the first two and the last two (see [Note: elided repeats])."""
-    if elide is None:
-        elide = eliding()
+def runs(k: int, n: int, elide: bool) -> bool:
+    """Whether piece ``k`` of ``n`` runs: all of them unless ``elide`` (what :func:`eliding`
+    said when the loop began), else the first two and the last two (see [Note: elided
+    repeats])."""
     return not elide or k < 2 or k >= n - 2

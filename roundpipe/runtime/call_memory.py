@@ -18,7 +18,7 @@ from torch import nn
 from roundpipe.devices import DevicePool
 from roundpipe.devices.pinned import PinnedAllocator, pool_layout
 from roundpipe.memory.checks import check_device_memory
-from roundpipe.memory.host import DATA_PARALLEL_BUCKET_BYTES, DATA_PARALLEL_IN_FLIGHT, host_terms
+from roundpipe.memory.host import DATA_PARALLEL_BUCKETS, host_terms
 from roundpipe.memory.probe import host_memory_available
 from roundpipe.memory.report import (
     MemoryPlan,
@@ -157,7 +157,7 @@ def memory_plan_of(
         masters_dir,
         masters_buffer,
         data_parallel=ranks > 1 or buckets is not None or _data_parallel_open(),
-        buckets=buckets or (DATA_PARALLEL_BUCKET_BYTES, DATA_PARALLEL_IN_FLIGHT),
+        buckets=buckets or DATA_PARALLEL_BUCKETS,
     )
     planned = _planned_call(parts, cfg, call)
     # Sharded, a rank keeps its share of the sums, not the pinned downloads of all of them.
