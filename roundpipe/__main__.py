@@ -255,5 +255,24 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+# [Note: a plan process without bitsandbytes]
+# peft imports bitsandbytes whenever it is installed (peft.helpers), which costs about 2 s of
+# the 20 s an 8B length search may take on a 2-core machine, and the plan of a model that is
+# not quantized never calls it. So `python -m roundpipe plan` without --quantize, run as a
+# process of its own, marks it absent before anything imports it (importlib.util.find_spec
+# answers None for a module that sys.modules maps to None, which is how peft asks). Only here:
+# main() called in a process that may quantize later (the tests, a notebook) must not do it.
+
+
+def _plan_without_bitsandbytes(argv: list[str]) -> None:
+    if argv[:1] != ["plan"] or "bitsandbytes" in sys.modules:
+        return
+    from roundpipe.hf.memory_cli import quantizes
+
+    if not quantizes(argv[1:]):
+        sys.modules["bitsandbytes"] = None  # type: ignore[assignment]
+
+
 if __name__ == "__main__":
+    _plan_without_bitsandbytes(sys.argv[1:])
     sys.exit(main())

@@ -3,6 +3,7 @@ interpreter); `python -m roundpipe plan`, the memory plan of a transformers conf
 same entry point in this process."""
 
 import gc
+import importlib.util
 import json
 import os
 import subprocess
@@ -153,6 +154,36 @@ def _tiny_config(tmp_path):
     path = tmp_path / "config.json"
     path.write_text(json.dumps(config))
     return path
+
+
+def test_a_plan_process_that_does_not_quantize_never_imports_bitsandbytes(tmp_path):
+    # peft imports bitsandbytes wherever it is installed: 2 s of an 8B length search's 20 s.
+    pytest.importorskip("peft")
+    if importlib.util.find_spec("bitsandbytes") is None:
+        pytest.skip("bitsandbytes is not installed: nothing to keep out")
+    args = ["plan", _tiny_config(tmp_path), "--seq-len", "64", "--lora", "4", "--devices", "emu"]
+    proc = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "roundpipe", *map(str, args)],
+        capture_output=True,
+        text=True,
+        env={k: v for k, v in os.environ.items() if k != "ROUNDPIPE_DEVICES"},
+        timeout=100,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "Host RAM" in proc.stdout
+    imported = [line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines()]
+    # An import that sys.modules refuses is still listed, in no time; a real one loads the
+    # package's modules.
+    assert "peft" in imported and not [m for m in imported if m.startswith("bitsandbytes.")]
+
+
+def test_the_plan_command_keeps_bitsandbytes_where_it_may_quantize():
+    from roundpipe.hf.memory_cli import quantizes
+
+    assert not quantizes(["cfg.json", "--seq-len", "64", "--lora", "4"])
+    assert quantizes(["cfg.json", "--seq-len", "64", "--lora", "4", "--quantize", "nf4"])
+    assert quantizes(["cfg.json", "--seq-len", "64", "--lora", "4", "--quant=fp4"])  # argparse's
+    assert quantizes(["cfg.json", "--seq-len", "sixty-four"])  # main() reports the error
 
 
 @pytest.mark.parametrize(

@@ -27,7 +27,9 @@ report ends with what to change, each change with what it saves.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import io
 import json
 import math
 import os
@@ -1046,7 +1048,24 @@ def _offload_line(planner: ConfigPlanner, lp: LengthPlans) -> str | None:
     return line
 
 
+def quantizes(argv: list[str]) -> bool:
+    """Whether the plan command's arguments ``argv`` ask for a quantized base (``--quantize``,
+    however abbreviated); True when they do not parse, so that the caller changes nothing and
+    :func:`main` reports the error."""
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            args, _ = _parser().parse_known_args(argv)
+    except SystemExit:
+        return True
+    return args.quantize is not None
+
+
 def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    return _run(parser, parser.parse_args(argv))
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m roundpipe plan",
         description="The memory plan of fine-tuning a transformers causal LM with "
@@ -1160,7 +1179,10 @@ def main(argv: list[str] | None = None) -> int:
         help="how Adam keeps its moments: exact (8 B/param), bf16 (4) or 8bit (about 2): "
         "roundpipe.optim.AdamW(state_dtype=None | torch.bfloat16 | '8bit')",
     )
-    args = parser.parse_args(argv)
+    return parser
+
+
+def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if args.optim_states != "exact" and args.spill_dir is not None:
         parser.error(
             f"--optim-states {args.optim_states} keeps lean moments in RAM; --spill-dir streams "
