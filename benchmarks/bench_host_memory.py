@@ -26,6 +26,16 @@ data-parallel rank, after ``DataParallel``), before the first iteration; its
 ``--dp SHAPE`` also runs two ranks (gloo over 127.0.0.1, one process each), replicated and with
 ``state_placement=ShardedState()``.
 
+``--step held`` (the default) holds each step until the next call downloaded its first stage's
+gradient sums (its last), as a step slower than the next iteration's forward and backward does,
+which is the rule for models of billions of parameters: the asynchronous step's gradients and
+the next call's are then alive at once, as the plan counts them (see [Note: the next call's
+gradients] in roundpipe/memory/host.py). ``--step free`` runs the loop as it is: at these
+sizes the step ends before the next call's first download, and the pool reuses one set.
+``--mmap-threshold BYTES`` runs the cases with glibc's ``MALLOC_MMAP_THRESHOLD_`` fixed: the
+emulated device's memory is the host heap here, and with the dynamic threshold each thread's
+arena keeps the blocks its device work freed, which a GPU's memory would not put on the host.
+
     python benchmarks/bench_host_memory.py [--shapes llama,qwen3,qwen3_moe] [--dp llama]
 """
 
@@ -300,9 +310,29 @@ def child(case):
     _settle()
     wrapped_peak = _status("VmHWM")
     Path("/proc/self/clear_refs").write_text("5")  # VmHWM restarts: the iterations' own peak
-    for _ in range(case["steps"]):
+    downloaded = threading.Event()
+    if case.get("held"):
+        from roundpipe.runtime.grad_router import CallGrads
+
+        download = CallGrads.download
+
+        def download_and_tell(self, stages, backend):
+            download(self, stages, backend)
+            if 0 in stages:
+                downloaded.set()
+
+        CallGrads.download = download_and_tell
+
+    def step(last):
+        if case.get("held") and not last and not downloaded.wait(timeout=600):
+            raise TimeoutError("the next call never downloaded its first stage's sums")
+        opt.step()
+        opt.zero_grad()
+
+    for i in range(case["steps"]):
         model.forward_backward(input_kwargs=batch)
-        model.step(lambda: (opt.step(), opt.zero_grad()))
+        downloaded.clear()  # this call's; the step waits for the next one's
+        model.step(lambda last=i == case["steps"] - 1: step(last))
     model.synchronize()
     hook.remove()
     _settle()
@@ -380,6 +410,8 @@ def _launch(case, ranks=1):
     procs = []
     for rank in range(ranks):
         env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+        if "mmap_threshold" in case:
+            env["MALLOC_MMAP_THRESHOLD_"] = str(case["mmap_threshold"])
         if ranks > 1:
             env.update(
                 RANK=str(rank),
@@ -447,6 +479,13 @@ def main():
     parser.add_argument("--shapes", default="llama,qwen3,qwen3_moe")
     parser.add_argument("--dp", default="llama", help="the shape of the 2-rank runs ('' for none)")
     parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument(
+        "--step",
+        choices=["held", "free"],
+        default="held",
+        help="held: each step waits for the next call's last download (a slow step); free: not",
+    )
+    parser.add_argument("--mmap-threshold", type=int, default=None, help="MALLOC_MMAP_THRESHOLD_")
     parser.add_argument("--plans", action="store_true", help="also print each plan's report")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -459,13 +498,22 @@ def main():
     print(
         f"torch {torch.__version__}, transformers {transformers.__version__}, {os.cpu_count()} CPUs; "
         f"bf16 weights, fp32 masters, roundpipe.optim.AdamW, devices='emu', batch {BATCH} x {SEQ} "
-        f"tokens, {NUM_MICROBATCH} microbatches, {args.steps} iterations"
+        f"tokens, {NUM_MICROBATCH} microbatches, {args.steps} iterations, each step "
+        + ("held until the next call's last download" if args.step == "held" else "free")
+        + (
+            f", MALLOC_MMAP_THRESHOLD_={args.mmap_threshold}"
+            if args.mmap_threshold is not None
+            else ", glibc's default allocator settings"
+        )
     )
     ratios = []
-    cases = [({"shape": s, "steps": args.steps}, 1) for s in args.shapes.split(",") if s]
+    common = {"steps": args.steps, "held": args.step == "held"}
+    if args.mmap_threshold is not None:
+        common["mmap_threshold"] = args.mmap_threshold
+    cases = [({"shape": s, **common}, 1) for s in args.shapes.split(",") if s]
     if args.dp:
         for sharded in (False, True):
-            cases.append(({"shape": args.dp, "steps": args.steps, "sharded": sharded}, 2))
+            cases.append(({"shape": args.dp, **common, "sharded": sharded}, 2))
     for case, ranks in cases:
         for r in _launch(case, ranks):
             ratios.append(report(r))

@@ -6,6 +6,7 @@ at wrap time (HostMemoryError)."""
 
 import gc
 import random
+import threading
 import weakref
 
 import pytest
@@ -280,18 +281,26 @@ def test_a_refused_wrap_names_sharding_and_spilling_with_their_numbers(monkeypat
     model = _big_model()
     terms = host_terms(model, None, None)
     masters = terms.masters
-    # Room for everything but half the masters and optimizer state: two machines are enough;
-    # Adam's state on disk leaves weights' masters and gradients only, which fit too.
+    # Sharding splits the masters, Adam's two moments and the next call's gradients (an
+    # asynchronous step's second set, this rank's share): 4 x masters. Room for everything but
+    # 1.5 x masters of them: two machines are enough; Adam's state on disk leaves the weights,
+    # masters and gradients only, which fit too.
+    assert terms.next_grads == masters
     available = terms.new_bytes - (3 * masters) // 2 + 64
     monkeypatch.setattr(roundpipe.runtime.model, "host_memory_available", lambda: available)
     with pytest.raises(HostMemoryError) as info:
         RoundPipe(model, name="big", devices="emu")
     message = str(info.value)
-    per_machine = terms.new_bytes - 3 * masters + -(-3 * masters // 2)
+    per_machine = terms.new_bytes - 4 * masters + -(-4 * masters // 2)
     assert (
         "shard the masters and the optimizer state over 2 or more machines" in message
         and f"about {format_bytes(per_machine)} to allocate per machine at 2" in message
         and "state_placement=roundpipe.distributed.ShardedState()" in message
+    ), message
+    synchronous = terms.new_bytes - terms.next_grads
+    assert (
+        "step synchronously: model.step(fn, is_async=False)" in message
+        and f"about {format_bytes(synchronous)} to allocate (not enough alone)" in message
     ), message
     spilled = terms.new_bytes - 2 * masters
     assert (
@@ -299,7 +308,7 @@ def test_a_refused_wrap_names_sharding_and_spilling_with_their_numbers(monkeypat
         and f"about {format_bytes(spilled)} to allocate besides that buffer (which alone fits)"
         in message
     ), message
-    # With less room the machine count grows (3 x masters / n <= masters - 64: n = 4), and
+    # With less room the machine count grows (4 x masters / n <= 2 x masters - 64: n = 3), and
     # the spill alone is not enough.
     monkeypatch.setattr(
         roundpipe.runtime.model,
@@ -308,7 +317,7 @@ def test_a_refused_wrap_names_sharding_and_spilling_with_their_numbers(monkeypat
     )
     with pytest.raises(HostMemoryError) as info:
         RoundPipe(model, devices="emu")
-    assert "over 4 or more machines" in str(info.value)
+    assert "over 3 or more machines" in str(info.value)
     assert "(not enough alone)" in str(info.value)
 
 
@@ -520,3 +529,62 @@ def test_the_plan_counts_the_buckets_the_data_parallel_was_given(group_of_one):
     )
     dp.close()
     assert model.memory_plan().host.buckets == DATA_PARALLEL_BUCKETS
+
+
+@pytest.mark.parametrize("is_async", [True, False])
+def test_an_async_step_that_outlasts_the_next_call_holds_two_sets_of_gradients(
+    is_async, monkeypatch
+):
+    # [Note: the next call's gradients]: a step slower than the next call's forward and
+    # backward (the rule for large models) still holds the masters' gradients while that
+    # call's backward hands over its own; the step here waits until the next call downloaded
+    # its first stage's sums, its last (forward_backward then waits for their moves, which
+    # queue behind the step).
+    from roundpipe import OptimizerCtx
+    from roundpipe.runtime.grad_router import CallGrads
+
+    downloaded_first_stage = threading.Event()
+    download = CallGrads.download
+
+    def download_and_tell(self, stages, backend):
+        download(self, stages, backend)
+        if 0 in stages:
+            downloaded_first_stage.set()
+
+    monkeypatch.setattr(CallGrads, "download", download_and_tell)
+
+    model = RoundPipe(_decoder(), optim_dtype=torch.float32, devices="emu")
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(0, 1000, (4, 16), generator=g)
+    y = torch.randint(0, 1000, (4, 16), generator=g)
+
+    def loss_fn(out, lbl):
+        return torch.nn.functional.cross_entropy(out.float().flatten(0, 1), lbl.flatten())
+
+    batch = dict(input_args=(x,), label=y, loss_fn=loss_fn)
+    host = model.memory_plan(**batch).host
+    with OptimizerCtx():
+        opt = roundpipe.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def held_step():
+        if is_async and not downloaded_first_stage.wait(timeout=60):
+            raise TimeoutError("the next call never downloaded its first stage's sums")
+        opt.step()
+        opt.zero_grad()
+
+    model.forward_backward(**batch)
+    roundpipe.optim_thread.synchronize()  # the first call's gradients are the masters'
+    downloaded_first_stage.clear()
+    start = emu.pinned_memory_stats(reset_peak=True).allocated_bytes
+    model.step(held_step, is_async=is_async)
+    model.forward_backward(**batch)
+    model.step(lambda: (opt.step(), opt.zero_grad()), is_async=is_async)
+    model.synchronize()
+    grown = emu.pinned_memory_stats().peak_allocated_bytes - start
+    # What the steps add to the pool (the first call's gradients are in it already): the next
+    # weights of the one-pass step (the asynchronous one's), and the second call's gradients,
+    # a set of their own only while the first step holds the first set.
+    next_weights = host.next_weights if is_async else 0
+    expected = next_weights + (host.next_grads if is_async else 0)
+    assert host.next_grads == host.grads > 0
+    assert grown == expected, (grown, host.next_weights, host.grads)

@@ -411,6 +411,7 @@ class ConfigPlanner:
             self.host,
             activations=activations,
             grads=self.host.grads if self.host.ranks > 1 else planned.grads,
+            next_grads=self.host.next_grads if self.host.ranks > 1 else planned.next_grads,
         )
 
     def device_free(self) -> int | None:
@@ -756,10 +757,12 @@ def _host_changes(planner: ConfigPlanner, lp: LengthPlans) -> list[_Change]:
             over = dev.peak + dev.reserve - (dev.available or 0)
             note += f", {format_bytes(over)} more than it has"
         changes.append(_Change("--no-offload-activations", host.activations, kept.fits, note))
-    # what LoRA drops: the full weights' masters, gradients, optimizer state and next weights,
-    # the adapters' own left
-    state = host.masters + host.grads + host.optimizer + host.next_weights
-    adapters = _adapter_bytes(planner, next_weights=host.next_weights > 0)
+    # what LoRA drops: the full weights' masters, gradients (the next call's too), optimizer
+    # state and next weights, the adapters' own left
+    state = host.masters + host.grads + host.next_grads + host.optimizer + host.next_weights
+    adapters = _adapter_bytes(
+        planner, next_weights=host.next_weights > 0, next_grads=host.next_grads > 0
+    )
     if not planner.lora:
         saves = state - adapters
         targets = ", ".join(LORA_TARGETS)
@@ -829,7 +832,7 @@ def _host_changes(planner: ConfigPlanner, lp: LengthPlans) -> list[_Change]:
                 )
             )
     if host.master_dtype is not None and host.master_dtype.itemsize == 4:
-        in_ram = host.grads + (0 if host.masters_dir else host.masters)
+        in_ram = host.grads + host.next_grads + (0 if host.masters_dir else host.masters)
         in_ram += 0 if host.optimizer_dir else host.optimizer
         saves = in_ram // 2
         changes.append(
@@ -843,7 +846,7 @@ def _host_changes(planner: ConfigPlanner, lp: LengthPlans) -> list[_Change]:
             )
         )
     if host.ranks == 1 and not host.masters_dir:
-        sharded = host.masters + host.optimizer
+        sharded = host.masters + host.optimizer + host.next_grads
         room = host.available - (host.new_bytes - sharded)
         if room > 0 and sharded > 0:
             n = max(2, -(-sharded // room))
@@ -853,7 +856,8 @@ def _host_changes(planner: ConfigPlanner, lp: LengthPlans) -> list[_Change]:
                     f"--ranks {n}",
                     saves,
                     alone(saves),
-                    f"masters and optimizer state sharded over {n} data-parallel ranks, one "
+                    f"masters, optimizer state and the next call's gradients sharded over {n} "
+                    f"data-parallel ranks, one "
                     f"per machine (roundpipe.distributed.ShardedState); per machine",
                     about=True,
                 )
@@ -866,11 +870,13 @@ def _host_changes(planner: ConfigPlanner, lp: LengthPlans) -> list[_Change]:
 _NF4_BYTES = 0.52
 
 
-def _adapter_bytes(planner: ConfigPlanner, *, next_weights: bool) -> int:
-    """LoRA 16's adapters: master, gradient and two moments in the masters' dtype, weights
-    (twice with ``next_weights``: the copy the step writes while compute reads the other)."""
+def _adapter_bytes(planner: ConfigPlanner, *, next_weights: bool, next_grads: bool) -> int:
+    """LoRA 16's adapters: master, gradient (twice with ``next_grads``: the next call's while
+    the asynchronous step holds these) and two moments in the masters' dtype, weights (twice
+    with ``next_weights``: the copy the step writes while compute reads the other)."""
     weights = planner.itemsize * (2 if next_weights else 1)
-    return planner._lora_numel * (planner.optim_dtype.itemsize * 4 + weights)
+    state = planner.optim_dtype.itemsize * (5 if next_grads else 4)
+    return planner._lora_numel * (state + weights)
 
 
 def _device_changes(

@@ -64,6 +64,15 @@ def check_host_memory(terms: HostTerms, what: str, offload_activations: bool = F
         "torch.bfloat16) halves the masters, their gradients and the optimizer state (less "
         "precise updates)",
     ]
+    if terms.next_grads:
+        left = terms.new_bytes - terms.next_grads
+        fits = "which alone fits" if left <= terms.available else "not enough alone"
+        options.append(
+            f"step synchronously: model.step(fn, is_async=False) holds one set of the masters' "
+            f"gradients, where the asynchronous step may hold the next call's too: about "
+            f"{format_bytes(left)} to allocate ({fits}), at the cost of the step's overlap "
+            f"with the next iteration"
+        )
     options.extend(_state_options(terms))
     if terms.pinned_overhead > terms.weights // 20:
         options.append(
@@ -93,7 +102,7 @@ def _state_options(terms: HostTerms) -> list[str]:
     if terms.ranks == 1:
         # Sharded over N machines: each rank holds 1/N of the masters and the optimizer state;
         # the gradients stay whole until the step reduces them (see HostTerms).
-        sharded = terms.masters + terms.optimizer
+        sharded = terms.masters + terms.optimizer + terms.next_grads
         rest = terms.new_bytes - sharded
         room = terms.available - rest  # what each machine has left for its share
         n = max(2, -(-sharded // room)) if room > 0 else None
@@ -120,7 +129,8 @@ def _state_options(terms: HostTerms) -> list[str]:
         options.append(
             f"keep the masters in files too: RoundPipe(..., state_placement="
             f"roundpipe.MastersOnDisk(DIR)) with AdamW(..., state_dir=DIR) leaves the fp16 "
-            f"weights and the gradients in RAM (6 bytes per parameter), about "
+            f"weights and the gradients in RAM (6 bytes per parameter, 10 with the next "
+            f"call's gradients of an asynchronous step), about "
             f"{format_bytes(left)} to allocate besides the two buffers ({fits})"
         )
     return options

@@ -82,6 +82,22 @@ DATA_PARALLEL_BUCKETS = (DATA_PARALLEL_BUCKET_BYTES, DATA_PARALLEL_IN_FLIGHT)
 # accelerator's libraries (see RUNTIME_BYTES).
 
 
+# [Note: the next call's gradients]
+# An asynchronous step (model.step(fn), the default) holds the masters' gradients until its
+# zero_grad, while the next forward_backward already computes: each stage's sums of that call
+# are handed over (downloaded into pinned memory on an accelerator, summed in host buffers on
+# a CPU pool) as its backward produces them, and their move into the masters waits behind the
+# step. So when the step outlasts the next call's forward, which is the rule for models of
+# billions of parameters (an 8B model's step takes seconds on a desktop's memory bandwidth),
+# two sets of gradients are alive at once, and the pinned pool keeps both for reuse. The plan
+# counts the second set (this rank's masters' bytes: sharded, the sums installed for the
+# other ranks' shares are sent, not kept), since it cannot know which step the loop will call
+# and the asynchronous one is the default; a synchronous step (model.step(fn,
+# is_async=False)) holds one set. Measured
+# exactly on the emulated device (tests/test_host_memory.py): a step held until the next call
+# returned left the pool's peak at the weights, the next weights and two sets of gradients.
+
+
 def format_bytes(nbytes: float) -> str:
     """``1.50 GiB``, ``12.0 MiB``, ``512 B``: for reports and messages."""
     value = float(nbytes)
@@ -118,6 +134,9 @@ class HostTerms:
     one-pass asynchronous step writes while the next iteration computes with the first (see
     [Note: the copy in the step] in :mod:`roundpipe.runtime.step_copy`; 0 with the masters in
     files, whose step does not write it);
+    ``next_grads``: the gradients of the next call, made while an asynchronous step still
+    holds these (see [Note: the next call's gradients]): as many bytes as this rank's masters'
+    gradients (all of them unsharded, its share sharded);
     ``pinned_overhead``: what the pinned pool takes beyond the weights' bytes (padding and
     block slack, see [Note: the pinned pool]; 0 on a CPU pool, which pins nothing);
     ``activations``: host bytes of stage inputs offloaded to the host (or, on a CPU pool, the
@@ -150,6 +169,7 @@ class HostTerms:
     grads_by_stage: bool = False
     masters_dir: str | None = None
     next_weights: int = 0
+    next_grads: int = 0
     optim_states: str = "exact"
     data_parallel: int = 0
     buckets: tuple[int, int] = DATA_PARALLEL_BUCKETS
@@ -166,6 +186,7 @@ class HostTerms:
             + self.grads
             + self.optimizer
             + self.next_weights
+            + self.next_grads
             + self.pinned_overhead
             + self.activations
             + self.data_parallel
@@ -207,6 +228,14 @@ class HostTerms:
         if self.next_weights:
             rows.append(
                 ("next weights (the one-pass step's second copy, async)", self.next_weights)
+            )
+        if self.next_grads:
+            rows.append(
+                (
+                    "gradients of the next call, while the async step holds these "
+                    "(is_async=False: none)",
+                    self.next_grads,
+                )
             )
         rows.append(("pinned pool padding and block slack", self.pinned_overhead))
         if self.activations:
@@ -368,6 +397,7 @@ def host_terms(
     # the low-precision copies of the held masters: what the next weights double
     mine = [low for i, low in enumerate(lows) if owners is None or owners[i] == largest]
     grads = masters
+    next_grads = held  # [Note: the next call's gradients]
     if ranks > 1 and layers is not None:
         grads = min(masters, held + 2 * stage_grad_bytes(layers, optim_dtype))
     overhead = _pinned_overhead(module, pinned) if pinned is not None else 0
@@ -413,6 +443,7 @@ def host_terms(
         runtime=RUNTIME_BYTES,
         share=share,
         next_weights=next_weights,
+        next_grads=next_grads,
         optim_states=optim_states,
     )
 

@@ -472,7 +472,8 @@ def make_memory_plan(
     if call is not None and call.chunks:
         traces = trace_call(call)
     if grads_pinned is not None:
-        host = dataclasses.replace(host, grads=grads_pinned)
+        next_grads = grads_pinned if host.next_grads else 0
+        host = dataclasses.replace(host, grads=grads_pinned, next_grads=next_grads)
     devices: tuple[DeviceMemory, ...] = ()
     sizes: tuple[int, ...] = ()
     shapes: tuple[str, ...] = ()
