@@ -28,7 +28,14 @@ from roundpipe.autocast import AutocastState
 from roundpipe.devices import DevicePool
 from roundpipe.devices.pinned import pool_layout
 from roundpipe.memory.host import HostTerms, format_bytes
-from roundpipe.memory.trace import StageNotTraceable, StageTraces, trace_stages
+from roundpipe.memory.trace import (
+    StageNotTraceable,
+    StageTraces,
+    describe_module,
+    described_modules,
+    trace_stages,
+    tree_signature,
+)
 from roundpipe.plan import Action, ActionBytes, ActionKind, Plan, StageBytes, device_peaks
 from roundpipe.plan.memory import TERMS
 from roundpipe.runtime.stages import Stage
@@ -289,6 +296,16 @@ class TraceMemo:
 
     def __init__(self) -> None:
         self._traces: dict[tuple, StageTraces] = {}
+        self.described: dict[int, Any] = {}  # see roundpipe.memory.trace.describe_module
+        self._host: dict[tuple, HostTerms] = {}
+
+    def host_terms(self, key: tuple, make: Callable[[], HostTerms]) -> HostTerms:
+        """The host terms of a model, kept by ``key`` (what the caller passes
+        :func:`roundpipe.memory.host.host_terms` besides the RAM available): they depend on
+        the model's parameters, not on the call."""
+        if key not in self._host:
+            self._host[key] = make()
+        return self._host[key]
 
     def get(
         self, call: PlannedCall, real_runs: bool, trace: Callable[[], StageTraces]
@@ -311,38 +328,29 @@ def reused_traces(memo: TraceMemo) -> Iterator[None]:
     call traces the same (see [Note: reused traces]). Main thread."""
     token = _REUSED.set(memo)
     try:
-        yield
+        with described_modules(memo.described):
+            yield
     finally:
         _REUSED.reset(token)
 
 
-def _signature(tree: Any) -> tuple:
-    leaves, spec = pytree.tree_flatten(tree)
-    return (
-        str(spec),
-        tuple(
-            (tuple(x.shape), x.dtype, x.requires_grad, x.device.type)
-            if isinstance(x, torch.Tensor)
-            else repr(x)
-            for x in leaves
-        ),
-    )
+def reusing_memo() -> TraceMemo | None:
+    """The memo of the :func:`reused_traces` this runs in, if any."""
+    return _REUSED.get()
 
 
 def _trace_key(call: PlannedCall, real_runs: bool) -> tuple:
     stages = tuple(
         (
             stage.index,
-            tuple(
-                (id(layer.module), type(layer.module), repr(layer.module)) for layer in stage.layers
-            ),
+            tuple((id(layer.module), describe_module(layer.module)) for layer in stage.layers),
         )
         for stage in call.stages
     )
     return (
         stages,
-        _signature(list(call.chunks)),
-        _signature(list(call.labels)),
+        tree_signature(list(call.chunks)),
+        tree_signature(list(call.labels)),
         tuple(call.sizes),
         call.cast_dtype,
         dataclasses.astuple(call.autocast),

@@ -19,6 +19,7 @@ buffers, attributes a layer sets on itself are put back, and a real run's RNG dr
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -599,33 +600,67 @@ def _trace_microbatch(
 def _stage_key(stage: Stage, inp: Any, context: Any) -> Any:
     """What decides a stage's traced bytes (see [Note: identical stages]); None: not
     comparable (an input that is not a tensor tree of known shapes)."""
-
-    def sig(tree: Any) -> tuple:
-        leaves, spec = pytree.tree_flatten(tree)
-        return (
-            str(spec),
-            tuple(
-                (tuple(x.shape), x.dtype, x.requires_grad, x.device.type)
-                if isinstance(x, torch.Tensor)
-                else repr(x)
-                for x in leaves
-            ),
-        )
-
     layers = []
     for layer in stage.layers:
-        module = layer.module
+        described = describe_module(layer.module)
+        if described is None:
+            return None
+        layers.append((*described, layer.takes_context))
+    return (tuple(layers), tree_signature(inp), tree_signature(context))
+
+
+def tree_signature(tree: Any) -> tuple:
+    """A pytree's structure and its leaves' shapes, dtypes, ``requires_grad`` and device types
+    (other leaves by their repr): what a trace of it depends on."""
+    leaves, spec = pytree.tree_flatten(tree)
+    return (
+        str(spec),
+        tuple(
+            (tuple(x.shape), x.dtype, x.requires_grad, x.device.type)
+            if isinstance(x, torch.Tensor)
+            else repr(x)
+            for x in leaves
+        ),
+    )
+
+
+_DESCRIBED: contextvars.ContextVar[dict[int, Any] | None] = contextvars.ContextVar(
+    "roundpipe_described_modules", default=None
+)
+
+
+def describe_module(module: nn.Module) -> tuple | None:
+    """What decides ``module``'s traced bytes besides its inputs: its type, its repr and its
+    tensors' shapes, strides, dtypes and ``requires_grad`` (see [Note: identical stages]); None
+    if a hook may keep or make tensors its repr does not show. Inside
+    :func:`described_modules` each module is described once (its repr walks every submodule)."""
+    cache = _DESCRIBED.get()
+    if cache is not None and id(module) in cache:
+        return cache[id(module)]
+    hooks = any(
+        m._forward_hooks or m._forward_pre_hooks or m._backward_hooks for m in module.modules()
+    )
+    described = None
+    if not hooks:
         tensors = [
             (n, tuple(t.shape), t.stride(), t.dtype, t.requires_grad)
             for n, t in (*module.named_parameters(), *module.named_buffers())
         ]
-        hooks = any(
-            m._forward_hooks or m._forward_pre_hooks or m._backward_hooks for m in module.modules()
-        )
-        if hooks:  # a hook may keep or make tensors its repr does not show
-            return None
-        layers.append((type(module), repr(module), tuple(tensors), layer.takes_context))
-    return (tuple(layers), sig(inp), sig(context))
+        described = (type(module), repr(module), tuple(tensors))
+    if cache is not None:
+        cache[id(module)] = described
+    return described
+
+
+@contextlib.contextmanager
+def described_modules(cache: dict[int, Any]) -> Iterator[None]:
+    """Within it, :func:`describe_module` keeps each description in ``cache`` (by the module's
+    id: the caller keeps the modules alive and unchanged as long as it reuses ``cache``)."""
+    token = _DESCRIBED.set(cache)
+    try:
+        yield
+    finally:
+        _DESCRIBED.reset(token)
 
 
 def _real_run(

@@ -18,13 +18,14 @@ from torch import nn
 from roundpipe.devices import DevicePool
 from roundpipe.devices.pinned import PinnedAllocator, pool_layout
 from roundpipe.memory.checks import check_device_memory
-from roundpipe.memory.host import DATA_PARALLEL_BUCKETS, host_terms
+from roundpipe.memory.host import DATA_PARALLEL_BUCKETS, HostTerms, host_terms
 from roundpipe.memory.probe import host_memory_available
 from roundpipe.memory.report import (
     MemoryPlan,
     PlannedCall,
     make_memory_plan,
     plan_devices,
+    reusing_memo,
     trace_call,
 )
 from roundpipe.microbatch import split_inputs, split_label
@@ -147,18 +148,40 @@ def memory_plan_of(
     cap and buckets in flight of the DataParallel attached to it, see
     :func:`data_parallel_buckets`) and the planned call."""
     pinned = pinned_allocator(parts.pool)
-    terms = host_terms(
-        module,
-        optim_dtype,
-        pinned,
-        host_memory_available(),
-        ranks,
-        layers,
-        masters_dir,
-        masters_buffer,
-        data_parallel=ranks > 1 or buckets is not None or _data_parallel_open(),
-        buckets=buckets or DATA_PARALLEL_BUCKETS,
-    )
+    data_parallel = ranks > 1 or buckets is not None or _data_parallel_open()
+    buckets = buckets or DATA_PARALLEL_BUCKETS
+
+    def terms_of_module() -> HostTerms:
+        return host_terms(
+            module,
+            optim_dtype,
+            pinned,
+            None,
+            ranks,
+            layers,
+            masters_dir,
+            masters_buffer,
+            data_parallel=data_parallel,
+            buckets=buckets,
+        )
+
+    memo = reusing_memo()  # a search plans one model many times: its terms once
+    if memo is None:
+        terms = terms_of_module()
+    else:
+        key = (
+            id(module),
+            optim_dtype,
+            id(pinned),
+            ranks,
+            tuple(map(id, layers or ())),
+            masters_dir,
+            masters_buffer,
+            data_parallel,
+            buckets,
+        )
+        terms = memo.host_terms(key, terms_of_module)
+    terms = dataclasses.replace(terms, available=host_memory_available())
     planned = _planned_call(parts, cfg, call)
     # Sharded, a rank keeps its share of the sums, not the pinned downloads of all of them.
     grads_pinned = _pinned_grad_bytes(planned, pinned) if ranks == 1 else None
