@@ -3,6 +3,7 @@ the peak the emulated device measures for a real forward_backward of the same ba
 report, stages fake tensors cannot run, a plan that changes nothing, and the check of the first
 forward_backward (DeviceMemoryError)."""
 
+import dataclasses
 import gc
 import re
 
@@ -519,3 +520,53 @@ def test_a_model_on_the_meta_device_plans_but_refuses_to_run_by_name():
             r"can be planned \(memory_plan\(\), plan\(\)\) but not run",
         ):
             run()
+
+
+def test_a_memo_plans_the_host_terms_and_describes_each_module_once(monkeypatch):
+    # A length search plans one model many times (roundpipe.memory.report.TraceMemo): the host
+    # terms and each module's description are the model's, not the call's.
+    from roundpipe.memory.report import TraceMemo, reused_traces
+    from roundpipe.runtime import call_memory
+
+    torch.manual_seed(0)
+    blocks = [nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32)) for _ in range(3)]
+    model = RoundPipe(nn.Sequential(*blocks).half(), devices="emu")
+    counts = {"host_terms": 0, "repr": 0}
+    host_terms = call_memory.host_terms
+
+    def counted(*args, **kwargs):
+        counts["host_terms"] += 1
+        return host_terms(*args, **kwargs)
+
+    monkeypatch.setattr(call_memory, "host_terms", counted)
+    monkeypatch.setattr(
+        nn.Sequential, "extra_repr", lambda self: counts.update(repr=counts["repr"] + 1) or ""
+    )
+
+    def plan(rows):
+        x = torch.randn(rows, 32).half()
+        return model.memory_plan(
+            input_args=(x,), label=x, loss_fn=lambda o, y: (o - y).pow(2).sum()
+        )
+
+    alone = [plan(rows) for rows in (8, 16)]
+    assert counts["host_terms"] == 2
+    counts.update(host_terms=0, repr=0)
+    memo = TraceMemo()
+    with reused_traces(memo):
+        reused = [plan(rows) for rows in (8, 16)]
+    assert counts["host_terms"] == 1
+    assert counts["repr"] == 3  # each block's repr once, for two traces
+    for a, b in zip(alone, reused):
+        assert dataclasses.replace(a.host, available=None) == dataclasses.replace(
+            b.host, available=None
+        )
+        assert [d.peak for d in a.devices] == [d.peak for d in b.devices]
+
+
+def test_a_hooked_module_is_not_described():
+    # A hook may keep or make tensors its repr does not show: such a stage is always traced.
+    layer = nn.Linear(4, 4)
+    assert memory_trace.describe_module(layer) is not None
+    layer.register_forward_hook(lambda *args: None)
+    assert memory_trace.describe_module(layer) is None
