@@ -191,6 +191,8 @@ def _applied(path, options, kwargs, seq_len, tmp_path):
             kwargs["spill_dir"] = kwargs.get("spill_dir") or str(tmp_path)
         elif option == "--spill-masters":
             kwargs["spill_masters"] = True
+        elif option == "--sync-step":
+            kwargs["sync_step"] = True
         else:
             raise AssertionError(f"the advice names an option the test does not know: {options}")
     return _planner(path, **kwargs).plans(seq_len)

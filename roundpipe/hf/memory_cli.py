@@ -304,6 +304,7 @@ class ConfigPlanner:
         optim_states: str = "exact",
         quantize: str | None = None,
         double_quant: bool = True,
+        sync_step: bool = False,
     ) -> None:
         from transformers import AutoModelForCausalLM
 
@@ -322,6 +323,7 @@ class ConfigPlanner:
         self.lora = lora
         self.gpu = gpu
         self.quantize = quantize
+        self.sync_step = sync_step
         if spill_masters and spill_dir is None:
             raise ValueError("spill_masters plans the masters in files under spill_dir: give it")
         if quantize is not None and not lora:
@@ -374,6 +376,8 @@ class ConfigPlanner:
             ),
             weights_allocated=False,
         )
+        if sync_step:  # model.step(fn, is_async=False): no second copies
+            self.host = dataclasses.replace(self.host, next_weights=0, next_grads=0)
         if spill_dir is not None and optim_states != "exact":
             raise ValueError(
                 f"optim_states={optim_states!r} keeps lean moments in RAM; spill_dir streams "
@@ -411,7 +415,13 @@ class ConfigPlanner:
             self.host,
             activations=activations,
             grads=self.host.grads if self.host.ranks > 1 else planned.grads,
-            next_grads=self.host.next_grads if self.host.ranks > 1 else planned.next_grads,
+            next_grads=(
+                0
+                if self.sync_step
+                else self.host.next_grads
+                if self.host.ranks > 1
+                else planned.next_grads
+            ),
         )
 
     def device_free(self) -> int | None:
@@ -757,6 +767,17 @@ def _host_changes(planner: ConfigPlanner, lp: LengthPlans) -> list[_Change]:
             over = dev.peak + dev.reserve - (dev.available or 0)
             note += f", {format_bytes(over)} more than it has"
         changes.append(_Change("--no-offload-activations", host.activations, kept.fits, note))
+    if not planner.sync_step and host.next_weights + host.next_grads:
+        saves = host.next_weights + host.next_grads
+        changes.append(
+            _Change(
+                "--sync-step",
+                saves,
+                alone(saves),
+                "a synchronous step, model.step(fn, is_async=False): one copy of the weights and "
+                "one set of gradients, the step no longer overlapped with the next iteration",
+            )
+        )
     # what LoRA drops: the full weights' masters, gradients (the next call's too), optimizer
     # state and next weights, the adapters' own left
     state = host.masters + host.grads + host.next_grads + host.optimizer + host.next_weights
@@ -1020,7 +1041,8 @@ def describe_bound(found: SeqLenSearch) -> list[str]:
         assert host.available is not None
         return [
             f"Bound by the host RAM at every length: the model's state alone (weights, masters, "
-            f"their gradients, the optimizer's state) takes {format_bytes(host.new_bytes)} of "
+            f"their gradients, the optimizer's state, and the asynchronous step's second "
+            f"copies) takes {format_bytes(host.new_bytes)} of "
             f"the {format_bytes(host.available)} {_host_name(found.at.plan)}, "
             f"{format_bytes(host.new_bytes - host.available)} short before any activation."
         ]
@@ -1179,6 +1201,12 @@ def _parser() -> argparse.ArgumentParser:
         "state_placement=roundpipe.MastersOnDisk(DIR))): only its copy buffer counts",
     )
     parser.add_argument(
+        "--sync-step",
+        action="store_true",
+        help="plan a synchronous step, model.step(fn, is_async=False): without the "
+        "asynchronous step's second copies of the weights and gradients",
+    )
+    parser.add_argument(
         "--optim-states",
         choices=OPTIM_STATES,
         default="exact",
@@ -1237,6 +1265,7 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         optim_states=args.optim_states,
         quantize=args.quantize,
         double_quant=args.double_quant,
+        sync_step=args.sync_step,
     )
     if args.lora:
         print(

@@ -65,7 +65,8 @@ DATA_PARALLEL_BUCKETS = (DATA_PARALLEL_BUCKET_BYTES, DATA_PARALLEL_IN_FLIGHT)
 # [Note: what the host plan counts]
 # The host terms are what the wrap and training allocate and keep: the masters, their
 # gradients (on an accelerator the pinned pools the downloads land in, which CUDA's caching
-# host allocator, and the emulated one, keep for reuse once a step frees them), Adam's two
+# host allocator, and the emulated one, keep for reuse once a step frees them) and the next
+# call's, which an asynchronous step overlaps with (see below), Adam's two
 # moments, the pinned pool's slack, the activations a call keeps on the host, a
 # data-parallel run's reduction buffers, and a constant for the runtime itself
 # (RUNTIME_BYTES). Held to a process's RSS growth over the wrap and two iterations (after
