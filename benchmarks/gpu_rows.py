@@ -310,6 +310,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"], help="--model hf")
     parser.add_argument("--lora", type=int, default=0, help="--model hf: LoRA rank (0: full)")
     parser.add_argument(
+        "--optim-states",
+        default="exact",
+        choices=["exact", "bf16", "8bit"],
+        help="--model hf, ours: Adam's moments (roundpipe.optim.Adam(state_dtype=None | "
+        "torch.bfloat16 | '8bit'))",
+    )
+    parser.add_argument(
         "--memory-plan",
         action="store_true",
         help="--model hf, ours: the wrapped model's memory plan of the first batch, in the row",
@@ -330,7 +337,8 @@ def _ours(
     model: Any, a: argparse.Namespace, dtype: torch.dtype, res: dict[str, Any]
 ) -> tuple[Callable, Callable]:
     """roundpipe.hf.wrap at its defaults with docs/hf.md's loop (fp32 masters, roundpipe's
-    Adam; the GradScaler only in fp16, as examples/finetune_hf.py). With ``a.memory_plan``
+    Adam, its moments as ``a.optim_states`` says; the GradScaler only in fp16, as
+    examples/finetune_hf.py). With ``a.memory_plan``
     the first batch's memory plan goes into ``res`` before it runs (the first device's peak,
     reserve and what it had free)."""
     import roundpipe
@@ -341,8 +349,11 @@ def _ours(
         optim_dtype=torch.float32,
         model_run_config=RoundPipeRunConfig(num_microbatch=a.mb),
     )
+    states = getattr(a, "optim_states", "exact")
+    state_dtype = {"exact": None, "bf16": torch.bfloat16, "8bit": "8bit"}[states]
     with OptimizerCtx():
-        opt = roundpipe.optim.Adam(rp.parameters(), lr=1e-5)
+        opt = roundpipe.optim.Adam(rp.parameters(), lr=1e-5, state_dtype=state_dtype)
+    res["optim_states"] = states
     scaler = GradScaler(enabled=dtype == torch.float16)
     planned: list[bool] = []
 

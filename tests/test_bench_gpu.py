@@ -489,8 +489,12 @@ def test_fsdp2_with_cpu_offload_and_roundpipe_train_the_same_model_on_the_cpu(tm
     args = ["--config", str(config), "--seq", "32", "--batch", "4", "--mb", "2"]
     args += ["--warmup", "2", "--iters", "1"]
     rows = {}
-    for impl in ("fsdp2", "ours"):
-        rows[impl], err = _run_json(
+    for name, impl, extra in (
+        ("fsdp2", "fsdp2", []),
+        ("ours", "ours", []),
+        ("ours 8bit", "ours", ["--optim-states", "8bit"]),  # the GPU row of issue 45
+    ):
+        rows[name], err = _run_json(
             [
                 sys.executable,
                 str(ROOT / "benchmarks" / "gpu_rows.py"),
@@ -498,12 +502,15 @@ def test_fsdp2_with_cpu_offload_and_roundpipe_train_the_same_model_on_the_cpu(tm
                 "--impl",
                 impl,
                 *args,
+                *extra,
             ],
             {gpu_rows.CAP_ENV: "24"},
         )
-        _check_row(rows[impl], impl)
+        _check_row(rows[name], impl)
         if not torch.cuda.is_available():
             assert "no CUDA: the 24 GiB cap is not applied" in err
+    assert rows["ours"]["optim_states"] == "exact" and rows["ours 8bit"]["optim_states"] == "8bit"
+    assert rows["ours 8bit"]["loss_first"] == rows["ours"]["loss_first"]  # before any step
     assert rows["fsdp2"]["flops_per_token"] == rows["ours"]["flops_per_token"]
     assert rows["fsdp2"]["trained_M"] == rows["ours"]["trained_M"]
     assert rows["fsdp2"]["loss_first"] == pytest.approx(rows["ours"]["loss_first"], rel=1e-2)
@@ -548,7 +555,8 @@ def test_the_patched_harness_runs_fsdp2_and_gives_every_row_its_mfu(tmp_path):
 @pytest.mark.slow  # a subprocess (see the marker in pyproject.toml)
 def test_the_offload_script_runs_the_issues_rows_in_order_within_its_budget(tmp_path):
     """benchmarks/gpu_offload.sh with GPU_DRY_RUN=1 lists its parts in order, each skipped by
-    the budget: row 1 (Qwen3-4B's shape, roundpipe, the public RoundPipe, FSDP2 on one batch),
+    the budget: row 1 (Qwen3-4B's shape, roundpipe exact and with 8-bit moments, the public
+    RoundPipe, FSDP2 on one batch),
     row 2 (LoRA 16 on Llama-3.1-8B's shape), row 3 (the planned lengths), row 4 (continuity)."""
     script = ROOT / "benchmarks" / "gpu_offload.sh"
     assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
@@ -560,12 +568,12 @@ def test_the_offload_script_runs_the_issues_rows_in_order_within_its_budget(tmp_
     parts = re.findall(r"^skipped \(budget\): (.*)$", proc.stdout, re.M)
     benches = [p.split()[1:3] for p in parts if p.startswith("bench ")]
     assert benches == [
-        ["hf", "ours"], ["hf", "upstream"], ["hf", "fsdp2"],
+        ["hf", "ours"], ["hf", "ours"], ["hf", "upstream"], ["hf", "fsdp2"],
         ["hf", "ours"], ["hf", "upstream"],
         ["qwen3", "ours"], ["qwen3", "ours"], ["qwen3", "upstream"], ["qwen3", "torch"],
     ], parts  # fmt: skip
     row1 = [p for p in parts if "qwen3-4b.json" in p]
-    assert len(row1) == 3
+    assert len(row1) == 4 and row1[1].endswith("--optim-states 8bit")
     for part in row1:  # the same model, data and batch for every contender
         assert "--dtype bf16 --seq 2048 --batch 8 --mb 4" in part
     row2 = [p for p in parts if "llama-3.1-8b.json" in p]
