@@ -297,10 +297,10 @@ def test_a_refused_wrap_names_sharding_and_spilling_with_their_numbers(monkeypat
         and f"about {format_bytes(per_machine)} to allocate per machine at 2" in message
         and "state_placement=roundpipe.distributed.ShardedState()" in message
     ), message
-    synchronous = terms.new_bytes - terms.next_grads
+    synchronous = terms.new_bytes - terms.next_grads - terms.next_weights
     assert (
         "step synchronously: model.step(fn, is_async=False)" in message
-        and f"about {format_bytes(synchronous)} to allocate (not enough alone)" in message
+        and f"about {format_bytes(synchronous)} to allocate (which alone fits)" in message
     ), message
     spilled = terms.new_bytes - 2 * masters
     assert (
@@ -411,11 +411,8 @@ def _decoder():
     ).to(torch.bfloat16)
 
 
-def _train_two_iterations(model, check_grads=None):
-    """The documented loop, two iterations; ``check_grads()`` runs once the first call's
-    gradients reached the masters (before its step)."""
-    from roundpipe import OptimizerCtx
-
+def _decoder_batch():
+    """forward_backward's arguments for :func:`_decoder`: 4 sequences of 16 tokens."""
     g = torch.Generator().manual_seed(1)
     x = torch.randint(0, 1000, (4, 16), generator=g)
     y = torch.randint(0, 1000, (4, 16), generator=g)
@@ -423,7 +420,15 @@ def _train_two_iterations(model, check_grads=None):
     def loss_fn(out, lbl):
         return torch.nn.functional.cross_entropy(out.float().flatten(0, 1), lbl.flatten())
 
-    batch = dict(input_args=(x,), label=y, loss_fn=loss_fn)
+    return dict(input_args=(x,), label=y, loss_fn=loss_fn)
+
+
+def _train_two_iterations(model, check_grads=None):
+    """The documented loop, two iterations; ``check_grads()`` runs once the first call's
+    gradients reached the masters (before its step)."""
+    from roundpipe import OptimizerCtx
+
+    batch = _decoder_batch()
     plan = model.memory_plan(**batch)
     with OptimizerCtx():
         opt = roundpipe.optim.AdamW(model.parameters(), lr=1e-3)
@@ -554,14 +559,7 @@ def test_an_async_step_that_outlasts_the_next_call_holds_two_sets_of_gradients(
     monkeypatch.setattr(CallGrads, "download", download_and_tell)
 
     model = RoundPipe(_decoder(), optim_dtype=torch.float32, devices="emu")
-    g = torch.Generator().manual_seed(1)
-    x = torch.randint(0, 1000, (4, 16), generator=g)
-    y = torch.randint(0, 1000, (4, 16), generator=g)
-
-    def loss_fn(out, lbl):
-        return torch.nn.functional.cross_entropy(out.float().flatten(0, 1), lbl.flatten())
-
-    batch = dict(input_args=(x,), label=y, loss_fn=loss_fn)
+    batch = _decoder_batch()
     host = model.memory_plan(**batch).host
     with OptimizerCtx():
         opt = roundpipe.optim.AdamW(model.parameters(), lr=1e-3)

@@ -64,12 +64,12 @@ def check_host_memory(terms: HostTerms, what: str, offload_activations: bool = F
         "torch.bfloat16) halves the masters, their gradients and the optimizer state (less "
         "precise updates)",
     ]
-    if terms.next_grads:
-        left = terms.new_bytes - terms.next_grads
-        fits = "which alone fits" if left <= terms.available else "not enough alone"
+    if terms.next_grads or terms.next_weights:
+        left, fits = _left(terms, terms.next_grads + terms.next_weights)
         options.append(
-            f"step synchronously: model.step(fn, is_async=False) holds one set of the masters' "
-            f"gradients, where the asynchronous step may hold the next call's too: about "
+            f"step synchronously: model.step(fn, is_async=False) holds one copy of the weights "
+            f"and one set of the masters' gradients, where the asynchronous step writes the "
+            f"next weights beside them and may hold the next call's gradients too: about "
             f"{format_bytes(left)} to allocate ({fits}), at the cost of the step's overlap "
             f"with the next iteration"
         )
@@ -94,6 +94,13 @@ def check_host_memory(terms: HostTerms, what: str, offload_activations: bool = F
     raise HostMemoryError("\n".join(lines))
 
 
+def _left(terms: HostTerms, saved: int) -> tuple[int, str]:
+    """What is left to allocate once ``saved`` bytes are not, and whether that alone fits."""
+    assert terms.available is not None
+    left = terms.new_bytes - saved
+    return left, "which alone fits" if left <= terms.available else "not enough alone"
+
+
 def _state_options(terms: HostTerms) -> list[str]:
     """The placements for state larger than one machine's RAM, as options of a refused wrap,
     each with what it would leave to allocate (skipping one already chosen)."""
@@ -115,8 +122,7 @@ def _state_options(terms: HostTerms) -> list[str]:
                 f"on one machine share its RAM, so it takes machines, not processes)"
             )
     if not terms.optimizer_dir and terms.optimizer:
-        left = terms.new_bytes - terms.optimizer
-        fits = "which alone fits" if left <= terms.available else "not enough alone"
+        left, fits = _left(terms, terms.optimizer)
         options.append(
             f"keep Adam's state in files on a fast disk: roundpipe.optim.AdamW(..., "
             f"state_dir=DIR) streams it through a bounded buffer, about "
