@@ -24,6 +24,7 @@ from torch import nn
 
 from roundpipe.checkpoint import named
 from roundpipe.checkpoint.files import CheckpointFormatError, encode, pack
+from roundpipe.runtime.grad_router import grad_dtype_of
 from roundpipe.runtime.params import StateAccess
 
 __all__ = [
@@ -316,7 +317,10 @@ def restore_on_optimizer_thread(
             read(f"masters/{name}", master.detach())
             access.params.placement.release()  # masters in files: out of RAM one by one
     for name, master in access.params.masters.items():
-        master.grad = grads.get(name)
+        grad = grads.get(name)
+        if grad is not None and grad.dtype != grad_dtype_of(master):
+            grad = grad.to(grad_dtype_of(master))  # saved before or after Adam(grad_dtype=...)
+        master.grad = grad
     if optimizer is not None and optimizer_state is not None:
         optimizer.load_state_dict(optimizer_state)
     if scheduler is not None and scheduler_state is not None:

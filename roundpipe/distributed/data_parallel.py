@@ -395,6 +395,13 @@ class DataParallel:
                     f"DataParallel averages dense gradients only; a master has a "
                     f"{m.grad.layout} gradient"
                 )
+            if m.grad is not None and m.grad.dtype != m.dtype:
+                raise ValueError(
+                    f"DataParallel sums the gradients in the masters' dtype; a master has a "
+                    f"{m.grad.dtype} gradient (roundpipe.optim.Adam(grad_dtype=...)): leave "
+                    f"grad_dtype=None under DataParallel (see [Note: gradients in their summed "
+                    f"dtype] in roundpipe/runtime/grad_router.py)"
+                )
         if not self._masters:
             return
         try:

@@ -109,6 +109,11 @@ void exact_step(
     TORCH_CHECK(low == at::kBFloat16 || low == at::kHalf || low == at::kFloat ||
                 params[i].scalar_type() != at::kFloat,
                 "exact_step: the copy of an fp32 master is bf16, fp16 or fp32");
+    const auto gdt = grads[i].scalar_type();
+    TORCH_CHECK(gdt == params[i].scalar_type() ||
+                    (params[i].scalar_type() == at::kFloat &&
+                     (gdt == at::kBFloat16 || gdt == at::kHalf)),
+                "exact_step: a gradient in the master's dtype, or bf16/fp16 for an fp32 master");
     numels.push_back(params[i].numel());
   }
   const auto pieces = cut(numels, piece);
@@ -122,6 +127,9 @@ void exact_step(
       const auto t = pc.tensor;
       std::vector<at::Tensor> p{slice(params[t], pc)}, g{slice(grads[t], pc)},
           m{slice(exp_avgs[t], pc)}, v{slice(exp_avg_sqs[t], pc)}, s{steps[t]}, mx;
+      if (g[0].scalar_type() != p[0].scalar_type()) {  // [Note: low-precision gradients]
+        g[0] = g[0].to(p[0].scalar_type());
+      }
       if (amsgrad) mx.push_back(slice(max_exp_avg_sqs[t], pc));
       if (adamw) {
         at::_ops::_fused_adamw_::redispatch(
@@ -174,6 +182,16 @@ inline float from_bf16_bits(uint16_t h) {
   float x;
   std::memcpy(&x, &u, 4);
   return x;
+}
+
+// [Note: low-precision gradients]
+// A master's gradient may be bf16 or fp16 (the sums the device made in device_grad_dtype, handed
+// over as they are: Adam(grad_dtype=...)). Each kernel reads it as the fp32 value it is, exactly
+// (every bf16 and fp16 value is an fp32 value), so the step gives the bits the same gradient in
+// fp32 gives, reading 2 bytes instead of 4. The exact step converts one piece at a time (a
+// piece stays in cache); the lean kernels convert as they load.
+inline float half_bits_to_float(uint16_t h) {
+  return static_cast<float>(c10::Half(h, c10::Half::from_bits()));
 }
 
 inline float map_value(const Map& map, int mag) {  // value of a magnitude code (0 .. 2^groups-1)
@@ -481,7 +499,9 @@ inline float hmax(__m256 x) {
 
 struct LeanTensors {
   float* p;
-  float* g;
+  const float* g;          // nullptr: the gradient is g16's
+  const uint16_t* g16;     // a bf16 or fp16 gradient (see [Note: low-precision gradients])
+  bool g16_half;
   void* m;  // uint16 (bf16 bits) or uint8 codes
   void* v;
   float* m_absmax;
@@ -491,6 +511,20 @@ struct LeanTensors {
   float step_neg;  // f32(-lr / bc1 * sqrt(bc2))
   float eps;       // f32(eps * sqrt(bc2))
 };
+
+inline float load_grad(const LeanTensors& t, int64_t i) {  // [Note: low-precision gradients]
+  if (t.g) return t.g[i];
+  return t.g16_half ? half_bits_to_float(t.g16[i]) : from_bf16_bits(t.g16[i]);
+}
+
+#if RP_AVX2
+inline __m256 load_grad_v(const LeanTensors& t, int64_t i) {  // [Note: low-precision gradients]
+  if (t.g) return _mm256_loadu_ps(t.g + i);
+  if (t.g16_half)
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t.g16 + i)));
+  return from_bf16_v(t.g16 + i);
+}
+#endif
 
 float nan_aware_absmax(const float* x, int64_t n, bool is_signed) {
   float best = 0.0f;
@@ -518,7 +552,7 @@ void block8_scalar(
   for (int64_t i = 0; i < n; ++i) {
     float p = t.p[start + i];
     float m = dequant(mm, mq[i], ma), v = dequant(vm, vq[i], va);
-    adam_scalar(h, t.step_neg, t.eps, p, t.g[start + i], m, v);
+    adam_scalar(h, t.step_neg, t.eps, p, load_grad(t, start + i), m, v);
     t.p[start + i] = p;
     if (t.low) store_low(t.low_dtype, t.low, start + i, p);
     mbuf[i] = m;
@@ -546,6 +580,7 @@ void block8_scalar(
 struct Block8 {
   alignas(32) float m[kBlock];
   alignas(32) float v[kBlock];
+  alignas(32) float g[kBlock];  // a low-precision gradient's block, in fp32
 };
 
 void block8_avx2(
@@ -556,7 +591,11 @@ void block8_avx2(
   auto* const mq = static_cast<uint8_t*>(t.m) + start;
   auto* const vq = static_cast<uint8_t*>(t.v) + start;
   float* const pp = t.p + start;
-  const float* const gp = t.g + start;
+  const float* gp = t.g + start;
+  if (!t.g) {  // [Note: low-precision gradients]
+    for (int64_t i = 0; i < kBlock; i += 8) _mm256_store_ps(b.g + i, load_grad_v(t, start + i));
+    gp = b.g;
+  }
   const __m256 ma = _mm256_set1_ps(t.m_absmax[blk]), va = _mm256_set1_ps(t.v_absmax[blk]);
   for (int64_t i = 0; i < kBlock; i += 8) {
     _mm256_store_ps(b.m + i, dequant_v<true, 7>(load_codes(mq + i), ma));
@@ -641,7 +680,7 @@ void range_bf16(const Hyper& h, const LeanTensors& t, int64_t start, int64_t n) 
   const __m256 sn = _mm256_set1_ps(t.step_neg), ep = _mm256_set1_ps(t.eps);
   for (; i + 8 <= end; i += 8) {
     __m256 p = _mm256_loadu_ps(t.p + i);
-    __m256 g = _mm256_loadu_ps(t.g + i);
+    __m256 g = load_grad_v(t, i);
     __m256 m = from_bf16_v(mb + i), v = from_bf16_v(vb + i);
     adam_v(h, hv, sn, ep, p, g, m, v);
     _mm256_storeu_ps(t.p + i, p);
@@ -652,7 +691,7 @@ void range_bf16(const Hyper& h, const LeanTensors& t, int64_t start, int64_t n) 
 #endif
   for (; i < end; ++i) {
     float p = t.p[i], m = from_bf16_bits(mb[i]), v = from_bf16_bits(vb[i]);
-    adam_scalar(h, t.step_neg, t.eps, p, t.g[i], m, v);
+    adam_scalar(h, t.step_neg, t.eps, p, load_grad(t, i), m, v);
     t.p[i] = p;
     if (t.low) store_low(t.low_dtype, t.low, i, p);
     mb[i] = bf16_bits(m);
@@ -709,13 +748,20 @@ void lean_step(
     check_cpu_contiguous(grads[i], "lean_step's tensors");
     check_cpu_contiguous(exp_avgs[i], "lean_step's tensors");
     check_cpu_contiguous(exp_avg_sqs[i], "lean_step's tensors");
-    TORCH_CHECK(params[i].dtype() == at::kFloat && grads[i].dtype() == at::kFloat,
-                "lean_step: params and grads must be float32");
+    const auto gdt = grads[i].scalar_type();
+    TORCH_CHECK(params[i].dtype() == at::kFloat &&
+                    (gdt == at::kFloat || gdt == at::kBFloat16 || gdt == at::kHalf),
+                "lean_step: params must be float32, grads float32, bf16 or fp16");
     TORCH_CHECK(grads[i].numel() == numel && exp_avgs[i].numel() == numel &&
                 exp_avg_sqs[i].numel() == numel, "lean_step: sizes differ");
     LeanTensors t{};
     t.p = params[i].data_ptr<float>();
-    t.g = grads[i].data_ptr<float>();
+    if (gdt == at::kFloat) {
+      t.g = grads[i].data_ptr<float>();
+    } else {
+      t.g16 = static_cast<const uint16_t*>(grads[i].data_ptr());
+      t.g16_half = gdt == at::kHalf;
+    }
     t.m = exp_avgs[i].data_ptr();
     t.v = exp_avg_sqs[i].data_ptr();
     if (kind == 1) {

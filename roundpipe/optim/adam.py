@@ -31,6 +31,8 @@ from roundpipe.optim.lean import (
     kind_of_state_dtype,
     state_kind_of_group,
 )
+from roundpipe.optim.master_file import file_of_master
+from roundpipe.optim.one_pass import LOW_GRAD_DTYPES
 from roundpipe.optim.placement import (
     OptimizerStatePlacement,
     StateInRAM,
@@ -139,6 +141,16 @@ class Adam(torch.optim.Adam):
     construction (``g++`` and ``ninja``; until they are built, or if the build fails, with one
     warning, torch's kernels give the same results).
 
+    ``grad_dtype`` (``torch.bfloat16`` or ``torch.float16``; default None: the masters' dtype)
+    takes the masters' gradients in that dtype: each master's ``grad_dtype`` is set to it, so
+    a RoundPipe whose device sums the gradients in it (``RoundPipeRunConfig(
+    device_grad_dtype=...)``) hands them over as they are, 2 bytes a parameter instead of 4 in
+    host RAM and in the step's reads, with the same results as the fp32 gradients they would
+    have been converted to (see [Note: gradients in their summed dtype]). It needs torch 2.10
+    or newer, fp32 masters in host memory (not in files, no ``state_dir``), and the
+    gradients to arrive after construction. Other optimizers must not step these masters
+    (torch's read one dtype), and ``GradScaler.unscale_`` then unscales in that dtype.
+
     Implementation options (``foreach``, ``fused``, ``capturable``, ``differentiable``) belong
     to this optimizer, not to a checkpoint: :meth:`load_state_dict` keeps them, so a checkpoint
     of a foreach torch.optim.Adam loads into a fused roundpipe Adam and the other way round.
@@ -172,8 +184,10 @@ class Adam(torch.optim.Adam):
         state_buffer_bytes: int | None = None,
         state_dtype: torch.dtype | str | None = None,
         write_copy: bool = True,
+        grad_dtype: torch.dtype | None = None,
     ) -> None:
-        """Any thread; does not wait for the optimizer thread (no launched work can use it yet)."""
+        """Any thread; does not wait for the optimizer thread (no launched work can use it
+        yet), unless ``grad_dtype`` is given (it changes the masters)."""
         self._state_kind = kind_of_state_dtype(state_dtype)
         self.write_copy = bool(write_copy)
         self._said_small = False
@@ -214,12 +228,57 @@ class Adam(torch.optim.Adam):
         )
         if self._state_kind is not StateKind.EXACT:
             self.defaults["state_dtype"] = self._state_kind.value
+        self.grad_dtype = grad_dtype
+        if grad_dtype is not None:
+            self._take_gradients_in(grad_dtype, state_dir)
         self._constructed = True
         native.start_build()
+
+    def _take_gradients_in(self, dtype: torch.dtype, state_dir: Any) -> None:
+        """[Note: gradients in their summed dtype]: the parameters' ``grad_dtype`` set to
+        ``dtype``, after checking that this step can take them."""
+        if dtype not in LOW_GRAD_DTYPES:
+            raise ValueError(
+                f"Adam(grad_dtype=...) takes torch.bfloat16 or torch.float16 (the dtype "
+                f"RoundPipeRunConfig(device_grad_dtype=...) sums in), got {dtype!r}"
+            )
+        if not hasattr(torch.empty(0), "grad_dtype"):
+            raise RuntimeError(
+                f"Adam(grad_dtype=...) needs a torch whose tensors have grad_dtype (2.10 or "
+                f"newer); torch {torch.__version__} does not: leave grad_dtype=None (the "
+                f"gradients then arrive in the masters' dtype)"
+            )
+        if state_dir is not None:
+            raise ValueError(
+                "Adam(grad_dtype=...) with state_dir: the streamed step reads fp32 gradients; "
+                "give one of them"
+            )
+        params = [p for group in self.param_groups for p in group["params"]]
+        for p in params:
+            if p.dtype != torch.float32 or p.device.type != "cpu" or not p.is_leaf:
+                raise ValueError(
+                    f"Adam(grad_dtype={dtype}) takes fp32 masters in host memory (roundpipe's "
+                    f"model.optim_parameters()), got a {p.dtype} parameter on {p.device}"
+                )
+            if file_of_master(p) is not None:
+                raise ValueError(
+                    "Adam(grad_dtype=...) with masters in files (roundpipe.MastersOnDisk): their "
+                    "step reads fp32 gradients; leave grad_dtype=None"
+                )
+        _wait_for_launched_work()  # the masters' .grad belong to the optimizer thread
+        for p in params:
+            if p.grad is not None and p.grad.dtype != dtype:
+                raise ValueError(
+                    f"Adam(grad_dtype={dtype}): a master already has a {p.grad.dtype} gradient; "
+                    f"build the optimizer before the first forward_backward, or after "
+                    f"zero_grad()"
+                )
+            p.grad_dtype = dtype
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         self._constructed = True  # unpickled or deep-copied: past construction
+        self.__dict__.setdefault("grad_dtype", None)
         self.__dict__.setdefault("_placement", StateInRAM())
         self.__dict__.setdefault("_state_kind", StateKind.EXACT)
         self.__dict__.setdefault("_said_small", True)
@@ -493,8 +552,9 @@ class AdamW(Adam):
         state_buffer_bytes: int | None = None,
         state_dtype: torch.dtype | str | None = None,
         write_copy: bool = True,
+        grad_dtype: torch.dtype | None = None,
     ) -> None:
-        """Any thread; does not wait for the optimizer thread."""
+        """Any thread; does not wait for the optimizer thread unless ``grad_dtype`` is given."""
         super().__init__(
             params,
             lr,
@@ -512,6 +572,7 @@ class AdamW(Adam):
             state_buffer_bytes=state_buffer_bytes,
             state_dtype=state_dtype,
             write_copy=write_copy,
+            grad_dtype=grad_dtype,
         )
 
     def __setstate__(self, state: dict[str, Any]) -> None:

@@ -40,6 +40,10 @@ def _bump(tensors: list[Tensor]) -> None:
         torch.autograd.graph.increment_version(t)
 
 
+#: the gradient dtypes the compiled kernels read for an fp32 master besides its own
+LOW_GRAD_DTYPES = (torch.bfloat16, torch.float16)
+
+
 def exact_one_pass(ops: Any, group: dict, items: list[Item], grad_scale: Tensor | None) -> None:
     """torch's fused Adam/AdamW over ``items`` (every one with a ``low``), each piece's cast
     written while it is in cache: bitwise torch's step followed by ``low.copy_(param)``. The
@@ -149,8 +153,9 @@ _NO_COPY = torch.empty(0)
 
 
 def _plain_grad(item: Item) -> Tensor:
-    """The gradient as the lean kernels read it: fp32, contiguous, detached."""
+    """The gradient as the lean kernels read it: contiguous, detached, fp32 or as the bf16 or
+    fp16 it is (see [Note: low-precision gradients] in _step_kernels.cpp)."""
     g = item.grad.detach()
-    if g.dtype != torch.float32:
+    if g.dtype not in LOW_GRAD_DTYPES + (torch.float32,):
         g = g.to(torch.float32)
     return g.contiguous()

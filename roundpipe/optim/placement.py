@@ -43,7 +43,7 @@ from roundpipe.optim.lean import (
     state_kind_of_group,
 )
 from roundpipe.optim.master_file import file_of_master
-from roundpipe.optim.one_pass import Item, exact_one_pass, lean_step
+from roundpipe.optim.one_pass import LOW_GRAD_DTYPES, Item, exact_one_pass, lean_step
 from roundpipe.optim.spill import StateOnDisk
 from roundpipe.threads.step_context import step_copies
 from roundpipe.user_frame import user_stacklevel
@@ -176,6 +176,8 @@ class StateInRAM:
                 if low is not None:
                     split.one_pass.append(Item(p, grad, state, low))
                     continue
+            if grad.dtype != dtype:  # torch's fused kernel reads one dtype: an fp32 copy
+                grad = grad.to(dtype)
             if dtype in COMPLEX_FUSABLE:
                 # Adam on a complex tensor is Adam on its real view ([Note: fused by default]).
                 p, grad = torch.view_as_real(p), torch.view_as_real(grad)
@@ -206,6 +208,8 @@ class StateInRAM:
             return  # a skipped step leaves params, state and the step count untouched
         grads = [p.grad for p in params if p.grad is not None]
         assert len(grads) == len(params)  # the caller passes params that have a gradient
+        # torch's kernels read one dtype: an fp32 copy of a bf16/fp16 gradient of an fp32 master
+        grads = [g if g.dtype == p.dtype else g.to(p.dtype) for p, g in zip(params, grads)]
         if grad_scale is not None:
             for g in grads:
                 g.div_(grad_scale.to(g.device))
@@ -317,15 +321,17 @@ def _memory_order(t: Tensor) -> tuple | None:
 def _fusable_layout(
     p: Tensor, grad: Tensor, states: list[Tensor], dtype: torch.dtype, device: torch.device
 ) -> bool:
-    """[Note: fused layout rule]: grad and states share ``p``'s dtype and dense memory order.
+    """[Note: fused layout rule]: grad and states share ``p``'s dtype and dense memory order (a
+    grad may also be the bf16/fp16 of an fp32 ``p``, see [Note: low-precision gradients] in
+    _step_kernels.cpp).
 
     Runs for every parameter on every step, so it checks only what can differ: the ``.grad``
     setter already enforces the grad's shape and device (not its dtype, with ``grad_dtype``);
     states may come from any checkpoint, and a state of another size would make the CPU
     kernel read or write out of bounds.
     """
-    if grad.dtype != dtype:
-        return False
+    if grad.dtype != dtype and not (dtype == torch.float32 and grad.dtype in LOW_GRAD_DTYPES):
+        return False  # a bf16/fp16 gradient of an fp32 master: [Note: low-precision gradients]
     shape = p.shape
     for t in states:
         if t.shape != shape or t.dtype != dtype or t.device != device:

@@ -37,6 +37,7 @@ from roundpipe.runtime.call import (
     takes_microbatch,
 )
 from roundpipe.runtime.config import ResolvedRunConfig
+from roundpipe.runtime.grad_router import grad_dtype_of
 from roundpipe.runtime.placement import MasterPlacement
 from roundpipe.runtime.stages import Layer
 
@@ -106,9 +107,10 @@ def _pinned_grad_bytes(call: PlannedCall, pinned: PinnedAllocator | None) -> int
         for rec in stage.params:
             if rec.master is None or not rec.param.requires_grad:
                 continue
-            if dtype is not None and dtype != rec.master.dtype:
+            held = grad_dtype_of(rec.master)  # [Note: gradients in their summed dtype]
+            if (rec.master.dtype if dtype is None else dtype) != held:
                 return None
-            sizes.append(rec.master.numel() * rec.master.element_size())
+            sizes.append(rec.master.numel() * held.itemsize)
         total += pool_layout(sizes, pinned).taken
     return total
 

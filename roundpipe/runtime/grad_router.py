@@ -46,6 +46,7 @@ __all__ = [
     "move_grads",
     "accumulate_grad",
     "clear_grads",
+    "grad_dtype_of",
     "sum_into",
     "storage_counts",
     "stash_grads",
@@ -70,6 +71,25 @@ __all__ = [
 # this process has no gradient: other processes may have one), and the launched move is the
 # reducer's install of what it summed; the call hands the reducer, at its end, every stage it
 # did not (as no gradients), so that every process hands over the same stages, whatever failed.
+
+
+# [Note: gradients in their summed dtype]
+# A master's gradient is in the master's dtype, unless the optimizer asked for another:
+# roundpipe.optim.Adam(grad_dtype=torch.bfloat16) sets each master's grad_dtype (torch's
+# attribute, 2.10 and newer), and the moves then hand the device's sums over in it. With
+# RoundPipeRunConfig(device_grad_dtype=torch.bfloat16) the downloaded bf16 sums become .grad
+# as they are: no fp32 copy (4 bytes a parameter of host RAM, and a pass over them), and the
+# step reads 2 bytes a parameter instead of 4, with the same results, since Adam's kernels read
+# each bf16 value as the fp32 value it is ([Note: low-precision gradients] in
+# roundpipe/optim/_step_kernels.cpp). Exact as long as one call's sums are all a step sees:
+# the sums of several calls before one step are added in that dtype on the host, as the
+# device adds the microbatches'. The data-parallel reduction sums in the masters' dtype, so
+# DataParallel refuses such masters.
+def grad_dtype_of(master: torch.Tensor) -> torch.dtype:
+    """The dtype ``master``'s ``.grad`` must have: its ``grad_dtype`` where torch has it and it
+    is set, else its own (see [Note: gradients in their summed dtype])."""
+    dtype = getattr(master, "grad_dtype", None)
+    return master.dtype if dtype is None else dtype
 
 
 def move_grads(
@@ -101,8 +121,9 @@ def move_grads(
             else:  # finite + finite may overflow: unknown, the host checks it
                 finite_check.mark(master.grad, None)
         else:
-            if grad.dtype != master.dtype:  # summed on the device in device_grad_dtype
-                grad = grad.to(master.dtype)
+            dtype = grad_dtype_of(master)
+            if grad.dtype != dtype:  # summed on the device in device_grad_dtype
+                grad = grad.to(dtype)
             master.grad = grad
             finite_check.mark(grad, found, largest)
 
@@ -111,7 +132,7 @@ def accumulate_grad(master: nn.Parameter, grad: torch.Tensor) -> None:
     """Optimizer thread: a gradient that autograd accumulated into a model parameter
     (differentiable forward); copied first, it may be any dtype or layout."""
     if master.grad is None:
-        master.grad = torch.empty_like(master).copy_(grad)
+        master.grad = torch.empty_like(master, dtype=grad_dtype_of(master)).copy_(grad)
     else:
         master.grad.add_(grad)
 
