@@ -70,6 +70,7 @@ void check_cpu_contiguous(const at::Tensor& t, const char* what) {
 }
 
 void cast_to_low(const float* src, void* dst, at::ScalarType dtype, int64_t n);
+void widen(const uint16_t* src, bool half, float* dst, int64_t n);
 
 // ------------------------------------------------------------------------------------------
 // exact_step
@@ -128,7 +129,13 @@ void exact_step(
       std::vector<at::Tensor> p{slice(params[t], pc)}, g{slice(grads[t], pc)},
           m{slice(exp_avgs[t], pc)}, v{slice(exp_avg_sqs[t], pc)}, s{steps[t]}, mx;
       if (g[0].scalar_type() != p[0].scalar_type()) {  // [Note: low-precision gradients]
-        g[0] = g[0].to(p[0].scalar_type());
+        // into this thread's buffer, reused piece after piece (an allocation of a piece's
+        // size would map and unmap pages each time)
+        thread_local std::vector<float> wide;
+        if (static_cast<int64_t>(wide.size()) < pc.length) wide.resize(pc.length);
+        widen(static_cast<const uint16_t*>(g[0].data_ptr()), g[0].scalar_type() == at::kHalf,
+              wide.data(), pc.length);
+        g[0] = at::from_blob(wide.data(), {pc.length}, at::TensorOptions().dtype(at::kFloat));
       }
       if (amsgrad) mx.push_back(slice(max_exp_avg_sqs[t], pc));
       if (adamw) {
@@ -353,6 +360,20 @@ inline void store_low16(at::ScalarType dtype, void* low, int64_t i, __m256 p0, _
 
 // The low-precision copy of n fp32 values: torch's copy_ bit for bit (round to nearest even;
 // NaN: bf16 0xFFFF, fp16 the F16C/c10 quiet NaN).
+void widen(const uint16_t* src, bool half, float* dst, int64_t n) {  // bf16/fp16 -> fp32
+  int64_t i = 0;
+#if RP_AVX2
+  if (half) {
+    for (; i + 8 <= n; i += 8)
+      _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(
+                                    reinterpret_cast<const __m128i*>(src + i))));
+  } else {
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, from_bf16_v(src + i));
+  }
+#endif
+  for (; i < n; ++i) dst[i] = half ? half_bits_to_float(src[i]) : from_bf16_bits(src[i]);
+}
+
 void cast_to_low(const float* src, void* dst, at::ScalarType dtype, int64_t n) {
   int64_t i = 0;
 #if RP_AVX2
@@ -517,12 +538,25 @@ inline float load_grad(const LeanTensors& t, int64_t i) {  // [Note: low-precisi
   return t.g16_half ? half_bits_to_float(t.g16[i]) : from_bf16_bits(t.g16[i]);
 }
 
+
+// How a kernel reads 8 gradients (see [Note: low-precision gradients]): fp32, bf16 or fp16.
+enum class GradKind { kFloat, kBf16, kHalf };
+
+template <GradKind K>
+inline float grad_at(const void* g, int64_t i) {
+  if (K == GradKind::kFloat) return static_cast<const float*>(g)[i];
+  const uint16_t h = static_cast<const uint16_t*>(g)[i];
+  return K == GradKind::kHalf ? half_bits_to_float(h) : from_bf16_bits(h);
+}
+
 #if RP_AVX2
-inline __m256 load_grad_v(const LeanTensors& t, int64_t i) {  // [Note: low-precision gradients]
-  if (t.g) return _mm256_loadu_ps(t.g + i);
-  if (t.g16_half)
-    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t.g16 + i)));
-  return from_bf16_v(t.g16 + i);
+template <GradKind K>
+inline __m256 grads_at(const void* g, int64_t i) {
+  if (K == GradKind::kFloat) return _mm256_loadu_ps(static_cast<const float*>(g) + i);
+  const uint16_t* h = static_cast<const uint16_t*>(g) + i;
+  if (K == GradKind::kHalf)
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h)));
+  return from_bf16_v(h);
 }
 #endif
 
@@ -580,22 +614,17 @@ void block8_scalar(
 struct Block8 {
   alignas(32) float m[kBlock];
   alignas(32) float v[kBlock];
-  alignas(32) float g[kBlock];  // a low-precision gradient's block, in fp32
 };
 
+template <GradKind K>
 void block8_avx2(
     const Hyper& h, const HyperV& hv, const MapV& mm, const MapV& vm, const LeanTensors& t,
-    int64_t start) {
+    const void* g, int64_t start) {
   Block8 b;
   const int64_t blk = start / kBlock;
   auto* const mq = static_cast<uint8_t*>(t.m) + start;
   auto* const vq = static_cast<uint8_t*>(t.v) + start;
   float* const pp = t.p + start;
-  const float* gp = t.g + start;
-  if (!t.g) {  // [Note: low-precision gradients]
-    for (int64_t i = 0; i < kBlock; i += 8) _mm256_store_ps(b.g + i, load_grad_v(t, start + i));
-    gp = b.g;
-  }
   const __m256 ma = _mm256_set1_ps(t.m_absmax[blk]), va = _mm256_set1_ps(t.v_absmax[blk]);
   for (int64_t i = 0; i < kBlock; i += 8) {
     _mm256_store_ps(b.m + i, dequant_v<true, 7>(load_codes(mq + i), ma));
@@ -609,7 +638,7 @@ void block8_avx2(
   for (int64_t i = 0; i < kBlock; i += 8) {
     __m256 p = _mm256_loadu_ps(pp + i);
     __m256 m = _mm256_load_ps(b.m + i), v = _mm256_load_ps(b.v + i);
-    adam_v(h, hv, sn, ep, p, _mm256_loadu_ps(gp + i), m, v);
+    adam_v(h, hv, sn, ep, p, grads_at<K>(g, start + i), m, v);
     _mm256_storeu_ps(pp + i, p);
     _mm256_store_ps(b.m + i, m);
     _mm256_store_ps(b.v + i, v);
@@ -667,7 +696,10 @@ void block8_avx2(
 
 
 
-void range_bf16(const Hyper& h, const LeanTensors& t, int64_t start, int64_t n) {
+// Elements [start, start + n) of a bf16-moment tensor, their gradients read as K says.
+template <GradKind K>
+void range_bf16_as(const Hyper& h, const LeanTensors& t, const void* g, int64_t start,
+                   int64_t n) {
   auto* mb = static_cast<uint16_t*>(t.m);
   auto* vb = static_cast<uint16_t*>(t.v);
   int64_t i = start;
@@ -680,9 +712,9 @@ void range_bf16(const Hyper& h, const LeanTensors& t, int64_t start, int64_t n) 
   const __m256 sn = _mm256_set1_ps(t.step_neg), ep = _mm256_set1_ps(t.eps);
   for (; i + 8 <= end; i += 8) {
     __m256 p = _mm256_loadu_ps(t.p + i);
-    __m256 g = load_grad_v(t, i);
+    __m256 gv = grads_at<K>(g, i);
     __m256 m = from_bf16_v(mb + i), v = from_bf16_v(vb + i);
-    adam_v(h, hv, sn, ep, p, g, m, v);
+    adam_v(h, hv, sn, ep, p, gv, m, v);
     _mm256_storeu_ps(t.p + i, p);
     if (t.low) store_low_v(t.low_dtype, t.low, i, p);
     _mm_storeu_si128(reinterpret_cast<__m128i*>(mb + i), bf16_v(m));
@@ -691,11 +723,21 @@ void range_bf16(const Hyper& h, const LeanTensors& t, int64_t start, int64_t n) 
 #endif
   for (; i < end; ++i) {
     float p = t.p[i], m = from_bf16_bits(mb[i]), v = from_bf16_bits(vb[i]);
-    adam_scalar(h, t.step_neg, t.eps, p, load_grad(t, i), m, v);
+    adam_scalar(h, t.step_neg, t.eps, p, grad_at<K>(g, i), m, v);
     t.p[i] = p;
     if (t.low) store_low(t.low_dtype, t.low, i, p);
     mb[i] = bf16_bits(m);
     vb[i] = bf16_bits(v);
+  }
+}
+
+void range_bf16(const Hyper& h, const LeanTensors& t, int64_t start, int64_t n) {
+  if (t.g) {
+    range_bf16_as<GradKind::kFloat>(h, t, t.g, start, n);
+  } else if (t.g16_half) {
+    range_bf16_as<GradKind::kHalf>(h, t, t.g16, start, n);
+  } else {
+    range_bf16_as<GradKind::kBf16>(h, t, t.g16, start, n);
   }
 }
 
@@ -833,7 +875,13 @@ void lean_step(
         const int64_t len = std::min(kBlock, pc.start + pc.length - s);
 #if RP_AVX2
         if (len == kBlock) {
-          block8_avx2(h, hv, mmv, vmv, t, s);
+          if (t.g) {  // [Note: low-precision gradients]
+            block8_avx2<GradKind::kFloat>(h, hv, mmv, vmv, t, t.g, s);
+          } else if (t.g16_half) {
+            block8_avx2<GradKind::kHalf>(h, hv, mmv, vmv, t, t.g16, s);
+          } else {
+            block8_avx2<GradKind::kBf16>(h, hv, mmv, vmv, t, t.g16, s);
+          }
           continue;
         }
 #endif
