@@ -399,8 +399,8 @@ class DataParallel:
                 raise ValueError(
                     f"DataParallel sums the gradients in the masters' dtype; a master has a "
                     f"{m.grad.dtype} gradient (roundpipe.optim.Adam(grad_dtype=...)): leave "
-                    f"grad_dtype=None under DataParallel (see [Note: gradients in their summed "
-                    f"dtype] in roundpipe/runtime/grad_router.py)"
+                    f"grad_dtype=None under DataParallel, see "
+                    f"[Note: gradients in their summed dtype] in roundpipe/runtime/grad_router.py"
                 )
         if not self._masters:
             return
