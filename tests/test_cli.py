@@ -6,6 +6,7 @@ import gc
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -448,3 +449,23 @@ def test_the_plan_command_finds_the_longest_sequence(tmp_path, capsys):
     )  # fmt: skip
     assert code == 0, out + err
     assert "Longest sequence that fits: " in out and "Bound at " in out
+
+
+def test_a_plan_of_a_synchronous_step_has_no_second_copies(tmp_path, capsys):
+    # The asynchronous step's next weights and the next call's gradients (a second set of
+    # each, see [Note: the next call's gradients]) are planned unless --sync-step says
+    # model.step(fn, is_async=False).
+    pytest.importorskip("transformers")
+    path = _tiny_config(tmp_path)
+    args = [path, "--seq-len", 64, "--devices", "emu"]
+    code, out, err = plan_cli(capsys, *args)
+    assert code == 0, out + err
+    assert "next weights" in out and "gradients of the next call" in out
+    code, sync, err = plan_cli(capsys, *args, "--sync-step")
+    assert code == 0, sync + err
+    assert "next weights" not in sync and "gradients of the next call" not in sync
+
+    def total(text):
+        return re.search(r"^  total +([0-9.]+ [KMG]?i?B)", text, re.M).group(1)
+
+    assert total(sync) != total(out)

@@ -171,3 +171,35 @@ def test_data_parallel_refuses_gradients_in_another_dtype(group_of_one):
     with pytest.raises(ValueError, match="leave grad_dtype=None under DataParallel"):
         model.synchronize()
     dp.close()
+
+
+@pytest.mark.parametrize("resume_dtype", [torch.bfloat16, None], ids=["bf16", "fp32"])
+def test_a_checkpoint_with_bf16_gradients_pending_resumes_them(tmp_path, resume_dtype):
+    # Saved between forward_backward and step (gradients accumulated, not yet stepped), then
+    # loaded into an optimizer that takes bf16 gradients or fp32 ones: the same values either way.
+    from roundpipe import checkpoint
+
+    def wrapped(grad_dtype):
+        model = RoundPipe(
+            _model(),
+            optim_dtype=torch.float32,
+            devices="emu",
+            model_run_config=RoundPipeRunConfig(device_grad_dtype=torch.bfloat16),
+        )
+        with OptimizerCtx():
+            opt = roundpipe.optim.AdamW(model.parameters(), lr=1e-2, grad_dtype=grad_dtype)
+        return model, opt
+
+    model, opt = wrapped(torch.bfloat16)
+    model.forward_backward(**_batch(0))
+    model.synchronize()
+    pending = [m.grad.clone() for m in model.optim_parameters()]
+    checkpoint.save(tmp_path, model, opt, name="pending").wait()
+    again, opt2 = wrapped(resume_dtype)
+    checkpoint.load(tmp_path / "pending", again, opt2)
+    resumed = [m.grad for m in again.optim_parameters()]
+    assert len(resumed) == len(pending)
+    for grad, back in zip(pending, resumed):
+        assert grad.dtype == torch.bfloat16
+        assert back.dtype == (resume_dtype or torch.float32)
+        assert torch.equal(back.float(), grad.float())
