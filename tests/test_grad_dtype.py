@@ -39,17 +39,25 @@ def _batch(seed):
     return dict(input_args=(x,), label=torch.roll(x, 1, 1), loss_fn=loss_fn)
 
 
-def _train(state_dtype, grad_dtype, steps=3):
+def _wrapped(grad_dtype, state_dtype=None, num_microbatch=None):
+    """The model on the emulated device, its gradients summed in bf16 there, and its AdamW."""
     model = RoundPipe(
         _model(),
         optim_dtype=torch.float32,
         devices="emu",
-        model_run_config=RoundPipeRunConfig(num_microbatch=2, device_grad_dtype=torch.bfloat16),
+        model_run_config=RoundPipeRunConfig(
+            num_microbatch=num_microbatch, device_grad_dtype=torch.bfloat16
+        ),
     )
     with OptimizerCtx():
         opt = roundpipe.optim.AdamW(
             model.parameters(), lr=1e-2, state_dtype=state_dtype, grad_dtype=grad_dtype
         )
+    return model, opt
+
+
+def _train(state_dtype, grad_dtype, steps=3):
+    model, opt = _wrapped(grad_dtype, state_dtype, num_microbatch=2)
     masters = list(model.optim_parameters())
     seen = {}
     for i in range(steps):
@@ -157,15 +165,8 @@ def test_data_parallel_refuses_gradients_in_another_dtype(group_of_one):
     # Its reduction sums in the masters' dtype: bf16 gradients would come back rounded.
     from roundpipe import distributed as rpd
 
-    model = RoundPipe(
-        _model(),
-        optim_dtype=torch.float32,
-        devices="emu",
-        model_run_config=RoundPipeRunConfig(device_grad_dtype=torch.bfloat16),
-    )
+    model, opt = _wrapped(torch.bfloat16)
     dp = rpd.DataParallel(model)
-    with OptimizerCtx():
-        opt = roundpipe.optim.AdamW(model.parameters(), grad_dtype=torch.bfloat16)
     model.forward_backward(**_batch(0))
     model.step(lambda: (opt.step(), opt.zero_grad()))
     with pytest.raises(ValueError, match="leave grad_dtype=None under DataParallel"):
@@ -179,23 +180,12 @@ def test_a_checkpoint_with_bf16_gradients_pending_resumes_them(tmp_path, resume_
     # loaded into an optimizer that takes bf16 gradients or fp32 ones: the same values either way.
     from roundpipe import checkpoint
 
-    def wrapped(grad_dtype):
-        model = RoundPipe(
-            _model(),
-            optim_dtype=torch.float32,
-            devices="emu",
-            model_run_config=RoundPipeRunConfig(device_grad_dtype=torch.bfloat16),
-        )
-        with OptimizerCtx():
-            opt = roundpipe.optim.AdamW(model.parameters(), lr=1e-2, grad_dtype=grad_dtype)
-        return model, opt
-
-    model, opt = wrapped(torch.bfloat16)
+    model, opt = _wrapped(torch.bfloat16)
     model.forward_backward(**_batch(0))
     model.synchronize()
     pending = [m.grad.clone() for m in model.optim_parameters()]
     checkpoint.save(tmp_path, model, opt, name="pending").wait()
-    again, opt2 = wrapped(resume_dtype)
+    again, opt2 = _wrapped(resume_dtype)
     checkpoint.load(tmp_path / "pending", again, opt2)
     resumed = [m.grad for m in again.optim_parameters()]
     assert len(resumed) == len(pending)
