@@ -774,8 +774,9 @@ def _host_changes(planner: ConfigPlanner, lp: LengthPlans) -> list[_Change]:
                 "--sync-step",
                 saves,
                 alone(saves),
-                "a synchronous step, model.step(fn, is_async=False): one copy of the weights and "
-                "one set of gradients, the step no longer overlapped with the next iteration",
+                "a synchronous step, model.step(fn, is_async=False) (the Trainer's "
+                "async_step=False): one copy of the weights and one set of gradients, the step "
+                "no longer overlapped with the next iteration",
             )
         )
     # what LoRA drops: the full weights' masters, gradients (the next call's too), optimizer

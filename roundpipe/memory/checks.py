@@ -67,7 +67,8 @@ def check_host_memory(terms: HostTerms, what: str, offload_activations: bool = F
     if terms.next_grads or terms.next_weights:
         left, fits = _left(terms, terms.next_grads + terms.next_weights)
         options.append(
-            f"step synchronously: model.step(fn, is_async=False) holds one copy of the weights "
+            f"step synchronously: model.step(fn, is_async=False) (the Trainer's "
+            f"async_step=False) holds one copy of the weights "
             f"and one set of the masters' gradients, where the asynchronous step writes the "
             f"next weights beside them and may hold the next call's gradients too: about "
             f"{format_bytes(left)} to allocate ({fits}), at the cost of the step's overlap "
