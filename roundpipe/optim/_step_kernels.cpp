@@ -31,6 +31,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__F16C__)
@@ -533,10 +534,6 @@ struct LeanTensors {
   float eps;       // f32(eps * sqrt(bc2))
 };
 
-inline float load_grad(const LeanTensors& t, int64_t i) {  // [Note: low-precision gradients]
-  if (t.g) return t.g[i];
-  return t.g16_half ? half_bits_to_float(t.g16[i]) : from_bf16_bits(t.g16[i]);
-}
 
 
 // How a kernel reads 8 gradients (see [Note: low-precision gradients]): fp32, bf16 or fp16.
@@ -560,6 +557,19 @@ inline __m256 grads_at(const void* g, int64_t i) {
 }
 #endif
 
+// f(kind, g): f called with t's gradient, its kind a compile-time constant
+// (std::integral_constant<GradKind, K>), so that each kernel has one loop per gradient dtype.
+template <typename F>
+void with_grads(const LeanTensors& t, F&& f) {
+  if (t.g) {
+    f(std::integral_constant<GradKind, GradKind::kFloat>{}, static_cast<const void*>(t.g));
+  } else if (t.g16_half) {
+    f(std::integral_constant<GradKind, GradKind::kHalf>{}, static_cast<const void*>(t.g16));
+  } else {
+    f(std::integral_constant<GradKind, GradKind::kBf16>{}, static_cast<const void*>(t.g16));
+  }
+}
+
 float nan_aware_absmax(const float* x, int64_t n, bool is_signed) {
   float best = 0.0f;
   bool nan = false;
@@ -576,8 +586,9 @@ inline float inverse(float absmax) {  // 0 for an all-zero block (every code 0),
 }
 
 // One block (n <= 256 elements from `start`) of an 8-bit tensor, scalar.
-void block8_scalar(
-    const Hyper& h, const Map& mm, const Map& vm, const LeanTensors& t, int64_t start, int64_t n) {
+template <GradKind K>
+void block8_scalar(const Hyper& h, const Map& mm, const Map& vm, const LeanTensors& t,
+                   const void* g, int64_t start, int64_t n) {
   float mbuf[kBlock], vbuf[kBlock];
   auto* mq = static_cast<uint8_t*>(t.m) + start;
   auto* vq = static_cast<uint8_t*>(t.v) + start;
@@ -586,7 +597,7 @@ void block8_scalar(
   for (int64_t i = 0; i < n; ++i) {
     float p = t.p[start + i];
     float m = dequant(mm, mq[i], ma), v = dequant(vm, vq[i], va);
-    adam_scalar(h, t.step_neg, t.eps, p, load_grad(t, start + i), m, v);
+    adam_scalar(h, t.step_neg, t.eps, p, grad_at<K>(g, start + i), m, v);
     t.p[start + i] = p;
     if (t.low) store_low(t.low_dtype, t.low, start + i, p);
     mbuf[i] = m;
@@ -732,13 +743,9 @@ void range_bf16_as(const Hyper& h, const LeanTensors& t, const void* g, int64_t 
 }
 
 void range_bf16(const Hyper& h, const LeanTensors& t, int64_t start, int64_t n) {
-  if (t.g) {
-    range_bf16_as<GradKind::kFloat>(h, t, t.g, start, n);
-  } else if (t.g16_half) {
-    range_bf16_as<GradKind::kHalf>(h, t, t.g16, start, n);
-  } else {
-    range_bf16_as<GradKind::kBf16>(h, t, t.g16, start, n);
-  }
+  with_grads(t, [&](auto kind, const void* g) {
+    range_bf16_as<decltype(kind)::value>(h, t, g, start, n);
+  });
 }
 
 Map make_map(const at::Tensor& table, bool is_signed) {
@@ -871,22 +878,19 @@ void lean_step(
         range_bf16(h, t, pc.start, pc.length);
         continue;
       }
-      for (int64_t s = pc.start; s < pc.start + pc.length; s += kBlock) {
-        const int64_t len = std::min(kBlock, pc.start + pc.length - s);
+      with_grads(t, [&](auto kind, const void* g) {
+        constexpr GradKind K = decltype(kind)::value;
+        for (int64_t s = pc.start; s < pc.start + pc.length; s += kBlock) {
+          const int64_t len = std::min(kBlock, pc.start + pc.length - s);
 #if RP_AVX2
-        if (len == kBlock) {
-          if (t.g) {  // [Note: low-precision gradients]
-            block8_avx2<GradKind::kFloat>(h, hv, mmv, vmv, t, t.g, s);
-          } else if (t.g16_half) {
-            block8_avx2<GradKind::kHalf>(h, hv, mmv, vmv, t, t.g16, s);
-          } else {
-            block8_avx2<GradKind::kBf16>(h, hv, mmv, vmv, t, t.g16, s);
+          if (len == kBlock) {
+            block8_avx2<K>(h, hv, mmv, vmv, t, g, s);
+            continue;
           }
-          continue;
-        }
 #endif
-        block8_scalar(h, mm, vm, t, s, len);
-      }
+          block8_scalar<K>(h, mm, vm, t, g, s, len);
+        }
+      });
     }
   });
 }
