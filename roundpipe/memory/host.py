@@ -94,9 +94,9 @@ DATA_PARALLEL_BUCKETS = (DATA_PARALLEL_BUCKET_BYTES, DATA_PARALLEL_IN_FLIGHT)
 # counts the second set (this rank's masters' bytes: sharded, the sums installed for the
 # other ranks' shares are sent, not kept), since it cannot know which step the loop will call
 # and the asynchronous one is the default; a synchronous step (model.step(fn,
-# is_async=False)) holds one set. Measured
-# exactly on the emulated device (tests/test_host_memory.py): a step held until the next call
-# returned left the pool's peak at the weights, the next weights and two sets of gradients.
+# is_async=False)) holds one set. Measured exactly on the emulated device
+# (tests/test_host_memory.py): a step held until the next call downloaded its last stage's
+# sums grew the pool by the next weights and a second set of gradients.
 
 
 def format_bytes(nbytes: float) -> str:
