@@ -322,7 +322,10 @@ def mem_get_info(device: Any = None) -> tuple[int, int]:
 # at install; set_pinned_round_limit) unrounded. A freed rounded block is kept, as CUDA keeps
 # it, for the next request of its size class (Rules.pinned_cache; empty_pinned_cache gives them
 # back); an unrounded one goes back at once. CUDA reuses a block only once the copies that used
-# it are done; here the pending copy holds the block until the host has waited for it.
+# it are done; here the pending copy holds the block until the host has waited for it. Each
+# fresh block is written a page at a time, so that it is resident in full, as page-locked
+# memory is (the rounding's slack included, which the CPU allocator's untouched pages would
+# leave out of a process's RSS).
 _pinned_limit = [1 << 62]  # the round limit in force (see roundpipe.devices.pinned.UNLIMITED)
 
 
