@@ -9,7 +9,12 @@ against the state before the wrap, each time after ``gc.collect()`` and glibc's
 ``malloc_trim(0)``:
 
 * RSS growth: VmRSS after, less VmRSS before (the issue's measure); peak: VmHWM less VmRSS
-  before;
+  before; with ``--step held``, also the RSS growth at the moment the step is let go, after
+  ``malloc_trim(0)``: both sets of gradients are alive then, the moment the plan is for (the
+  RSS after the run misses the gradients a sharded rank copied out of the pinned downloads:
+  its last ``zero_grad`` gave them back), held to the plan less the emulator's snapshots of
+  the copies in flight (``emu.copies_in_flight_bytes()``: the downloads' sources, which are
+  device memory on a GPU);
 * malloc in use: glibc's ``mallinfo2`` (``uordblks + hblkhd``) growth: what is allocated and
   not freed, without the free memory the allocator keeps;
 * the storages roundpipe holds, walked: the masters, their gradients, the optimizer's state,
@@ -150,6 +155,16 @@ def _in_use():
 _HEAP_MAX = 64 << 20
 
 
+def _word(address):
+    """The 8-byte word at ``address``, read through /proc/self/mem: a heap another thread
+    unmaps meanwhile raises OSError instead of ending the process."""
+    with open("/proc/self/mem", "rb", buffering=0) as mem:
+        data = os.pread(mem.fileno(), 8, address)
+    if len(data) != 8:
+        raise OSError(f"no word at {address:#x}")
+    return int.from_bytes(data, sys.byteorder)
+
+
 def arena_of_this_thread():
     """The arena (address of its malloc_state) this thread allocates from; 0: the main one."""
     p = _libc.malloc(64)
@@ -158,7 +173,7 @@ def arena_of_this_thread():
     for start, end, name, _, _ in _maps():
         if name == "[heap]" and start <= p < end:
             return 0
-    return ctypes.c_size_t.from_address(heap).value
+    return _word(heap)
 
 
 def _maps():
@@ -201,7 +216,7 @@ def _arena_list(start):
         try:
             for _ in range(256):
                 seen.append(a)
-                a = ctypes.c_size_t.from_address(a + offset).value
+                a = _word(a + offset)
                 if a == start:
                     break
             else:
@@ -223,7 +238,10 @@ def arena_bytes(arenas):
         if name == "[heap]":
             resident[0] = resident.get(0, 0) + rss
         elif name == "" and start % _HEAP_MAX == 0 and perms.startswith("rw"):
-            ar = ctypes.c_size_t.from_address(start).value
+            try:
+                ar = _word(start)
+            except OSError:  # unmapped since /proc/self/smaps was read
+                continue
             resident[ar] = resident.get(ar, 0) + rss
     some = next((a for a in arenas if a), None)
     order = _arena_list(some) if some else None
@@ -238,6 +256,10 @@ def arena_bytes(arenas):
             in_use = system - free
         out[a] = (resident.get(a, 0), in_use)
     return out
+
+
+# The threads that compute on the emulated device: its worker, autograd's device thread.
+EMULATOR_THREADS = ("roundpipe-worker", "Dummy")
 
 
 def _storage_bytes(tensors):
@@ -323,9 +345,50 @@ def child(case):
 
         CallGrads.download = download_and_tell
 
+    both = {}
+
     def step(last):
-        if case.get("held") and not last and not downloaded.wait(timeout=600):
-            raise TimeoutError("the next call never downloaded its first stage's sums")
+        if case.get("held") and not last:
+            if not downloaded.wait(timeout=600):
+                raise TimeoutError("the next call never downloaded its first stage's sums")
+            # Both sets of gradients are alive: the plan's moment (see the module's docstring)
+            _libc.malloc_trim(0)
+            masters = list(model.optim_parameters())
+            pinned = emu.pinned_memory_stats()
+            both.update(
+                rss=_status("VmRSS") - rss0,
+                held={
+                    "the step's gradients (the masters' .grad)": _storage_bytes(
+                        [m.grad for m in masters]
+                    ),
+                    "optimizer state": _storage_bytes(
+                        [v for st in opt.state.values() for v in st.values() if torch.is_tensor(v)]
+                    ),
+                    "pinned pool beyond the weights": pinned.allocated_bytes - weights,
+                    "freed pinned blocks kept for reuse": pinned.cached_bytes,
+                    "emulated devices' live bytes": sum(
+                        torch.get_device_module("emu").memory_allocated(d)
+                        for d in range(len(plan.devices))
+                    ),
+                    "malloc in use (growth)": _in_use() - in_use0,
+                    # device memory on a GPU: the sources of the downloads not landed yet
+                    "of it, the emulator's snapshots of copies in flight": (
+                        emu.copies_in_flight_bytes()
+                    ),
+                },
+            )
+            # the free memory glibc keeps in the emulator's threads' arenas now
+            arenas = {a for name, a in roles.items() if name.startswith(EMULATOR_THREADS)}
+            by_arena = arena_bytes(arenas)
+            if arenas and all(used is not None for _, used in by_arena.values()):
+                kept = sum(resident - used for resident, used in by_arena.values())
+                both["held"]["freed memory glibc keeps for the emulator's threads"] = kept
+                every = _arena_list(next(a for a in arenas if a)) or []
+                others = arena_bytes({0 if a == every[0] else a for a in every} - arenas)
+                if all(used is not None for _, used in others.values()):
+                    both["held"]["freed memory glibc keeps for the other threads"] = sum(
+                        resident - used for resident, used in others.values()
+                    )
         opt.step()
         opt.zero_grad()
 
@@ -343,11 +406,7 @@ def child(case):
     roundpipe.optim_thread.synchronize()
     roles["optimizer thread"] = box["arena"]
     roles["main thread"] = 0
-    emulator = {
-        name: a
-        for name, a in roles.items()
-        if name.startswith("roundpipe-worker") or name.startswith("Dummy")
-    }
+    emulator = {name: a for name, a in roles.items() if name.startswith(EMULATOR_THREADS)}
     by_arena = arena_bytes(set(roles.values()))
     retained = None
     if all(by_arena[a][1] is not None for a in set(emulator.values())):
@@ -385,6 +444,9 @@ def child(case):
         "rss": rss1 - rss0,
         "peak": max(wrapped_peak, training_peak) - rss0,
         "training_peak": training_peak - rss0,
+        "both": both.get("rss"),
+        "emulated_device": plan.host.emulated_device,
+        "both_held": both.get("held", {}),
         "in_use": in_use1 - in_use0,
         "held": held,
         "emulator_retained": retained,
@@ -463,22 +525,50 @@ def report(r):
         ("  of it, freed memory glibc keeps for the emulator's threads", r["emulator_retained"]),
         ("peak RSS growth (VmHWM), the wrap's included", r["peak"]),
         ("peak RSS growth during the iterations (VmHWM reset after the wrap)", r["training_peak"]),
+        ("RSS growth with both sets of gradients alive (after malloc_trim)", r["both"]),
     ]
+    rows += [(f"    then: {label}", nbytes) for label, nbytes in r["both_held"].items()]
     for label, nbytes in rows:
         per = "" if nbytes is None else f" ({nbytes / n:5.2f})"
         print(f"  {label:<84} {_mib(nbytes)}{per}")
+    both = gpu = None
+    if r["both"]:  # less what a GPU holds in its own memory
+        held = r["both_held"]
+        both = r["planned"] / (
+            r["both"] - held["of it, the emulator's snapshots of copies in flight"]
+        )
+        kept = held.get("freed memory glibc keeps for the emulator's threads")
+        if kept is not None:
+            emulator = (
+                held["of it, the emulator's snapshots of copies in flight"]
+                + held["emulated devices' live bytes"]
+                + kept
+            )
+            gpu = (r["planned"] - r["emulated_device"]) / (r["both"] - emulator)
     print(
         f"  plan / RSS growth: {r['planned'] / r['rss']:.3f}; plan / peak RSS growth during "
         f"the iterations: {r['planned'] / r['training_peak']:.3f}"
+        + (f"; plan / RSS growth with both sets alive, less the copies: {both:.3f}" if both else "")
     )
-    return r["planned"] / r["rss"], r["planned"] / r["training_peak"]
+    if gpu:
+        print(
+            "  without the emulator (the plan less its emulated devices' term; the RSS with both "
+            f"sets alive less the copies in flight, the devices' live bytes and the freed memory "
+            f"glibc keeps for their threads): {gpu:.3f}"
+        )
+    return r["planned"] / r["rss"], r["planned"] / r["training_peak"], both, gpu
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default="llama,qwen3,qwen3_moe")
     parser.add_argument("--dp", default="llama", help="the shape of the 2-rank runs ('' for none)")
-    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=3,
+        help="iterations (the optimizer's state exists from the 2nd)",
+    )
     parser.add_argument(
         "--step",
         choices=["held", "free"],
@@ -519,9 +609,16 @@ def main():
             ratios.append(report(r))
             if args.plans:
                 print(r["plan_text"])
-    after, peak = zip(*ratios)
+    after, peak, both, gpu = zip(*ratios)
     print(f"\nplan / RSS growth: {min(after):.3f} to {max(after):.3f}")
     print(f"plan / peak RSS growth during the iterations: {min(peak):.3f} to {max(peak):.3f}")
+    if all(both):
+        print(
+            f"plan / RSS growth with both sets alive, less the copies in flight: "
+            f"{min(both):.3f} to {max(both):.3f}"
+        )
+    if all(gpu):
+        print(f"the same without the emulator: {min(gpu):.3f} to {max(gpu):.3f}")
 
 
 if __name__ == "__main__":

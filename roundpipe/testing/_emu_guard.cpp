@@ -423,8 +423,8 @@ struct PinnedAllocator final : Allocator {
     if (ptr == nullptr) {
       ptr = GetCPUAllocator()->raw_allocate(taken ? taken : 1);
       // Page-locked memory is resident from the start, all of it, the rounding's slack too;
-      // the CPU allocator's pages would be only once written (see [Note: emulated pinned
-      // memory] in emu/memory.py).
+      // the CPU allocator's pages would be only once written
+      // (see [Note: emulated pinned memory] in emu/memory.py).
       auto* bytes = static_cast<volatile char*>(ptr);
       for (size_t page = 0; page < taken; page += 4096) bytes[page] = 0;
       if (taken > 0) bytes[taken - 1] = 0;  // the last page, where the block is not aligned

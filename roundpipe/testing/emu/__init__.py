@@ -44,7 +44,8 @@ and every op on it runs on the host. What it catches, as CUDA would:
   the live storages or, with ``counts_reserved=True``, for the segments as on a GPU.
 * Pinned host memory: each allocation takes the next power of two of its size, as CUDA's
   caching host allocator rounds it, is counted, and is kept for reuse once freed
-  (:func:`pinned_memory_stats`, :func:`empty_pinned_cache`; see [Note: emulated pinned memory]).
+  (:func:`pinned_memory_stats`, :func:`empty_pinned_cache`; see [Note: emulated pinned memory]);
+  :func:`copies_in_flight_bytes` is what the snapshots of pending asynchronous copies hold.
 * Streams (see [Note: emulated stream pool]): ``torch.Stream()`` hands out a device's 32 pool
   streams round-robin, as CUDA does, so a new stream may be one other code holds.
 
@@ -125,7 +126,11 @@ from roundpipe.testing.emu.native import (
     StreamOrderError,
     bind_native,
 )
-from roundpipe.testing.emu.streams import empty_pinned_cache, pinned_memory_stats
+from roundpipe.testing.emu.streams import (
+    copies_in_flight_bytes,
+    empty_pinned_cache,
+    pinned_memory_stats,
+)
 
 __all__ = [
     "NAME",
@@ -146,6 +151,7 @@ __all__ = [
     "PinnedMemoryStats",
     "pinned_memory_stats",
     "empty_pinned_cache",
+    "copies_in_flight_bytes",
     "pinned_round_limit",
     "set_pinned_round_limit",
     "install",

@@ -24,6 +24,7 @@ from roundpipe.testing.emu.native import NAME, STATE, StreamOrderError, known
 __all__ = [
     "allocated",
     "async_download",
+    "copies_in_flight_bytes",
     "current",
     "enqueue",
     "give_back",
@@ -405,6 +406,15 @@ def forget_settled() -> None:
     owner is freed now, not at the next copy (memory statistics read after it). Any thread."""
     with _order_lock:
         _forget_settled()
+
+
+def copies_in_flight_bytes() -> int:
+    """The host bytes of the snapshots the emulator holds for asynchronous copies whose host
+    side has not run yet (each copies its source when enqueued): on a GPU, the source is
+    device memory until the copy runs. Any thread."""
+    with _order_lock:
+        _forget_settled()
+        return sum(s.untyped_storage().nbytes() for _, s in _pending_buffers.values())
 
 
 def pinned_memory_stats(reset_peak: bool = False) -> PinnedMemoryStats:
