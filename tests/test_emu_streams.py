@@ -13,6 +13,7 @@ from torch import nn
 from roundpipe import OptimizerCtx, RoundPipe, RoundPipeRunConfig
 from roundpipe.devices import AcceleratorBackend
 from roundpipe.runtime import grad_router
+from roundpipe.testing import emu
 from roundpipe.testing.emu import StreamOrderError, rules_set
 
 EMU = torch.device("emu:0")
@@ -142,6 +143,18 @@ def test_a_non_blocking_download_lands_when_the_host_waits():
     assert out.is_pinned() and torch.isnan(out).all()
     torch.accelerator.synchronize(EMU)
     assert out.tolist() == [1.0, 2.0, 3.0, 4.0]
+
+
+def test_the_snapshots_of_copies_in_flight_are_counted_until_the_host_waits():
+    # What a GPU holds in device memory until the copy runs, the emulator holds on the host.
+    torch.accelerator.synchronize(EMU)
+    before = emu.copies_in_flight_bytes()
+    src = torch.arange(1000.0, device=EMU)
+    host = torch.empty(1000).pin_memory()
+    host.copy_(src, non_blocking=True)
+    assert emu.copies_in_flight_bytes() - before == 4000
+    torch.accelerator.synchronize(EMU)
+    assert emu.copies_in_flight_bytes() == 0
 
 
 def test_blocking_copies_to_the_host_wait_for_their_stream():
