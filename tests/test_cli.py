@@ -543,3 +543,33 @@ def test_the_plan_command_refuses_gradients_the_runtime_refuses(tmp_path, capsys
     monkeypatch.setattr(grad_router, "torch_has_grad_dtype", lambda: False)
     code, _, err = plan_cli(capsys, *args)
     assert code == 2 and "grad_dtype (2.10 or newer)" in err and torch.__version__ in err
+
+
+@needs_grad_dtype
+def test_a_host_short_of_ram_is_told_what_bf16_gradients_save(tmp_path, monkeypatch):
+    # Both sets of gradients halved with the asynchronous step, one with a synchronous step;
+    # not named where given already, nor where the other options or torch do not allow it.
+    pytest.importorskip("transformers")
+    from roundpipe.hf.memory_cli import plan_config
+    from roundpipe.runtime import grad_router
+
+    big = _big_config(tmp_path)
+    plain = plan_config(big, seq_len=32, devices="emu").host
+    low = plan_config(big, seq_len=32, devices="emu", grad_dtype=torch.bfloat16).host
+    saves = plain.grads + plain.next_grads - low.grads - low.next_grads
+    assert saves == plain.grads == 2 * low.grads  # 2 bytes a parameter of 4, twice
+    hints = _hints(big)
+    line = f"--grad-dtype bf16: saves {format_bytes(saves)}; "
+    assert any(line in h and "both sets with the async step" in h for h in hints), hints
+    synced = _hints(big, sync_step=True)
+    line = f"--grad-dtype bf16: saves {format_bytes(saves // 2)}; "
+    assert any(line in h and "both sets" not in h for h in synced), synced
+    for kwargs in (
+        {"grad_dtype": torch.bfloat16},
+        {"spill_dir": str(tmp_path)},
+        {"optim_dtype": torch.bfloat16},
+        {"ranks": 2},
+    ):
+        assert not any("--grad-dtype" in h for h in _hints(big, **kwargs)), kwargs
+    monkeypatch.setattr(grad_router, "torch_has_grad_dtype", lambda: False)
+    assert not any("--grad-dtype" in h for h in _hints(big))

@@ -501,6 +501,24 @@ class ConfigPlanner:
             ),
         )
 
+    def gradients_in(self, grad_dtype: torch.dtype) -> HostTerms:
+        """The host terms of the model's state (no activations) with the masters' gradients
+        handed to the step in ``grad_dtype`` instead, as :meth:`__init__`'s ``grad_dtype``
+        plans them; the model is left as it was. For the advice: what ``--grad-dtype`` saves."""
+        import roundpipe
+
+        masters = list(self.model.optim_parameters())
+        before = [master.grad_dtype for master in masters]
+        try:
+            for master in masters:
+                master.grad_dtype = grad_dtype
+            config = roundpipe.RoundPipeRunConfig(device_grad_dtype=grad_dtype)
+            planned = self.model.memory_plan(run_config=config).host
+        finally:
+            for master, dtype in zip(masters, before):
+                master.grad_dtype = dtype
+        return self._host(planned, activations=0)
+
     def device_free(self) -> int | None:
         """What the planned device has free for tensors: the GPU's total less the CUDA context,
         or what the local device has free (None: a CPU pool)."""
@@ -856,6 +874,24 @@ def _host_changes(planner: ConfigPlanner, lp: LengthPlans) -> list[_Change]:
                 "no longer overlapped with the next iteration",
             )
         )
+    if planner.grad_dtype is None and not _grad_dtype_refusal(
+        torch.bfloat16, planner.optim_dtype, host.ranks, planner.spill_dir, planner.devices
+    ):
+        low = planner.gradients_in(torch.bfloat16)
+        saves = host.grads + host.next_grads - (low.grads + low.next_grads)
+        if saves > 0:
+            changes.append(
+                _Change(
+                    "--grad-dtype bf16",
+                    saves,
+                    alone(saves),
+                    "the gradients summed in bf16 on the device and handed to the step as they "
+                    "are, 2 bytes per parameter instead of 4"
+                    + (", both sets with the async step" if low.next_grads else "")
+                    + " (roundpipe.optim.AdamW(..., grad_dtype=torch.bfloat16) with "
+                    "RoundPipeRunConfig(device_grad_dtype=torch.bfloat16))",
+                )
+            )
     # what LoRA drops: the full weights' masters, gradients (the next call's too), optimizer
     # state and next weights, the adapters' own left
     state = host.masters + host.grads + host.next_grads + host.optimizer + host.next_weights
