@@ -185,13 +185,15 @@ def test_a_plan_process_that_does_not_quantize_never_imports_bitsandbytes(tmp_pa
     assert marker.exists()
 
 
-def test_the_plan_command_keeps_bitsandbytes_where_it_may_quantize():
+def test_the_plan_command_keeps_bitsandbytes_where_it_may_quantize(capsys):
     from roundpipe.hf.memory_cli import quantizes
 
     assert not quantizes(["cfg.json", "--seq-len", "64", "--lora", "4"])
     assert quantizes(["cfg.json", "--seq-len", "64", "--lora", "4", "--quantize", "nf4"])
     assert quantizes(["cfg.json", "--seq-len", "64", "--lora", "4", "--quant=fp4"])  # argparse's
     assert quantizes(["cfg.json", "--seq-len", "sixty-four"])  # main() reports the error
+    assert quantizes(["--help"])  # main() prints the help, once
+    assert capsys.readouterr() == ("", "")
 
 
 @pytest.mark.parametrize(

@@ -1210,9 +1210,9 @@ def _offload_line(planner: ConfigPlanner, lp: LengthPlans) -> str | None:
 def quantizes(argv: list[str]) -> bool:
     """Whether the plan command's arguments ``argv`` ask for a quantized base (``--quantize``,
     however abbreviated); True when they do not parse, so that the caller changes nothing and
-    :func:`main` reports the error."""
+    :func:`main` reports the error (or prints the help: nothing is printed here)."""
     try:
-        with contextlib.redirect_stderr(io.StringIO()):
+        with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
             args, _ = _parser().parse_known_args(argv)
     except SystemExit:
         return True
