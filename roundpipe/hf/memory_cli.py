@@ -310,7 +310,8 @@ def _grad_dtype_refusal(
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
-    return next(name for name, d in _DTYPES.items() if d == dtype)
+    """``bf16``: the plan command's name of ``dtype`` (torch's for one it has no name for)."""
+    return next((name for name, d in _DTYPES.items() if d == dtype), str(dtype))
 
 
 class ConfigPlanner:
@@ -397,6 +398,12 @@ class ConfigPlanner:
                 f"quantize={quantize!r} plans QLoRA: a quantized base cannot train, give the "
                 f"LoRA rank (lora=16, --lora 16)"
             )
+        if devices is None:
+            devices = "cuda:0" if torch.cuda.is_available() else "emu"
+        self.devices = devices
+        refused = _grad_dtype_refusal(grad_dtype, optim_dtype, ranks, spill_dir, devices)
+        if refused is not None:
+            raise ValueError(refused)
         with torch.device("meta"):
             plain = AutoModelForCausalLM.from_config(config, dtype=dtype)
             self._lora_numel = _lora_numel(plain, lora or 16)
@@ -404,12 +411,6 @@ class ConfigPlanner:
             if quantize is not None:
                 quantize_on_meta(plain, quantize, double_quant, compute_dtype=dtype)
             whole = _with_lora(plain, lora)
-        if devices is None:
-            devices = "cuda:0" if torch.cuda.is_available() else "emu"
-        self.devices = devices
-        refused = _grad_dtype_refusal(grad_dtype, optim_dtype, ranks, spill_dir, devices)
-        if refused is not None:
-            raise ValueError(refused)
         chunk = None
         if device_memory is not None:
             chunk = default_loss_chunk_tokens(
