@@ -185,13 +185,15 @@ def test_a_plan_process_that_does_not_quantize_never_imports_bitsandbytes(tmp_pa
     assert marker.exists()
 
 
-def test_the_plan_command_keeps_bitsandbytes_where_it_may_quantize():
+def test_the_plan_command_keeps_bitsandbytes_where_it_may_quantize(capsys):
     from roundpipe.hf.memory_cli import quantizes
 
     assert not quantizes(["cfg.json", "--seq-len", "64", "--lora", "4"])
     assert quantizes(["cfg.json", "--seq-len", "64", "--lora", "4", "--quantize", "nf4"])
     assert quantizes(["cfg.json", "--seq-len", "64", "--lora", "4", "--quant=fp4"])  # argparse's
     assert quantizes(["cfg.json", "--seq-len", "sixty-four"])  # main() reports the error
+    assert quantizes(["--help"])  # main() prints the help, once
+    assert capsys.readouterr() == ("", "")
 
 
 @pytest.mark.parametrize(
@@ -476,3 +478,100 @@ def test_a_plan_of_a_synchronous_step_has_no_second_copies(tmp_path, capsys):
         return re.search(r"^  total +([0-9.]+ [KMG]?i?B)", text, re.M).group(1)
 
     assert total(sync) != total(out)
+
+
+needs_grad_dtype = pytest.mark.skipif(
+    not hasattr(torch.empty(0), "grad_dtype"), reason="torch without Tensor.grad_dtype"
+)
+
+
+@needs_grad_dtype
+def test_a_plan_with_bf16_gradients_counts_half_their_bytes(tmp_path, capsys):
+    # --grad-dtype bf16 plans AdamW(grad_dtype=torch.bfloat16) with RoundPipeRunConfig(
+    # device_grad_dtype=torch.bfloat16): the masters hold the device's bf16 sums as they were
+    # downloaded, both sets of them with the asynchronous step.
+    pytest.importorskip("transformers")
+    path = _tiny_config(tmp_path)
+    args = [path, "--seq-len", 32, "--devices", "emu", "--host-memory", "1TiB"]
+
+    def rows(*extra):
+        code, out, err = plan_cli(capsys, *args, *extra)
+        assert code == 0, out + err
+        found = re.findall(r"^  (gradients of [^\n]*?) {2,}([0-9.]+ [KMG]?i?B)$", out, re.M)
+        return dict(found)
+
+    fp32, bf16 = rows(), rows("--grad-dtype", "bf16")
+    assert len(fp32) == 2 and fp32.keys() == bf16.keys()
+    from roundpipe.hf.memory_cli import plan_config
+
+    plain = plan_config(str(path), seq_len=32, devices="emu", host_memory=10**12).host
+    low = plan_config(
+        str(path), seq_len=32, devices="emu", host_memory=10**12, grad_dtype=torch.bfloat16
+    ).host
+    # 213,568 trainable params: 4 bytes each, then 2, to the byte (each stage's pinned pool
+    # rounds alike here)
+    assert plain.grads == plain.next_grads == 213_568 * 4
+    assert low.grads == low.next_grads == 213_568 * 2
+    assert low.total == plain.total - plain.grads
+    for label, size in fp32.items():
+        assert size == format_bytes(213_568 * 4) and bf16[label] == format_bytes(213_568 * 2)
+    # The masters' dtype itself plans as without the option.
+    assert rows("--grad-dtype", "fp32") == fp32
+
+
+@needs_grad_dtype
+def test_the_plan_command_refuses_gradients_the_runtime_refuses(tmp_path, capsys, monkeypatch):
+    pytest.importorskip("transformers")
+    from roundpipe.hf.memory_cli import ConfigPlanner
+    from roundpipe.runtime import grad_router
+
+    path = _tiny_config(tmp_path)
+    args = [path, "--seq-len", 32, "--devices", "emu", "--grad-dtype", "bf16"]
+    for extra, expected in (
+        (["--spill-dir", tmp_path], "with --spill-dir: Adam's streamed step"),
+        (["--spill-dir", tmp_path, "--spill-masters"], "masters in files read fp32 gradients"),
+        (["--optim-dtype", "fp16"], "give --optim-dtype fp32 --grad-dtype bf16"),
+        (["--ranks", 2], "DataParallel sums the gradients in the masters' dtype"),
+        (["--devices", "cpu"], "a CPU pool sums the gradients in the masters' dtype"),
+    ):
+        code, out, err = plan_cli(capsys, *args, *extra)
+        assert code == 2 and expected in err, (extra, err)
+    code, _, err = plan_cli(
+        capsys, path, "--seq-len", 32, "--optim-dtype", "bf16", "--grad-dtype", "fp32"
+    )
+    assert code == 2 and "takes bf16 or fp16 gradients of fp32 masters" in err
+    with pytest.raises(ValueError, match="leave grad_dtype=None under DataParallel"):
+        ConfigPlanner(str(path), devices="emu", ranks=2, grad_dtype=torch.bfloat16)
+    monkeypatch.setattr(grad_router, "torch_has_grad_dtype", lambda: False)
+    code, _, err = plan_cli(capsys, *args)
+    assert code == 2 and "grad_dtype (2.10 or newer)" in err and torch.__version__ in err
+
+
+@needs_grad_dtype
+def test_a_host_short_of_ram_is_told_what_bf16_gradients_save(tmp_path, monkeypatch):
+    # Both sets of gradients halved with the asynchronous step, one with a synchronous step;
+    # not named where given already, nor where the other options or torch do not allow it.
+    pytest.importorskip("transformers")
+    from roundpipe.hf.memory_cli import plan_config
+    from roundpipe.runtime import grad_router
+
+    big = _big_config(tmp_path)
+    plain = plan_config(big, seq_len=32, devices="emu").host
+    low = plan_config(big, seq_len=32, devices="emu", grad_dtype=torch.bfloat16).host
+    saves = plain.grads + plain.next_grads - low.grads - low.next_grads
+    assert saves == plain.grads == 2 * low.grads  # 2 bytes a parameter of 4, twice
+    hints = _hints(big)
+    line = f"--grad-dtype bf16: saves {format_bytes(saves)}; "
+    assert any(line in h and "both sets with the async step" in h for h in hints), hints
+    synced = _hints(big, sync_step=True)
+    line = f"--grad-dtype bf16: saves {format_bytes(saves // 2)}; "
+    assert any(line in h and "both sets" not in h for h in synced), synced
+    for kwargs in (
+        {"grad_dtype": torch.bfloat16},
+        {"spill_dir": str(tmp_path)},
+        {"optim_dtype": torch.bfloat16},
+        {"ranks": 2},
+    ):
+        assert not any("--grad-dtype" in h for h in _hints(big, **kwargs)), kwargs
+    monkeypatch.setattr(grad_router, "torch_has_grad_dtype", lambda: False)
+    assert not any("--grad-dtype" in h for h in _hints(big))

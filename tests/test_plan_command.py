@@ -193,6 +193,8 @@ def _applied(path, options, kwargs, seq_len, tmp_path):
             kwargs["spill_masters"] = True
         elif option == "--sync-step":
             kwargs["sync_step"] = True
+        elif option == "--grad-dtype":
+            kwargs["grad_dtype"] = torch.bfloat16
         else:
             raise AssertionError(f"the advice names an option the test does not know: {options}")
     return _planner(path, **kwargs).plans(seq_len)

@@ -18,9 +18,11 @@ GPU needs beside the tensors (see [Note: the device reserve] in
 only its streaming buffer counts against the host; ``--spill-masters`` plans the masters there too
 (``state_placement=roundpipe.MastersOnDisk(DIR)``): only its copy buffer counts.
 ``--optim-states bf16|8bit`` plans Adam's moments in 4 or about 2 bytes per parameter
-(``roundpipe.optim.AdamW(state_dtype=torch.bfloat16 | "8bit")``). Planned from a
-config, the weights do not
-exist yet, so they count against the host like every other term. When it does not fit, the
+(``roundpipe.optim.AdamW(state_dtype=torch.bfloat16 | "8bit")``). ``--grad-dtype bf16``
+plans the gradients handed to the step as the device summed them, 2 bytes per parameter
+(``roundpipe.optim.AdamW(grad_dtype=torch.bfloat16)`` with ``RoundPipeRunConfig(
+device_grad_dtype=torch.bfloat16)``). Planned from a config, the weights do not exist yet, so
+they count against the host like every other term. When it does not fit, the
 report ends with what to change, each change with what it saves.
 """
 
@@ -40,6 +42,7 @@ from typing import Any
 
 import torch
 
+from roundpipe.devices import pool as device_pool
 from roundpipe.hf.defaults import (
     default_loss_chunk_tokens,
     default_mlp_tile_tokens,
@@ -67,6 +70,7 @@ from roundpipe.memory.search import longest_fitting
 from roundpipe.memory.trace import StageTraces, interpolate_traces
 from roundpipe.optim.master_file import DEFAULT_COPY_BUFFER_BYTES
 from roundpipe.optim.spill import DEFAULT_BUFFER_BYTES
+from roundpipe.runtime import grad_router
 from roundpipe.runtime.stages import model_layers
 
 __all__ = [
@@ -257,6 +261,59 @@ class _Traces(TraceMemo):
 # length (which may miss a kink on the way) is approached by the geometric mean of the two.
 
 
+def _grad_dtype_refusal(
+    grad_dtype: torch.dtype | None,
+    optim_dtype: torch.dtype,
+    ranks: int,
+    spill_dir: str | None,
+    devices: str | None,
+) -> str | None:
+    """Why gradients in ``grad_dtype`` cannot be planned with these options, in the plan
+    command's words (None: they can, or ``grad_dtype`` is None): what the runtime refuses (see
+    ``Adam._take_gradients_in`` in :mod:`roundpipe.optim.adam` and DataParallel's reduction),
+    and a CPU pool, where the gradients are summed in the masters' dtype."""
+    if grad_dtype is None:
+        return None
+    name = f"--grad-dtype {_dtype_name(grad_dtype)}"
+    if not grad_router.torch_has_grad_dtype():
+        return (
+            f"{name} plans roundpipe.optim.AdamW(grad_dtype=...), which needs a torch whose "
+            f"tensors have grad_dtype (2.10 or newer); torch {torch.__version__} does not: "
+            f"upgrade torch, or leave --grad-dtype out (the gradients then arrive in the "
+            f"masters' dtype)"
+        )
+    if optim_dtype != torch.float32 or grad_dtype not in (torch.bfloat16, torch.float16):
+        return (
+            f"{name} with --optim-dtype {_dtype_name(optim_dtype)}: "
+            f"roundpipe.optim.AdamW(grad_dtype=...) takes bf16 or fp16 gradients of fp32 "
+            f"masters; give --optim-dtype fp32 --grad-dtype bf16, or leave --grad-dtype out"
+        )
+    if spill_dir is not None:
+        return (
+            f"{name} with --spill-dir: Adam's streamed step (AdamW(state_dir=...)) and masters "
+            f"in files read fp32 gradients; give one of them"
+        )
+    if ranks > 1:
+        return (
+            f"{name} with --ranks {ranks}: roundpipe.distributed.DataParallel sums the "
+            f"gradients in the masters' dtype and refuses masters that take another (leave "
+            f"grad_dtype=None under DataParallel); give one of them"
+        )
+    if devices is not None and device_pool.resolve_devices(devices)[0].type == "cpu":
+        return (
+            f"{name} with --devices {devices}: a CPU pool sums the gradients in the masters' "
+            f"dtype (RoundPipeRunConfig(device_grad_dtype=...) has no effect there), and this "
+            f"plan counts the sums an accelerator makes in {_dtype_name(grad_dtype)}; plan it "
+            f"on the accelerator pool you will train on"
+        )
+    return None
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    """``bf16``: the plan command's name of ``dtype`` (torch's for one it has no name for)."""
+    return next((name for name, d in _DTYPES.items() if d == dtype), str(dtype))
+
+
 class ConfigPlanner:
     """Memory plans of training the causal LM that ``path`` (a config.json or a local model
     directory) describes, at any sequence length, from one model of shapes only: the whole
@@ -277,7 +334,12 @@ class ConfigPlanner:
     against the host; ``spill_masters`` (with ``spill_dir``): the masters in files there too
     (:class:`roundpipe.MastersOnDisk`), so only its copy buffer counts; ``optim_states``:
     how Adam keeps its moments ("exact", "bf16", "8bit":
-    ``roundpipe.optim.AdamW(state_dtype=...)``); ``quantize`` (``"nf4"``/``"fp4"``, with
+    ``roundpipe.optim.AdamW(state_dtype=...)``); ``grad_dtype`` (``torch.bfloat16`` or
+    ``torch.float16``; None: the masters' dtype): the masters' gradients handed to the step in
+    that dtype, as the device summed them (``roundpipe.optim.AdamW(grad_dtype=...)`` with
+    ``RoundPipeRunConfig(device_grad_dtype=...)``, see [Note: gradients in their summed dtype]
+    in :mod:`roundpipe.runtime.grad_router`), on an accelerator pool, with fp32 masters in RAM
+    and one process, as the runtime takes them; ``quantize`` (``"nf4"``/``"fp4"``, with
     ``lora``): the base quantized as transformers loads it with bitsandbytes in 4 bits,
     ``double_quant`` its ``bnb_4bit_use_double_quant``, computing in ``dtype``
     (:func:`roundpipe.hf.quantized.quantize_on_meta`): QLoRA. Main thread."""
@@ -305,6 +367,7 @@ class ConfigPlanner:
         quantize: str | None = None,
         double_quant: bool = True,
         sync_step: bool = False,
+        grad_dtype: torch.dtype | None = None,
     ) -> None:
         from transformers import AutoModelForCausalLM
 
@@ -324,6 +387,10 @@ class ConfigPlanner:
         self.gpu = gpu
         self.quantize = quantize
         self.sync_step = sync_step
+        self.spill_dir = spill_dir
+        if grad_dtype == optim_dtype:
+            grad_dtype = None  # the masters' own: the plan without it
+        self.grad_dtype = grad_dtype
         if spill_masters and spill_dir is None:
             raise ValueError("spill_masters plans the masters in files under spill_dir: give it")
         if quantize is not None and not lora:
@@ -331,6 +398,12 @@ class ConfigPlanner:
                 f"quantize={quantize!r} plans QLoRA: a quantized base cannot train, give the "
                 f"LoRA rank (lora=16, --lora 16)"
             )
+        if devices is None:
+            devices = "cuda:0" if torch.cuda.is_available() else "emu"
+        self.devices = devices
+        refused = _grad_dtype_refusal(grad_dtype, optim_dtype, ranks, spill_dir, devices)
+        if refused is not None:
+            raise ValueError(refused)
         with torch.device("meta"):
             plain = AutoModelForCausalLM.from_config(config, dtype=dtype)
             self._lora_numel = _lora_numel(plain, lora or 16)
@@ -338,8 +411,6 @@ class ConfigPlanner:
             if quantize is not None:
                 quantize_on_meta(plain, quantize, double_quant, compute_dtype=dtype)
             whole = _with_lora(plain, lora)
-        if devices is None:
-            devices = "cuda:0" if torch.cuda.is_available() else "emu"
         chunk = None
         if device_memory is not None:
             chunk = default_loss_chunk_tokens(
@@ -358,7 +429,14 @@ class ConfigPlanner:
             memory_check=False,
             loss_chunk_tokens=chunk,
             mlp_tile_tokens=mlp_tile_tokens,
+            # Gradients in grad_dtype: summed in it on the device, and the masters set to hold
+            # them as roundpipe.optim.AdamW(grad_dtype=...) sets them, so that the plan counts
+            # the pinned downloads in it (both sets with the asynchronous step).
+            model_run_config=roundpipe.RoundPipeRunConfig(device_grad_dtype=grad_dtype),
         )
+        if grad_dtype is not None:
+            for master in self.model.optim_parameters():
+                master.grad_dtype = grad_dtype
         # Shapes only: the meta model's terms are the whole model's (nothing pinned is counted);
         # an accelerator pool hands the gradients over stage by stage.
         available = host_memory if host_memory is not None else host_memory_available()
@@ -423,6 +501,24 @@ class ConfigPlanner:
                 else planned.next_grads
             ),
         )
+
+    def gradients_in(self, grad_dtype: torch.dtype) -> HostTerms:
+        """The host terms of the model's state (no activations) with the masters' gradients
+        handed to the step in ``grad_dtype`` instead, as :meth:`__init__`'s ``grad_dtype``
+        plans them; the model is left as it was. For the advice: what ``--grad-dtype`` saves."""
+        import roundpipe
+
+        masters = list(self.model.optim_parameters())
+        before = [master.grad_dtype for master in masters]
+        try:
+            for master in masters:
+                master.grad_dtype = grad_dtype
+            config = roundpipe.RoundPipeRunConfig(device_grad_dtype=grad_dtype)
+            planned = self.model.memory_plan(run_config=config).host
+        finally:
+            for master, dtype in zip(masters, before):
+                master.grad_dtype = dtype
+        return self._host(planned, activations=0)
 
     def device_free(self) -> int | None:
         """What the planned device has free for tensors: the GPU's total less the CUDA context,
@@ -779,6 +875,24 @@ def _host_changes(planner: ConfigPlanner, lp: LengthPlans) -> list[_Change]:
                 "no longer overlapped with the next iteration",
             )
         )
+    if planner.grad_dtype is None and not _grad_dtype_refusal(
+        torch.bfloat16, planner.optim_dtype, host.ranks, planner.spill_dir, planner.devices
+    ):
+        low = planner.gradients_in(torch.bfloat16)
+        saves = host.grads + host.next_grads - (low.grads + low.next_grads)
+        if saves > 0:
+            changes.append(
+                _Change(
+                    "--grad-dtype bf16",
+                    saves,
+                    alone(saves),
+                    "the gradients summed in bf16 on the device and handed to the step as they "
+                    "are, 2 bytes per parameter instead of 4"
+                    + (", both sets with the async step" if low.next_grads else "")
+                    + " (roundpipe.optim.AdamW(..., grad_dtype=torch.bfloat16) with "
+                    "RoundPipeRunConfig(device_grad_dtype=torch.bfloat16))",
+                )
+            )
     # what LoRA drops: the full weights' masters, gradients (the next call's too), optimizer
     # state and next weights, the adapters' own left
     state = host.masters + host.grads + host.next_grads + host.optimizer + host.next_weights
@@ -811,7 +925,10 @@ def _host_changes(planner: ConfigPlanner, lp: LengthPlans) -> list[_Change]:
                 about=True,
             )
         )
-    if host.optimizer_dir is None:
+    # With --grad-dtype, neither Adam's state nor the masters in files nor sharding: each takes
+    # the gradients in the masters' dtype only (_grad_dtype_refusal).
+    takes_low_grads = planner.grad_dtype is None
+    if host.optimizer_dir is None and takes_low_grads:
         saves = host.optimizer - DEFAULT_BUFFER_BYTES
         if saves > 0:
             changes.append(
@@ -823,7 +940,7 @@ def _host_changes(planner: ConfigPlanner, lp: LengthPlans) -> list[_Change]:
                     "state_dir=DIR)), streamed through a buffer",
                 )
             )
-    if host.masters_dir is None and host.ranks == 1:
+    if host.masters_dir is None and host.ranks == 1 and takes_low_grads:
         saves = host.masters - DEFAULT_COPY_BUFFER_BYTES
         if host.optimizer_dir is None:
             saves += host.optimizer - DEFAULT_BUFFER_BYTES
@@ -853,21 +970,33 @@ def _host_changes(planner: ConfigPlanner, lp: LengthPlans) -> list[_Change]:
                     about=True,
                 )
             )
-    if host.master_dtype is not None and host.master_dtype.itemsize == 4:
-        in_ram = host.grads + host.next_grads + (0 if host.masters_dir else host.masters)
-        in_ram += 0 if host.optimizer_dir else host.optimizer
+    # bf16 masters take their gradients in bf16: fp16 ones (--grad-dtype fp16) are refused
+    if (
+        host.master_dtype is not None
+        and host.master_dtype.itemsize == 4
+        and planner.grad_dtype in (None, torch.bfloat16)
+    ):
+        in_ram = (0 if host.masters_dir else host.masters) + (
+            0 if host.optimizer_dir else host.optimizer
+        )
+        if planner.grad_dtype is None:  # else in bf16 already
+            in_ram += host.grads + host.next_grads
         saves = in_ram // 2
         changes.append(
             _Change(
                 "--optim-dtype bf16",
                 saves,
                 alone(saves),
-                "masters, their gradients and the optimizer state in half the bytes (less "
-                "precise updates)",
+                (
+                    "masters, their gradients and the optimizer state"
+                    if planner.grad_dtype is None
+                    else "masters and the optimizer state (the gradients are in bf16 already)"
+                )
+                + " in half the bytes (less precise updates)",
                 about=True,
             )
         )
-    if host.ranks == 1 and not host.masters_dir:
+    if host.ranks == 1 and not host.masters_dir and takes_low_grads:
         sharded = host.masters + host.optimizer + host.next_grads
         room = host.available - (host.new_bytes - sharded)
         if room > 0 and sharded > 0:
@@ -893,11 +1022,13 @@ _NF4_BYTES = 0.52
 
 
 def _adapter_bytes(planner: ConfigPlanner, *, next_weights: bool, next_grads: bool) -> int:
-    """LoRA 16's adapters: master, gradient (twice with ``next_grads``: the next call's while
-    the asynchronous step holds these) and two moments in the masters' dtype, weights (twice
-    with ``next_weights``: the copy the step writes while compute reads the other)."""
+    """LoRA 16's adapters: master and two moments in the masters' dtype, gradient in the
+    planned gradients' dtype (twice with ``next_grads``: the next call's while the asynchronous
+    step holds these), weights (twice with ``next_weights``: the copy the step writes while
+    compute reads the other)."""
     weights = planner.itemsize * (2 if next_weights else 1)
-    state = planner.optim_dtype.itemsize * (5 if next_grads else 4)
+    grad_itemsize = (planner.grad_dtype or planner.optim_dtype).itemsize
+    state = 3 * planner.optim_dtype.itemsize + grad_itemsize * (2 if next_grads else 1)
     return planner._lora_numel * (state + weights)
 
 
@@ -1080,9 +1211,9 @@ def _offload_line(planner: ConfigPlanner, lp: LengthPlans) -> str | None:
 def quantizes(argv: list[str]) -> bool:
     """Whether the plan command's arguments ``argv`` ask for a quantized base (``--quantize``,
     however abbreviated); True when they do not parse, so that the caller changes nothing and
-    :func:`main` reports the error."""
+    :func:`main` reports the error (or prints the help: nothing is printed here)."""
     try:
-        with contextlib.redirect_stderr(io.StringIO()):
+        with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
             args, _ = _parser().parse_known_args(argv)
     except SystemExit:
         return True
@@ -1214,6 +1345,17 @@ def _parser() -> argparse.ArgumentParser:
         help="how Adam keeps its moments: exact (8 B/param), bf16 (4) or 8bit (about 2): "
         "roundpipe.optim.AdamW(state_dtype=None | torch.bfloat16 | '8bit')",
     )
+    parser.add_argument(
+        "--grad-dtype",
+        choices=sorted(_DTYPES),
+        default=None,
+        help="the dtype the masters' gradients are handed to the step in (default: the "
+        "masters', --optim-dtype): bf16 plans roundpipe.optim.AdamW(grad_dtype=torch.bfloat16) "
+        "with RoundPipeRunConfig(device_grad_dtype=torch.bfloat16), the gradients summed in "
+        "bf16 on the device and handed to the step in 2 bytes per parameter instead of 4 "
+        "(both sets with the asynchronous step); needs torch 2.10 or newer, fp32 masters, "
+        "an accelerator pool, and neither --spill-dir nor --ranks above 1",
+    )
     return parser
 
 
@@ -1233,6 +1375,17 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         parser.error(f"--quantize int8: {EIGHT_BIT}")
     if args.quantize is not None and not args.lora:
         parser.error("--quantize plans QLoRA: a quantized base cannot train; give --lora RANK")
+    grad_dtype = _DTYPES[args.grad_dtype] if args.grad_dtype else None
+    optim_dtype = _DTYPES[args.optim_dtype]
+    refused = _grad_dtype_refusal(
+        None if grad_dtype == optim_dtype else grad_dtype,
+        optim_dtype,
+        args.ranks,
+        args.spill_dir,
+        args.devices,
+    )
+    if refused is not None:
+        parser.error(refused)
     try:
         device_memory = parse_size(args.device_memory) if args.device_memory else None
         host_memory = parse_size(args.host_memory) if args.host_memory else None
@@ -1251,7 +1404,7 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         batch_size=args.batch_size,
         num_microbatch=args.num_microbatch,
         dtype=_DTYPES[args.dtype],
-        optim_dtype=_DTYPES[args.optim_dtype],
+        optim_dtype=optim_dtype,
         lora=args.lora,
         devices=args.devices,
         offload_activations=args.offload_activations,
@@ -1267,6 +1420,7 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         quantize=args.quantize,
         double_quant=args.double_quant,
         sync_step=args.sync_step,
+        grad_dtype=grad_dtype,
     )
     if args.lora:
         print(

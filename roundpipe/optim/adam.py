@@ -39,6 +39,7 @@ from roundpipe.optim.placement import (
     lean_numel,
     make_placement,
 )
+from roundpipe.runtime.grad_router import torch_has_grad_dtype
 from roundpipe.threads import optimizer_thread
 from roundpipe.user_frame import user_stacklevel
 
@@ -242,7 +243,7 @@ class Adam(torch.optim.Adam):
                 f"Adam(grad_dtype=...) takes torch.bfloat16 or torch.float16 (the dtype "
                 f"RoundPipeRunConfig(device_grad_dtype=...) sums in), got {dtype!r}"
             )
-        if not hasattr(torch.empty(0), "grad_dtype"):
+        if not torch_has_grad_dtype():
             raise RuntimeError(
                 f"Adam(grad_dtype=...) needs a torch whose tensors have grad_dtype (2.10 or "
                 f"newer); torch {torch.__version__} does not: leave grad_dtype=None (the "

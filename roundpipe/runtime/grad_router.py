@@ -47,6 +47,7 @@ __all__ = [
     "accumulate_grad",
     "clear_grads",
     "grad_dtype_of",
+    "torch_has_grad_dtype",
     "sum_into",
     "storage_counts",
     "stash_grads",
@@ -85,6 +86,12 @@ __all__ = [
 # the sums of several calls before one step are added in that dtype on the host, as the
 # device adds the microbatches'. The data-parallel reduction sums in the masters' dtype, so
 # DataParallel refuses such masters.
+def torch_has_grad_dtype() -> bool:
+    """Whether this torch's tensors have ``grad_dtype`` (2.10 and newer), which a master needs
+    to hold its gradient in another dtype (see [Note: gradients in their summed dtype])."""
+    return hasattr(torch.empty(0), "grad_dtype")
+
+
 def grad_dtype_of(master: torch.Tensor) -> torch.dtype:
     """The dtype ``master``'s ``.grad`` must have: its ``grad_dtype`` where torch has it and it
     is set, else its own (see [Note: gradients in their summed dtype])."""
