@@ -6,6 +6,7 @@ what is refused."""
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import types
 from pathlib import Path
@@ -95,6 +96,15 @@ def test_the_host_terms_of_a_rank_count_its_share_and_the_gradients_it_holds():
     layer = (64 * 64 + 64) * 4
     assert by_stage.grads == by_stage.masters + 2 * layer < host_terms(wide, None, None).grads
     assert "two layers' sums" in repr(by_stage.rows())
+    # and a margin of one layer's sums for what the allocators keep of them, named in the plan
+    # ([Note: the sharded sums' slack]); none where one call hands every sum at its end
+    assert by_stage.sums_slack == layer and two.sums_slack == 0 and whole.sums_slack == 0
+    assert (
+        "margin for the allocators' slack around the sums on their way (one layer's sums)",
+        layer,
+    ) in by_stage.rows()
+    unslacked = dataclasses.replace(by_stage, sums_slack=0)
+    assert by_stage.new_bytes == unslacked.new_bytes + layer
 
 
 def test_the_terms_count_stages_in_flight_only_where_the_pool_hands_them_over():

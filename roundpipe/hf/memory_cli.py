@@ -56,6 +56,7 @@ from roundpipe.memory.host import (
     adam_state_bytes,
     format_bytes,
     host_terms,
+    stage_grad_bytes,
 )
 from roundpipe.memory.probe import host_memory_available
 from roundpipe.memory.report import (
@@ -442,6 +443,8 @@ class ConfigPlanner:
         available = host_memory if host_memory is not None else host_memory_available()
         self.host_source = "host RAM given (--host-memory)" if host_memory is not None else None
         layers = [layer.module for layer in model_layers(self.model.module)]
+        #: the largest layer's gradient sums (master bytes): a sharded plan's unit in flight
+        self.layer_grad_bytes = stage_grad_bytes(layers, optim_dtype)
         self.host = dataclasses.replace(
             host_terms(
                 whole,
@@ -998,10 +1001,14 @@ def _host_changes(planner: ConfigPlanner, lp: LengthPlans) -> list[_Change]:
         )
     if host.ranks == 1 and not host.masters_dir and takes_low_grads:
         sharded = host.masters + host.optimizer + host.next_grads
-        room = host.available - (host.new_bytes - sharded)
-        if room > 0 and sharded > 0:
-            n = max(2, -(-sharded // room))
-            saves = sharded - -(-sharded // n)
+        # a rank keeps all of its gradients' bytes here (its share and two layers' sums in
+        # flight are at most that), plus the margin of one layer's sums that a sharded plan
+        # names ([Note: the sharded sums' slack])
+        slack = planner.layer_grad_bytes
+        room = host.available - (host.new_bytes - sharded) - slack
+        n = max(2, -(-sharded // room)) if room > 0 else 0
+        saves = sharded - -(-sharded // n) - slack if n else 0
+        if saves > 0:
             changes.append(
                 _Change(
                     f"--ranks {n}",

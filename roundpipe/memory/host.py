@@ -85,7 +85,7 @@ DATA_PARALLEL_BUCKETS = (DATA_PARALLEL_BUCKET_BYTES, DATA_PARALLEL_IN_FLIGHT)
 # is within 1% in one process and on replicated ranks; a sharded rank holds 5-10% more than
 # planned: freed download blocks the pinned cache keeps in size classes the next stage does
 # not ask for, and the reducer's freed copies of the owned sums that glibc keeps resident in
-# its thread's heap. Neither is planned yet.
+# its thread's heap. The plan names a margin for them (see [Note: the sharded sums' slack]).
 
 
 # [Note: the next call's gradients]
@@ -102,6 +102,18 @@ DATA_PARALLEL_BUCKETS = (DATA_PARALLEL_BUCKET_BYTES, DATA_PARALLEL_IN_FLIGHT)
 # is_async=False)) holds one set. Measured exactly on the emulated device
 # (tests/test_host_memory.py): a step held until the next call downloaded its last stage's
 # sums grew the pool by the next weights and a second set of gradients.
+
+
+# [Note: the sharded sums' slack]
+# A sharded rank (ShardedState on an accelerator pool or several devices) downloads each
+# stage's sums whole into a pinned pool, keeps its own and hands the rest to their owners; the
+# plan counts its share of both sets and two layers' sums in flight. Measured at the moment a
+# slow step is let go (benchmarks/bench_host_memory.py, two ranks of a 34M-parameter llama
+# shape), the rank held more than that: the pinned cache keeps freed download blocks in size
+# classes the next stage does not ask for (12-24 MiB), and the reducer's copies of the owned
+# sums churn through its thread's heap, where glibc keeps some of the freed ones resident
+# (27-49 MiB); the plan was 5-10% short, 0.8 to 1.5 of its largest layer's sums. Neither is
+# simulated: the plan names a margin of one layer's sums for them, in its output.
 
 
 def format_bytes(nbytes: float) -> str:
@@ -150,6 +162,9 @@ class HostTerms:
     ``data_parallel``: a :class:`roundpipe.distributed.DataParallel`'s reduction buffers, with
     its bucket cap and buckets in flight (``buckets``, bytes and count: the attached one's, else
     its defaults; :func:`data_parallel_bytes`; 0 without one);
+    ``sums_slack``: sharded with the gradients handed over stage by stage, a margin of one
+    layer's sums for what the allocators keep of the sums on their way (see [Note: the sharded
+    sums' slack]; 0 otherwise);
     ``runtime``: roundpipe's own memory besides the state (:data:`RUNTIME_BYTES`);
     ``emulated_device``: on the emulated accelerator, whose memory is host memory, its
     devices' planned peaks (0 elsewhere; see [Note: what the host plan counts]);
@@ -182,6 +197,7 @@ class HostTerms:
     runtime: int = 0
     emulated_device: int = 0
     share: float | None = None
+    sums_slack: int = 0
 
     @property
     def new_bytes(self) -> int:
@@ -196,6 +212,7 @@ class HostTerms:
             + self.pinned_overhead
             + self.activations
             + self.data_parallel
+            + self.sums_slack
             + self.runtime
             + self.emulated_device
         )
@@ -252,6 +269,14 @@ class HostTerms:
                     f"data-parallel reduction buffers ({self.buckets[1]} in flight, "
                     f"{format_bytes(self.buckets[0])} buckets)",
                     self.data_parallel,
+                )
+            )
+        if self.sums_slack:
+            rows.append(
+                (
+                    "margin for the allocators' slack around the sums on their way (one "
+                    "layer's sums)",
+                    self.sums_slack,
                 )
             )
         if self.runtime:
@@ -404,8 +429,11 @@ def host_terms(
     mine = [low for i, low in enumerate(lows) if owners is None or owners[i] == largest]
     grads = masters
     next_grads = held  # [Note: the next call's gradients]
+    slack = 0
     if ranks > 1 and layers is not None:
-        grads = min(masters, held + 2 * stage_grad_bytes(layers, optim_dtype))
+        layer = stage_grad_bytes(layers, optim_dtype)
+        grads = min(masters, held + 2 * layer)
+        slack = layer  # [Note: the sharded sums' slack]
     overhead = _pinned_overhead(module, pinned) if pinned is not None else 0
     in_ram, optimizer = held, held_states
     # On an accelerator pool the next weights are one pinned pool (StepCopies), rounded as the
@@ -447,6 +475,7 @@ def host_terms(
         data_parallel=buffers,
         buckets=buckets,
         runtime=RUNTIME_BYTES,
+        sums_slack=slack,
         share=share,
         next_weights=next_weights,
         next_grads=next_grads,
