@@ -523,3 +523,87 @@ def test_a_half_model_of_the_other_dtype_than_the_arguments_is_refused(
             train_dataset=token_dataset(),
             data_collator=collate,
         )
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(
+    not hasattr(torch.empty(0), "grad_dtype"), reason="torch's grad_dtype needs torch 2.10+"
+)
+@pytest.mark.parametrize("max_grad_norm", [1.0, 0.0])
+def test_grad_dtype_hands_the_step_the_bf16_sums_as_they_are(tmp_path, max_grad_norm):
+    # Trainer(grad_dtype=torch.bfloat16): the device sums in bf16, the sums become the
+    # masters' .grad as they are, and the Trainer's AdamW is roundpipe's, which reads them;
+    # against the same bf16 sums widened to fp32 for roundpipe's AdamW. Unclipped (max_grad_norm=0) the masters
+    # are bitwise the same; clipped (the default 1.0), the scaled bf16 gradients are rounded.
+    data = token_dataset()
+    runs = {}
+    for name in ("bf16 grads", "fp32 grads"):
+        args = training_args(
+            tmp_path / name,
+            max_steps=4,
+            bf16=True,
+            use_cpu=True,
+            max_grad_norm=max_grad_norm,
+            gradient_accumulation_steps=4,  # 4 microbatches: their sums differ in bf16 and fp32
+        )
+        kwargs = dict(lr=args.learning_rate, betas=(0.9, 0.999), eps=1e-8)
+        trainer = roundpipe.hf.Trainer(
+            model=tiny_llama(),
+            args=args,
+            train_dataset=data,
+            data_collator=collate,
+            devices="emu",
+            grad_dtype=torch.bfloat16 if name == "bf16 grads" else None,
+            # the reference sums in bf16 on the device, as grad_dtype makes it by itself
+            wrap_kwargs=None
+            if name == "bf16 grads"
+            else {
+                "model_run_config": roundpipe.RoundPipeRunConfig(device_grad_dtype=torch.bfloat16)
+            },
+            optimizer_cls_and_kwargs=(
+                None if name == "bf16 grads" else (roundpipe.optim.AdamW, kwargs)
+            ),
+        )
+        trainer.train()
+        runs[name] = trainer
+    low, ref = runs["bf16 grads"], runs["fp32 grads"]
+    assert (
+        type(low.optimizer) is roundpipe.optim.AdamW and low.optimizer.grad_dtype == torch.bfloat16
+    )
+    assert all(m.grad_dtype == torch.bfloat16 for m in low.model.optim_parameters())
+    low_losses, ref_losses = step_losses(low.state.log_history), step_losses(ref.state.log_history)
+    pairs = zip(low.model.optim_named_parameters(), ref.model.optim_named_parameters())
+    if max_grad_norm == 0.0:
+        assert low_losses == ref_losses
+        for (name, a), (_, b) in pairs:
+            assert torch.equal(a, b), name
+    else:
+        assert low_losses == pytest.approx(ref_losses, rel=1e-2)
+        norms = [_logged(r.state.log_history, "grad_norm") for r in (low, ref)]
+        assert norms[0] == pytest.approx(norms[1], rel=1e-3)  # summed in fp32 on both sides
+        for (name, a), (_, b) in pairs:
+            torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-4, msg=name)
+
+
+def test_grad_dtype_is_refused_where_the_step_cannot_take_it(tmp_path):
+    data = token_dataset()
+
+    def build(**options):
+        return roundpipe.hf.Trainer(
+            model=tiny_llama(),
+            args=training_args(tmp_path / "out", optim=options.pop("optim", "adamw_torch")),
+            train_dataset=data,
+            data_collator=collate,
+            **options,
+        )
+
+    with pytest.raises(ValueError, match="grad_dtype must be None, torch.bfloat16 or"):
+        build(grad_dtype=torch.float32)
+    if hasattr(torch.empty(0), "grad_dtype"):
+        with pytest.raises(ValueError, match="with spill_dir: the streamed step reads fp32"):
+            build(grad_dtype=torch.bfloat16, spill_dir=tmp_path / "nvme")
+        with pytest.raises(ValueError, match="grad_dtype= steps on gradients in bf16 or fp16"):
+            build(grad_dtype=torch.bfloat16, optim="sgd").create_optimizer()
+    else:
+        with pytest.raises(ValueError, match="needs a torch whose tensors have grad_dtype"):
+            build(grad_dtype=torch.bfloat16)

@@ -893,7 +893,8 @@ def _host_changes(planner: ConfigPlanner, lp: LengthPlans) -> list[_Change]:
                     "are, 2 bytes per parameter instead of 4"
                     + (", both sets with the async step" if low.next_grads else "")
                     + " (roundpipe.optim.AdamW(..., grad_dtype=torch.bfloat16) with "
-                    "RoundPipeRunConfig(device_grad_dtype=torch.bfloat16))",
+                    "RoundPipeRunConfig(device_grad_dtype=torch.bfloat16); the Trainer's "
+                    "grad_dtype=torch.bfloat16)",
                 )
             )
     # what LoRA drops: the full weights' masters, gradients (the next call's too), optimizer
