@@ -585,7 +585,7 @@ def test_grad_dtype_hands_the_step_the_bf16_sums_as_they_are(tmp_path, max_grad_
             torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-4, msg=name)
 
 
-def test_grad_dtype_is_refused_where_the_step_cannot_take_it(tmp_path):
+def test_grad_dtype_is_refused_where_the_step_cannot_take_it(tmp_path, monkeypatch):
     data = token_dataset()
 
     def build(**options):
@@ -604,6 +604,11 @@ def test_grad_dtype_is_refused_where_the_step_cannot_take_it(tmp_path):
             build(grad_dtype=torch.bfloat16, spill_dir=tmp_path / "nvme")
         with pytest.raises(ValueError, match="grad_dtype= steps on gradients in bf16 or fp16"):
             build(grad_dtype=torch.bfloat16, optim="sgd").create_optimizer()
+        import roundpipe.hf.trainer as trainer_module
+
+        monkeypatch.setattr(trainer_module, "_world_size", lambda args: 2)  # as under torchrun
+        with pytest.raises(ValueError, match="under torchrun: roundpipe.distributed.DataParallel"):
+            build(grad_dtype=torch.bfloat16)
     else:
         with pytest.raises(ValueError, match="needs a torch whose tensors have grad_dtype"):
             build(grad_dtype=torch.bfloat16)

@@ -384,6 +384,12 @@ class RoundPipeTrainerMixin:
             super().__init__(*args, **kwargs)
         trainer: Any = self
         _refuse(trainer.args)
+        if grad_dtype is not None and _world_size(trainer.args) > 1:
+            raise ValueError(
+                f"grad_dtype={grad_dtype} under torchrun: roundpipe.distributed.DataParallel "
+                f"sums the gradients over the ranks in the masters' dtype (fp32); leave "
+                f"grad_dtype=None"
+            )
         hf_model = trainer.model
         if hf_model is None:
             raise ValueError("roundpipe.hf.Trainer needs model=")
@@ -422,12 +428,6 @@ class RoundPipeTrainerMixin:
             options["compile"] = {key: value for key, value in chosen if value}
         self.hf_model = hf_model
         self._rp = wrap(hf_model, **options)
-        if grad_dtype is not None and _world_size(trainer.args) > 1:
-            raise ValueError(
-                f"grad_dtype={grad_dtype} under torchrun: roundpipe.distributed.DataParallel "
-                f"sums the gradients over the ranks in the masters' dtype (fp32); leave "
-                f"grad_dtype=None"
-            )
         self.data_parallel = _data_parallel(trainer.args, self._rp)
         if self.checkpoint_hf is None:  # the HF export needs every master in this process
             self.checkpoint_hf = self._rp.state_placement.world_size == 1
