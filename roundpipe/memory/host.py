@@ -82,7 +82,7 @@ DATA_PARALLEL_BUCKETS = (DATA_PARALLEL_BUCKET_BYTES, DATA_PARALLEL_IN_FLIGHT)
 # emulator's copies of data in flight (it snapshots every asynchronous copy); and an
 # accelerator's libraries (see RUNTIME_BYTES). Measured at the moment the plan is for (a
 # slow step let go with both sets of gradients alive) without the emulator's memory, the plan
-# is within 1% in one process and on replicated ranks; a sharded rank holds 5-10% more than
+# is within 1% in one process and on replicated ranks; a sharded rank holds 5-12% more than
 # planned: freed download blocks the pinned cache keeps in size classes the next stage does
 # not ask for, and the reducer's freed copies of the owned sums that glibc keeps resident in
 # its thread's heap. The plan names a margin for them (see [Note: the sharded sums' slack]).
@@ -112,8 +112,9 @@ DATA_PARALLEL_BUCKETS = (DATA_PARALLEL_BUCKET_BYTES, DATA_PARALLEL_IN_FLIGHT)
 # shape), the rank held more than that: the pinned cache keeps freed download blocks in size
 # classes the next stage does not ask for (12-24 MiB), and the reducer's copies of the owned
 # sums churn through its thread's heap, where glibc keeps some of the freed ones resident
-# (27-49 MiB); the plan was 5-10% short, 0.8 to 1.5 of its largest layer's sums. Neither is
-# simulated: the plan names a margin of one layer's sums for them, in its output.
+# (18-60 MiB, varying from run to run); the plan was 5-12% short, 0.8 to 1.8 of its largest
+# layer's sums. Neither is simulated: the plan names a margin of one layer's sums for them, in
+# its output (with it, one run measured 0.91x and 1.08x).
 
 
 def format_bytes(nbytes: float) -> str:
