@@ -70,6 +70,7 @@ from roundpipe.memory.report import (
 from roundpipe.memory.search import longest_fitting
 from roundpipe.memory.trace import StageTraces, interpolate_traces
 from roundpipe.optim.master_file import DEFAULT_COPY_BUFFER_BYTES
+from roundpipe.optim.one_pass import LOW_GRAD_DTYPES
 from roundpipe.optim.spill import DEFAULT_BUFFER_BYTES
 from roundpipe.runtime import grad_router
 from roundpipe.runtime.stages import model_layers
@@ -283,7 +284,7 @@ def _grad_dtype_refusal(
             f"upgrade torch, or leave --grad-dtype out (the gradients then arrive in the "
             f"masters' dtype)"
         )
-    if optim_dtype != torch.float32 or grad_dtype not in (torch.bfloat16, torch.float16):
+    if optim_dtype != torch.float32 or grad_dtype not in LOW_GRAD_DTYPES:
         return (
             f"{name} with --optim-dtype {_dtype_name(optim_dtype)}: "
             f"roundpipe.optim.AdamW(grad_dtype=...) takes bf16 or fp16 gradients of fp32 "

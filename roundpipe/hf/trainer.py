@@ -38,9 +38,9 @@ from roundpipe.checkpoint.manifest import MANIFEST
 from roundpipe.distributed import DataParallel
 from roundpipe.hf import compat
 from roundpipe.hf.wrap import HFRoundPipe, wrap
+from roundpipe.optim.adam import check_grad_dtype
 from roundpipe.optim.master_file import MastersOnDisk
 from roundpipe.runtime import RoundPipeRunConfig
-from roundpipe.runtime.grad_router import torch_has_grad_dtype
 from roundpipe.scaler.grad_scaler import GradScaler
 from roundpipe.user_frame import user_stacklevel
 
@@ -339,7 +339,10 @@ class RoundPipeTrainerMixin:
         grad_dtype: torch.dtype | None = None,
         **kwargs: Any,
     ) -> None:
-        _check_grad_dtype(grad_dtype, spill_dir)
+        if grad_dtype is not None:  # before anything is built
+            check_grad_dtype(
+                grad_dtype, "Trainer(grad_dtype=...)", state_dir=spill_dir, state_option="spill_dir"
+            )
         if num_microbatch is not None and (
             isinstance(num_microbatch, bool) or not isinstance(num_microbatch, int)
         ):
@@ -588,38 +591,17 @@ def _roundpipe_adam(
 
 
 def _clip_summed_in_fp32(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
-    """``torch.nn.utils.clip_grad_norm_`` for low-precision gradients: the 2-norm of all of
-    them summed in fp32 (torch's sums each tensor's in its own dtype), the same clip factor
-    applied to each (the products rounded to its dtype); returns the norm (fp32)."""
+    """``torch.nn.utils.clip_grad_norm_`` for low-precision gradients: each gradient's 2-norm
+    taken in fp32 (torch's takes it in the gradient's dtype), their norm, and torch's clip by
+    it (``clip_grads_with_norm_``: each product rounded to the gradient's dtype); returns it."""
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         return torch.zeros(())
-    norms = [torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]
-    total = torch.linalg.vector_norm(torch.stack(norms))
-    factor = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    torch._foreach_mul_(grads, factor)
+    total = torch.linalg.vector_norm(
+        torch.stack(torch._foreach_norm(grads, 2.0, dtype=torch.float32))
+    )
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
     return total
-
-
-def _check_grad_dtype(grad_dtype: torch.dtype | None, spill_dir: Any) -> None:
-    """The Trainer's ``grad_dtype``: None, or bf16/fp16 on a torch that has ``grad_dtype``,
-    without ``spill_dir`` (whose streamed step reads fp32 gradients)."""
-    if grad_dtype is None:
-        return
-    if grad_dtype not in (torch.bfloat16, torch.float16):
-        raise ValueError(
-            f"grad_dtype must be None, torch.bfloat16 or torch.float16, got {grad_dtype!r}"
-        )
-    if not torch_has_grad_dtype():
-        raise ValueError(
-            f"grad_dtype={grad_dtype} needs a torch whose tensors have grad_dtype (2.10 or "
-            f"newer); torch {torch.__version__} does not: upgrade torch or leave grad_dtype=None"
-        )
-    if spill_dir is not None:
-        raise ValueError(
-            f"grad_dtype={grad_dtype} with spill_dir: the streamed step reads fp32 gradients; "
-            f"give one of them"
-        )
 
 
 def _check_half_dtype(model: nn.Module, low: torch.dtype | None) -> None:

@@ -100,6 +100,30 @@ _TORCH_HAS_DECOUPLED = (
 )
 
 
+def check_grad_dtype(
+    dtype: torch.dtype, who: str, *, state_dir: Any = None, state_option: str = "state_dir"
+) -> None:
+    """``ValueError`` unless gradients in ``dtype`` can be handed to roundpipe's Adam (see
+    [Note: gradients in their summed dtype] in :mod:`roundpipe.runtime.grad_router`): bf16 or
+    fp16, a torch whose tensors have ``grad_dtype``, and no state streamed through files
+    (``state_dir``, given as ``state_option``). ``who`` names the caller's option."""
+    if dtype not in LOW_GRAD_DTYPES:
+        raise ValueError(
+            f"{who} takes torch.bfloat16 or torch.float16 (the dtype "
+            f"RoundPipeRunConfig(device_grad_dtype=...) sums in), or None; got {dtype!r}"
+        )
+    if not torch_has_grad_dtype():
+        raise ValueError(
+            f"{who} needs a torch whose tensors have grad_dtype (2.10 or newer); torch "
+            f"{torch.__version__} does not: upgrade torch, or leave grad_dtype=None (the "
+            f"gradients then arrive in the masters' dtype)"
+        )
+    if state_dir is not None:
+        raise ValueError(
+            f"{who} with {state_option}: the streamed step reads fp32 gradients; give one of them"
+        )
+
+
 class Adam(torch.optim.Adam):
     r"""Adam with torch.optim.Adam's constructor, math and ``state_dict``, fused by default.
 
@@ -238,22 +262,7 @@ class Adam(torch.optim.Adam):
     def _take_gradients_in(self, dtype: torch.dtype, state_dir: Any) -> None:
         """[Note: gradients in their summed dtype]: the parameters' ``grad_dtype`` set to
         ``dtype``, after checking that this step can take them."""
-        if dtype not in LOW_GRAD_DTYPES:
-            raise ValueError(
-                f"Adam(grad_dtype=...) takes torch.bfloat16 or torch.float16 (the dtype "
-                f"RoundPipeRunConfig(device_grad_dtype=...) sums in), got {dtype!r}"
-            )
-        if not torch_has_grad_dtype():
-            raise RuntimeError(
-                f"Adam(grad_dtype=...) needs a torch whose tensors have grad_dtype (2.10 or "
-                f"newer); torch {torch.__version__} does not: leave grad_dtype=None (the "
-                f"gradients then arrive in the masters' dtype)"
-            )
-        if state_dir is not None:
-            raise ValueError(
-                "Adam(grad_dtype=...) with state_dir: the streamed step reads fp32 gradients; "
-                "give one of them"
-            )
+        check_grad_dtype(dtype, "Adam(grad_dtype=...)", state_dir=state_dir)
         params = [p for group in self.param_groups for p in group["params"]]
         for p in params:
             if p.dtype != torch.float32 or p.device.type != "cpu" or not p.is_leaf:

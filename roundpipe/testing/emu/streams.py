@@ -410,8 +410,9 @@ def forget_settled() -> None:
 
 def copies_in_flight_bytes() -> int:
     """The host bytes of the snapshots the emulator holds for asynchronous copies whose host
-    side has not run yet (each copies its source when enqueued): on a GPU, the source is
-    device memory until the copy runs. Any thread."""
+    side has not run yet (each copies its source when enqueued): memory a GPU run's host does
+    not hold (a download's source is device memory until the copy runs; an upload reads its
+    pinned source in place). Any thread."""
     with _order_lock:
         _forget_settled()
         return sum(s.untyped_storage().nbytes() for _, s in _pending_buffers.values())
