@@ -359,8 +359,6 @@ inline void store_low16(at::ScalarType dtype, void* low, int64_t i, __m256 p0, _
 
 #endif  // RP_AVX2
 
-// The low-precision copy of n fp32 values: torch's copy_ bit for bit (round to nearest even;
-// NaN: bf16 0xFFFF, fp16 the F16C/c10 quiet NaN).
 void widen(const uint16_t* src, bool half, float* dst, int64_t n) {  // bf16/fp16 -> fp32
   int64_t i = 0;
 #if RP_AVX2
@@ -375,6 +373,8 @@ void widen(const uint16_t* src, bool half, float* dst, int64_t n) {  // bf16/fp1
   for (; i < n; ++i) dst[i] = half ? half_bits_to_float(src[i]) : from_bf16_bits(src[i]);
 }
 
+// The low-precision copy of n fp32 values: torch's copy_ bit for bit (round to nearest even;
+// NaN: bf16 0xFFFF, fp16 the F16C/c10 quiet NaN).
 void cast_to_low(const float* src, void* dst, at::ScalarType dtype, int64_t n) {
   int64_t i = 0;
 #if RP_AVX2
@@ -533,8 +533,6 @@ struct LeanTensors {
   float step_neg;  // f32(-lr / bc1 * sqrt(bc2))
   float eps;       // f32(eps * sqrt(bc2))
 };
-
-
 
 // How a kernel reads 8 gradients (see [Note: low-precision gradients]): fp32, bf16 or fp16.
 enum class GradKind { kFloat, kBf16, kHalf };
@@ -704,8 +702,6 @@ void block8_avx2(
   }
 }
 #endif
-
-
 
 // Elements [start, start + n) of a bf16-moment tensor, their gradients read as K says.
 template <GradKind K>
