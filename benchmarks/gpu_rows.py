@@ -350,9 +350,8 @@ def _ours(
         model_run_config=RoundPipeRunConfig(num_microbatch=a.mb),
     )
     states = getattr(a, "optim_states", "exact")
-    state_dtype = {"exact": None, "bf16": torch.bfloat16, "8bit": "8bit"}[states]
-    with OptimizerCtx():
-        opt = roundpipe.optim.Adam(rp.parameters(), lr=1e-5, state_dtype=state_dtype)
+    with OptimizerCtx():  # state_dtype takes the option's names ("exact", "bf16", "8bit")
+        opt = roundpipe.optim.Adam(rp.parameters(), lr=1e-5, state_dtype=states)
     res["optim_states"] = states
     scaler = GradScaler(enabled=dtype == torch.float16)
     planned: list[bool] = []
