@@ -13,6 +13,11 @@
   each test the host waits for every emulated device, so device work a test leaves unordered
   (tests of races leave some on purpose) is not charged to the next test: a tensor the test
   dropped while another stream still used it would otherwise fail the next test's allocation.
+* The process's environment is put back after each test. transformers' ``TrainingArguments``
+  writes the run's choices into it for accelerate (``ACCELERATE_DYNAMO_BACKEND``; the floor's
+  transformers ``ACCELERATE_MIXED_PRECISION`` too), and accelerate reads them back for every
+  later Trainer: a plain Trainer after a test with ``bf16=True`` would
+  otherwise compute under bf16 autocast.
 * Fixtures for the tests that ask: ``fresh_dynamo`` (torch.compile reset, its counters zeroed),
   ``group_of_one`` (a one-rank gloo process group), ``rank_pool`` (rank processes kept for
   the session that run data-parallel runs; tests/rank_pool_worker.py).
@@ -125,6 +130,17 @@ def _devices_settle_after_each_test():
     yield
     for index in range(emu.DEVICE_COUNT):
         torch.accelerator.synchronize(torch.device(emu.NAME, index))
+
+
+@pytest.fixture(autouse=True)
+def _environment_put_back_after_each_test():
+    before = dict(os.environ)
+    yield
+    for name in os.environ.keys() - before.keys():
+        del os.environ[name]
+    for name, value in before.items():
+        if os.environ.get(name) != value:
+            os.environ[name] = value
 
 
 @pytest.fixture(autouse=True)
