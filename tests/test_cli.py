@@ -501,6 +501,10 @@ def test_a_plan_with_bf16_gradients_counts_half_their_bytes(tmp_path, capsys):
         return dict(found)
 
     fp32, bf16 = rows(), rows("--grad-dtype", "bf16")
+    # the rows name the dtype where it is not the masters'
+    named = "gradients of the masters (in bfloat16)"
+    assert named in bf16 and "gradients of the masters" in fp32
+    bf16["gradients of the masters"] = bf16.pop(named)
     assert len(fp32) == 2 and fp32.keys() == bf16.keys()
     from roundpipe.hf.memory_cli import plan_config
 
@@ -513,6 +517,7 @@ def test_a_plan_with_bf16_gradients_counts_half_their_bytes(tmp_path, capsys):
     assert plain.grads == plain.next_grads == 213_568 * 4
     assert low.grads == low.next_grads == 213_568 * 2
     assert low.total == plain.total - plain.grads
+    assert plain.grads_dtype is None and low.grads_dtype == torch.bfloat16
     for label, size in fp32.items():
         assert size == format_bytes(213_568 * 4) and bf16[label] == format_bytes(213_568 * 2)
     # The masters' dtype itself plans as without the option.

@@ -234,6 +234,10 @@ def test_each_change_the_advice_names_saves_what_it_says(tmp_path, case, gpu, se
         assert "--no-offload-activations" in names
     else:
         assert "--offload-activations" in names and any(n.startswith("--seq-len") for n in names)
+    _assert_each_saves_what_it_says(path, kwargs, seq_len, where, lp, changes, lines, tmp_path)
+
+
+def _assert_each_saves_what_it_says(path, kwargs, seq_len, where, lp, changes, lines, tmp_path):
     for options, saves, about, alone in changes:
         after = _applied(path, options, kwargs, seq_len, tmp_path)
         assert after.fits == alone, (options, alone, after.reason, lines)
@@ -242,6 +246,43 @@ def test_each_change_the_advice_names_saves_what_it_says(tmp_path, case, gpu, se
         saved = _need(lp.plan, where) - _need(after.plan, where)
         tolerance = 0.1 if about else 0.01  # "about": an estimate; else printed to 3 digits
         assert abs(saved - saves) <= tolerance * abs(saved) + MIB / 100, (options, saves, saved)
+
+
+# Two decoder layers of hidden 2048 (67M parameters each) and a short sequence: the layers'
+# weights and gradients, not the activations, are what the device holds at its peak.
+WIDE = {
+    "model_type": "llama",
+    "vocab_size": 512,
+    "hidden_size": 2048,
+    "intermediate_size": 8192,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+}
+
+
+def test_a_device_short_by_its_gradients_is_told_of_bf16_gradients(tmp_path):
+    """Full fine-tuning with one microbatch, the device short by less than what bf16
+    gradients save there (the sums in half the bytes, the first gradient taken as the sum
+    instead of copied into an fp32 one): the advice names --grad-dtype bf16 among the changes
+    that alone make it fit, with its saving, checked by planning with it."""
+    path = _config(tmp_path, WIDE)
+    roomy = _planner(path, host_memory=1 << 40, device_memory=64 << 30)
+    with_bf16 = roomy.plan_with_gradients_in(roomy.plans(64), torch.bfloat16)
+    need, low = _need(roomy.plans(64).plan, "device"), _need(with_bf16, "device")
+    assert need - low > 64 * MIB  # a layer's 67M gradients in 2 bytes fewer, about
+    short = (need - low) // 2
+    kwargs = {
+        "host_memory": 1 << 40,
+        "device_memory": memory_cli.CUDA_CONTEXT + need - short,
+    }
+    planner = _planner(path, **kwargs)
+    lp = planner.plans(64)
+    assert not lp.fits
+    lines = what_to_change(planner, lp, longer_search=False)
+    changes = _advice(lines)
+    assert ("--grad-dtype bf16", True) in [(c[0], c[3]) for c in changes], lines
+    _assert_each_saves_what_it_says(path, kwargs, 64, "device", lp, changes, lines, tmp_path)
 
 
 def test_the_report_names_the_gpu_the_stages_and_the_hosts_figure(tmp_path, capsys):

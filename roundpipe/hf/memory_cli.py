@@ -37,7 +37,7 @@ import math
 import os
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -56,7 +56,7 @@ from roundpipe.memory.host import (
     adam_state_bytes,
     format_bytes,
     host_terms,
-    stage_grad_bytes,
+    ranks_to_fit,
 )
 from roundpipe.memory.probe import host_memory_available
 from roundpipe.memory.report import (
@@ -444,8 +444,6 @@ class ConfigPlanner:
         available = host_memory if host_memory is not None else host_memory_available()
         self.host_source = "host RAM given (--host-memory)" if host_memory is not None else None
         layers = [layer.module for layer in model_layers(self.model.module)]
-        #: the largest layer's gradient sums (master bytes): a sharded plan's unit in flight
-        self.layer_grad_bytes = stage_grad_bytes(layers, optim_dtype)
         self.host = dataclasses.replace(
             host_terms(
                 whole,
@@ -497,6 +495,7 @@ class ConfigPlanner:
             self.host,
             activations=activations,
             grads=self.host.grads if self.host.ranks > 1 else planned.grads,
+            grads_dtype=self.host.grads_dtype if self.host.ranks > 1 else planned.grads_dtype,
             next_grads=(
                 0
                 if self.sync_step
@@ -506,23 +505,39 @@ class ConfigPlanner:
             ),
         )
 
+    @contextlib.contextmanager
+    def _masters_holding(self, grad_dtype: torch.dtype) -> Iterator[None]:
+        """The masters set to hold gradients in ``grad_dtype`` (as ``roundpipe.optim.AdamW(
+        grad_dtype=...)`` sets them) for the duration; as they were afterwards."""
+        masters = list(self.model.optim_parameters())
+        before = [master.grad_dtype for master in masters]
+        try:
+            for master in masters:
+                master.grad_dtype = grad_dtype
+            yield
+        finally:
+            for master, dtype in zip(masters, before):
+                master.grad_dtype = dtype
+
     def gradients_in(self, grad_dtype: torch.dtype) -> HostTerms:
         """The host terms of the model's state (no activations) with the masters' gradients
         handed to the step in ``grad_dtype`` instead, as :meth:`__init__`'s ``grad_dtype``
         plans them; the model is left as it was. For the advice: what ``--grad-dtype`` saves."""
         import roundpipe
 
-        masters = list(self.model.optim_parameters())
-        before = [master.grad_dtype for master in masters]
-        try:
-            for master in masters:
-                master.grad_dtype = grad_dtype
+        with self._masters_holding(grad_dtype):
             config = roundpipe.RoundPipeRunConfig(device_grad_dtype=grad_dtype)
             planned = self.model.memory_plan(run_config=config).host
-        finally:
-            for master, dtype in zip(masters, before):
-                master.grad_dtype = dtype
         return self._host(planned, activations=0)
+
+    def plan_with_gradients_in(self, lp: LengthPlans, grad_dtype: torch.dtype) -> MemoryPlan:
+        """``lp``'s plan (its length and offload setting) with the gradients summed in
+        ``grad_dtype`` on the device and handed to the step so; the model is left as it was.
+        For the advice: what ``--grad-dtype`` saves on the device."""
+        with self._masters_holding(grad_dtype):
+            return self._plan_with(
+                lp.seq_len, lp.offload, self.num_microbatch, grad_dtype=grad_dtype
+            )
 
     def device_free(self) -> int | None:
         """What the planned device has free for tensors: the GPU's total less the CUDA context,
@@ -532,12 +547,19 @@ class ConfigPlanner:
         return self.model.device_free()
 
     def _plan_with(
-        self, seq_len: int, offload: bool, num_microbatch: int, predicted: bool = False
+        self,
+        seq_len: int,
+        offload: bool,
+        num_microbatch: int,
+        predicted: bool = False,
+        grad_dtype: torch.dtype | None = None,
     ) -> MemoryPlan:
         """The plan at ``seq_len`` with ``offload``: traced (the wrapped model's memory_plan),
         or, ``predicted``, walked on the memo's predicted traces with the call of a traced
         length (the program does not depend on the length without a device budget, which
-        the planner never sets), which costs no trace."""
+        the planner never sets), which costs no trace. ``grad_dtype``: the call's
+        ``device_grad_dtype`` (None: the planner's; the masters set to hold it by the
+        caller); such a plan is not kept for prediction."""
         from roundpipe import RoundPipeRunConfig
 
         key = (offload, num_microbatch)
@@ -546,14 +568,16 @@ class ConfigPlanner:
             plan = make_memory_plan("", base, known)
         else:
             run_config = RoundPipeRunConfig(
-                num_microbatch=num_microbatch, offload_activations=offload
+                num_microbatch=num_microbatch,
+                offload_activations=offload,
+                device_grad_dtype=grad_dtype or self.grad_dtype,
             )
             ids = torch.zeros((self.batch_size, seq_len), dtype=torch.long)
             batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
             plan = self.model.memory_plan(input_kwargs=batch, run_config=run_config)
             call = self._traces.last_call
             sizes = call.plan.sizes if call is not None else None
-            if call is not None and (sizes is None or sizes.budget is None):
+            if grad_dtype is None and call is not None and (sizes is None or sizes.budget is None):
                 self._calls[key] = (call, plan.host)
         host = self._host(plan.host, plan.host.activations)
         devs = plan.devices
@@ -1001,15 +1025,10 @@ def _host_changes(planner: ConfigPlanner, lp: LengthPlans) -> list[_Change]:
                 about=True,
             )
         )
-    if host.ranks == 1 and not host.masters_dir and takes_low_grads:
-        sharded = host.masters + host.optimizer + host.next_grads
-        # a rank keeps all of its gradients' bytes here (its share and two layers' sums in
-        # flight are at most that), plus the margin of one layer's sums that a sharded plan
-        # names ([Note: the sharded sums' slack])
-        slack = planner.layer_grad_bytes
-        room = host.available - (host.new_bytes - sharded) - slack
-        n = max(2, -(-sharded // room)) if room > 0 else 0
-        saves = sharded - -(-sharded // n) - slack if n else 0
+    fit = ranks_to_fit(host) if host.ranks == 1 and not host.masters_dir else None
+    if fit is not None and takes_low_grads:
+        n, per_machine = fit
+        saves = host.new_bytes - per_machine
         if saves > 0:
             changes.append(
                 _Change(
@@ -1075,6 +1094,35 @@ def _device_changes(
                 "one sequence per microbatch: fewer tokens per action",
             )
         )
+    # Full fine-tuning's gradients in bf16 on the device: the sums in half the bytes, and the
+    # first microbatch's gradient taken as the sum instead of copied into an fp32 one (which
+    # the peak's terms count under the running action, not as sums).
+    if (
+        not planner.lora
+        and planner.grad_dtype is None
+        and not _grad_dtype_refusal(
+            torch.bfloat16,
+            planner.optim_dtype,
+            plan.host.ranks,
+            planner.spill_dir,
+            planner.devices,
+        )
+    ):
+        low = planner.plan_with_gradients_in(lp, torch.bfloat16)
+        saves = need(plan) - need(low)
+        if saves > 0:
+            changes.append(
+                _Change(
+                    "--grad-dtype bf16",
+                    saves,
+                    low.fits,
+                    "the gradient sums in bf16 on the device, handed to the step as they are "
+                    f"(and {format_bytes(plan.host.new_bytes - low.host.new_bytes)} less host "
+                    "RAM; roundpipe.optim.AdamW(..., grad_dtype=torch.bfloat16) with "
+                    "RoundPipeRunConfig(device_grad_dtype=torch.bfloat16); the Trainer's "
+                    "grad_dtype=torch.bfloat16)",
+                )
+            )
     if not planner.lora:
         sums = dict(dev.terms).get("gradient sums", 0)
         if sums:

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from roundpipe.memory.host import HostTerms, format_bytes
+from roundpipe.memory.host import HostTerms, format_bytes, ranks_to_fit
 
 if TYPE_CHECKING:
     from roundpipe.memory.report import DeviceMemory
@@ -107,21 +107,17 @@ def _state_options(terms: HostTerms) -> list[str]:
     each with what it would leave to allocate (skipping one already chosen)."""
     assert terms.available is not None
     options = []
-    if terms.ranks == 1:
-        # Sharded over N machines: each rank holds 1/N of the masters and the optimizer state;
-        # the gradients stay whole until the step reduces them (see HostTerms).
-        sharded = terms.masters + terms.optimizer + terms.next_grads
-        rest = terms.new_bytes - sharded
-        room = terms.available - rest  # what each machine has left for its share
-        n = max(2, -(-sharded // room)) if room > 0 else None
-        if n is not None:
-            options.append(
-                f"shard the masters and the optimizer state over {n} or more machines "
-                f"(torchrun, one rank per machine; RoundPipe(..., state_placement="
-                f"roundpipe.distributed.ShardedState())): about "
-                f"{format_bytes(rest + -(-sharded // n))} to allocate per machine at {n} (ranks "
-                f"on one machine share its RAM, so it takes machines, not processes)"
-            )
+    fit = ranks_to_fit(terms) if terms.ranks == 1 else None
+    if fit is not None:
+        n, per_machine = fit
+        options.append(
+            f"shard the masters and the optimizer state over {n} or more machines "
+            f"(torchrun, one rank per machine; RoundPipe(..., state_placement="
+            f"roundpipe.distributed.ShardedState())): about "
+            f"{format_bytes(per_machine)} to allocate per machine at {n}, with a margin of one "
+            f"layer's gradients (ranks on one machine share its RAM, so it takes machines, not "
+            f"processes)"
+        )
     if not terms.optimizer_dir and terms.optimizer:
         left, fits = _left(terms, terms.optimizer)
         options.append(

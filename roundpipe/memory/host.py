@@ -166,6 +166,12 @@ class HostTerms:
     ``sums_slack``: sharded with the gradients handed over stage by stage, a margin of one
     layer's sums for what the allocators keep of the sums on their way (see [Note: the sharded
     sums' slack]; 0 otherwise);
+    ``layer_grads``: the largest gradient sum one layer (stage) hands over, in the masters'
+    dtype: the unit of that margin, kept unsharded too for the advice to shard
+    (:func:`ranks_to_fit`);
+    ``grads_dtype``: the dtype the gradients are held in where it is not the masters' (summed
+    in bf16 or fp16 and handed to the step so, see [Note: gradients in their summed dtype] in
+    :mod:`roundpipe.runtime.grad_router`; None: the masters');
     ``runtime``: roundpipe's own memory besides the state (:data:`RUNTIME_BYTES`);
     ``emulated_device``: on the emulated accelerator, whose memory is host memory, its
     devices' planned peaks (0 elsewhere; see [Note: what the host plan counts]);
@@ -199,6 +205,8 @@ class HostTerms:
     emulated_device: int = 0
     share: float | None = None
     sums_slack: int = 0
+    layer_grads: int = 0
+    grads_dtype: torch.dtype | None = None
 
     @property
     def new_bytes(self) -> int:
@@ -225,7 +233,7 @@ class HostTerms:
 
     def rows(self) -> list[tuple[str, int]]:
         """(label, bytes) of each term, for reports."""
-        dtype = str(self.master_dtype).removeprefix("torch.") if self.master_dtype else "masters'"
+        dtype = _name(self.master_dtype) if self.master_dtype else "masters'"
         rows = [
             (
                 "model weights and buffers "
@@ -241,7 +249,12 @@ class HostTerms:
                 ),
                 self.masters,
             ),
-            ("gradients of the masters" + self._grads_note(), self.grads),
+            (
+                "gradients of the masters"
+                + (f" (in {_name(self.grads_dtype)})" if self.grads_dtype is not None else "")
+                + self._grads_note(),
+                self.grads,
+            ),
             (
                 f"optimizer state: in files under {self.optimizer_dir} (streaming buffer)"
                 if self.optimizer_dir
@@ -299,6 +312,29 @@ class HostTerms:
         if self.grads_by_stage:
             return " (this rank's share, plus two layers' sums on their way to their owners)"
         return " (every parameter's until the call's end hands them to their owners)"
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def ranks_to_fit(terms: HostTerms) -> tuple[int, int] | None:
+    """The fewest machines (at least 2) over which sharding the masters, the optimizer state
+    and the next call's gradients (``roundpipe.distributed.ShardedState``, one rank per
+    machine) brings what one machine allocates within ``terms.available``, and what each then
+    allocates; None where no number does (what is not sharded alone takes it all) or the RAM
+    is unknown. Counts the gradients whole (a rank's share and two layers' sums on their way
+    are at most that) and the margin of one layer's sums a sharded plan names
+    ([Note: the sharded sums' slack]). Pure."""
+    if terms.available is None:
+        return None
+    sharded = terms.masters + terms.optimizer + terms.next_grads
+    rest = terms.new_bytes - sharded + terms.layer_grads
+    room = terms.available - rest
+    if room <= 0:
+        return None
+    n = max(2, -(-sharded // room))
+    return n, rest + -(-sharded // n)
 
 
 def stage_grad_bytes(layers: Sequence[nn.Module], optim_dtype: torch.dtype | None) -> int:
@@ -431,8 +467,8 @@ def host_terms(
     grads = masters
     next_grads = held  # [Note: the next call's gradients]
     slack = 0
+    layer = stage_grad_bytes(layers if layers is not None else _layers_of(module), optim_dtype)
     if ranks > 1 and layers is not None:
-        layer = stage_grad_bytes(layers, optim_dtype)
         grads = min(masters, held + 2 * layer)
         slack = layer  # [Note: the sharded sums' slack]
     overhead = _pinned_overhead(module, pinned) if pinned is not None else 0
@@ -477,6 +513,7 @@ def host_terms(
         buckets=buckets,
         runtime=RUNTIME_BYTES,
         sums_slack=slack,
+        layer_grads=layer,
         share=share,
         next_weights=next_weights,
         next_grads=next_grads,

@@ -482,6 +482,12 @@ def make_memory_plan(
     if grads_pinned is not None:
         next_grads = grads_pinned if host.next_grads else 0
         host = dataclasses.replace(host, grads=grads_pinned, next_grads=next_grads)
+        if (
+            call is not None
+            and call.grad_dtype is not None
+            and call.grad_dtype != host.master_dtype
+        ):
+            host = dataclasses.replace(host, grads_dtype=call.grad_dtype)
     devices: tuple[DeviceMemory, ...] = ()
     sizes: tuple[int, ...] = ()
     shapes: tuple[str, ...] = ()
