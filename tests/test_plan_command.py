@@ -264,8 +264,10 @@ WIDE = {
 def test_a_device_short_by_its_gradients_is_told_of_bf16_gradients(tmp_path):
     """Full fine-tuning with one microbatch, the device short by less than what bf16
     gradients save there (the sums in half the bytes, the first gradient taken as the sum
-    instead of copied into an fp32 one): the advice names --grad-dtype bf16 among the changes
-    that alone make it fit, with its saving, checked by planning with it."""
+    instead of copied into an fp32 one): the advice names --grad-dtype bf16 and --lora 16
+    (planned with the adapters: the peak's terms show no gradient sums here, the first
+    gradient counting under the running action) among the changes that alone make it fit,
+    each with its saving, checked by planning with it."""
     path = _config(tmp_path, WIDE)
     roomy = _planner(path, host_memory=1 << 40, device_memory=64 << 30)
     with_bf16 = roomy.plan_with_gradients_in(roomy.plans(64), torch.bfloat16)
@@ -281,7 +283,8 @@ def test_a_device_short_by_its_gradients_is_told_of_bf16_gradients(tmp_path):
     assert not lp.fits
     lines = what_to_change(planner, lp, longer_search=False)
     changes = _advice(lines)
-    assert ("--grad-dtype bf16", True) in [(c[0], c[3]) for c in changes], lines
+    named = [(c[0], c[3]) for c in changes]
+    assert ("--grad-dtype bf16", True) in named and ("--lora 16", True) in named, lines
     _assert_each_saves_what_it_says(path, kwargs, 64, "device", lp, changes, lines, tmp_path)
 
 

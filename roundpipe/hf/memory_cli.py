@@ -371,6 +371,8 @@ class ConfigPlanner:
         sync_step: bool = False,
         grad_dtype: torch.dtype | None = None,
     ) -> None:
+        # the options as given, for variant(): every argument but the path
+        self._options = {k: v for k, v in locals().items() if k not in ("self", "path")}
         from transformers import AutoModelForCausalLM
 
         import roundpipe
@@ -504,6 +506,11 @@ class ConfigPlanner:
                 else planned.next_grads
             ),
         )
+
+    def variant(self, **changes: Any) -> ConfigPlanner:
+        """A planner of the same config with ``changes`` to the options this one was given
+        (``lora=16``): what the advice plans a change with."""
+        return ConfigPlanner(self.path, **{**self._options, **changes})
 
     @contextlib.contextmanager
     def _masters_holding(self, grad_dtype: torch.dtype) -> Iterator[None]:
@@ -1064,9 +1071,6 @@ def _device_changes(
     planner: ConfigPlanner, lp: LengthPlans, dev_index: int, longer_search: bool
 ) -> list[_Change]:
     plan = lp.plan
-    dev = plan.devices[dev_index]
-    short = dev.peak + dev.reserve - (dev.available or 0)
-    host_fits = _host_fits(plan)
     changes = []
 
     def need(p: MemoryPlan) -> int:
@@ -1123,16 +1127,19 @@ def _device_changes(
                     "grad_dtype=torch.bfloat16)",
                 )
             )
-    if not planner.lora:
-        sums = dict(dev.terms).get("gradient sums", 0)
-        if sums:
+    if not planner.lora and planner.quantize is None:
+        # planned with the adapters: the full weights' gradients leave the device (their sums
+        # and the first gradient of each, which the peak's terms may count under the running
+        # action), and the choice of offload may change with them
+        adapters = planner.variant(lora=16).plans(lp.seq_len)
+        saves = need(plan) - need(adapters.plan)
+        if saves > 0:
             changes.append(
                 _Change(
                     "--lora 16",
-                    sums,
-                    sums >= short and host_fits,
-                    "no gradient sums of the full weights on the device (the adapters' only)",
-                    about=True,
+                    saves,
+                    adapters.fits,
+                    "no gradients of the full weights on the device (the adapters' only)",
                 )
             )
     if longer_search and lp.seq_len > _advice_step(lp.seq_len):
