@@ -2,6 +2,7 @@
 
     python benchmarks/bench_optim.py [--numel N] [--tensors T] [--threads K] [--rounds R]
                                      [--repeat S] [--complex] [--no-bnb]
+                                     [--no-bf16-grads]
 
 Adam is memory bound on CPU, so each variant is measured against what it must move per
 parameter and against a plain streaming ``a.add_(b)`` (12 B/element, measured in the same

@@ -108,19 +108,37 @@ def _bits(t):
     return t
 
 
+def _copy(shape, dtype, copy_at):
+    """An empty copy of ``shape``: at the allocator's alignment (``"aligned"``, which a large
+    step streams to, see [Note: the copy's streaming stores]) or one element past it (``"odd"``,
+    which every step stores to plainly)."""
+    if copy_at == "aligned":
+        return torch.empty(shape, dtype=dtype)
+    return torch.empty(math.prod(shape) + 1, dtype=dtype)[1:].view(shape)
+
+
 @pytest.mark.parametrize("kind", KINDS, ids=lambda k: k.value)
-@pytest.mark.parametrize("low_dtype", [None, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    "low_dtype,copy_at",
+    [
+        (None, None),
+        (torch.bfloat16, "aligned"),
+        (torch.bfloat16, "odd"),
+        (torch.float16, "aligned"),
+        (torch.float16, "odd"),
+    ],
+)
 @pytest.mark.parametrize(
     "adamw,weight_decay,maximize,scale", [(True, 0.1, False, None), (False, 0.1, True, 512.0)]
 )
 def test_compiled_lean_step_is_the_reference_bit_for_bit(
-    ops, kind, low_dtype, adamw, weight_decay, maximize, scale
+    ops, kind, low_dtype, copy_at, adamw, weight_decay, maximize, scale
 ):
     gen = torch.Generator().manual_seed(0)
     params = [torch.randn(s, generator=gen) for s in SIZES]
     states = [_state(kind, p, gen) for p in params]
     grads = [torch.randn(s, generator=gen) * (scale or 1.0) for s in SIZES]
-    lows = [torch.empty(s, dtype=low_dtype) if low_dtype else None for s in SIZES]
+    lows = [_copy(s, low_dtype, copy_at) if low_dtype else None for s in SIZES]
     ref_params, ref_states, _ = _step_both_ways(
         ops,
         kind,
@@ -145,6 +163,41 @@ def test_compiled_lean_step_is_the_reference_bit_for_bit(
     if low_dtype is not None:
         for a, p in zip(lows, ref_params):
             assert torch.equal(a.view(torch.int16), p.to(low_dtype).view(torch.int16))
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("kind", KINDS, ids=lambda k: k.value)
+def test_a_step_large_enough_to_stream_its_copies_is_the_reference_bit_for_bit(ops, kind):
+    """A step of the kernels' streaming size (16M parameters, [Note: the copy's streaming
+    stores]) writes its copies with non-temporal stores where they are aligned: the same bits
+    as the reference, for an aligned copy (streamed) and one a bf16 element past it (plain),
+    each ending in a partial vector."""
+    n = ops.stream_numel()
+    sizes = [(n // 2 + 7,), (n // 2 + 301,)]
+    gen = torch.Generator().manual_seed(5)
+    params = [torch.randn(s, generator=gen) for s in sizes]
+    states = [_state(kind, p, gen) for p in params]
+    grads = [torch.randn(s, generator=gen) for s in sizes]
+    lows = [_copy(sizes[0], torch.bfloat16, "aligned"), _copy(sizes[1], torch.bfloat16, "odd")]
+    ref_params, ref_states, _ = _step_both_ways(
+        ops,
+        kind,
+        params,
+        grads,
+        states,
+        lows,
+        adamw=True,
+        weight_decay=0.1,
+        maximize=False,
+        scale=None,
+    )
+    for a, b in zip(params, ref_params):
+        assert torch.equal(a, b)
+    for a, b in zip(states, ref_states):
+        for key in a:
+            assert torch.equal(_bits(a[key]), _bits(b[key])), key
+    for low, p in zip(lows, ref_params):
+        assert torch.equal(low.view(torch.int16), p.to(torch.bfloat16).view(torch.int16))
 
 
 @pytest.mark.parametrize("low_dtype", [torch.bfloat16, torch.float16])

@@ -90,10 +90,52 @@ def test_exact_kernel_is_torchs_fused_step_then_the_copy(
 
 
 @pytest.mark.cpu_pool_only
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("low_dtype", [torch.bfloat16, torch.float16])
-def test_the_copy_is_torchs_cast_bit_for_bit(ops, low_dtype):
+def test_a_step_large_enough_to_stream_its_copies_is_torchs_step_then_the_cast(ops, low_dtype):
+    # 16M parameters, the kernels' streaming size ([Note: the copy's streaming stores] in
+    # roundpipe/optim/_step_kernels.cpp): the aligned copy is streamed, the one an element past
+    # it stored plainly; both are the cast of torch's fused step's masters.
+    n = ops.stream_numel()
+    sizes = [(n // 2 + 7,), (n // 2 + 301,)]
+    a = _tensors(1, sizes, amsgrad=False)
+    b = _clone(a)
+    torch._fused_adamw_(*a, weight_decay=0.1, amsgrad=False, maximize=False, **KW)
+    lows = [torch.empty(sizes[0], dtype=low_dtype), torch.empty(n // 2 + 302, dtype=low_dtype)[1:]]
+    params, grads, m, v, mx, steps = b
+    ops.exact_step(
+        params,
+        grads,
+        m,
+        v,
+        mx,
+        steps,
+        lows,
+        KW["lr"],
+        KW["beta1"],
+        KW["beta2"],
+        0.1,
+        KW["eps"],
+        False,
+        False,
+        True,
+        None,
+        1 << 16,
+    )
+    for x, y in zip(a, b):
+        for s, t in zip(x, y):
+            assert torch.equal(s, t)
+    for low, p in zip(lows, a[0]):
+        assert torch.equal(low.view(torch.int16), p.to(low_dtype).view(torch.int16))
+
+
+@pytest.mark.cpu_pool_only
+@pytest.mark.parametrize("offset", [0, 1], ids=["aligned", "odd"])
+@pytest.mark.parametrize("low_dtype", [torch.bfloat16, torch.float16])
+def test_the_copy_is_torchs_cast_bit_for_bit(ops, low_dtype, offset):
     # Rounding ties, subnormals, overflow, infinities and NaNs of both signs; lr=0 leaves the
-    # masters as they are, so the copy is the cast of these values.
+    # masters as they are, so the copy is the cast of these values; at the allocator's
+    # alignment and one element past it.
     info = torch.finfo(low_dtype)
     gen = torch.Generator().manual_seed(0)
     ties = torch.randint(0, 2**16, (600,), generator=gen, dtype=torch.int32) << 16 | 0x8000
@@ -107,7 +149,7 @@ def test_the_copy_is_torchs_cast_bit_for_bit(ops, low_dtype):
     )
     n = values.numel()
     steps = [torch.tensor(1.0)]
-    low = torch.empty(n, dtype=low_dtype)
+    low = torch.empty(n + offset, dtype=low_dtype)[offset:]
     ops.exact_step(
         [values.clone()],
         [torch.zeros(n)],

@@ -30,7 +30,10 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <numeric>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -70,7 +73,9 @@ void check_cpu_contiguous(const at::Tensor& t, const char* what) {
   TORCH_CHECK(t.device().is_cpu() && t.is_contiguous(), what, " must be contiguous CPU tensors");
 }
 
-void cast_to_low(const float* src, void* dst, at::ScalarType dtype, int64_t n);
+void cast_to_low(const float* src, void* dst, at::ScalarType dtype, int64_t n,
+                 bool stream);
+bool streams_copies(int64_t numel);
 void widen(const uint16_t* src, bool half, float* dst, int64_t n);
 
 // ------------------------------------------------------------------------------------------
@@ -120,6 +125,7 @@ void exact_step(
   }
   const auto pieces = cut(numels, piece);
   const auto keys = c10::DispatchKeySet(c10::DispatchKey::CPU);
+  const bool stream = streams_copies(std::accumulate(numels.begin(), numels.end(), int64_t{0}));
   at::parallel_for(0, static_cast<int64_t>(pieces.size()), 1, [&](int64_t b, int64_t e) {
     // Plain tensors here (the caller passes detached ones): no autograd, no version bumps
     // (the caller bumps the versions of what the step wrote).
@@ -152,7 +158,7 @@ void exact_step(
       if (params[t].scalar_type() == at::kFloat) {
         cast_to_low(params[t].data_ptr<float>() + pc.start,
                     static_cast<char*>(low.data_ptr()) + pc.start * low.element_size(),
-                    low.scalar_type(), pc.length);
+                    low.scalar_type(), pc.length, stream);
       } else {
         slice(low, pc).copy_(p[0]);
       }
@@ -357,7 +363,44 @@ inline void store_low16(at::ScalarType dtype, void* low, int64_t i, __m256 p0, _
   }
 }
 
+// [Note: the copy's streaming stores]
+// The low-precision copy is written, never read, by the step: a plain store first reads each
+// line it writes into the cache (2 bytes a parameter of a bf16 copy more than the step must
+// move), a non-temporal store writes the line whole, past the caches. A step of at least
+// kStreamNumel parameters (what it moves, 290 MB and more, is far beyond any cache, so
+// nothing it writes is still cached when the copy is next read) streams its bf16 and fp16
+// copies where 16 consecutive bytes start at a multiple of 16 (the whole run, when its first
+// element does); a smaller step, which may run from the cache, stores them plainly. The writes
+// are fenced before the kernel returns, so the thread that waits for the step sees them. The
+// values are store_low_v's either way. Measured (benchmarks/bench_copy_stores.py, 2 cores):
+// 6-10% off the exact and bf16-moment steps at 32M parameters, none at 8M, worse at 2M.
+//
+// Whether the copy can be streamed from its element i on (its dtype and alignment).
+inline bool streams(at::ScalarType dtype, const void* low, int64_t i) {
+  return (dtype == at::kBFloat16 || dtype == at::kHalf) &&
+         (reinterpret_cast<uintptr_t>(static_cast<const uint16_t*>(low) + i) & 15) == 0;
+}
+
+inline void stream_low_v(at::ScalarType dtype, void* low, int64_t i, __m256 p) {
+  __m128i bits = dtype == at::kBFloat16
+                     ? bf16_v(p)
+                     : _mm256_cvtps_ph(p, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  _mm_stream_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(low) + i), bits);
+}
+
 #endif  // RP_AVX2
+
+constexpr int64_t kStreamNumel = int64_t{1} << 24;
+
+// Whether a step of `numel` parameters streams its copies: ROUNDPIPE_COPY_STORES=plain (read
+// once; benchmarks/bench_copy_stores.py's other contender) never, else from kStreamNumel.
+bool streams_copies(int64_t numel) {
+  static const bool plain = [] {
+    const char* how = std::getenv("ROUNDPIPE_COPY_STORES");
+    return how != nullptr && std::string(how) == "plain";
+  }();
+  return !plain && numel >= kStreamNumel;
+}
 
 void widen(const uint16_t* src, bool half, float* dst, int64_t n) {  // bf16/fp16 -> fp32
   int64_t i = 0;
@@ -375,9 +418,13 @@ void widen(const uint16_t* src, bool half, float* dst, int64_t n) {  // bf16/fp1
 
 // The low-precision copy of n fp32 values: torch's copy_ bit for bit (round to nearest even;
 // NaN: bf16 0xFFFF, fp16 the F16C/c10 quiet NaN).
-void cast_to_low(const float* src, void* dst, at::ScalarType dtype, int64_t n) {
+void cast_to_low(const float* src, void* dst, at::ScalarType dtype, int64_t n, bool stream) {
   int64_t i = 0;
 #if RP_AVX2
+  if (stream && streams(dtype, dst, 0)) {  // see [Note: the copy's streaming stores]
+    for (; i + 8 <= n; i += 8) stream_low_v(dtype, dst, i, _mm256_loadu_ps(src + i));
+    _mm_sfence();
+  }
   for (; i + 8 <= n; i += 8) store_low_v(dtype, dst, i, _mm256_loadu_ps(src + i));
 #endif
   for (; i < n; ++i) store_low(dtype, dst, i, src[i]);
@@ -530,6 +577,7 @@ struct LeanTensors {
   float* v_absmax;
   void* low;  // nullptr: no copy
   at::ScalarType low_dtype;
+  bool stream;  // the step streams its copies (see [Note: the copy's streaming stores])
   float step_neg;  // f32(-lr / bc1 * sqrt(bc2))
   float eps;       // f32(eps * sqrt(bc2))
 };
@@ -670,8 +718,14 @@ void block8_avx2(
                     std::isfinite(vif) && !_mm256_movemask_ps(vsign);
   void* const low = t.low;
   const at::ScalarType low_dtype = t.low_dtype;
+  // [Note: the copy's streaming stores]
+  const bool stream = low && t.stream && streams(low_dtype, low, start);
   for (int64_t i = 0; i < kBlock; i += 32) {
-    if (low) {
+    if (stream) {
+      for (int j = 0; j < 32; j += 8) {
+        stream_low_v(low_dtype, low, start + i + j, _mm256_loadu_ps(pp + i + j));
+      }
+    } else if (low) {
       store_low16(low_dtype, low, start + i, _mm256_loadu_ps(pp + i), _mm256_loadu_ps(pp + i + 8));
       store_low16(low_dtype, low, start + i + 16, _mm256_loadu_ps(pp + i + 16),
                   _mm256_loadu_ps(pp + i + 24));
@@ -717,16 +771,23 @@ void range_bf16_as(const Hyper& h, const LeanTensors& t, const void* g, int64_t 
       _mm256_set1_ps(h.one_minus_beta2), _mm256_set1_ps(h.eps), _mm256_set1_ps(h.decay),
       _mm256_set1_ps(h.weight_decay), _mm256_set1_ps(h.scale), _mm256_set1_ps(-1.0f)};
   const __m256 sn = _mm256_set1_ps(t.step_neg), ep = _mm256_set1_ps(t.eps);
+  // [Note: the copy's streaming stores]
+  const bool stream = t.low && t.stream && streams(t.low_dtype, t.low, i);
   for (; i + 8 <= end; i += 8) {
     __m256 p = _mm256_loadu_ps(t.p + i);
     __m256 gv = grads_at<K>(g, i);
     __m256 m = from_bf16_v(mb + i), v = from_bf16_v(vb + i);
     adam_v(h, hv, sn, ep, p, gv, m, v);
     _mm256_storeu_ps(t.p + i, p);
-    if (t.low) store_low_v(t.low_dtype, t.low, i, p);
+    if (stream) {
+      stream_low_v(t.low_dtype, t.low, i, p);
+    } else if (t.low) {
+      store_low_v(t.low_dtype, t.low, i, p);
+    }
     _mm_storeu_si128(reinterpret_cast<__m128i*>(mb + i), bf16_v(m));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(vb + i), bf16_v(v));
   }
+  if (stream) _mm_sfence();
 #endif
   for (; i < end; ++i) {
     float p = t.p[i], m = from_bf16_bits(mb[i]), v = from_bf16_bits(vb[i]);
@@ -837,6 +898,8 @@ void lean_step(
     ts.push_back(t);
     numels.push_back(numel);
   }
+  const bool stream = streams_copies(std::accumulate(numels.begin(), numels.end(), int64_t{0}));
+  for (LeanTensors& t : ts) t.stream = stream;
   Hyper h;
   h.beta1 = static_cast<float>(beta1);
   h.one_minus_beta1 = static_cast<float>(1.0 - beta1);
@@ -888,6 +951,9 @@ void lean_step(
         }
       });
     }
+#if RP_AVX2
+    _mm_sfence();  // the streamed copies (see [Note: the copy's streaming stores])
+#endif
   });
 }
 
@@ -971,6 +1037,8 @@ at::Tensor dequantize(const at::Tensor& codes, double absmax, const at::Tensor& 
 
 bool has_avx2() { return RP_AVX2; }
 
+int64_t stream_numel() { return kStreamNumel; }  // the tests' view of the threshold
+
 }  // namespace
 
 TORCH_LIBRARY(roundpipe_optim, m) {
@@ -990,6 +1058,7 @@ TORCH_LIBRARY(roundpipe_optim, m) {
       "dequantize(Tensor codes, float absmax, Tensor table, bool is_signed, bool vectorized) "
       "-> Tensor");
   m.def("has_avx2", &has_avx2);
+  m.def("stream_numel", &stream_numel);
 }
 
 TORCH_LIBRARY_IMPL(roundpipe_optim, CPU, m) {
