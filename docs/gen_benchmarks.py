@@ -36,7 +36,8 @@ SECTIONS = [
         "alone and followed by the master->model copy against roundpipe's one-pass step (exact, "
         "bf16 and 8-bit moments) and bitsandbytes' 8-bit AdamW on 100M fp32 parameters, each "
         "with the bytes it must move and the share of an `add_`'s bandwidth it reaches; the "
-        "convergence of the lean moments on a small LM.",
+        "copy streamed past the caches against stored plainly (benchmarks/bench_copy_stores.py); "
+        "the convergence of the lean moments on a small LM.",
     ),
     (
         "Host RAM against the plan",

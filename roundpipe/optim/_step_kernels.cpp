@@ -373,7 +373,8 @@ inline void store_low16(at::ScalarType dtype, void* low, int64_t i, __m256 p0, _
 // element does); a smaller step, which may run from the cache, stores them plainly. The writes
 // are fenced before the kernel returns, so the thread that waits for the step sees them. The
 // values are store_low_v's either way. Measured (benchmarks/bench_copy_stores.py, 2 cores):
-// 6-10% off the exact and bf16-moment steps at 32M parameters, none at 8M, worse at 2M.
+// 5-17% off the exact and bf16-moment steps at 100M parameters, 6-10% at 32M, none at 8M,
+// worse at 2M (benchmarks/results/optim.md).
 //
 // Whether the copy can be streamed from its element i on (its dtype and alignment).
 inline bool streams(at::ScalarType dtype, const void* low, int64_t i) {
