@@ -719,7 +719,7 @@ void block8_avx2(
                     std::isfinite(vif) && !_mm256_movemask_ps(vsign);
   void* const low = t.low;
   const at::ScalarType low_dtype = t.low_dtype;
-  // [Note: the copy's streaming stores]
+  // see [Note: the copy's streaming stores]
   const bool stream = low && t.stream && streams(low_dtype, low, start);
   for (int64_t i = 0; i < kBlock; i += 32) {
     if (stream) {
@@ -772,7 +772,7 @@ void range_bf16_as(const Hyper& h, const LeanTensors& t, const void* g, int64_t 
       _mm256_set1_ps(h.one_minus_beta2), _mm256_set1_ps(h.eps), _mm256_set1_ps(h.decay),
       _mm256_set1_ps(h.weight_decay), _mm256_set1_ps(h.scale), _mm256_set1_ps(-1.0f)};
   const __m256 sn = _mm256_set1_ps(t.step_neg), ep = _mm256_set1_ps(t.eps);
-  // [Note: the copy's streaming stores]
+  // see [Note: the copy's streaming stores]
   const bool stream = t.low && t.stream && streams(t.low_dtype, t.low, i);
   for (; i + 8 <= end; i += 8) {
     __m256 p = _mm256_loadu_ps(t.p + i);
