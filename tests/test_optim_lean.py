@@ -134,35 +134,37 @@ def _copy(shape, dtype, copy_at):
 def test_compiled_lean_step_is_the_reference_bit_for_bit(
     ops, kind, low_dtype, copy_at, adamw, weight_decay, maximize, scale
 ):
-    gen = torch.Generator().manual_seed(0)
-    params = [torch.randn(s, generator=gen) for s in SIZES]
-    states = [_state(kind, p, gen) for p in params]
-    grads = [torch.randn(s, generator=gen) * (scale or 1.0) for s in SIZES]
     lows = [_copy(s, low_dtype, copy_at) if low_dtype else None for s in SIZES]
-    ref_params, ref_states, _ = _step_both_ways(
+    _assert_kernels_are_the_reference(
         ops,
         kind,
-        params,
-        grads,
-        states,
+        SIZES,
         lows,
+        0,
         adamw=adamw,
         weight_decay=weight_decay,
         maximize=maximize,
         scale=scale,
     )
+
+
+def _assert_kernels_are_the_reference(ops, kind, sizes, lows, seed, **hyper):
+    """One step of the compiled kernels and one of torch's reference from the same state of
+    ``sizes`` (seeded): masters, moments and copies (``lows``, None: none) bit for bit."""
+    gen = torch.Generator().manual_seed(seed)
+    params = [torch.randn(s, generator=gen) for s in sizes]
+    states = [_state(kind, p, gen) for p in params]
+    grads = [torch.randn(s, generator=gen) * (hyper["scale"] or 1.0) for s in sizes]
+    ref_params, ref_states, _ = _step_both_ways(ops, kind, params, grads, states, lows, **hyper)
     for a, b in zip(params, ref_params):
         assert torch.equal(a, b)
     for a, b in zip(states, ref_states):
         assert a.keys() == b.keys()
         for key in a:
-            x, y = a[key], b[key]
-            if x.dtype == torch.bfloat16:
-                x, y = x.view(torch.int16), y.view(torch.int16)
-            assert torch.equal(x, y), key
-    if low_dtype is not None:
-        for a, p in zip(lows, ref_params):
-            assert torch.equal(a.view(torch.int16), p.to(low_dtype).view(torch.int16))
+            assert torch.equal(_bits(a[key]), _bits(b[key])), key
+    for low, p in zip(lows, ref_params):
+        if low is not None:
+            assert torch.equal(low.view(torch.int16), p.to(low.dtype).view(torch.int16))
 
 
 @pytest.mark.timeout(300)
@@ -174,30 +176,10 @@ def test_a_step_large_enough_to_stream_its_copies_is_the_reference_bit_for_bit(o
     each ending in a partial vector."""
     n = ops.stream_numel()
     sizes = [(n // 2 + 7,), (n // 2 + 301,)]
-    gen = torch.Generator().manual_seed(5)
-    params = [torch.randn(s, generator=gen) for s in sizes]
-    states = [_state(kind, p, gen) for p in params]
-    grads = [torch.randn(s, generator=gen) for s in sizes]
     lows = [_copy(sizes[0], torch.bfloat16, "aligned"), _copy(sizes[1], torch.bfloat16, "odd")]
-    ref_params, ref_states, _ = _step_both_ways(
-        ops,
-        kind,
-        params,
-        grads,
-        states,
-        lows,
-        adamw=True,
-        weight_decay=0.1,
-        maximize=False,
-        scale=None,
+    _assert_kernels_are_the_reference(
+        ops, kind, sizes, lows, 5, adamw=True, weight_decay=0.1, maximize=False, scale=None
     )
-    for a, b in zip(params, ref_params):
-        assert torch.equal(a, b)
-    for a, b in zip(states, ref_states):
-        for key in a:
-            assert torch.equal(_bits(a[key]), _bits(b[key])), key
-    for low, p in zip(lows, ref_params):
-        assert torch.equal(low.view(torch.int16), p.to(torch.bfloat16).view(torch.int16))
 
 
 @pytest.mark.parametrize("low_dtype", [torch.bfloat16, torch.float16])

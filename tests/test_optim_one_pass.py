@@ -30,6 +30,25 @@ def _tensors(seed, sizes, amsgrad):
     return params, grads, m, v, mx, steps
 
 
+def _exact_step(ops, tensors, lows, weight_decay, amsgrad, maximize, adamw, scale, piece):
+    """The compiled exact step (KW's hyperparameters) on ``tensors`` (:func:`_tensors`'
+    six lists) in pieces of ``piece``, writing the copies ``lows``."""
+    ops.exact_step(
+        *tensors,
+        lows,
+        KW["lr"],
+        KW["beta1"],
+        KW["beta2"],
+        weight_decay,
+        KW["eps"],
+        amsgrad,
+        maximize,
+        adamw,
+        scale,
+        piece,
+    )
+
+
 def _clone(ts):
     return [[t.clone() for t in group] for group in ts]
 
@@ -62,26 +81,8 @@ def test_exact_kernel_is_torchs_fused_step_then_the_copy(
     )
     expected_low = [p.to(low_dtype) for p in a[0]]
     lows = [torch.full(s, float("nan"), dtype=low_dtype) for s in SIZES]
-    params, grads, m, v, mx, steps = b
-    ops.exact_step(
-        params,
-        grads,
-        m,
-        v,
-        mx,
-        steps,
-        lows,
-        KW["lr"],
-        KW["beta1"],
-        KW["beta2"],
-        weight_decay,
-        KW["eps"],
-        amsgrad,
-        maximize,
-        adamw,
-        scale,
-        256,  # pieces of 256: every size above crosses or ends at a piece boundary
-    )
+    # pieces of 256: every size above crosses or ends at a piece boundary
+    _exact_step(ops, b, lows, weight_decay, amsgrad, maximize, adamw, scale, 256)
     for x, y in zip(a, b):
         for s, t in zip(x, y):
             assert torch.equal(s, t)
@@ -102,26 +103,7 @@ def test_a_step_large_enough_to_stream_its_copies_is_torchs_step_then_the_cast(o
     b = _clone(a)
     torch._fused_adamw_(*a, weight_decay=0.1, amsgrad=False, maximize=False, **KW)
     lows = [torch.empty(sizes[0], dtype=low_dtype), torch.empty(n // 2 + 302, dtype=low_dtype)[1:]]
-    params, grads, m, v, mx, steps = b
-    ops.exact_step(
-        params,
-        grads,
-        m,
-        v,
-        mx,
-        steps,
-        lows,
-        KW["lr"],
-        KW["beta1"],
-        KW["beta2"],
-        0.1,
-        KW["eps"],
-        False,
-        False,
-        True,
-        None,
-        1 << 16,
-    )
+    _exact_step(ops, b, lows, 0.1, False, False, True, None, 1 << 16)
     for x, y in zip(a, b):
         for s, t in zip(x, y):
             assert torch.equal(s, t)
