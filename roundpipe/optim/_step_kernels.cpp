@@ -418,15 +418,18 @@ void widen(const uint16_t* src, bool half, float* dst, int64_t n) {  // bf16/fp1
 }
 
 // The low-precision copy of n fp32 values: torch's copy_ bit for bit (round to nearest even;
-// NaN: bf16 0xFFFF, fp16 the F16C/c10 quiet NaN).
+// NaN: bf16 0xFFFF, fp16 the F16C/c10 quiet NaN); `stream`: with non-temporal stores where
+// the copy allows them (see [Note: the copy's streaming stores]).
 void cast_to_low(const float* src, void* dst, at::ScalarType dtype, int64_t n, bool stream) {
   int64_t i = 0;
 #if RP_AVX2
-  if (stream && streams(dtype, dst, 0)) {  // see [Note: the copy's streaming stores]
+  if (stream && streams(dtype, dst, 0)) {
     for (; i + 8 <= n; i += 8) stream_low_v(dtype, dst, i, _mm256_loadu_ps(src + i));
     _mm_sfence();
   }
   for (; i + 8 <= n; i += 8) store_low_v(dtype, dst, i, _mm256_loadu_ps(src + i));
+#else
+  (void)stream;  // the scalar path stores plainly
 #endif
   for (; i < n; ++i) store_low(dtype, dst, i, src[i]);
 }
