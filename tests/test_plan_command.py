@@ -330,3 +330,32 @@ def test_a_lora_plan_shows_no_deprecation_warning_of_the_libraries(tmp_path):
         warnings.simplefilter("always")
         _planner(path, lora=16).plans(64)
     assert not [w for w in caught if "is_gradient_checkpointing" in str(w.message)]
+
+
+def test_two_short_devices_are_advised_from_one_plan_of_each_change(tmp_path, monkeypatch):
+    """A pool of two devices, both short: each gets its changes, and each change is planned
+    once for both (a plan with bf16 gradients, a planner with the adapters)."""
+    path = _config(tmp_path, WIDE)
+    planner = ConfigPlanner(
+        path,
+        devices="emu:2",
+        host_memory=1 << 40,
+        device_memory=memory_cli.CUDA_CONTEXT + 300 * MIB,
+    )
+    lp = planner.plans(64)
+    assert not any(d.fits for d in lp.plan.devices)
+    made = []
+    for name in ("plan_with_gradients_in", "variant"):
+        real = getattr(ConfigPlanner, name)
+        monkeypatch.setattr(
+            ConfigPlanner,
+            name,
+            lambda self, *a, _real=real, _name=name, **k: (
+                made.append(_name) or _real(self, *a, **k)
+            ),
+        )
+    lines = what_to_change(planner, lp)
+    assert sorted(made) == ["plan_with_gradients_in", "variant"], made
+    for device in ("#0", "#1"):
+        section = "\n".join(lines).split(f"{device}:", 1)[1]
+        assert "--grad-dtype bf16: saves" in section and "--lora 16: saves" in section, lines

@@ -103,7 +103,7 @@ def test_the_host_terms_of_a_rank_count_its_share_and_the_gradients_it_holds():
         "margin for the allocators' slack around the sums on their way (one layer's sums)",
         layer,
     ) in by_stage.rows()
-    unslacked = dataclasses.replace(by_stage, sums_slack=0)
+    unslacked = dataclasses.replace(by_stage, layer_grads=0)
     assert by_stage.new_bytes == unslacked.new_bytes + layer
 
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import io
 import json
 import math
@@ -577,7 +578,7 @@ class ConfigPlanner:
             run_config = RoundPipeRunConfig(
                 num_microbatch=num_microbatch,
                 offload_activations=offload,
-                device_grad_dtype=grad_dtype or self.grad_dtype,
+                device_grad_dtype=grad_dtype,  # None: the model's, self.grad_dtype
             )
             ids = torch.zeros((self.batch_size, seq_len), dtype=torch.long)
             batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
@@ -1067,9 +1068,34 @@ def _adapter_bytes(planner: ConfigPlanner, *, next_weights: bool, next_grads: bo
     return planner._lora_numel * (state + weights)
 
 
-def _device_changes(
-    planner: ConfigPlanner, lp: LengthPlans, dev_index: int, longer_search: bool
-) -> list[_Change]:
+class _Alternatives:
+    """The plans the device advice weighs against ``lp``'s, each made once, when first asked
+    for, however many devices are short."""
+
+    def __init__(self, planner: ConfigPlanner, lp: LengthPlans) -> None:
+        self.planner = planner
+        self.lp = lp
+
+    @functools.cached_property
+    def split(self) -> LengthPlans:  # one sequence per microbatch
+        return self.planner.plans(self.lp.seq_len, num_microbatch=self.planner.batch_size)
+
+    @functools.cached_property
+    def bf16_grads(self) -> MemoryPlan:
+        return self.planner.plan_with_gradients_in(self.lp, torch.bfloat16)
+
+    @functools.cached_property
+    def lora(self) -> LengthPlans:  # planned with the adapters
+        return self.planner.variant(lora=16).plans(self.lp.seq_len)
+
+    @functools.cached_property
+    def longest(self) -> SeqLenSearch:  # the longest length that fits, in the advice's steps
+        seq_len = self.lp.seq_len
+        return self.planner.search(seq_len - 1, _advice_step(seq_len))
+
+
+def _device_changes(alts: _Alternatives, dev_index: int, longer_search: bool) -> list[_Change]:
+    planner, lp = alts.planner, alts.lp
     plan = lp.plan
     changes = []
 
@@ -1088,7 +1114,7 @@ def _device_changes(
             note += f", {format_bytes(over)} more than it has"
         changes.append(_Change("--offload-activations", need(plan) - need(moved), moved.fits, note))
     if planner.batch_size > planner.num_microbatch:
-        split = planner.plans(lp.seq_len, num_microbatch=planner.batch_size)
+        split = alts.split
         saves = need(plan) - need(split.plan)
         changes.append(
             _Change(
@@ -1112,7 +1138,7 @@ def _device_changes(
             planner.devices,
         )
     ):
-        low = planner.plan_with_gradients_in(lp, torch.bfloat16)
+        low = alts.bf16_grads
         saves = need(plan) - need(low)
         if saves > 0:
             changes.append(
@@ -1131,7 +1157,7 @@ def _device_changes(
         # planned with the adapters: the full weights' gradients leave the device (their sums
         # and the first gradient of each, which the peak's terms may count under the running
         # action), and the choice of offload may change with them
-        adapters = planner.variant(lora=16).plans(lp.seq_len)
+        adapters = alts.lora
         saves = need(plan) - need(adapters.plan)
         if saves > 0:
             changes.append(
@@ -1143,7 +1169,7 @@ def _device_changes(
                 )
             )
     if longer_search and lp.seq_len > _advice_step(lp.seq_len):
-        found = planner.search(lp.seq_len - 1, _advice_step(lp.seq_len))
+        found = alts.longest
         if found.seq_len:
             saves = need(plan) - need(found.at.plan)
             changes.append(
@@ -1191,6 +1217,7 @@ def what_to_change(
     lines = []
     plan = lp.plan
     host = plan.host
+    alts = _Alternatives(planner, lp)
     if host.available is not None and host.new_bytes > host.available:
         short = host.new_bytes - host.available
         lines.append(
@@ -1206,7 +1233,7 @@ def what_to_change(
             f"  device {dev.device}: {format_bytes(short)} short at the peak, during "
             f"{plan.describe_peak(dev)}"
         )
-        lines.extend(_change_lines(_device_changes(planner, lp, i, longer_search)))
+        lines.extend(_change_lines(_device_changes(alts, i, longer_search)))
     return lines
 
 

@@ -163,11 +163,9 @@ class HostTerms:
     ``data_parallel``: a :class:`roundpipe.distributed.DataParallel`'s reduction buffers, with
     its bucket cap and buckets in flight (``buckets``, bytes and count: the attached one's, else
     its defaults; :func:`data_parallel_bytes`; 0 without one);
-    ``sums_slack``: sharded with the gradients handed over stage by stage, a margin of one
-    layer's sums for what the allocators keep of the sums on their way (see [Note: the sharded
-    sums' slack]; 0 otherwise);
     ``layer_grads``: the largest gradient sum one layer (stage) hands over, in the masters'
-    dtype: the unit of that margin, kept unsharded too for the advice to shard
+    dtype: sharded with the gradients handed over stage by stage, the margin
+    :attr:`sums_slack` is one of them; unsharded, what the advice to shard counts
     (:func:`ranks_to_fit`);
     ``grads_dtype``: the dtype the gradients are held in where it is not the masters' (summed
     in bf16 or fp16 and handed to the step so, see [Note: gradients in their summed dtype] in
@@ -204,9 +202,15 @@ class HostTerms:
     runtime: int = 0
     emulated_device: int = 0
     share: float | None = None
-    sums_slack: int = 0
     layer_grads: int = 0
     grads_dtype: torch.dtype | None = None
+
+    @property
+    def sums_slack(self) -> int:
+        """Sharded with the gradients handed over stage by stage, a margin of one layer's
+        sums for what the allocators keep of the sums on their way
+        (see [Note: the sharded sums' slack]); 0 otherwise."""
+        return self.layer_grads if self.ranks > 1 and self.grads_by_stage else 0
 
     @property
     def new_bytes(self) -> int:
@@ -466,11 +470,9 @@ def host_terms(
     mine = [low for i, low in enumerate(lows) if owners is None or owners[i] == largest]
     grads = masters
     next_grads = held  # [Note: the next call's gradients]
-    slack = 0
     layer = stage_grad_bytes(layers if layers is not None else _layers_of(module), optim_dtype)
     if ranks > 1 and layers is not None:
         grads = min(masters, held + 2 * layer)
-        slack = layer  # [Note: the sharded sums' slack]
     overhead = _pinned_overhead(module, pinned) if pinned is not None else 0
     in_ram, optimizer = held, held_states
     # On an accelerator pool the next weights are one pinned pool (StepCopies), rounded as the
@@ -512,7 +514,6 @@ def host_terms(
         data_parallel=buffers,
         buckets=buckets,
         runtime=RUNTIME_BYTES,
-        sums_slack=slack,
         layer_grads=layer,
         share=share,
         next_weights=next_weights,
