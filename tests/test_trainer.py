@@ -612,3 +612,22 @@ def test_grad_dtype_is_refused_where_the_step_cannot_take_it(tmp_path, monkeypat
     else:
         with pytest.raises(ValueError, match="needs a torch whose tensors have grad_dtype"):
             build(grad_dtype=torch.bfloat16)
+
+
+@pytest.mark.skipif(
+    not hasattr(torch.empty(0), "grad_dtype"), reason="torch's grad_dtype needs torch 2.10+"
+)
+def test_grad_dtype_keeps_the_8bit_adamw_the_optim_name_asks_for(tmp_path):
+    # optim="adamw_8bit" is roundpipe's AdamW with 8-bit moments already: grad_dtype adds
+    # itself to it instead of refusing it or replacing its moments.
+    trainer = roundpipe.hf.Trainer(
+        model=tiny_llama(),
+        args=training_args(tmp_path, optim="adamw_8bit"),
+        train_dataset=token_dataset(),
+        data_collator=collate,
+        devices="emu",
+        grad_dtype=torch.bfloat16,
+    )
+    opt = trainer.create_optimizer()
+    assert type(opt) is roundpipe.optim.AdamW and opt.grad_dtype == torch.bfloat16
+    assert opt.defaults["state_dtype"] == "8bit"

@@ -791,7 +791,6 @@ void range_bf16_as(const Hyper& h, const LeanTensors& t, const void* g, int64_t 
     _mm_storeu_si128(reinterpret_cast<__m128i*>(mb + i), bf16_v(m));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(vb + i), bf16_v(v));
   }
-  if (stream) _mm_sfence();
 #endif
   for (; i < end; ++i) {
     float p = t.p[i], m = from_bf16_bits(mb[i]), v = from_bf16_bits(vb[i]);
@@ -956,7 +955,7 @@ void lean_step(
       });
     }
 #if RP_AVX2
-    _mm_sfence();  // the streamed copies (see [Note: the copy's streaming stores])
+    _mm_sfence();  // every streamed copy of both kinds (see [Note: the copy's streaming stores])
 #endif
   });
 }
